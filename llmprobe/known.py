@@ -1,0 +1,94 @@
+"""Known facts and object tokens.
+
+A fact (s, r, a) is *known* when the model's greedy continuation of the relation prompt starts with a (case and
+leading space ignored). Objects are scored by their *first token* by default: the first token that differs when
+" " + object is appended to the prompt.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .subjects import fill
+
+
+@dataclass
+class FactResult:
+    """One fact checked against the model's greedy continuation."""
+
+    subject: str
+    object: str
+    prompt: str
+    continuation: str
+    known: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _clean(text: str) -> str:
+    return " ".join(text.split()).casefold()
+
+
+def is_known(continuation: str, obj: str) -> bool:
+    """True when the continuation starts with the object, case and leading whitespace ignored."""
+    target = _clean(obj)
+    return bool(target) and _clean(continuation).startswith(target)
+
+
+def _batches(items: list, size: int):
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+def greedy_continuations(lm, prompts: list[str], max_new_tokens: int = 8, batch_size: int = 16) -> list[str]:
+    """Greedy continuation text of each prompt (left-padded batches, no sampling)."""
+    tok = lm.tokenizer
+    saved_side, tok.padding_side = tok.padding_side, "left"
+    texts = []
+    try:
+        for chunk in _batches(prompts, batch_size):
+            batch = tok(chunk, return_tensors="pt", padding=True).to(lm.device)
+            with torch.no_grad():
+                out = lm.model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
+                                        pad_token_id=tok.pad_token_id)
+            texts += tok.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    finally:
+        tok.padding_side = saved_side
+    return texts
+
+
+def known_facts(lm, relation, template: str | None = None, max_new_tokens: int | None = None,
+                batch_size: int = 16) -> list[FactResult]:
+    """Check every fact of ``relation`` with its first (or the given) template."""
+    template = template or relation.templates[0]
+    if max_new_tokens is None:
+        longest = max(len(lm.tokenizer(" " + f.object, add_special_tokens=False)["input_ids"]) for f in relation.facts)
+        max_new_tokens = min(longest + 1, 16)
+    prompts = [fill(template, fact.subject)[0] for fact in relation.facts]
+    texts = greedy_continuations(lm, prompts, max_new_tokens, batch_size)
+    return [FactResult(f.subject, f.object, p, t, is_known(t, f.object))
+            for f, p, t in zip(relation.facts, prompts, texts)]
+
+
+def object_token_sequences(tokenizer, prompts: list[str], objects: list[str]) -> list[list[int]]:
+    """All tokens of each object as it follows its prompt (for full-sequence scoring).
+
+    Found as the tokens from the first one that differs between ``prompt`` and ``prompt + " " + object`` (so
+    tokenizers that merge the space into the word, or not, are both handled).
+    """
+    out = []
+    for prompt, obj in zip(prompts, objects):
+        base = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        full = tokenizer(prompt + " " + obj.strip(), add_special_tokens=False)["input_ids"]
+        cut = next((i for i, (a, b) in enumerate(zip(base, full)) if a != b), len(base))
+        if cut >= len(full):
+            raise ValueError(f"object {obj!r} adds no token after prompt {prompt!r}")
+        out.append(full[cut:])
+    return out
+
+
+def first_token_ids(tokenizer, prompts: list[str], objects: list[str]) -> torch.Tensor:
+    """Id of each object's first token as it would follow its prompt: LongTensor [n]."""
+    return torch.tensor([seq[0] for seq in object_token_sequences(tokenizer, prompts, objects)], dtype=torch.long)

@@ -1,0 +1,96 @@
+"""The probe pipeline and CLI on a tiny model: report contents, layer parsing, errors that name the problem."""
+import json
+
+import pytest
+
+from llmprobe import probe as probe_module
+from llmprobe.cli import main
+from llmprobe.known import first_token_ids, is_known, object_token_sequences
+from llmprobe.probe import parse_layers, probe
+from llmprobe.subjects import SubjectNotFoundError
+from tiny_models import save_tiny, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return str(save_tiny("llama", tmp_path_factory.mktemp("llama")))
+
+
+@pytest.fixture
+def relation_file(tmp_path):
+    data = {"name": "capital", "templates": ["The capital of {} is"], "neutral_templates": ["{}"],
+            "properties": {"cardinality": "one-to-one"},
+            "facts": [{"subject": s, "object": o} for s, o in
+                      [("France", "Paris"), ("Japan", "Tokyo"), ("Brazil", "Brasilia"), ("Egypt", "Cairo")]]}
+    path = tmp_path / "capital.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_probe_writes_report(tiny_folder, relation_file, tmp_path):
+    out = tmp_path / "run"
+    report = probe(tiny_folder, relations=[relation_file], layers="0,-1", device="cpu", out=out)
+    on_disk = json.loads((out / "report.json").read_text())
+    assert on_disk["schema_version"] == 1 and on_disk["layers"] == [0, 2]
+    rel = on_disk["relations"]["capital"]
+    assert rel["n_facts"] == 4 and 0 <= rel["n_known"] <= 4 and rel["known_rate"] == rel["n_known"] / 4
+    assert rel["template_used"] == "The capital of {} is"
+    assert on_disk["model"]["n_layers"] == 3 and on_disk["model"]["weights_hash"].startswith("sha256:")
+    assert on_disk["versions"]["torch"] and on_disk["dataset"]["hash"].startswith("sha256:")
+    known = json.loads((out / "known_facts.json").read_text())["capital"]
+    assert [k["subject"] for k in known] == ["France", "Japan", "Brazil", "Egypt"]
+    assert all(k["known"] == is_known(k["continuation"], k["object"]) for k in known)
+    assert report["wall_seconds"] >= 0
+
+
+def test_unlocatable_subject_is_reported_and_the_run_goes_on(tiny_folder, relation_file, tmp_path, monkeypatch):
+    real_encode = probe_module.encode
+
+    def encode(tokenizer, template, subjects, **kw):
+        if subjects == ["Japan"]:
+            raise SubjectNotFoundError("subject 'Japan' not found in the prompt tokens")
+        return real_encode(tokenizer, template, subjects, **kw)
+
+    monkeypatch.setattr(probe_module, "encode", encode)
+    report = probe(tiny_folder, relations=[relation_file], layers="-1", device="cpu", out=tmp_path)
+    assert report["relations"]["capital"]["n_facts"] == 3
+    assert any("'Japan'" in e and "capital" in e for e in report["errors"])
+
+
+def test_known_is_case_and_space_insensitive_prefix():
+    assert is_known(" paris.\n\nThe", "Paris")
+    assert is_known("New York City is", "new york")
+    assert not is_known(" Lyon", "Paris")
+    assert not is_known(" Paris", "")
+
+
+def test_object_tokens_follow_the_prompt():
+    tok = tiny_tokenizer()
+    seqs = object_token_sequences(tok, ["The capital of France is"], ["Paris"])
+    assert tok.decode(seqs[0]).strip() == "Paris"
+    assert first_token_ids(tok, ["The capital of France is"], ["Paris"]).tolist() == [seqs[0][0]]
+
+
+@pytest.mark.parametrize("spec,expected", [("all", [0, 1, 2, 3]), ("-1", [3]), ("0,2", [0, 2]),
+                                           ("every:2", [0, 2, 3])])
+def test_parse_layers(spec, expected):
+    assert parse_layers(spec, 4) == expected
+
+
+def test_parse_layers_errors():
+    with pytest.raises(ValueError, match="out of range"):
+        parse_layers("7", 4)
+    with pytest.raises(ValueError, match="bad layer"):
+        parse_layers("first", 4)
+
+
+def test_cli_probe_and_errors(tiny_folder, relation_file, tmp_path, capsys):
+    assert main(["probe", tiny_folder, "--relations", relation_file, "--layers", "-1", "--device", "cpu",
+                 "--out", str(tmp_path / "cli")]) == 0
+    assert "capital" in capsys.readouterr().out
+    assert (tmp_path / "cli" / "report.json").exists()
+    assert main(["probe", tiny_folder, "--relations", "no_such_relation", "--out", str(tmp_path / "x")]) == 2
+    assert "no_such_relation" in capsys.readouterr().err
+    assert main(["probe", "nobody/no-such-model", "--out", str(tmp_path / "y")]) == 2
+    assert "nobody/no-such-model" in capsys.readouterr().err
+    assert not (tmp_path / "y" / "report.json").exists()
