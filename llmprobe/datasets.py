@@ -1,0 +1,457 @@
+"""Relation datasets: facts, relations, loaders and the shared-subject fact table.
+
+Formats read by :func:`load_relations` (see ``prompts/SCHEMA.md``):
+
+* our JSON schema (``{"name", "templates", "neutral_templates", "properties", "facts": [{"subject", "object"}]}``),
+* the LRE relations format (``{"name", "prompt_templates": ["... {} ..."], "samples": [{"subject", "object"}]}``),
+* CSV and JSON-lines files with subject/object columns (and an optional template column),
+* anything ``datasets.load_dataset`` reads, as ``hf:NAME[:split]``.
+
+Malformed input raises :class:`DatasetError`, whose message names the file and the field.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+__all__ = ["DatasetError", "Fact", "Relation", "FactTable", "load_relations", "list_bundled", "save_relation",
+           "relation_from_dict", "format_relation", "infer_cardinality", "SLOT", "CARDINALITIES"]
+
+SLOT = "{}"
+CARDINALITIES = ("one-to-one", "many-to-one", "one-to-many", "many-to-many")
+DEFAULT_NEUTRAL = ["{}"]
+_PACKAGE = "prompts"
+
+
+class DatasetError(ValueError):
+    """A relation file or dataset is malformed or cannot be found; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class Fact:
+    subject: str
+    object: str
+
+
+@dataclass
+class Relation:
+    """One relation: prompt templates with a ``{}`` subject slot, relation-free templates, facts, properties."""
+
+    name: str
+    templates: list[str]
+    neutral_templates: list[str]
+    facts: list[Fact]
+    properties: dict = field(default_factory=dict)
+    source: str = ""
+
+    @property
+    def subjects(self) -> list[str]:
+        return [f.subject for f in self.facts]
+
+    @property
+    def objects(self) -> list[str]:
+        return [f.object for f in self.facts]
+
+    def to_dict(self) -> dict:
+        """Our JSON schema (``source`` is not stored: it is where the relation was read from)."""
+        return {"name": self.name, "templates": list(self.templates),
+                "neutral_templates": list(self.neutral_templates), "properties": dict(self.properties),
+                "facts": [{"subject": f.subject, "object": f.object} for f in self.facts]}
+
+
+@dataclass
+class FactTable:
+    """Many relations over one shared subject set; ``table[s, r]`` indexes ``attributes[r]``, -1 = no fact."""
+
+    subjects: list[str]
+    relations: list[str]
+    attributes: list[list[str]]
+    table: torch.Tensor
+
+    @classmethod
+    def from_relations(cls, relations: list[Relation], min_relations: int = 1) -> "FactTable":
+        """Subjects that have facts in at least ``min_relations`` of the relations, in first-seen order.
+
+        Attributes of a relation are its distinct objects among the kept subjects, in first-seen order. When a
+        subject has several objects in one relation, its first fact is used.
+        """
+        names = [r.name for r in relations]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise DatasetError(f"duplicate relation names: {dup}")
+        per_rel: list[dict[str, str]] = []
+        count: dict[str, int] = {}
+        for rel in relations:
+            first: dict[str, str] = {}
+            for f in rel.facts:
+                first.setdefault(f.subject, f.object)
+            per_rel.append(first)
+            for s in first:
+                count[s] = count.get(s, 0) + 1
+        subjects = [s for s, c in count.items() if c >= min_relations]
+        table = torch.full((len(subjects), len(relations)), -1, dtype=torch.long)
+        attributes: list[list[str]] = []
+        for r, first in enumerate(per_rel):
+            index: dict[str, int] = {}
+            for i, s in enumerate(subjects):
+                if s in first:
+                    table[i, r] = index.setdefault(first[s], len(index))
+            attributes.append(list(index))
+        return cls(subjects, names, attributes, table)
+
+    def __repr__(self) -> str:
+        known = int((self.table >= 0).sum())
+        return (f"FactTable({len(self.subjects)} subjects x {len(self.relations)} relations, {known} facts, "
+                f"attributes per relation {[len(a) for a in self.attributes]})")
+
+
+# ----------------------------------------------------------------------------------------------- validation
+
+def _err(source: str, fld: str, problem: str) -> DatasetError:
+    return DatasetError(f"{source}: field '{fld}' {problem}")
+
+
+def _string(value, source: str, fld: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise _err(source, fld, f"must be a non-empty string, got {value!r}")
+    return value.strip()
+
+
+def _templates(value, source: str, fld: str, required: bool) -> list[str]:
+    if value is None and not required:
+        return list(DEFAULT_NEUTRAL)
+    if not isinstance(value, list) or not value:
+        raise _err(source, fld, f"must be a non-empty list of strings with a '{{}}' slot, got {value!r}")
+    out = []
+    for i, t in enumerate(value):
+        if not isinstance(t, str) or t.count(SLOT) != 1:
+            raise _err(source, f"{fld}[{i}]", f"must be a string with exactly one '{{}}' subject slot, got {t!r}")
+        if t not in out:
+            out.append(t)
+    return out
+
+
+def infer_cardinality(facts: list[Fact]) -> str:
+    """'one-to-one', 'many-to-one', 'one-to-many' or 'many-to-many' from the facts themselves."""
+    by_subject: dict[str, set] = {}
+    by_object: dict[str, set] = {}
+    for f in facts:
+        by_subject.setdefault(f.subject, set()).add(f.object)
+        by_object.setdefault(f.object, set()).add(f.subject)
+    functional = all(len(v) == 1 for v in by_subject.values())
+    injective = all(len(v) == 1 for v in by_object.values())
+    return {(True, True): "one-to-one", (True, False): "many-to-one",
+            (False, True): "one-to-many", (False, False): "many-to-many"}[(functional, injective)]
+
+
+def _check_facts(facts: list[Fact], properties: dict, source: str, fld: str = "facts") -> list[Fact]:
+    """Drop exact duplicates; a relation declared one-to-one or many-to-one must give each subject one object."""
+    if not facts:
+        raise _err(source, fld, "is empty: a relation needs at least one fact")
+    card = properties.get("cardinality")
+    if card is not None and card not in CARDINALITIES:
+        raise _err(source, "properties.cardinality", f"must be one of {list(CARDINALITIES)}, got {card!r}")
+    seen: dict[str, tuple[int, str]] = {}
+    out, pairs = [], set()
+    for i, f in enumerate(facts):
+        if (f.subject, f.object) in pairs:
+            continue
+        pairs.add((f.subject, f.object))
+        if card in ("one-to-one", "many-to-one") and f.subject in seen:
+            j, obj = seen[f.subject]
+            raise _err(source, f"{fld}[{i}].object",
+                       f"gives subject {f.subject!r} the object {f.object!r}, but {fld}[{j}] gives {obj!r} "
+                       f"and the relation is declared {card}")
+        seen.setdefault(f.subject, (i, f.object))
+        out.append(f)
+    return out
+
+
+def relation_from_dict(data, source: str = "<dict>") -> Relation:
+    """Parse one relation in our schema or in the LRE format (detected by ``samples``/``prompt_templates``)."""
+    if not isinstance(data, dict):
+        raise DatasetError(f"{source}: expected a JSON object with a relation, got {type(data).__name__}")
+    if "facts" not in data and ("samples" in data or "prompt_templates" in data):
+        return _from_lre(data, source)
+    name = _string(data.get("name"), source, "name")
+    templates = _templates(data.get("templates"), source, "templates", required=True)
+    neutral = _templates(data.get("neutral_templates"), source, "neutral_templates", required=False)
+    props = data.get("properties", {})
+    if not isinstance(props, dict):
+        raise _err(source, "properties", f"must be an object, got {props!r}")
+    facts = _fact_list(data.get("facts"), source, "facts")
+    facts = _check_facts(facts, props, source)
+    props = dict(props)
+    props.setdefault("cardinality", infer_cardinality(facts))
+    return Relation(name, templates, neutral, facts, props, source)
+
+
+def _fact_list(value, source: str, fld: str) -> list[Fact]:
+    if not isinstance(value, list) or not value:
+        raise _err(source, fld, f"must be a non-empty list of {{'subject', 'object'}} objects, got {value!r}"[:300])
+    facts = []
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise _err(source, f"{fld}[{i}]", f"must be an object with 'subject' and 'object', got {item!r}")
+        facts.append(Fact(_string(item.get("subject"), source, f"{fld}[{i}].subject"),
+                          _string(item.get("object"), source, f"{fld}[{i}].object")))
+    return facts
+
+
+_LRE_FN_TYPES = {"ONE_TO_ONE": "one-to-one", "MANY_TO_ONE": "many-to-one", "ONE_TO_MANY": "one-to-many",
+                 "MANY_TO_MANY": "many-to-many"}
+
+
+def _from_lre(data: dict, source: str) -> Relation:
+    """The LRE (Hernandez et al. 2023) relation format; ``prompt_templates_zs`` are appended to the templates."""
+    name = _string(data.get("name"), source, "name")
+    templates = _templates(data.get("prompt_templates"), source, "prompt_templates", required=True)
+    if data.get("prompt_templates_zs") is not None:
+        for t in _templates(data["prompt_templates_zs"], source, "prompt_templates_zs", required=True):
+            if t not in templates:
+                templates.append(t)
+    lre_props = data.get("properties") or {}
+    if not isinstance(lre_props, dict):
+        raise _err(source, "properties", f"must be an object, got {lre_props!r}")
+    props = {"format": "lre", **lre_props}
+    fn_type = lre_props.get("fn_type")
+    if fn_type in _LRE_FN_TYPES:
+        props["cardinality"] = _LRE_FN_TYPES[fn_type]
+    if "domain_name" in lre_props:
+        props.setdefault("subject_type", lre_props["domain_name"])
+    if "range_name" in lre_props:
+        props.setdefault("object_type", lre_props["range_name"])
+    facts = _check_facts(_fact_list(data.get("samples"), source, "samples"), props, source, "samples")
+    props.setdefault("cardinality", infer_cardinality(facts))
+    return Relation(name, templates, list(DEFAULT_NEUTRAL), facts, props, source)
+
+
+# ------------------------------------------------------------------------------------------- row formats
+
+def _get(row: dict, column: str):
+    """``row[column]``; a dotted name walks nested dicts (``requested_rewrite.target_true.str``)."""
+    if column in row:
+        return row[column]
+    value = row
+    for part in column.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def _from_rows(rows, source: str, name: str, columns: list[str], *, subject_column: str, object_column: str,
+               template_column: str | None, relation_column: str | None, templates: list[str] | None,
+               neutral_templates: list[str] | None) -> list[Relation]:
+    """Relations from table rows (CSV, JSON lines, Hugging Face datasets); one per value of ``relation_column``."""
+
+    def has(col):
+        return col in columns or ("." in col and col.split(".")[0] in columns)
+
+    for col in (subject_column, object_column):
+        if not has(col):
+            raise _err(source, col, f"is not a column (columns: {columns})")
+    use_template = template_column if (template_column and has(template_column)) else None
+    use_relation = relation_column if (relation_column and has(relation_column)) else None
+    groups: dict[str, dict] = {}
+    for i, row in enumerate(rows):
+        where = f"rows[{i}]"
+        rel = str(_get(row, use_relation)).strip() if use_relation else name
+        g = groups.setdefault(rel, {"facts": [], "templates": []})
+        s = _get(row, subject_column)
+        o = _get(row, object_column)
+        g["facts"].append(Fact(_string(s, source, f"{where}.{subject_column}"),
+                               _string(o, source, f"{where}.{object_column}")))
+        if use_template and templates is None:
+            t = _get(row, use_template)
+            if t is not None and str(t).strip():
+                t = _templates([str(t)], source, f"{where}.{use_template}", required=True)[0]
+                if t not in g["templates"]:
+                    g["templates"].append(t)
+    if not groups:
+        raise _err(source, "rows", "is empty: a relation needs at least one fact")
+    out = []
+    for rel, g in groups.items():
+        if templates is not None:
+            tpl = _templates(list(templates), source, "templates (argument)", required=True)
+        elif g["templates"]:
+            tpl = g["templates"]
+        else:
+            raise _err(source, template_column or "template",
+                       "is missing: give a template column or templates=[...] with a '{}' slot")
+        neutral = _templates(list(neutral_templates), source, "neutral_templates (argument)", required=True) \
+            if neutral_templates is not None else list(DEFAULT_NEUTRAL)
+        facts = _check_facts(g["facts"], {}, source, "rows")
+        props = {"cardinality": infer_cardinality(facts), "format": "rows"}
+        out.append(Relation(rel, tpl, neutral, facts, props, source))
+    return out
+
+
+def _read_csv(path: Path, **kw) -> list[Relation]:
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+        columns = [c.strip() for c in (reader.fieldnames or [])]
+    rows = [{(k or "").strip(): v for k, v in r.items()} for r in rows]
+    return _from_rows(rows, str(path), path.stem, columns, **kw)
+
+
+def _read_jsonl(path: Path, **kw) -> list[Relation]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise DatasetError(f"{path}: line {n} is not valid JSON ({e.msg})") from None
+    bad = [i for i, r in enumerate(rows) if not isinstance(r, dict)]
+    if bad:
+        raise _err(str(path), f"rows[{bad[0]}]", "must be a JSON object")
+    columns = sorted({k for r in rows for k in r})
+    return _from_rows(rows, str(path), path.stem, columns, **kw)
+
+
+def _read_hf(spec: str, hf_kwargs: dict | None, **kw) -> list[Relation]:
+    """``hf:NAME[:split]`` through ``datasets.load_dataset(NAME, split=..., **hf_kwargs)``."""
+    rest = spec[3:]
+    name, _, split = rest.rpartition(":") if ":" in rest else (rest, "", "")
+    if not name:
+        raise DatasetError(f"{spec}: expected hf:NAME[:split]")
+    import datasets as hf_datasets
+
+    try:
+        ds = hf_datasets.load_dataset(name, split=split or None, **(hf_kwargs or {}))
+    except Exception as e:  # noqa: BLE001 - report any loader failure as a dataset error
+        raise DatasetError(f"{spec}: datasets.load_dataset({name!r}) failed: {type(e).__name__}: {e}") from e
+    if isinstance(ds, hf_datasets.DatasetDict):
+        if "train" in ds:
+            ds = ds["train"]
+        elif len(ds) == 1:
+            ds = next(iter(ds.values()))
+        else:
+            raise DatasetError(f"{spec}: several splits {list(ds)}; name one as hf:{name}:SPLIT")
+    base = os.path.basename(name.rstrip("/")) or name
+    files = (hf_kwargs or {}).get("data_files")
+    if isinstance(files, (str, os.PathLike)) and base in ("json", "csv", "parquet", "arrow", "text"):
+        base = Path(files).stem  # a packaged builder: name the relation after its file
+    return _from_rows(ds, spec, base, list(ds.column_names), **kw)
+
+
+# ------------------------------------------------------------------------------------------------ loading
+
+def _bundled_files() -> dict[str, object]:
+    root = resources.files(_PACKAGE)
+    return {p.name[:-5]: p for p in root.iterdir() if p.name.endswith(".json") and p.is_file()}
+
+
+def list_bundled() -> list[str]:
+    """Names of the relations shipped in ``prompts/``."""
+    return sorted(_bundled_files())
+
+
+def _read_json_text(text: str, source: str) -> list[Relation]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DatasetError(f"{source}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    if isinstance(data, list):
+        if not data:
+            raise DatasetError(f"{source}: empty list, expected relations")
+        return [relation_from_dict(d, f"{source}[{i}]") for i, d in enumerate(data)]
+    return [relation_from_dict(data, source)]
+
+
+def _read_path(path: Path, row_kw: dict) -> list[Relation]:
+    suffix = path.suffix.lower()
+    if suffix == ".json":
+        return _read_json_text(path.read_text(encoding="utf-8"), str(path))
+    if suffix == ".csv":
+        return _read_csv(path, **row_kw)
+    if suffix == ".jsonl":
+        return _read_jsonl(path, **row_kw)
+    raise DatasetError(f"{path}: unknown file type {suffix!r} (expected .json, .jsonl or .csv)")
+
+
+def load_relations(names_or_paths: list[str] | str | None = None, *, templates: list[str] | None = None,
+                   neutral_templates: list[str] | None = None, subject_column: str = "subject",
+                   object_column: str = "object", template_column: str = "template",
+                   relation_column: str = "relation", hf_kwargs: dict | None = None) -> list[Relation]:
+    """Load relations; None = every bundled relation.
+
+    Each item is a bundled relation name (``"country_capital"``), a JSON file in our schema or the LRE format
+    (auto-detected), a .csv / .jsonl file of rows, a directory of such files, or ``hf:NAME[:split]`` for
+    ``datasets.load_dataset(NAME, split=split, **hf_kwargs)``. Row sources take their columns from
+    ``subject_column``/``object_column`` (dotted names reach into nested records), their templates from
+    ``templates`` or else the distinct values of ``template_column``, and are split into one relation per value
+    of ``relation_column`` when that column exists (otherwise the relation is named after the file/dataset).
+    """
+    bundled = _bundled_files()
+    if names_or_paths is None:
+        names_or_paths = sorted(bundled)
+    elif isinstance(names_or_paths, (str, os.PathLike)):
+        names_or_paths = [names_or_paths]
+    row_kw = dict(subject_column=subject_column, object_column=object_column, template_column=template_column,
+                  relation_column=relation_column, templates=templates, neutral_templates=neutral_templates)
+    out: list[Relation] = []
+    for item in names_or_paths:
+        item_s = os.fspath(item)
+        if item_s.startswith("hf:"):
+            out.extend(_read_hf(item_s, hf_kwargs, **row_kw))
+        elif item_s in bundled:
+            res = bundled[item_s]
+            out.extend(_read_json_text(res.read_text(encoding="utf-8"), str(res)))
+        elif os.path.isdir(item_s):
+            files = sorted(p for p in Path(item_s).iterdir() if p.suffix.lower() in (".json", ".jsonl", ".csv"))
+            if not files:
+                raise DatasetError(f"{item_s}: directory has no .json, .jsonl or .csv relation files")
+            for p in files:
+                out.extend(_read_path(p, row_kw))
+        elif os.path.isfile(item_s):
+            out.extend(_read_path(Path(item_s), row_kw))
+        else:
+            raise DatasetError(f"{item_s!r} is not a bundled relation, file, directory or hf:NAME; "
+                               f"bundled relations: {', '.join(sorted(bundled))}")
+    seen: dict[str, str] = {}
+    for rel in out:
+        if rel.name in seen:
+            raise DatasetError(f"{rel.source}: field 'name' repeats relation {rel.name!r} (also in {seen[rel.name]})")
+        seen[rel.name] = rel.source
+    return out
+
+
+def format_relation(relation: Relation) -> str:
+    """JSON text in our schema, one fact per line."""
+    parts = []
+    for key, val in relation.to_dict().items():
+        if key == "facts":
+            body = ",\n".join("  " + json.dumps(f, ensure_ascii=False) for f in val)
+            parts.append(f' "facts": [\n{body}\n ]')
+        else:
+            text = json.dumps(val, ensure_ascii=False, indent=1).replace("\n", "\n ")
+            parts.append(f" {json.dumps(key)}: {text}")
+    return "{\n" + ",\n".join(parts) + "\n}\n"
+
+
+def save_relation(relation: Relation, path: str | os.PathLike) -> Path:
+    """Write ``relation`` in our schema, atomically (temp file in the same folder, then ``os.replace``)."""
+    path = Path(path)
+    relation_from_dict(relation.to_dict(), str(path))  # refuse to write what we could not read back
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(format_relation(relation))
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
