@@ -1,0 +1,17 @@
+"""Geometry: pure tensor math for relation decoders and superposition readouts.
+
+Shared by pretrained and synthetic models; imports only torch, numpy and scikit-learn (never model loading, the CLI
+or reports). Estimators are scikit-learn shaped: ``fit`` returns self, learned attributes end in ``_``, ``score``
+returns one float.
+"""
+from .decoders import LinearRelationDecoder, LinearRelationOperator, RidgeDecoder, faithfulness, topk_hits
+from .readouts import RelationReadout, SuperpositionFit, SuperpositionReport, superposition_readout
+from .stats import (ALPHA_GRID, CVScores, bootstrap_ci, cross_val_score, kfold_indices, pinv_rank, r2_score,
+                    ridge_fit, ridge_fit_cv, shuffle_table, train_test_split, truncate_rank)
+
+__all__ = [
+    "LinearRelationOperator", "LinearRelationDecoder", "RidgeDecoder", "faithfulness", "topk_hits",
+    "RelationReadout", "SuperpositionFit", "SuperpositionReport", "superposition_readout",
+    "ALPHA_GRID", "CVScores", "bootstrap_ci", "cross_val_score", "kfold_indices", "pinv_rank", "r2_score",
+    "ridge_fit", "ridge_fit_cv", "shuffle_table", "train_test_split", "truncate_rank",
+]
