@@ -1,0 +1,67 @@
+"""Report export and comparison: escaping, tables, CSV rows, errors on bad input."""
+import csv
+import json
+
+import pytest
+
+from llmprobe.report import compare, export, load_report, metric_rows
+
+
+def _report(tmp_path, name, relation="capital<script>", known=0.5):
+    report = {
+        "schema_version": 1, "kind": "pretrained", "model": {"name": name, "n_layers": 5, "architecture": "X"},
+        "relations": {relation: {"n_facts": 10, "n_known": int(10 * known), "known_rate": known}},
+        "analyses": {relation: {"layers": {
+            str(layer): {"readout_accuracy": {"value": 0.1 * layer, "ci": [0.1 * layer - 0.05, 0.1 * layer + 0.05],
+                                              "control": {"shuffled": 0.1}}} for layer in (0, 2, 4)}}},
+        "errors": ["fact ('<b>x</b>', 'y') skipped"],
+    }
+    folder = tmp_path / name.replace("/", "_")
+    folder.mkdir()
+    (folder / "report.json").write_text(json.dumps(report))
+    return folder
+
+
+def test_metric_rows_flatten_layers_and_controls(tmp_path):
+    rows = metric_rows(load_report(_report(tmp_path, "m")))
+    layered = [r for r in rows if r["metric"] == "readout_accuracy"]
+    assert [r["layer"] for r in layered] == [0, 2, 4]
+    assert [r["depth"] for r in layered] == [0.0, 0.5, 1.0]
+    assert all(r["control"] == "shuffled" and r["control_value"] == 0.1 for r in layered)
+    assert layered[2]["value"] == pytest.approx(0.4) and layered[2]["hi"] == pytest.approx(0.45)
+    known = [r for r in rows if r["metric"] == "known_rate"]
+    assert known[0]["value"] == 0.5 and known[0]["n"] == 10
+
+
+def test_export_escapes_user_strings_and_writes_all_formats(tmp_path):
+    folder = _report(tmp_path, "evil<img src=x onerror=alert(1)>")
+    written = export(folder)
+    assert {p.name for p in written} == {"report.html", "report.md", "metrics.csv"}
+    page = (folder / "report.html").read_text()
+    assert "<script>" not in page and "&lt;script&gt;" in page
+    assert "<img src=x" not in page and "<b>x</b>" not in page
+    assert page.count("data:image/png;base64,") == 1  # one metric plot
+    with open(folder / "metrics.csv") as handle:
+        assert len(list(csv.DictReader(handle))) == 4
+
+
+def test_compare_aligns_sources(tmp_path):
+    a, b = _report(tmp_path, "model-a", known=0.2), _report(tmp_path, "model-b", known=0.8)
+    compare([a, b], tmp_path / "cmp")
+    text = (tmp_path / "cmp" / "report.md").read_text()
+    assert "model-a" in text and "model-b" in text
+    rows = list(csv.DictReader(open(tmp_path / "cmp" / "metrics.csv")))
+    assert {r["source"] for r in rows} == {"model-a", "model-b"}
+
+
+def test_bad_inputs_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no report.json"):
+        load_report(tmp_path)
+    (tmp_path / "report.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_report(tmp_path)
+    (tmp_path / "report.json").write_text("{}")
+    with pytest.raises(ValueError, match="schema_version"):
+        load_report(tmp_path)
+    with pytest.raises(ValueError, match="unknown report format"):
+        export(_report(tmp_path, "ok"), formats=("pdf",))
