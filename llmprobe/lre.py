@@ -1,0 +1,486 @@
+"""Model side of the linear relation decoder (LRE, Hernandez et al. 2023): states, batched Jacobians, edits.
+
+Places (DESIGN.md section 2):
+
+* ``h`` = ``blocks.{l}.resid_post`` at the subject's last token (the subject state at layer ``l``);
+* ``o`` = ``blocks.{L-1}.resid_post`` at the prompt's last token: the output of the *last block, before the final
+  norm*. ``adapter.logits(o)`` (final norm + LM head) turns it into next-token logits, so faithfulness is scored
+  through the model's own readout.
+
+Jacobians ``J_i = d o_i / d h_i`` are computed for a whole batch of prompts at once. The subject state is replaced
+by a leaf tensor (requiring grad) inside a forward hook, and the rows of a batch never interact (attention stays
+within a row), so one backward pass of ``sum_i o_i[k]`` gives row ``k`` of every prompt's Jacobian; those backward
+passes are themselves batched over blocks of output dimensions with ``is_grads_batched`` (vmap). With
+``use_cache=True`` (default) the tokens before the subject's last token are run once without gradients and reused
+through the KV cache, so the backward passes only cover the tokens from the subject's last token to the end of the
+prompt. ``per_prompt_jacobians`` is the one-prompt-at-a-time ``torch.autograd.functional.jacobian`` reference (the
+original LRE code's approach), kept for tests and the benchmark.
+
+Objects are scored by their *first token* (``llmprobe.known.first_token_ids``); ``llmprobe.scoring`` offers
+full-sequence log-probabilities.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .capture import adapter_for, capture, patch
+from .subjects import EncodedPrompts, encode
+
+__all__ = ["RelationStates", "JacobianResult", "output_name", "state_name", "relation_states", "subject_states",
+           "subject_jacobians", "per_prompt_jacobians", "logits_fn", "next_token_predictions", "layer_sequences",
+           "random_like"]
+
+
+def state_name(layer: int) -> str:
+    """Hook name of the subject state at ``layer``."""
+    return f"blocks.{layer}.resid_post"
+
+
+def output_name(model) -> str:
+    """Hook name of ``o``: the last block's output (before the final norm)."""
+    return state_name(adapter_for(_module(model)).n_layers - 1)
+
+
+def _module(model):
+    return model.model if hasattr(model, "adapter") and hasattr(model, "tokenizer") else model
+
+
+def _cpu(x: torch.Tensor) -> torch.Tensor:
+    """Detached CPU copy in float64 for float64 models, else float32."""
+    return x.detach().to("cpu", torch.float64 if x.dtype == torch.float64 else torch.float32)
+
+
+def _batches(n: int, size: int) -> Iterator[slice]:
+    for start in range(0, n, max(1, size)):
+        yield slice(start, min(n, start + max(1, size)))
+
+
+# --------------------------------------------------------------------------------------------------- states
+@dataclass
+class RelationStates:
+    """Clean states of one template filled with each subject.
+
+    ``H[l]`` [n, d] subject states at layer l, ``O`` [n, d] last-block output at the prompt's last token,
+    ``prompts`` the filled prompts, ``subjects`` in order.
+    """
+
+    subjects: list[str]
+    prompts: list[str]
+    H: dict[int, torch.Tensor]
+    O: torch.Tensor
+
+
+def relation_states(lm, template: str | Sequence[str], subjects: Sequence[str], layers: Sequence[int],
+                    batch_size: int = 32) -> RelationStates:
+    """One batched forward per ``batch_size`` prompts: subject states at ``layers`` and ``o`` (stops after the
+    last block; the LM head is not run). ``template`` is one template or one per subject."""
+    model, tok = lm.model, lm.tokenizer
+    adapter = adapter_for(model)
+    subjects = list(subjects)
+    templates = [template] * len(subjects) if isinstance(template, str) else list(template)
+    layers = [adapter.layer_index(l) for l in layers]
+    out = output_name(model)
+    names = list(dict.fromkeys([state_name(l) for l in layers] + [out]))
+    H = {l: [] for l in layers}
+    O, prompts = [], []
+    for part in _batches(len(subjects), batch_size):
+        enc = encode(tok, templates[part], subjects[part], padding_side="left")
+        positions = torch.stack([enc.subject_last, enc.prompt_last], 1)
+        got = capture(model, names, enc.input_ids, enc.attention_mask, positions=positions)
+        for l in layers:
+            H[l].append(_cpu(got[state_name(l)][:, 0]))
+        O.append(_cpu(got[out][:, 1]))
+        prompts += [t.replace("{}", s, 1) for t, s in zip(templates[part], subjects[part])]
+    return RelationStates(subjects, prompts, {l: torch.cat(H[l]) for l in layers}, torch.cat(O))
+
+
+def subject_states(lm, templates: Sequence[str], subjects: Sequence[str], layers: Sequence[int],
+                   batch_size: int = 64) -> dict[int, torch.Tensor]:
+    """Subject states at ``layers``, averaged over ``templates`` (e.g. relation-free ones): {layer: [n, d]}."""
+    model, tok = lm.model, lm.tokenizer
+    adapter = adapter_for(model)
+    layers = [adapter.layer_index(l) for l in layers]
+    names = [state_name(l) for l in layers]
+    sums = {l: 0.0 for l in layers}
+    subjects = list(subjects)
+    for template in templates:
+        parts = {l: [] for l in layers}
+        for part in _batches(len(subjects), batch_size):
+            enc = encode(tok, template, subjects[part], padding_side="left")
+            got = capture(model, names, enc.input_ids, enc.attention_mask, positions=enc.subject_last[:, None])
+            for l in layers:
+                parts[l].append(_cpu(got[state_name(l)][:, 0]))
+        for l in layers:
+            sums[l] = sums[l] + torch.cat(parts[l])
+    return {l: sums[l] / len(templates) for l in layers}
+
+
+def logits_fn(lm) -> Callable[[torch.Tensor], torch.Tensor]:
+    """o [n, d] -> next-token logits [n, vocab] through the model's final norm and LM head (float32, no grad)."""
+    adapter = adapter_for(_module(lm))
+    param = next(_module(lm).parameters())
+
+    def fn(o: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return adapter.logits(torch.as_tensor(o).to(param.device, param.dtype)).float().cpu()
+    return fn
+
+
+def next_token_predictions(lm, template: str | Sequence[str], subjects: Sequence[str], layer: int | None = None,
+                           delta: torch.Tensor | None = None, batch_size: int = 64, return_logits: bool = False,
+                           resume: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    """Greedy next token after each filled prompt, with ``delta`` [n, d] added to the subject state at ``layer``
+    (a real forward pass with the edited state patched in). Returns LongTensor [n] (or logits [n, vocab]).
+
+    ``resume``: the clean states of ``blocks.{layer}.resid_post`` for each row's whole prompt (unpadded [T_i, d],
+    from :func:`layer_sequences`). The forward pass then starts at block ``layer + 1`` from those states plus
+    the edit, skipping the blocks that an edit at ``layer`` cannot change (same result, fewer FLOPs)."""
+    model, tok = lm.model, lm.tokenizer
+    adapter = adapter_for(model)
+    subjects = list(subjects)
+    templates = [template] * len(subjects) if isinstance(template, str) else list(template)
+    out = output_name(model)
+    to_logits = logits_fn(lm)
+    if resume is not None and (delta is None or adapter.blocks is None):
+        resume = None
+    results = []
+    for part in _batches(len(subjects), batch_size):
+        enc = encode(tok, templates[part], subjects[part], padding_side="left")
+        if resume is not None:
+            o = _resumed_output(lm, enc, layer, delta[part], resume[part])
+        else:
+            edit = contextlib.nullcontext() if delta is None else \
+                patch(model, state_name(layer), enc.subject_last, delta=delta[part])
+            with edit:
+                o = capture(model, [out], enc.input_ids, enc.attention_mask,
+                            positions=enc.prompt_last[:, None])[out][:, 0]
+        logits = to_logits(o)
+        results.append(logits if return_logits else logits.argmax(-1))
+    return torch.cat(results)
+
+
+def layer_sequences(lm, template: str | Sequence[str], subjects: Sequence[str], layer: int,
+                    batch_size: int = 64) -> list[torch.Tensor]:
+    """Clean ``blocks.{layer}.resid_post`` states of each filled prompt at every token, unpadded: [T_i, d]
+    per prompt (what :func:`next_token_predictions` resumes from)."""
+    model, tok = lm.model, lm.tokenizer
+    subjects = list(subjects)
+    templates = [template] * len(subjects) if isinstance(template, str) else list(template)
+    name = state_name(adapter_for(model).layer_index(layer))
+    out = []
+    for part in _batches(len(subjects), batch_size):
+        enc = encode(tok, templates[part], subjects[part], padding_side="left")
+        states = capture(model, [name], enc.input_ids, enc.attention_mask, to_cpu=False)[name]
+        for row in range(states.shape[0]):
+            out.append(states[row][enc.attention_mask[row].bool().to(states.device)])
+    return out
+
+
+def _passthrough(*args, **kwargs):
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def _resumed_output(lm, enc: EncodedPrompts, layer: int, delta: torch.Tensor, clean: Sequence[torch.Tensor]):
+    """o for a batch whose layer-``layer`` states are ``clean`` + ``delta`` at the subject: blocks 0..layer
+    pass their input through, and block ``layer + 1`` receives the given states instead."""
+    model = lm.model
+    adapter = adapter_for(model)
+    param = next(model.parameters())
+    B, T = enc.input_ids.shape
+    states = torch.zeros(B, T, clean[0].shape[-1], dtype=param.dtype, device=param.device)
+    for row, seq in enumerate(clean):
+        n = int(enc.attention_mask[row].sum())
+        if seq.shape[0] != n:
+            raise ValueError(f"resume states have {seq.shape[0]} tokens but the prompt has {n}")
+        states[row, T - n:] = seq.to(param.device, param.dtype)
+    rows = torch.arange(B, device=param.device)
+    states[rows, enc.subject_last.to(param.device)] += delta.to(param.device, param.dtype)
+    if layer == adapter.n_layers - 1:
+        return states[rows, enc.prompt_last.to(param.device)]
+
+    def replace(module, args, kwargs):
+        if args:
+            return (states, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": states}
+
+    skipped = list(adapter.blocks[:layer + 1])
+    handle = adapter.blocks[layer + 1].register_forward_pre_hook(replace, with_kwargs=True)
+    try:
+        for block in skipped:
+            block.forward = _passthrough
+        out = output_name(model)
+        return capture(model, [out], enc.input_ids, enc.attention_mask, positions=enc.prompt_last[:, None],
+                       to_cpu=False, use_cache=False)[out][:, 0]
+    finally:
+        handle.remove()
+        for block in skipped:
+            block.__dict__.pop("forward", None)
+
+
+# ------------------------------------------------------------------------------------------------ Jacobians
+@dataclass
+class JacobianResult:
+    """Per-prompt Jacobians ``J`` [n, d_out, d_in] = d o / d h, with the clean ``H`` [n, d_in] and ``O``
+    [n, d_out] they were taken at."""
+
+    J: torch.Tensor
+    H: torch.Tensor
+    O: torch.Tensor
+
+    @property
+    def W(self) -> torch.Tensor:
+        """Mean Jacobian [d_out, d_in]."""
+        return self.J.mean(0)
+
+
+class _Stop(Exception):
+    """Raised in the last block's hook: nothing after it is needed."""
+
+
+@contextlib.contextmanager
+def _output_hooks(adapter, fns: dict[str, Callable]) -> Iterator[None]:
+    """Forward hooks on module outputs (``blocks.{l}.resid_post``); ``fn(states)`` may return new states."""
+    handles = []
+    try:
+        for name, fn in fns.items():
+            place = adapter.place(name)
+            if place.read_input:
+                raise ValueError(f"{name!r} is read from a module input; Jacobians need a module output")
+
+            def hook(module, args, output, fn=fn):
+                states = output[0] if isinstance(output, (tuple, list)) else output
+                new = fn(states)
+                if new is None:
+                    return None
+                return (new, *output[1:]) if isinstance(output, tuple) else new
+            handles.append(place.module.register_forward_hook(hook))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _cache_kwarg(model) -> str:
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _vjp_rows(o: torch.Tensor, inputs: list[torch.Tensor], chunk: int) -> list[torch.Tensor]:
+    """For independent rows: [J_x [B, d_out, d_x] for x in inputs], J_x[b] = d o[b] / d x[b], by backward passes
+    of one-hot output cotangents, ``chunk`` output dims per batched (vmap) backward; falls back to one backward
+    per output dim where an op has no batching rule."""
+    B, d_out = o.shape
+    dtype = torch.float64 if o.dtype == torch.float64 else torch.float32
+    Js = [torch.empty(B, d_out, x.shape[1], dtype=dtype) for x in inputs]
+    start = 0
+    batched = chunk > 1
+    while start < d_out:
+        k = min(chunk if batched else 1, d_out - start)
+        if batched:
+            v = torch.zeros(k, B, d_out, dtype=o.dtype, device=o.device)
+            v[torch.arange(k), :, torch.arange(start, start + k)] = 1
+            try:
+                grads = torch.autograd.grad(o, inputs, v, retain_graph=True, is_grads_batched=True)
+            except RuntimeError:  # an op without a vmap rule for its backward: one dim at a time
+                batched = False
+                continue
+            for J, g in zip(Js, grads):
+                J[:, start:start + k] = g.permute(1, 0, 2).to("cpu", dtype)
+        else:
+            grads = torch.autograd.grad(o[:, start].sum(), inputs, retain_graph=True)
+            for J, g in zip(Js, grads):
+                J[:, start] = g.to("cpu", dtype)
+        start += k
+    return Js
+
+
+def _group_jacobian(lm, input_ids, mask, subj_pos: torch.Tensor, last_pos: torch.Tensor, layers: list[int],
+                    chunk: int, use_cache: bool) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Jacobians of one group of left-padded rows at every layer in ``layers`` from one set of backward passes.
+
+    A zero tensor z_l [B, d] (requiring grad) is added to the subject state at each layer, so d o / d z_l is the
+    Jacobian with respect to that layer's subject state (later layers recomputed, earlier ones fixed), and one
+    backward pass from o reaches every z_l. With ``use_cache`` every row has the same subject position p: tokens
+    [0, p) run once without gradients and feed the gradient pass through the KV cache."""
+    model = lm.model
+    adapter = adapter_for(model)
+    device = next(model.parameters()).device
+    input_ids, mask = input_ids.to(device), mask.to(device)
+    position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    rows = torch.arange(input_ids.shape[0], device=device)
+    p = int(subj_pos[0]) if use_cache and adapter._points is None else 0
+    kwargs = {}
+    if p > 0:
+        with torch.no_grad():
+            pre_kw = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+            pre = model(input_ids=input_ids[:, :p], attention_mask=mask[:, :p], position_ids=position_ids[:, :p],
+                        use_cache=True, **pre_kw)
+        cache = getattr(pre, "cache", None)
+        if cache is None:
+            cache = getattr(pre, "past_key_values", None)
+        kwargs = {_cache_kwarg(model): cache, "use_cache": True}
+    spos, lpos = subj_pos.to(device) - p, last_pos.to(device) - p
+    zs: dict[int, torch.Tensor] = {}
+    clean: dict[int, torch.Tensor] = {}
+    seen: dict[str, torch.Tensor] = {}
+
+    def put(layer):
+        def fn(states):
+            clean[layer] = _cpu(states[rows, spos])
+            z = torch.zeros(states.shape[0], states.shape[-1], dtype=states.dtype, device=states.device,
+                            requires_grad=True)
+            zs[layer] = z
+            add = torch.zeros_like(states)
+            add[rows, spos] = z
+            return states + add
+        return fn
+
+    def get(states):
+        seen["o"] = states[rows, lpos]
+        raise _Stop
+
+    final = output_name(model)
+    fns = {state_name(l): put(l) for l in layers}
+    if final in fns:  # o is read after the last layer's own perturbation
+        last_put = fns[final]
+        fns[final] = lambda s: get(last_put(s))
+    else:
+        fns[final] = get
+    with torch.enable_grad(), _output_hooks(adapter, fns):
+        try:
+            if adapter._points is not None:  # a model addressed through hook_points(): input ids only
+                model(input_ids)
+            else:
+                model(input_ids=input_ids[:, p:], attention_mask=mask, position_ids=position_ids[:, p:], **kwargs)
+        except _Stop:
+            pass
+    o = seen["o"]
+    Js = _vjp_rows(o, [zs[l] for l in layers], chunk)
+    O = _cpu(o)
+    return {l: (J, clean[l], O) for l, J in zip(layers, Js)}
+
+
+def subject_jacobians(lm, template: str | Sequence[str], subjects: Sequence[str], layer: int | Sequence[int], *,
+                      batch_size: int = 16, chunk: int = 64, use_cache: bool = True
+                      ) -> JacobianResult | dict[int, JacobianResult]:
+    """Jacobians d o / d h of every filled prompt, batched (see the module doc).
+
+    ``layer``: subject-state layer (``blocks.{layer}.resid_post``), or a list of layers: all of them come from
+    the same backward passes (the cost is that of the earliest layer) and a dict {layer: JacobianResult} is
+    returned. ``batch_size`` prompts per forward pass, ``chunk`` output dimensions per batched backward;
+    ``use_cache`` reuses the tokens before the subject through the KV cache (rows are grouped by the number of
+    tokens after the subject so that they share one position).
+    """
+    model, tok = lm.model, lm.tokenizer
+    adapter = adapter_for(model)
+    single = isinstance(layer, (int, str))
+    layers = sorted({adapter.layer_index(l) for l in ([layer] if single else layer)})
+    if not layers:
+        raise ValueError("subject_jacobians needs at least one layer")
+    subjects = list(subjects)
+    templates = [template] * len(subjects) if isinstance(template, str) else list(template)
+    if adapter._points is not None:  # synthetic models: no KV cache API
+        use_cache = False
+    n = len(subjects)
+    if n == 0:
+        raise ValueError("subject_jacobians needs at least one subject")
+    out: dict[int, list] = {}
+    for part in _batches(n, batch_size):
+        enc = encode(tok, templates[part], subjects[part], padding_side="left")
+        after = enc.prompt_last - enc.subject_last
+        groups = [torch.nonzero(after == k).flatten() for k in after.unique()] if use_cache \
+            else [torch.arange(len(after))]
+        for rows in groups:
+            ids, mask = enc.input_ids[rows], enc.attention_mask[rows]
+            keep = mask.bool().any(0)  # drop columns that are padding in every row of the group
+            first = int(torch.nonzero(keep)[0])
+            ids, mask = ids[:, first:], mask[:, first:]
+            got = _group_jacobian(lm, ids, mask, enc.subject_last[rows] - first, enc.prompt_last[rows] - first,
+                                  layers, chunk, use_cache)
+            index = torch.arange(part.start, part.stop)[rows]
+            for l, (Jg, Hg, Og) in got.items():
+                if l not in out:
+                    d_out, d_in = Jg.shape[1:]
+                    out[l] = [torch.empty(n, d_out, d_in, dtype=Jg.dtype), torch.empty(n, d_in, dtype=Hg.dtype),
+                              torch.empty(n, d_out, dtype=Og.dtype)]
+                out[l][0][index], out[l][1][index], out[l][2][index] = Jg, Hg, Og
+    results = {l: JacobianResult(*out[l]) for l in layers}
+    return results[layers[0]] if single else results
+
+
+def per_prompt_jacobians(lm, template: str | Sequence[str], subjects: Sequence[str], layer: int,
+                         vectorize: bool = False) -> JacobianResult:
+    """Reference: one prompt at a time with ``torch.autograd.functional.jacobian`` (as in the original LRE code):
+    a full forward pass per evaluation of o(h), no padding, no cache."""
+    model, tok = lm.model, lm.tokenizer
+    adapter = adapter_for(model)
+    layer = adapter.layer_index(layer)
+    subjects = list(subjects)
+    templates = [template] * len(subjects) if isinstance(template, str) else list(template)
+    final = output_name(model)
+    device = next(model.parameters()).device
+    Js, Hs, Os = [], [], []
+    for template_i, subject in zip(templates, subjects):
+        enc: EncodedPrompts = encode(tok, template_i, [subject])
+        s, last = int(enc.subject_last[0]), int(enc.prompt_last[0])
+        ids = enc.input_ids.to(device)
+        got = capture(model, [state_name(layer), final], ids, positions=torch.tensor([[s, last]]))
+        h0 = got[state_name(layer)][0, 0].to(device)
+        o0 = got[final][0, 1]
+
+        def o_of_h(h):
+            seen = {}
+
+            def put(states):
+                states = states.clone()
+                states[0, s] = h
+                return states
+
+            def get(states):
+                seen["o"] = states[0, last]
+                raise _Stop
+            fns = {state_name(layer): put, final: get} if state_name(layer) != final else \
+                {final: lambda st: get(put(st))}
+            with _output_hooks(adapter, fns):
+                try:
+                    model(ids)
+                except _Stop:
+                    pass
+            return seen["o"]
+
+        Js.append(_cpu(torch.autograd.functional.jacobian(o_of_h, h0, vectorize=vectorize)))
+        Hs.append(_cpu(h0))
+        Os.append(_cpu(o0))
+    return JacobianResult(torch.stack(Js), torch.stack(Hs), torch.stack(Os))
+
+
+# ------------------------------------------------------------------------------------------------- controls
+def random_like(lm, seed: int = 0):
+    """The same architecture with random weights (``AutoModelForCausalLM.from_config``, seeded), sharing the
+    tokenizer: the random-init control. The global RNG state is left as it was."""
+    import copy
+
+    from transformers import AutoModelForCausalLM, PreTrainedModel
+
+    from .adapters import ModelAdapter
+    from .loading import LoadedModel
+
+    param = next(lm.model.parameters())
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if isinstance(lm.model, PreTrainedModel):
+            model = AutoModelForCausalLM.from_config(lm.model.config)
+        else:  # any other module: a copy with every sub-module's reset_parameters() called
+            model = copy.deepcopy(lm.model)
+            for module in model.modules():
+                if hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
+    model.to(param.device, param.dtype).eval().requires_grad_(False)
+    info = {**lm.info, "name": f"{lm.info.get('name', 'model')} (random init, seed {seed})", "source": "random",
+            "weights_hash": None}
+    return LoadedModel(model, lm.tokenizer, ModelAdapter(model), info)

@@ -1,0 +1,213 @@
+"""``llmprobe synth train|sweep|construct|bounds`` (the lead wires :func:`add_parser` into ``llmprobe/cli.py``;
+another engineer adds ``synth analyze`` to the same group via :func:`add_subcommand`)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in str(text).split(",") if x.strip()]
+
+
+def _train_config_args(p: argparse.ArgumentParser, max_steps: int) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--lr", type=float, default=0.1)
+    g.add_argument("--max-steps", type=int, default=max_steps, help="step cap (default %(default)s)")
+    g.add_argument("--batch-size", type=int, default=None, help="minibatch size (default: full batch)")
+    g.add_argument("--warmup-frac", type=float, default=0.1)
+    g.add_argument("--min-lr-frac", type=float, default=0.01)
+    g.add_argument("--target-acc", type=float, default=1.0, help="stop (and count success) at this train accuracy")
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps, ...")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def _train_config(args, progress: bool):
+    from .train import TrainConfig
+
+    return TrainConfig(lr=args.lr, max_steps=args.max_steps, batch_size=args.batch_size,
+                       warmup_frac=args.warmup_frac, min_lr_frac=args.min_lr_frac, target_acc=args.target_acc,
+                       device=args.device, threads=args.threads, progress=progress)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``synth`` command group to an argparse ``subparsers`` object; returns the group's parser.
+    Its own sub-subparsers are at ``parser.synth_subparsers`` for later additions (e.g. ``analyze``)."""
+    synth = subparsers.add_parser("synth", help="synthetic factual recall: train, sweep, construct, bounds",
+                                  description="Synthetic factual-recall models (one-layer transformer).")
+    sub = synth.add_subparsers(dest="synth_command", metavar="{train,sweep,construct,bounds,...}")
+    synth.synth_subparsers = sub
+    synth.set_defaults(func=lambda args: synth.print_help())
+
+    # ---------------------------------------------------------------- train
+    p = sub.add_parser("train", help="train one model to 100% train accuracy",
+                       description="Train one model; resumes automatically when --out holds a checkpoint.")
+    p.add_argument("--subjects", "-N", type=int, default=None, help="number of subjects N")
+    p.add_argument("--relations", "-R", type=int, default=None, help="number of relations R")
+    p.add_argument("--d", type=int, required=True, help="embedding width d")
+    p.add_argument("--mlp-width", type=int, default=None, help="MLP width m (default 8d)")
+    p.add_argument("--attention", choices=["uniform", "learned"], default="uniform",
+                   help="uniform causal mean (the paper's simplest case) or one learned softmax head")
+    p.add_argument("--frozen-subjects", action="store_true", help="freeze subject embeddings at random init")
+    p.add_argument("--frozen-unembed", action="store_true", help="also freeze the attribute unembedding")
+    p.add_argument("--hops", type=int, default=1, help="k-hop queries (s, r1..rk)")
+    p.add_argument("--cot", action="store_true", help="chain-of-thought: emit every intermediate entity")
+    p.add_argument("--sequences", type=int, default=None, help="k-hop: number of relation sequences (default all)")
+    p.add_argument("--facts", default=None,
+                   help="fact table: task JSON, or relation names/paths for llmprobe's loaders (comma-separated)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fresh", action="store_true", help="ignore a checkpoint in --out and start over")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--out", required=True, help="run directory (checkpoints, run.json)")
+    _train_config_args(p, max_steps=3000)
+    p.set_defaults(func=cmd_train)
+
+    # ---------------------------------------------------------------- sweep
+    p = sub.add_parser("sweep", help="capacity sweep: threshold d* per (N, R) by bisection",
+                       description="Bisection on d for every (N, R, seed, trainable/frozen); resumable.")
+    p.add_argument("--subjects", default="256,512,1024", help="comma-separated N values")
+    p.add_argument("--relations", default="2,4,8,16", help="comma-separated R values")
+    p.add_argument("--seeds", default="0,1")
+    p.add_argument("--frozen-subjects", action="store_true", help="only the frozen regime")
+    p.add_argument("--trainable-only", action="store_true", help="only the trainable regime")
+    p.add_argument("--modes", default=None,
+                   help="comma-separated modes instead: trainable, frozen, frozen_all (subjects and unembedding)")
+    p.add_argument("--mlp-ratio", type=float, default=8.0, help="MLP width = ratio * d (default %(default)s)")
+    p.add_argument("--mlp-width", type=int, default=None, help="fixed MLP width instead of a ratio")
+    p.add_argument("--attention", choices=["uniform", "learned"], default="uniform")
+    p.add_argument("--d-min", type=int, default=2)
+    p.add_argument("--d-max", type=int, default=512)
+    p.add_argument("--workers", type=int, default=1, help="parallel worker processes")
+    p.add_argument("--img-dir", default=None,
+                   help="also write the plots here as synthetic_*.png (e.g. docs/img)")
+    p.add_argument("--report-only", action="store_true", help="train nothing: summarise, tabulate and plot --out")
+    p.add_argument("--out", required=True, help="sweep directory (results.jsonl, summary.json, table.md, plots)")
+    _train_config_args(p, max_steps=500)
+    p.set_defaults(func=cmd_sweep, threads=1)
+
+    # ---------------------------------------------------------------- construct
+    p = sub.add_parser("construct", help="explicit construction: smallest d reaching 100% without training")
+    p.add_argument("--subjects", default="256,512,1024")
+    p.add_argument("--relations", default="2,4,8,16")
+    p.add_argument("--codes", choices=["sphere", "binary"], default="sphere")
+    p.add_argument("--variant", choices=["erase", "extract"], default="erase")
+    p.add_argument("--precision-bits", type=int, default=8, help="quantise weights first (0 = float32)")
+    p.add_argument("--out", default=None, help="write construction.json here")
+    p.set_defaults(func=cmd_construct)
+
+    # ---------------------------------------------------------------- bounds
+    p = sub.add_parser("bounds", help="counting bounds: bits needed vs parameters")
+    p.add_argument("--subjects", "-N", type=int, required=True)
+    p.add_argument("--relations", "-R", type=int, required=True)
+    p.add_argument("--hops", type=int, default=1)
+    p.add_argument("--bits-per-param", type=float, default=2.0)
+    p.set_defaults(func=cmd_bounds)
+    return synth
+
+
+def add_subcommand(synth_parser: argparse.ArgumentParser, name: str, **kw) -> argparse.ArgumentParser:
+    """Add another ``synth`` subcommand (e.g. ``analyze``) to the group made by :func:`add_parser`."""
+    return synth_parser.synth_subparsers.add_parser(name, **kw)
+
+
+# ----------------------------------------------------------------------------- commands
+def _task_from_args(args):
+    from .tasks import load_facts, random_bijections, random_khop
+
+    if args.facts:
+        if args.hops > 1:
+            raise SystemExit("--facts and --hops > 1 cannot be combined")
+        return load_facts(args.facts)
+    if not args.subjects or not args.relations:
+        raise SystemExit("give --subjects and --relations (or --facts)")
+    if args.hops > 1:
+        return random_khop(args.subjects, args.relations, args.hops, cot=args.cot, seed=args.seed,
+                           n_sequences=args.sequences)
+    return random_bijections(args.subjects, args.relations, args.seed)
+
+
+def cmd_train(args) -> dict:
+    from .train import train
+
+    task = _task_from_args(args)
+    m = args.mlp_width or 8 * args.d
+    res = train(task, args.d, config=_train_config(args, progress=not args.no_progress), out_dir=args.out,
+                resume=not args.fresh, frozen_subjects=args.frozen_subjects,
+                frozen_unembed=args.frozen_unembed, d_mlp=m, attention=args.attention,
+                seed=args.seed)
+    out = res.to_dict()
+    out.pop("history", None)
+    out.pop("train", None)
+    print(json.dumps(out, indent=1))
+    return out
+
+
+def cmd_sweep(args) -> dict:
+    from .sweep import SweepConfig, plot, run_sweep, table_markdown
+
+    modes = ["trainable", "frozen"]
+    if args.modes:
+        modes = [m for m in args.modes.split(",") if m]
+    elif args.frozen_subjects:
+        modes = ["frozen"]
+    elif args.trainable_only:
+        modes = ["trainable"]
+    cfg = SweepConfig(subjects=_ints(args.subjects), relations=_ints(args.relations), seeds=_ints(args.seeds),
+                      modes=modes, mlp_ratio=args.mlp_ratio, d_mlp=args.mlp_width, attention=args.attention,
+                      d_min=args.d_min, d_max=args.d_max, workers=args.workers, threads=args.threads or 1,
+                      train=_train_config(args, progress=False))
+    if args.report_only:
+        from .sweep import summarize
+
+        summary = summarize(args.out, cfg)
+        plot(args.out, summary)
+    else:
+        summary = run_sweep(cfg, args.out)
+    if args.img_dir:
+        plot(args.out, summary, img_dir=args.img_dir, prefix="synthetic_")
+    print(table_markdown(summary))
+    return summary
+
+
+def cmd_construct(args) -> list:
+    from .construction import smallest_construction
+
+    rows = []
+    for N in _ints(args.subjects):
+        for R in _ints(args.relations):
+            r = smallest_construction(N, R, codes=args.codes, variant=args.variant,
+                                      precision_bits=args.precision_bits or None)
+            rows.append(r)
+            print(f"N={N:5d} R={R:3d}  b={r['b']}  d={r['d_model']}  m={r['d_mlp']}  acc={r['accuracy']:.4f}",
+                  flush=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "construction.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+def cmd_bounds(args) -> dict:
+    from .bounds import summary
+
+    out = summary(args.subjects, args.relations, hops=args.hops, bits_per_param=args.bits_per_param)
+    print(json.dumps(out, indent=1))
+    return out
+
+
+def main(argv=None) -> None:
+    """Stand-alone entry point: ``python -m synthetic.cli synth train ...``."""
+    parser = argparse.ArgumentParser(prog="llmprobe")
+    subs = parser.add_subparsers(dest="command")
+    add_parser(subs)
+    args = parser.parse_args(argv)
+    if not hasattr(args, "func"):
+        parser.print_help()
+        sys.exit(2)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

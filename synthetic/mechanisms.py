@@ -1,0 +1,488 @@
+"""How a trained one-layer model recalls: superposition readouts of the subject embeddings and the MLP as a
+relation-conditioned selector, measured beside a key-value (frozen-embedding) control.
+
+Everything here takes a trained :class:`synthetic.model.FactRecallModel` and its one-hop
+:class:`synthetic.tasks.FactTask` and returns plain, JSON-ready dicts.
+
+1. **Superposition readouts** (:func:`superposition`): the subject embeddings e_s (relation-free states) go through
+   the *same* geometry code that measures pretrained models (:func:`llmprobe.geometry.superposition_readout`):
+   per-relation linear readout accuracy of a_r(s) from e_s, the fit e_s ~ c + sum_r W_r u_{a_r(s)} with held-out
+   R^2 (k-fold over subjects), the shuffled-table control, any control models (a frozen-embedding model of the same
+   width, the untrained model), and a *causal* swap edit: e_s + W_r (u_{a'} - u_{a_r(s)}) patched into the subject
+   position should make relation r answer a' and leave the other relations alone. u_a = the model's unembedding row
+   of attribute a (:meth:`FactRecallModel.attribute_vectors`).
+2. **Selector** (:func:`selector`): per MLP hidden unit (``blocks.0.mlp_hidden`` at the answer position) its mean
+   activation and firing rate per relation; a *selectivity index* SI = (mu_max - mean_{r != max} mu_r) /
+   (mu_max + mean_{r != max} mu_r) in [0, 1] and a *relation-gating index* I(gate; relation) / H(gate) (how much of
+   a unit's on/off pattern the relation alone explains); each unit is assigned to its top relation. The
+   **ablation matrix** M[r, r'] = drop in accuracy on relation r' when the units assigned to r are zeroed, beside a
+   control that zeroes the same number of random units; diagonal-dominant = each row's diagonal drop exceeds every
+   off-diagonal drop. **Gate transplant**: run (s, r) with the ReLU on/off mask taken from a *different* subject
+   with the same relation (selector: accuracy stays high) or from the same subject with another relation (control:
+   accuracy falls). **Relation patch**: replace the relation token's embedding (``blocks.0.resid_pre``, position 1)
+   by another relation's: the answer should follow the new relation for the same subject.
+3. :func:`compare` lays the summaries of several models (trainable vs frozen) side by side.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Iterator
+
+import torch
+
+from llmprobe.capture import capture, patch
+from llmprobe.geometry import SuperpositionFit, kfold_indices, superposition_readout
+
+from .model import FactRecallModel, ModelConfig
+from .tasks import FactTask
+
+HIDDEN = "blocks.0.mlp_hidden"
+RESID_PRE = "blocks.0.resid_pre"
+
+
+# ------------------------------------------------------------------------------------------------------ helpers
+def readout_inputs(model: FactRecallModel, task: FactTask) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """(H [N, d] subject embeddings, A [N, R] *local* attribute indices (-1 = missing), U list of R
+    [n_attr_r, d] unembedding rows of each relation's attributes) as the geometry code expects them."""
+    H = model.subject_embeddings().float()
+    A, U = local_table(task), []
+    W = model.attribute_vectors().float()
+    for r in range(task.n_relations):
+        U.append(W[task.relation_attributes(r)])
+    return H, A, U
+
+
+def local_table(task: FactTask) -> torch.Tensor:
+    """task.table (global output ids) -> per-relation local attribute indices (position in relation_attributes)."""
+    A = torch.full_like(task.table, -1)
+    for r in range(task.n_relations):
+        ids = task.relation_attributes(r)
+        lookup = torch.full((task.n_outputs,), -1, dtype=torch.long)
+        lookup[ids] = torch.arange(ids.numel())
+        col = task.table[:, r]
+        ok = col >= 0
+        A[ok, r] = lookup[col[ok]]
+    return A
+
+
+def untrained_like(model: FactRecallModel, seed_offset: int = 1) -> FactRecallModel:
+    """The same architecture at a fresh random init (the "random-init model" control)."""
+    cfg = ModelConfig.from_dict({**model.config.to_dict(), "seed": model.config.seed + seed_offset})
+    return FactRecallModel(cfg).eval()
+
+
+def _one_hop(task: FactTask):
+    data = task.data()
+    s, r, a = task.facts()
+    return data.input_ids, s, r, a
+
+
+@torch.no_grad()
+def _logits_last(model: FactRecallModel, ids: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """Argmax answers [F] at the last position (full forward, so hooks and patches apply)."""
+    out = []
+    for i in range(0, ids.shape[0], chunk):
+        out.append(model(ids[i:i + chunk])[:, -1].argmax(-1))
+    return torch.cat(out)
+
+
+@contextlib.contextmanager
+def _edit_hidden(model: FactRecallModel, fn) -> Iterator[None]:
+    """Forward hook on ``blocks.0.mlp_hidden``: ``fn(hidden [b, t, m]) -> hidden``."""
+    handle = model.hook_points()[HIDDEN].register_forward_hook(lambda mod, args, out: fn(out))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def accuracy_by_relation(model: FactRecallModel, task: FactTask, pred: torch.Tensor | None = None) -> torch.Tensor:
+    """Accuracy [R] of the model's argmax answers on each relation's facts."""
+    ids, s, r, a = _one_hop(task)
+    if pred is None:
+        pred = _logits_last(model, ids)
+    hits = (pred == a).double()
+    return torch.zeros(task.n_relations, dtype=torch.float64).index_add_(0, r, hits) / \
+        torch.bincount(r, minlength=task.n_relations).clamp_min(1)
+
+
+def _round(x, nd=4):
+    if isinstance(x, torch.Tensor):
+        x = x.tolist()
+    if isinstance(x, float):
+        return round(x, nd) if math.isfinite(x) else None
+    if isinstance(x, (list, tuple)):
+        return [_round(v, nd) for v in x]
+    if isinstance(x, dict):
+        return {k: _round(v, nd) for k, v in x.items()}
+    return x
+
+
+# -------------------------------------------------------------------------------------------- 1. superposition
+def superposition(model: FactRecallModel, task: FactTask, controls: dict[str, FactRecallModel] | None = None,
+                  k: int = 5, n_boot: int = 500, seed: int = 0, swap_edit: bool = True,
+                  max_edits: int = 512) -> dict:
+    """Superposition readouts of e_s with the shuffled-table control and each control model (same task).
+
+    Returns ``{"report": SuperpositionReport.to_dict(), "summary": {condition: {r2, readout_acc, decode_acc,
+    chance}}, "swap_edit": {...}}`` where summary values are means over relations (readout accuracies are the
+    fraction of held-out subjects whose nearest attribute under relation r's linear readout is a_r(s)).
+    """
+    t0 = time.perf_counter()
+    H, A, U = readout_inputs(model, task)
+    ctrl = {}
+    for name, m in (controls or {}).items():
+        H_c, _, U_c = readout_inputs(m, task)
+        ctrl[name] = (H_c, U_c)
+    rep = superposition_readout(H, A, U, controls=ctrl, relation_names=task.relations, k=k, n_boot=n_boot,
+                                seed=seed).to_dict()
+    summary = {}
+    for name, cond in rep["conditions"].items():
+        summary[name] = {"r2": cond["r2"]["estimate"], "r2_ci": [cond["r2"]["lo"], cond["r2"]["hi"]]}
+        for key in ("readout_acc", "decode_acc", "chance"):
+            vals = [v["estimate"] for v in (cond.get(key) or {}).values() if v]
+            summary[name][key] = sum(vals) / len(vals) if vals else None
+    out = {"report": rep, "summary": _round(summary)}
+    if swap_edit:
+        out["swap_edit"] = swap_edits(model, task, k=k, seed=seed, max_edits=max_edits)
+        for name, m in (controls or {}).items():
+            out[f"swap_edit_{name}"] = swap_edits(m, task, k=k, seed=seed, max_edits=max_edits)
+    out["wall_s"] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+@torch.no_grad()
+def swap_edits(model: FactRecallModel, task: FactTask, k: int = 5, seed: int = 0, max_edits: int = 512,
+               alpha=None) -> dict:
+    """Causal test of the superposition fit on held-out subjects.
+
+    For each fold, fit e_s ~ c + sum_r W_r u_{a_r(s)} on the training subjects; for a held-out subject s and a
+    relation r pick a random a' != a_r(s) among r's attributes, patch e_s -> e_s + W_r (u_{a'} - u_{a_r(s)}) at
+    the subject position (``blocks.0.resid_pre``, position 0) and ask every relation. ``flip`` = fraction where
+    relation r now answers a'; ``others_kept`` = fraction of the other relations' answers unchanged;
+    ``success`` = both at once. ``random_flip``: the same edit with a random direction of the same norm.
+    """
+    from llmprobe.geometry import ALPHA_GRID
+
+    H, A, U = readout_inputs(model, task)
+    N, R = A.shape
+    g = torch.Generator().manual_seed(seed + 17)
+    folds = kfold_indices(N, k, seed)
+    per_fold = max(1, max_edits // len(folds))
+    flips, kept, both, rflips = [], [], [], []
+    rel_ids = [task.relation_attributes(r) for r in range(R)]
+    for train_idx, test_idx in folds:
+        fit = SuperpositionFit(alpha=ALPHA_GRID if alpha is None else alpha).fit(H[train_idx], A[train_idx], U)
+        subj = test_idx[torch.randperm(test_idx.numel(), generator=g)]
+        rels = torch.randint(0, R, (subj.numel(),), generator=g)
+        keep = A[subj, rels] >= 0
+        subj, rels = subj[keep][:per_fold], rels[keep][:per_fold]
+        if subj.numel() == 0:
+            continue
+        new_local = torch.empty_like(subj)
+        for i, (s, r) in enumerate(zip(subj.tolist(), rels.tolist())):
+            n_attr = U[r].shape[0]
+            a_new = int(torch.randint(0, n_attr - 1, (1,), generator=g))
+            new_local[i] = a_new + (a_new >= int(A[s, r]))           # any attribute but the current one
+        delta = torch.zeros(subj.numel(), H.shape[1])
+        for r in rels.unique().tolist():
+            rows = rels == r
+            A_old = A[subj[rows]]
+            A_new = A_old.clone()
+            A_new[:, r] = new_local[rows]
+            delta[rows] = (fit.component(A_new, r) - fit.component(A_old, r)).float()
+        rand = torch.randn(delta.shape, generator=g)
+        rand = rand / rand.norm(dim=1, keepdim=True) * delta.norm(dim=1, keepdim=True)
+        for d_vec, store in ((delta, "edit"), (rand, "random")):
+            # ask every relation of the edited subject: batch [n_edits * R]
+            ids = torch.stack([subj.repeat_interleave(R), torch.arange(R).repeat(subj.numel()) + N], 1)
+            with patch(model, RESID_PRE, torch.zeros(ids.shape[0], dtype=torch.long),
+                       delta=d_vec.repeat_interleave(R, 0)):
+                pred = _logits_last(model, ids, chunk=ids.shape[0]).view(-1, R)
+            target_new = torch.stack([rel_ids[r][a] for r, a in zip(rels.tolist(), new_local.tolist())])
+            asked = pred[torch.arange(subj.numel()), rels]
+            if store == "random":
+                rflips.append(asked == target_new)
+                continue
+            flip = asked == target_new
+            other = torch.ones(subj.numel(), R, dtype=torch.bool)
+            other[torch.arange(subj.numel()), rels] = False
+            table = task.table[subj]
+            same = (pred == table) | (table < 0)
+            kept_i = (same | ~other).all(1)
+            flips.append(flip)
+            kept.append(kept_i)
+            both.append(flip & kept_i)
+    cat = lambda xs: float(torch.cat(xs).double().mean()) if xs else float("nan")  # noqa: E731
+    return _round({"n_edits": int(sum(x.numel() for x in flips)), "flip": cat(flips), "others_kept": cat(kept),
+                   "success": cat(both), "random_flip": cat(rflips)})
+
+
+# -------------------------------------------------------------------------------------------------- 2. selector
+@torch.no_grad()
+def hidden_activations(model: FactRecallModel, task: FactTask) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden [F, m] at the answer position, subject [F], relation [F]) for every fact."""
+    ids, s, r, _ = _one_hop(task)
+    pos = torch.full((ids.shape[0], 1), ids.shape[1] - 1, dtype=torch.long)
+    hid = capture(model, [HIDDEN], ids, positions=pos)[HIDDEN][:, 0]
+    return hid, s, r
+
+
+def _entropy(p: torch.Tensor) -> torch.Tensor:
+    p = p.clamp(1e-12, 1 - 1e-12)
+    return -(p * p.log2() + (1 - p) * (1 - p).log2())
+
+
+def unit_stats(hidden: torch.Tensor, rel: torch.Tensor, n_relations: int) -> dict:
+    """Per unit: mean activation [R, m] and firing rate [R, m] by relation, selectivity index [m], relation-gating
+    index [m] (I(gate; relation) / H(gate), NaN for units that never or always fire), top relation [m], alive [m]."""
+    R = n_relations
+    counts = torch.bincount(rel, minlength=R).double().clamp_min(1)[:, None]
+    h = hidden.double()
+    mean = torch.zeros(R, h.shape[1], dtype=torch.float64).index_add_(0, rel, h) / counts
+    rate = torch.zeros(R, h.shape[1], dtype=torch.float64).index_add_(0, rel, (h > 0).double()) / counts
+    top = mean.argmax(0)
+    mu_max = mean.max(0).values
+    rest = (mean.sum(0) - mu_max) / max(R - 1, 1)
+    si = (mu_max - rest) / (mu_max + rest).clamp_min(1e-12)
+    p = (h > 0).double().mean(0)
+    weights = counts[:, 0] / counts.sum()
+    h_gate = _entropy(p)
+    cond = (weights[:, None] * _entropy(rate)).sum(0)
+    gating = (h_gate - cond) / h_gate
+    gating[(p <= 0) | (p >= 1)] = float("nan")
+    alive = mu_max > 0
+    return {"mean": mean, "rate": rate, "si": si, "gating": gating, "top": top, "alive": alive,
+            "fire_rate": p}
+
+
+@torch.no_grad()
+def ablation_matrix(model: FactRecallModel, task: FactTask, groups: list[torch.Tensor]) -> dict:
+    """Accuracy with each group of hidden units zeroed. groups[r] = unit indices (LongTensor).
+    Returns base accuracy [R], accuracy [len(groups), R] and drop = base - accuracy."""
+    ids, s, r, a = _one_hop(task)
+    base = accuracy_by_relation(model, task)
+    m = model.config.d_mlp
+    acc = []
+    for units in groups:
+        mask = torch.ones(m)
+        mask[units] = 0.0
+        with _edit_hidden(model, lambda h, mask=mask: h * mask):
+            acc.append(accuracy_by_relation(model, task))
+    acc = torch.stack(acc) if acc else torch.zeros(0, task.n_relations)
+    return {"base": base, "accuracy": acc, "drop": base[None, :] - acc}
+
+
+def diagonal_dominance(drop: torch.Tensor) -> dict:
+    """For a square drop matrix: rows whose diagonal exceeds every off-diagonal entry, mean diagonal and mean
+    off-diagonal drop, and their ratio."""
+    R = drop.shape[0]
+    drop = drop.double()
+    diag = drop.diagonal()
+    off = drop.masked_fill(torch.eye(R, dtype=torch.bool), float("-inf"))
+    rows = (diag > off.max(1).values) if R > 1 else torch.ones(1, dtype=torch.bool)
+    off_mean = float(drop[~torch.eye(R, dtype=torch.bool)].mean()) if R > 1 else 0.0
+    return {"dominant_rows": int(rows.sum()), "n_rows": R, "diagonal_dominant": bool(rows.all()),
+            "mean_diag_drop": float(diag.mean()), "mean_offdiag_drop": off_mean,
+            "diag_minus_offdiag": float(diag.mean()) - off_mean}
+
+
+@torch.no_grad()
+def gate_transplant(model: FactRecallModel, task: FactTask, seed: int = 0) -> dict:
+    """Run every fact (s, r) with the MLP's ReLU on/off mask replaced, keeping its own pre-activations.
+
+    ``same_relation``: mask from (s2, r) with a random other subject s2 (a selector keeps accuracy: its gates
+    depend on the relation, not the subject). ``same_subject``: mask from (s, r2) with a random other relation
+    (control: should fail). ``own``: the unedited accuracy."""
+    ids, s, r, a = _one_hop(task)
+    N, R = task.n_subjects, task.n_relations
+    g = torch.Generator().manual_seed(seed + 29)
+    pos = torch.full((ids.shape[0], 1), ids.shape[1] - 1, dtype=torch.long)
+    mid = capture(model, ["blocks.0.resid_mid"], ids, positions=pos)["blocks.0.resid_mid"][:, 0]
+    pre = mid @ model.W_in.detach() + model.b_in.detach()
+    out = {"own": float(accuracy_by_relation(model, task).mean())}
+    fact_index = torch.full((N, R), -1, dtype=torch.long)
+    fact_index[s, r] = torch.arange(s.numel())
+    s2 = (s + torch.randint(1, N, s.shape, generator=g)) % N
+    r2 = (r + torch.randint(1, max(R, 2), r.shape, generator=g)) % max(R, 1) if R > 1 else r
+    for name, (ss, rr) in {"same_relation": (s2, r), "same_subject": (s, r2)}.items():
+        donor = fact_index[ss, rr]
+        ok = donor >= 0
+        if not bool(ok.any()) or (name == "same_subject" and R < 2):
+            out[name] = None
+            continue
+        mask = (pre[donor.clamp_min(0)] > 0).to(pre.dtype)
+        hid = mask * pre
+        hits = []
+        with patch(model, HIDDEN, pos[:, 0], values=hid):
+            pred = _logits_last(model, ids, chunk=ids.shape[0])
+        hits = (pred == a)[ok]
+        out[name] = float(hits.double().mean())
+    return out
+
+
+@torch.no_grad()
+def relation_patch(model: FactRecallModel, task: FactTask, seed: int = 0) -> dict:
+    """Replace the relation token's state (``blocks.0.resid_pre`` at position 1) of (s, r) by relation r2's
+    embedding: ``follows_new`` = fraction answering a_{r2}(s), ``keeps_old`` = fraction still answering a_r(s)."""
+    ids, s, r, a = _one_hop(task)
+    R = task.n_relations
+    if R < 2:
+        return {"follows_new": None, "keeps_old": None}
+    g = torch.Generator().manual_seed(seed + 31)
+    r2 = (r + torch.randint(1, R, r.shape, generator=g)) % R
+    target = task.table[s, r2]
+    ok = target >= 0
+    pos_vec = model.pos[1].detach() if model.pos is not None else 0.0
+    values = model.relation_embeddings()[r2] + pos_vec
+    with patch(model, RESID_PRE, torch.ones(ids.shape[0], dtype=torch.long), values=values):
+        pred = _logits_last(model, ids, chunk=ids.shape[0])
+    return {"follows_new": float((pred == target)[ok].double().mean()),
+            "keeps_old": float((pred == a)[ok & (target != a)].double().mean())}
+
+
+def selector(model: FactRecallModel, task: FactTask, seed: int = 0, min_si: float = 0.0) -> dict:
+    """The MLP-as-selector analyses of one model (see module docstring). Units count for the ablation when they
+    fire for some fact and their selectivity index is >= ``min_si``; the random control zeroes as many random
+    live units per row."""
+    t0 = time.perf_counter()
+    hidden, s, rel = hidden_activations(model, task)
+    R = task.n_relations
+    st = unit_stats(hidden, rel, R)
+    use = st["alive"] & (st["si"] >= min_si)
+    groups = [torch.nonzero(use & (st["top"] == r)).flatten() for r in range(R)]
+    abl = ablation_matrix(model, task, groups)
+    g = torch.Generator().manual_seed(seed + 37)
+    alive_idx = torch.nonzero(st["alive"]).flatten()
+    rand_groups = [alive_idx[torch.randperm(alive_idx.numel(), generator=g)[:grp.numel()]] for grp in groups]
+    ctrl = ablation_matrix(model, task, rand_groups)
+    gating = st["gating"][~torch.isnan(st["gating"])]
+    si_alive = st["si"][st["alive"]]
+    out = {
+        "n_units": int(hidden.shape[1]), "n_alive": int(st["alive"].sum()),
+        "units_per_relation": [int(x.numel()) for x in groups],
+        "selectivity_index": {"mean": float(si_alive.mean()) if si_alive.numel() else None,
+                              "median": float(si_alive.median()) if si_alive.numel() else None,
+                              "frac_above_0.5": float((si_alive > 0.5).double().mean()) if si_alive.numel() else None,
+                              "hist": torch.histc(si_alive.float(), bins=10, min=0, max=1).int().tolist()},
+        "relation_gating": {"mean": float(gating.mean()) if gating.numel() else None,
+                            "median": float(gating.median()) if gating.numel() else None,
+                            "frac_above_0.5": float((gating > 0.5).double().mean()) if gating.numel() else None},
+        "mean_fire_rate": float(st["fire_rate"].mean()),
+        "base_accuracy": abl["base"],
+        "ablation_drop": abl["drop"],
+        "ablation": diagonal_dominance(abl["drop"]),
+        "random_ablation_drop": ctrl["drop"],
+        "random_ablation": diagonal_dominance(ctrl["drop"]),
+        "gate_transplant": gate_transplant(model, task, seed),
+        "relation_patch": relation_patch(model, task, seed),
+    }
+    out = _round(out)
+    out["wall_s"] = round(time.perf_counter() - t0, 2)
+    out["_unit_stats"] = st                       # tensors for plots; dropped by analyze before writing JSON
+    return out
+
+
+@torch.no_grad()
+def logit_attribution(model: FactRecallModel, task: FactTask, new_table: torch.Tensor | None = None,
+                      seed: int = 0) -> dict:
+    """Where the right answer's logit comes from, in the linear picture of a selector.
+
+    Per relation r, fit the relation operator h(s, r) ~ A_r e_s + k_r (ridge from the subject embedding to the
+    final state at the answer position; ``operator_r2`` = how linear the model is in e_s once r is fixed, 1 for a
+    pure ReLU selector with relation-fixed gates), and the superposition fit e_s ~ c + sum_q W_q u_{a_q(s)}. The
+    right answer's logit then splits into one term per relation component q:
+    S_rq[a, b] = u_a . A_r W_q u_b. ``advantage[r][q]`` = mean over subjects of
+    S_rq[a_r(s), a_q(s)] - mean_a' S_rq[a', a_q(s)] (how much component q lifts the right answer above an average
+    attribute). q = r is the selector's own read-out; q != r is *cross-relation* help, which can only be nonzero
+    when the attribute vectors are co-adapted with this particular table (associations). ``advantage_new`` is the
+    same on a new random table (what freeze-and-swap embeddings face), where cross help should vanish, and
+    ``cross_sd`` the spread of the cross terms there (noise that competes with the own term).
+    """
+    from llmprobe.geometry import ALPHA_GRID, ridge_fit
+
+    H, A, U = readout_inputs(model, task)
+    N, R = A.shape
+    ids, s, r, a = _one_hop(task)
+    h = capture(model, ["blocks.0.resid_post"], ids,
+                positions=torch.full((ids.shape[0], 1), ids.shape[1] - 1, dtype=torch.long)
+                )["blocks.0.resid_post"][:, 0].double()
+    fit = SuperpositionFit(alpha=ALPHA_GRID).fit(H, A, U)
+    if new_table is None:
+        from llmprobe.geometry import shuffle_table
+        new_table = local_table(FactTask(shuffle_table(task.table, seed + 1), n_outputs=task.n_outputs,
+                                         attr_index=task.attr_index))
+    ops, op_r2 = [], []
+    for q in range(R):
+        rows = r == q
+        W, b = ridge_fit(H[s[rows]].double(), h[rows], 1e-3)
+        pred = H[s[rows]].double() @ W.T + b
+        op_r2.append(1 - float(((h[rows] - pred) ** 2).sum() / ((h[rows] - h[rows].mean(0)) ** 2).sum()))
+        ops.append(W)
+    adv, adv_new, sd = [], [], []
+    for rr in range(R):
+        row, row_new, row_sd = [], [], []
+        U_r = U[rr].double()
+        for q in range(R):
+            S = U_r @ ops[rr] @ fit.W_[q] @ U[q].double().T              # [n_attr_r, n_attr_q]
+            col_mean = S.mean(0)
+            vals = []
+            for table in (A, new_table):
+                ok = (table[:, rr] >= 0) & (table[:, q] >= 0)
+                ar, bq = table[ok, rr], table[ok, q]
+                vals.append(float((S[ar, bq] - col_mean[bq]).mean()) if bool(ok.any()) else float("nan"))
+            row.append(vals[0])
+            row_new.append(vals[1])
+            row_sd.append(float((S - col_mean).std()))
+        adv.append(row)
+        adv_new.append(row_new)
+        sd.append(row_sd)
+    adv_t, new_t = torch.tensor(adv), torch.tensor(adv_new)
+    eye = torch.eye(R, dtype=torch.bool)
+    own = float(adv_t[eye].mean())
+    cross = float(adv_t[~eye].view(R, -1).sum(1).mean()) if R > 1 else 0.0
+    cross_new = float(new_t[~eye].view(R, -1).sum(1).mean()) if R > 1 else 0.0
+    return _round({"operator_r2": op_r2, "advantage": adv, "advantage_new": adv_new, "cross_sd": sd,
+                   "own": own, "cross_total": cross, "cross_total_new": cross_new,
+                   "own_share": own / (own + cross) if own + cross else None})
+
+
+# ------------------------------------------------------------------------------------------------ 3. comparison
+def key_numbers(sup: dict | None, sel: dict | None) -> dict:
+    """The headline numbers of one model's analyses (for side-by-side tables)."""
+    out = {}
+    if sup:
+        real = sup["summary"]["real"]
+        out.update({"readout_acc": real["readout_acc"], "superposition_r2": real["r2"],
+                    "decode_acc": real["decode_acc"],
+                    "shuffled_readout_acc": sup["summary"]["shuffled"]["readout_acc"],
+                    "shuffled_r2": sup["summary"]["shuffled"]["r2"]})
+        if "swap_edit" in sup:
+            out["swap_edit_success"] = sup["swap_edit"]["success"]
+            out["swap_edit_random_flip"] = sup["swap_edit"]["random_flip"]
+    if sel:
+        out.update({"selectivity_index": sel["selectivity_index"]["mean"],
+                    "relation_gating": sel["relation_gating"]["mean"],
+                    "ablation_diag_dominant_rows": f"{sel['ablation']['dominant_rows']}/{sel['ablation']['n_rows']}",
+                    "ablation_diag_minus_offdiag": sel["ablation"]["diag_minus_offdiag"],
+                    "random_ablation_diag_minus_offdiag": sel["random_ablation"]["diag_minus_offdiag"],
+                    "gate_transplant_same_relation": sel["gate_transplant"]["same_relation"],
+                    "gate_transplant_same_subject": sel["gate_transplant"]["same_subject"],
+                    "relation_patch_follows_new": sel["relation_patch"]["follows_new"]})
+    return _round(out)
+
+
+def compare(rows: dict[str, dict]) -> str:
+    """Markdown table: one column per model (``rows[name] = key_numbers(...)``), one row per number."""
+    names = list(rows)
+    keys = list(dict.fromkeys(k for r in rows.values() for k in r))
+    lines = ["| measure | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for key in keys:
+        cells = []
+        for n in names:
+            v = rows[n].get(key)
+            cells.append("-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v)))
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,347 @@
+"""Training of :class:`synthetic.model.FactRecallModel` to 100% train accuracy.
+
+Recipe (defaults of :class:`TrainConfig`): Adam (lr 0.1, betas (0.9, 0.98), no weight decay), full batch over
+every fact (or minibatches of ``batch_size``), learning rate with a linear warm-up over the first 10% of
+``max_steps`` and cosine decay to ``lr * min_lr_frac``, and stop as soon as every training prediction is the argmax (``target_acc`` = 1.0). In full-batch
+mode the accuracy comes for free from the step's own forward pass (parameters *before* the step); in minibatch mode
+a full evaluation runs at the end of each epoch.
+
+Checkpoints (``out_dir``): ``checkpoint.safetensors`` holds the parameters and the flattened Adam moments
+(``opt.<name>.exp_avg`` / ``opt.<name>.exp_avg_sq``), ``checkpoint.json`` the step, configs and history, and
+``task.json`` the fact table. All writes are atomic (temp file + ``os.replace``). A run started on a directory that
+holds a checkpoint resumes from it (``resume=False`` starts over). ``run.json`` records the result: accuracy, steps,
+wall time, parameter counts and bits per trainable parameter.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .model import FactRecallModel, ModelConfig
+from .tasks import FactTask, KHopTask, SeqData
+
+CHECKPOINT = "checkpoint.safetensors"
+STATE = "checkpoint.json"
+RUN = "run.json"
+TASK = "task.json"
+
+
+@dataclass
+class TrainConfig:
+    lr: float = 0.1
+    max_steps: int = 2000
+    batch_size: int | None = None        # None = full batch (all facts every step)
+    warmup_frac: float = 0.1
+    min_lr_frac: float = 0.01
+    schedule: str = "cosine"             # "cosine" | "constant"
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    target_acc: float = 1.0
+    chunk: int | None = None             # rows per softmax chunk; None = auto (L2-sized on CPU)
+    seed: int = 0                        # data order (minibatch mode)
+    device: str = "cpu"
+    threads: int | None = None           # torch.set_num_threads on CPU (None = leave)
+    checkpoint_every_s: float = 120.0
+    log_every: int = 50                  # history granularity (steps)
+    progress: bool = True
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, obj: dict) -> "TrainConfig":
+        known = {k: v for k, v in obj.items() if k in cls.__dataclass_fields__}
+        if "betas" in known:
+            known["betas"] = tuple(known["betas"])
+        return cls(**known)
+
+
+@dataclass
+class RunResult:
+    """What one training run achieved. ``bits`` is the information in the fact table (R*log2(N!) for R random
+    bijections; see :meth:`synthetic.tasks.FactTask.bits`), ``bits_per_param`` = bits / trainable parameters."""
+
+    accuracy: float
+    success: bool
+    steps: int
+    wall_time_s: float
+    n_params: int
+    n_trainable: int
+    bits: float
+    bits_per_param: float
+    loss: float
+    facts_per_s: float
+    n_subjects: int
+    n_relations: int
+    d_model: int
+    d_mlp: int
+    frozen_subjects: bool
+    attention: str
+    task_kind: str
+    train: dict = field(default_factory=dict)
+    history: list = field(default_factory=list)
+    time_to_target_s: float | None = None
+    cpu_time_s: float | None = None          # process CPU time of this call (robust to other load on the machine)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate for ``step`` (0-based): linear warm-up, then cosine to ``lr * min_lr_frac``."""
+    if cfg.schedule == "constant":
+        return cfg.lr
+    warm = max(1, int(cfg.warmup_frac * cfg.max_steps))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    t = min(1.0, (step - warm) / max(1, cfg.max_steps - warm))
+    return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def model_config_for(task: FactTask | KHopTask, d_model: int, **kw) -> ModelConfig:
+    """A :class:`ModelConfig` sized for ``task`` (subjects, relations, outputs, sequence length)."""
+    max_len = task.seq_len if isinstance(task, KHopTask) else 2
+    return ModelConfig(n_subjects=task.n_subjects, n_relations=task.n_relations, n_outputs=task.n_outputs,
+                       d_model=d_model, max_len=max_len, **kw)
+
+
+def evaluate(model: FactRecallModel, data: SeqData, chunk: int = 8192) -> float:
+    """Fraction of target predictions (all positions) that are the argmax."""
+    pred = model.predict(data.input_ids, data.target_pos, chunk=chunk)
+    return float((pred == data.targets).float().mean()) if data.n_predictions else 1.0
+
+
+def train(task: FactTask | KHopTask, d_model: int | None = None, *, model_config: ModelConfig | None = None,
+          config: TrainConfig | None = None, out_dir: str | None = None, resume: bool = True,
+          model: FactRecallModel | None = None, callback=None, **model_kw) -> RunResult:
+    """Train a one-layer model on every fact of ``task`` until 100% train accuracy or ``config.max_steps``.
+
+    Give ``d_model`` (other architecture settings as keywords, e.g. ``frozen_subjects=True``,
+    ``attention="learned"``, ``d_mlp=64``), a full ``model_config``, or a ready ``model``. With ``out_dir`` the run
+    checkpoints there and resumes from an existing checkpoint (Ctrl-C saves a checkpoint before it propagates).
+    ``callback(step, loss, accuracy)`` runs after every update; returning True stops there (resumable).
+    The trained model is ``result.model``.
+    """
+    cfg = config or TrainConfig()
+    if cfg.threads and cfg.device == "cpu":
+        torch.set_num_threads(cfg.threads)
+    if model is None:
+        if model_config is None:
+            if d_model is None:
+                raise ValueError("give d_model, model_config or model")
+            model_config = model_config_for(task, d_model, **model_kw)
+        model = FactRecallModel(model_config)
+    mcfg = model.config
+    device = torch.device(cfg.device)
+    model.to(device)
+    data = task.data().to(device)
+    n_rows = len(data)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    opt = torch.optim.Adam(params.values(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+    step, elapsed, history, acc, loss_val, t_target = 0, 0.0, [], 0.0, float("nan"), None
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        if resume and os.path.exists(os.path.join(out_dir, STATE)):
+            state = _load_checkpoint(out_dir, model, opt, params)
+            step, elapsed, history = state["step"], state["elapsed"], state["history"]
+            acc, loss_val = state.get("accuracy", 0.0), state.get("loss", float("nan"))
+        else:
+            _save_task(task, out_dir)
+
+    bs = n_rows if not cfg.batch_size else min(cfg.batch_size, n_rows)
+    full_batch = bs >= n_rows
+    steps_per_epoch = math.ceil(n_rows / bs)
+    bar = _progress(cfg, step)
+    t0 = time.perf_counter() - elapsed
+    cpu0 = time.process_time()
+    last_ckpt = time.perf_counter()
+    done = acc >= cfg.target_acc and step > 0
+    perm, correct_epoch = None, 0
+
+    def record():
+        history.append([step, round(loss_val, 5), round(acc, 5)])
+
+    try:
+        while not done and step < cfg.max_steps:
+            if full_batch:
+                ids, tgt = data.input_ids, data.targets
+            else:
+                pos = step % steps_per_epoch
+                if perm is None or pos == 0:
+                    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step // steps_per_epoch)
+                    perm = torch.randperm(n_rows, generator=g).to(device)
+                idx = perm[pos * bs:(pos + 1) * bs]
+                ids, tgt = data.input_ids[idx], data.targets[idx]
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, cfg)
+            loss, correct = model.loss(ids, data.target_pos, tgt, chunk=cfg.chunk)
+            loss_val = float(loss.detach())
+            if full_batch:
+                acc = int(correct) / tgt.numel()       # accuracy of the current parameters, before the update
+                if acc >= cfg.target_acc:
+                    acc = evaluate(model, data)        # confirm with a plain argmax pass
+                    if acc >= cfg.target_acc:
+                        done = True
+                        break
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            step += 1
+            if not full_batch:
+                correct_epoch += int(correct)
+                if step % steps_per_epoch == 0:
+                    running = correct_epoch / data.n_predictions
+                    correct_epoch = 0
+                    # the running accuracy is stale (parameters moved during the epoch): confirm with a full pass
+                    acc = evaluate(model, data) if running >= cfg.target_acc - 0.01 else running
+                    done = acc >= cfg.target_acc
+            if step % cfg.log_every == 0:
+                record()
+            if bar is not None:
+                bar.update(1)
+                if step % 10 == 0:
+                    bar.set_postfix(loss=f"{loss_val:.4f}", acc=f"{acc:.4f}", refresh=False)
+            if out_dir and time.perf_counter() - last_ckpt > cfg.checkpoint_every_s:
+                _save_checkpoint(out_dir, model, opt, params, step, time.perf_counter() - t0, history, acc,
+                                 loss_val, cfg)
+                last_ckpt = time.perf_counter()
+            if callback is not None and callback(step, loss_val, acc):
+                break
+    except KeyboardInterrupt:
+        if out_dir:   # keep what was done; the next call on out_dir resumes from here
+            _save_checkpoint(out_dir, model, opt, params, step, time.perf_counter() - t0, history, acc,
+                             loss_val, cfg)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    if not done:
+        acc = evaluate(model, data)      # parameters after the last update
+        done = acc >= cfg.target_acc
+    if done and t_target is None:
+        t_target = time.perf_counter() - t0
+    if not history or history[-1][0] != step:
+        record()
+    wall = time.perf_counter() - t0
+    n = model.n_params()
+    bits = task.bits()
+    result = RunResult(
+        accuracy=acc, success=acc >= cfg.target_acc, steps=step, wall_time_s=round(wall, 3),
+        n_params=n["total"], n_trainable=n["trainable"], bits=round(bits, 1),
+        bits_per_param=round(bits / max(1, n["trainable"]), 4), loss=loss_val,
+        facts_per_s=round(step * bs / max(wall, 1e-9), 1), n_subjects=mcfg.n_subjects, n_relations=mcfg.n_relations,
+        d_model=mcfg.d_model, d_mlp=mcfg.d_mlp, frozen_subjects=mcfg.frozen_subjects, attention=mcfg.attention,
+        task_kind=task.kind, train=cfg.to_dict(), history=history,
+        time_to_target_s=None if t_target is None else round(t_target, 3),
+        cpu_time_s=round(time.process_time() - cpu0, 3))
+    if out_dir:
+        _save_checkpoint(out_dir, model, opt, params, step, wall, history, acc, loss_val, cfg)
+        _atomic_json(os.path.join(out_dir, RUN), {**result.to_dict(), "model_config": mcfg.to_dict()})
+    result.model = model
+    return result
+
+
+def load_run(out_dir: str, device: str = "cpu") -> tuple[FactRecallModel, FactTask | KHopTask, dict]:
+    """Load a trained model, its task and its ``run.json`` (or checkpoint state) from a training directory."""
+    with open(os.path.join(out_dir, STATE)) as f:
+        state = json.load(f)
+    model = FactRecallModel(ModelConfig.from_dict(state["model_config"]))
+    from safetensors.torch import load_file
+
+    tensors = load_file(os.path.join(out_dir, CHECKPOINT), device=device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(tensors[name])
+    task = _load_task(out_dir)
+    run_path = os.path.join(out_dir, RUN)
+    info = json.load(open(run_path)) if os.path.exists(run_path) else state
+    return model.to(device), task, info
+
+
+# ----------------------------------------------------------------------------- persistence
+def _progress(cfg: TrainConfig, start: int):
+    if not cfg.progress:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover
+        return None
+    return tqdm(total=cfg.max_steps, initial=start, desc="train", unit="step", leave=False, mininterval=0.5)
+
+
+def _atomic_json(path: str, obj) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _save_task(task, out_dir: str) -> None:
+    if isinstance(task, KHopTask):
+        obj = {"khop": {"hops": task.hops, "cot": task.cot, "sequences": task.sequences.tolist()},
+               "base": task.base.to_json()}
+    else:
+        obj = task.to_json()
+    _atomic_json(os.path.join(out_dir, TASK), obj)
+
+
+def _load_task(out_dir: str):
+    with open(os.path.join(out_dir, TASK)) as f:
+        obj = json.load(f)
+    if "khop" in obj:
+        k = obj["khop"]
+        return KHopTask(FactTask.from_json(obj["base"]), k["hops"], k["cot"], torch.tensor(k["sequences"]))
+    return FactTask.from_json(obj)
+
+
+def _save_checkpoint(out_dir, model, opt, params, step, elapsed, history, acc, loss, cfg) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters()}
+    opt_step = {}
+    for name, p in params.items():
+        st = opt.state.get(p, {})
+        if "exp_avg" in st:
+            tensors[f"opt.{name}.exp_avg"] = st["exp_avg"].detach().cpu().contiguous()
+            tensors[f"opt.{name}.exp_avg_sq"] = st["exp_avg_sq"].detach().cpu().contiguous()
+            opt_step[name] = float(st["step"])
+    path = os.path.join(out_dir, CHECKPOINT)
+    tmp = f"{path}.tmp{os.getpid()}"
+    save_file(tensors, tmp)
+    os.replace(tmp, path)
+    _atomic_json(os.path.join(out_dir, STATE), {
+        "step": step, "elapsed": elapsed, "history": history, "accuracy": acc, "loss": loss,
+        "opt_step": opt_step, "train_config": cfg.to_dict(), "model_config": model.config.to_dict()})
+
+
+def _load_checkpoint(out_dir, model, opt, params) -> dict:
+    from safetensors.torch import load_file
+
+    with open(os.path.join(out_dir, STATE)) as f:
+        state = json.load(f)
+    saved = ModelConfig.from_dict(state["model_config"]).to_dict()
+    if saved != model.config.to_dict():
+        raise ValueError(f"{out_dir} holds a checkpoint of a different model ({saved}); use another directory "
+                         f"or resume=False")
+    tensors = load_file(os.path.join(out_dir, CHECKPOINT))
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(tensors[name].to(device))
+    for name, p in params.items():
+        if f"opt.{name}.exp_avg" in tensors:
+            opt.state[p] = {
+                "step": torch.tensor(state["opt_step"][name]),
+                "exp_avg": tensors[f"opt.{name}.exp_avg"].to(device),
+                "exp_avg_sq": tensors[f"opt.{name}.exp_avg_sq"].to(device),
+            }
+    return state

@@ -1,0 +1,253 @@
+"""Model side of the LRE: batched Jacobians (against the per-prompt reference and finite differences), states,
+faithfulness through adapter.logits, causality edits through real forward passes, full-sequence scoring."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from torch import nn
+from transformers import PreTrainedTokenizerFast
+
+from llmprobe.adapters import ModelAdapter
+from llmprobe.capture import capture, forward, patch
+from llmprobe.geometry import LinearRelationDecoder, LinearRelationOperator
+from llmprobe.known import first_token_ids
+from llmprobe.loading import LoadedModel, load_model
+from llmprobe.lre import (logits_fn, next_token_predictions, output_name, per_prompt_jacobians, random_like,
+                          relation_states, subject_jacobians, subject_states)
+from llmprobe.subjects import encode
+from llmprobe.scoring import first_token_collisions, object_continuations, sequence_logprobs
+from tiny_models import save_tiny
+
+TEMPLATES = ["The capital of {} is", "Tell me about {} now.", "{} is located in", "The capital of {} is",
+             "In {}, people pay with the"]
+SUBJECTS = ["France", "United Kingdom", "South Korea", "Japan", "Egypt"]
+
+
+@pytest.fixture(scope="module")
+def llama64(tmp_path_factory):
+    folder = save_tiny("llama", tmp_path_factory.mktemp("llama"))
+    return load_model(str(folder), device="cpu", dtype=torch.float64)
+
+
+# ------------------------------------------------------------------------------------------ a linear toy model
+def word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
+    """Word-level tokenizer (one token per whitespace-separated word, BOS prepended)."""
+    vocab = {w: i for i, w in enumerate(["<pad>", "<s>", "</s>", "[UNK]"] + list(dict.fromkeys(words)))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="[UNK]")
+
+
+class LinearToy(nn.Module):
+    """x <- embed; per block x <- x + M_l (causal running mean of x); logits = head(x). Addressed through
+    ``hook_points()``, like the synthetic model. M_0 = 0, so block 0's output is the embedding and no other
+    position at layer 0 carries the subject: o (last block, last token) is then exactly affine in the layer-0
+    subject state h, o = W h + b with W = M_1 / seq_len for a 2-block toy."""
+
+    def __init__(self, vocab: int, d: int = 16, n_layers: int = 2, seed: int = 0, gain: float = 30.0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(vocab, d)
+        self.mix = nn.ModuleList(nn.Linear(d, d, bias=False) for _ in range(n_layers))
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.points = nn.ModuleList(nn.Identity() for _ in range(n_layers))
+        with torch.no_grad():
+            self.mix[0].weight.zero_()
+            for mix in self.mix[1:]:
+                mix.weight.mul_(gain)  # the subject's share of the running mean matters for the answer
+        self.config = SimpleNamespace(d_model=d, model_type="linear_toy")
+
+    def hook_points(self):
+        return {f"blocks.{l}.resid_post": p for l, p in enumerate(self.points)}
+
+    def forward(self, input_ids, **kwargs):
+        x = self.embed(input_ids)
+        steps = torch.arange(1, x.shape[1] + 1, dtype=x.dtype)[:, None]
+        for mix, point in zip(self.mix, self.points):
+            x = point(x + mix(x.cumsum(1) / steps))
+        return SimpleNamespace(logits=self.head(x))
+
+    def unembed(self, resid):
+        return self.head(resid)
+
+    def get_output_embeddings(self):
+        return self.head
+
+
+def linear_toy(subjects, extra=(), d=16, n_layers=2, seed=0) -> LoadedModel:
+    words = "The capital of is Tell me about now .".split() + list(subjects) + list(extra)
+    tok = word_tokenizer(words)
+    model = LinearToy(len(tok), d, n_layers, seed).double().eval().requires_grad_(False)
+    return LoadedModel(model, tok, ModelAdapter(model), {"name": "linear_toy"})
+
+
+# ------------------------------------------------------------------------------------------------- Jacobians
+def test_batched_jacobian_equals_per_prompt_autograd_jacobian(llama64):
+    """Batched (KV cache for the prefix, vmap over output blocks, several layers at once) == one prompt at a
+    time with torch.autograd.functional.jacobian, with left padding and different templates in one batch."""
+    batched = subject_jacobians(llama64, TEMPLATES, SUBJECTS, [0, 1], batch_size=3, chunk=8)
+    for layer in (0, 1):
+        reference = per_prompt_jacobians(llama64, TEMPLATES, SUBJECTS, layer)
+        assert reference.J.abs().max() > 1e-3  # not trivially zero
+        torch.testing.assert_close(batched[layer].J, reference.J, atol=1e-10, rtol=1e-8)
+        torch.testing.assert_close(batched[layer].H, reference.H, atol=1e-10, rtol=1e-8)
+        torch.testing.assert_close(batched[layer].O, reference.O, atol=1e-10, rtol=1e-8)
+
+
+def test_jacobian_paths_agree(llama64):
+    """Without the KV cache, one output dim per backward, one layer at a time: the same Jacobians."""
+    fast = subject_jacobians(llama64, TEMPLATES, SUBJECTS, [0, 1], batch_size=5, chunk=32)
+    plain = subject_jacobians(llama64, TEMPLATES, SUBJECTS, 1, batch_size=2, chunk=1, use_cache=False)
+    torch.testing.assert_close(fast[1].J, plain.J, atol=1e-10, rtol=1e-8)
+    assert fast[1].W.shape == (32, 32)
+    torch.testing.assert_close(fast[1].W, fast[1].J.mean(0))
+
+
+@pytest.fixture(scope="module")
+def gpt2_64(tmp_path_factory):
+    # GPT-2's LayerNorm runs in the input dtype (Llama's RMSNorm upcasts to float32, which would limit the
+    # finite differences to float32 precision)
+    folder = save_tiny("gpt2", tmp_path_factory.mktemp("gpt2"))
+    return load_model(str(folder), device="cpu", dtype=torch.float64)
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_jacobian_matches_central_finite_differences(gpt2_64, layer):
+    templates, subjects = TEMPLATES[:3], SUBJECTS[:3]
+    result = subject_jacobians(gpt2_64, templates, subjects, layer)
+    final = output_name(gpt2_64)
+    eps = 1e-6
+    d = result.H.shape[1]
+    bumps = torch.cat([torch.eye(d), -torch.eye(d)]).double() * eps                  # [2d, d]
+    n = bumps.shape[0]
+    for row, (template, subject) in enumerate(zip(templates, subjects)):
+        enc = encode(gpt2_64.tokenizer, template, [subject])
+        ids, mask = enc.input_ids.expand(n, -1), enc.attention_mask.expand(n, -1)
+        with patch(gpt2_64.model, f"blocks.{layer}.resid_post", enc.subject_last.expand(n), delta=bumps):
+            o = capture(gpt2_64.model, [final], ids, mask, positions=enc.prompt_last.expand(n)[:, None])[final][:, 0]
+        fd = ((o[:d] - o[d:]) / (2 * eps)).T                                       # [d_out, d_in]
+        assert result.J[row].abs().max() > 1e-3
+        torch.testing.assert_close(result.J[row], fd, atol=1e-8, rtol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+def test_batched_jacobian_other_families(family, tmp_path):
+    lm = load_model(str(save_tiny(family, tmp_path / family)), device="cpu", dtype="float32")
+    batched = subject_jacobians(lm, TEMPLATES, SUBJECTS, 1, batch_size=3, chunk=16)
+    reference = per_prompt_jacobians(lm, TEMPLATES, SUBJECTS, 1)
+    torch.testing.assert_close(batched.J, reference.J, atol=2e-5, rtol=1e-4)
+
+
+def test_jacobian_at_the_last_layer_is_zero_when_the_subject_is_not_last(llama64):
+    result = subject_jacobians(llama64, TEMPLATES[0], SUBJECTS[:2], 2)
+    assert float(result.J.abs().max()) == 0.0
+
+
+# ---------------------------------------------------------------------------------------------------- states
+def test_relation_states_and_logits_fn_reproduce_the_model(llama64):
+    layers = [0, 2]
+    states = relation_states(llama64, TEMPLATES, SUBJECTS, layers, batch_size=2)
+    jac = subject_jacobians(llama64, TEMPLATES, SUBJECTS, layers)
+    for layer in layers:
+        torch.testing.assert_close(states.H[layer], jac[layer].H, atol=1e-10, rtol=1e-8)
+    # o is the last block's output before the final norm; logits_fn = final norm + LM head = the model's logits
+    enc = encode(llama64.tokenizer, TEMPLATES, SUBJECTS)
+    real = forward(llama64.model, enc.input_ids, enc.attention_mask).logits[torch.arange(5), enc.prompt_last]
+    torch.testing.assert_close(logits_fn(llama64)(states.O), real.float(), atol=1e-4, rtol=1e-4)
+    assert states.prompts[1] == "Tell me about United Kingdom now."
+
+
+def test_subject_states_average_over_templates(llama64):
+    both = subject_states(llama64, ["{}", "Tell me about {}."], SUBJECTS[:3], [1])[1]
+    one = subject_states(llama64, ["{}"], SUBJECTS[:3], [1])[1]
+    two = subject_states(llama64, ["Tell me about {}."], SUBJECTS[:3], [1])[1]
+    torch.testing.assert_close(both, (one + two) / 2)
+
+
+def test_lre_faithfulness_goes_through_adapter_logits(llama64):
+    """Faithfulness = argmax of adapter.logits(beta W h + b) (final norm + LM head), checked by hand."""
+    jac = subject_jacobians(llama64, TEMPLATES[0], SUBJECTS, 1)
+    dec = LinearRelationDecoder(beta=2.0).fit(jac.H, jac.O, jac.J)
+    fn = logits_fn(llama64)
+    y = fn(jac.O).argmax(-1)                       # the model's own next tokens
+    by_hand = llama64.model.lm_head(llama64.model.model.norm(2.0 * jac.H @ dec.W_.T + dec.b_)).argmax(-1)
+    assert torch.equal(dec.hits(jac.H, y, fn), by_hand == y)
+    # at beta = 1, and evaluated at the training mean, the LRE reproduces the mean output exactly
+    torch.testing.assert_close(dec.operator_.W, jac.W)
+
+
+# --------------------------------------------------------------------------------------- linear toy: exactness
+TOY_SUBJECTS = [f"S{i}" for i in range(12)]
+
+
+def test_toy_jacobian_is_exact_and_lre_is_perfect():
+    lm = linear_toy(TOY_SUBJECTS)
+    template = "The capital of {} is"                                  # <s> The capital of S is: 6 tokens
+    jac = subject_jacobians(lm, template, TOY_SUBJECTS, 0)
+    expected = lm.model.mix[1].weight / 6                               # d o / d h = M_1 / seq_len
+    for J in jac.J:
+        torch.testing.assert_close(J.double(), expected, atol=1e-6, rtol=1e-6)
+    fn = logits_fn(lm)
+    y = fn(jac.O).argmax(-1)
+    dec = LinearRelationDecoder(beta=1.0).fit(jac.H[:6], jac.O[:6], jac.J[:6])
+    torch.testing.assert_close(dec.predict(jac.H[6:]), jac.O[6:].double(), atol=1e-5, rtol=1e-5)
+    assert dec.score(jac.H[6:], y[6:], fn) == 1.0
+
+
+def test_causality_edit_with_exact_W_reaches_the_target():
+    """h -> h + W^+ (o' - o) patched into a real forward pass makes the model answer the target's object."""
+    lm = linear_toy(TOY_SUBJECTS, seed=1)
+    template = "The capital of {} is"
+    jac = subject_jacobians(lm, template, TOY_SUBJECTS, 0)
+    op = LinearRelationOperator(jac.W.double(), (jac.O - jac.H @ jac.W.T).mean(0).double())
+    y = next_token_predictions(lm, template, TOY_SUBJECTS)
+    src = torch.arange(12)
+    tgt = torch.roll(src, 3)
+    assert int((y[src] != y[tgt]).sum()) >= 6
+    delta = op.edit_delta(op(jac.H[src]), op(jac.H[tgt]))
+    edited = next_token_predictions(lm, template, TOY_SUBJECTS, layer=0, delta=delta)
+    assert torch.equal(edited, y[tgt])
+    unedited = next_token_predictions(lm, template, TOY_SUBJECTS, layer=0, delta=torch.zeros_like(delta))
+    assert torch.equal(unedited, y)
+
+
+# --------------------------------------------------------------------------------------------------- scoring
+def test_sequence_logprobs_match_a_manual_computation(llama64):
+    tok = llama64.tokenizer
+    objects = ["Paris", "London town", "Seoul", "Tokyo", "Cairo"]
+    scores = sequence_logprobs(llama64, TEMPLATES, SUBJECTS, objects, batch_size=2)
+    prompts = [t.replace("{}", s) for t, s in zip(TEMPLATES, SUBJECTS)]
+    for i, ((full, cut), score) in enumerate(zip(object_continuations(tok, prompts, objects), scores)):
+        logits = llama64.model(torch.tensor([full])).logits[0].float()
+        logp = torch.log_softmax(logits, -1)
+        manual = sum(float(logp[t - 1, full[t]]) for t in range(cut, len(full)))
+        assert abs(manual - float(score)) < 1e-4
+    # the first object token is the one first_token_ids gives
+    first = first_token_ids(tok, prompts, objects)
+    assert first.tolist() == [full[cut] for full, cut in object_continuations(tok, prompts, objects)]
+    # a zero edit changes nothing; a large one changes the scores
+    d = llama64.adapter.d_model
+    same = sequence_logprobs(llama64, TEMPLATES, SUBJECTS, objects, layer=1, delta=torch.zeros(5, d))
+    torch.testing.assert_close(same, scores, atol=1e-6, rtol=1e-6)
+    moved = sequence_logprobs(llama64, TEMPLATES, SUBJECTS, objects, layer=0, delta=torch.ones(5, d) * 5)
+    assert not torch.allclose(moved, scores)
+
+
+def test_first_token_collisions_counts_shared_first_tokens():
+    assert first_token_collisions([5, 5, 7, 9], ["South Africa", "South Korea", "Peru", "Chile"]) == 2
+    assert first_token_collisions([5, 5], ["Peru", "Peru"]) == 0
+
+
+def test_random_like_keeps_the_architecture_and_the_global_rng(llama64):
+    state = torch.random.get_rng_state()
+    rand = random_like(llama64, seed=3)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert type(rand.model) is type(llama64.model) and rand.adapter.n_layers == llama64.adapter.n_layers
+    assert rand.tokenizer is llama64.tokenizer
+    a, b = llama64.model.model.embed_tokens.weight, rand.model.model.embed_tokens.weight
+    assert a.shape == b.shape and not torch.allclose(a, b)
+    again = random_like(llama64, seed=3)
+    torch.testing.assert_close(again.model.model.embed_tokens.weight, b)

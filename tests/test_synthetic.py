@@ -1,0 +1,269 @@
+"""Synthetic factual recall: tasks, model, training, resume, sweeps, construction, bounds, CLI (fast, CPU)."""
+import argparse
+import json
+import math
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from synthetic import bounds
+from synthetic.construction import build_construction, construction_accuracy, quantize_, smallest_construction
+from synthetic.model import HOOK_NAMES, FactRecallModel, ModelConfig, softmax_cross_entropy
+from synthetic.sweep import SweepConfig, fit_constant, load_results, run_sweep, thresholds
+from synthetic.tasks import (FactTask, from_fact_table, random_bijections, random_functions, random_khop)
+from synthetic.train import TrainConfig, load_run, lr_at, train
+
+
+# ----------------------------------------------------------------------------- tasks
+def test_bijections_are_seeded_and_bijective():
+    a, b, c = random_bijections(50, 3, seed=1), random_bijections(50, 3, seed=1), random_bijections(50, 3, seed=2)
+    assert torch.equal(a.table, b.table) and not torch.equal(a.table, c.table)
+    assert a.table.shape == (50, 3) and a.n_outputs == 50 and a.n_facts == 150
+    for r in range(3):
+        assert sorted(a.table[:, r].tolist()) == list(range(50))
+    data = a.data()
+    assert data.input_ids.shape == (150, 2) and data.targets.shape == (150, 1)
+    s, r = data.input_ids[:, 0], data.input_ids[:, 1] - 50
+    assert torch.equal(a.table[s, r], data.targets[:, 0])
+    assert math.isclose(a.bits(), 3 * math.lgamma(51) / math.log(2), rel_tol=1e-9)
+
+
+def test_general_tables_functions_and_fact_table():
+    t = random_functions(40, 3, [2, 5, 7], seed=0)
+    assert t.n_outputs == 14 and t.table.max() < 14
+    assert set(t.table[:, 1].tolist()) <= set(t.attr_index[1].tolist())
+    assert torch.equal(t.table, random_functions(40, 3, [2, 5, 7], seed=0).table)
+    # an llmprobe.datasets.FactTable-shaped object (contract: subjects, relations, attributes, table with -1)
+    ft = SimpleNamespace(subjects=["France", "Peru", "Chile"], relations=["capital", "language"],
+                         attributes=[["Paris", "Lima", "Santiago"], ["French", "Spanish"]],
+                         table=torch.tensor([[0, 0], [1, 1], [2, -1]]))
+    task = from_fact_table(ft)
+    assert task.n_facts == 5 and task.n_outputs == 5
+    assert task.attributes[int(task.table[1, 1])] == "Spanish" and int(task.table[2, 1]) == -1
+    assert task.data().input_ids.shape == (5, 2)
+    # bits: capital is a bijection on 3 (log2 3!), language has counts {1, 1} over 2 subjects (log2 2!)
+    assert math.isclose(task.bits(), math.log2(6) + math.log2(2), rel_tol=1e-9)
+    again = FactTask.from_json(json.loads(json.dumps(task.to_json())))
+    assert torch.equal(again.table, task.table) and again.attributes == task.attributes
+
+
+def test_khop_answers_compose_the_maps():
+    task = random_khop(30, 3, hops=2, seed=4)
+    data = task.data()
+    assert data.input_ids.shape == (30 * 9, 3)
+    T = task.base.table
+    s, r1, r2 = data.input_ids[:, 0], data.input_ids[:, 1] - 30, data.input_ids[:, 2] - 30
+    assert torch.equal(data.targets[:, 0], T[T[s, r1], r2])
+    assert int(data.target_pos[0]) == 2
+
+
+def test_cot_sequences_emit_intermediates():
+    task = random_khop(20, 2, hops=3, cot=True, seed=0)
+    data = task.data()
+    assert data.input_ids.shape == (20 * 8, 6) and data.targets.shape == (20 * 8, 3)
+    assert data.target_pos.tolist() == [3, 4, 5]
+    T = task.base.table
+    s = data.input_ids[:, 0]
+    rel = data.input_ids[:, 1:4] - 20
+    e1 = T[s, rel[:, 0]]
+    e2 = T[e1, rel[:, 1]]
+    e3 = T[e2, rel[:, 2]]
+    assert torch.equal(data.input_ids[:, 4], e1) and torch.equal(data.input_ids[:, 5], e2)
+    assert torch.equal(data.targets, torch.stack([e1, e2, e3], 1))
+
+
+# ----------------------------------------------------------------------------- model
+@pytest.mark.parametrize("attention", ["uniform", "learned"])
+def test_model_shapes_and_hook_points(attention):
+    cfg = ModelConfig(n_subjects=10, n_relations=3, n_outputs=7, d_model=8, max_len=4, attention=attention)
+    model = FactRecallModel(cfg)
+    ids = torch.tensor([[0, 11, 12, 3], [4, 10, 10, 5]])
+    logits = model(ids)
+    assert logits.shape == (2, 4, 7)
+    points = model.hook_points()
+    assert tuple(points) == HOOK_NAMES
+    seen = {}
+    handles = [m.register_forward_hook(lambda mod, i, o, n=n: seen.__setitem__(n, o.shape)) for n, m in points.items()]
+    model(ids)
+    for h in handles:
+        h.remove()
+    assert set(seen) == set(HOOK_NAMES)
+    assert seen["blocks.0.mlp_hidden"] == (2, 4, 64) and seen["blocks.0.resid_post"] == (2, 4, 8)
+    # the training path (states at target positions only) agrees with the full forward
+    pos = torch.tensor([1, 3])
+    states = model.final_states(ids, pos)
+    assert torch.allclose(model.unembed(states), logits[:, pos], atol=1e-5)
+    assert model.subject_embeddings().shape == (10, 8) and model.attribute_vectors().shape == (7, 8)
+    # editing a hook's output changes what follows (hooks sit on the real tensors)
+    handle = points["blocks.0.resid_mid"].register_forward_hook(lambda m, i, o: torch.zeros_like(o))
+    assert not torch.allclose(model(ids), logits)
+    handle.remove()
+
+
+def test_capture_reads_the_synthetic_model():
+    capture = pytest.importorskip("llmprobe.capture")
+    model = FactRecallModel(ModelConfig(n_subjects=6, n_relations=2, n_outputs=6, d_model=4))
+    ids = torch.tensor([[0, 6], [5, 7]])
+    got = capture.capture(model, ["blocks.0.resid_post", "blocks.0.resid_pre"], ids)
+    x = model.embed(ids)
+    assert torch.allclose(got["blocks.0.resid_pre"], x)
+    assert torch.allclose(model.unembed(got["blocks.0.resid_post"]), model(ids), atol=1e-5)
+
+
+def test_fused_cross_entropy_matches_torch():
+    torch.manual_seed(0)
+    h = torch.randn(70, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(13, 5, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 13, (70,))
+    loss, correct = softmax_cross_entropy(h, w, None, y, chunk=16)
+    loss.backward()
+    gh, gw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    ref = torch.nn.functional.cross_entropy(h @ w.T, y)
+    ref.backward()
+    assert torch.allclose(loss, ref) and torch.allclose(gh, h.grad) and torch.allclose(gw, w.grad)
+    assert int(correct) == int(((h @ w.T).argmax(1) == y).sum())
+
+
+# ----------------------------------------------------------------------------- training
+def test_small_run_reaches_100_percent():
+    task = random_bijections(64, 2, seed=0)
+    res = train(task, 16, config=TrainConfig(max_steps=400, progress=False))
+    assert res.success and res.accuracy == 1.0 and res.steps < 400
+    assert res.n_trainable == res.n_params
+    assert res.bits == pytest.approx(2 * math.log2(math.factorial(64)), abs=0.1)
+    assert math.isclose(res.bits_per_param, res.bits / res.n_trainable, rel_tol=1e-3)
+    data = task.data()
+    pred = res.model.predict(data.input_ids, data.target_pos)
+    assert torch.equal(pred, data.targets)
+
+
+def test_frozen_subjects_do_not_change():
+    task = random_bijections(32, 2, seed=0)
+    model = FactRecallModel(ModelConfig(n_subjects=32, n_relations=2, n_outputs=32, d_model=8,
+                                        frozen_subjects=True))
+    before = model.subject_embed.detach().clone()
+    unemb = model.unembed_weight.detach().clone()
+    res = train(task, model=model, config=TrainConfig(max_steps=20, target_acc=1.1, progress=False))
+    assert res.steps == 20 and not model.subject_embed.requires_grad
+    assert torch.equal(model.subject_embed, before)
+    assert not torch.equal(model.unembed_weight, unemb)
+    assert res.n_trainable == res.n_params - 32 * 8
+
+
+def test_resume_after_interruption_matches_uninterrupted(tmp_path):
+    task = random_bijections(32, 2, seed=3)
+    cfg = TrainConfig(max_steps=40, target_acc=1.1, progress=False, lr=0.05)
+    full = train(task, 8, config=cfg, out_dir=str(tmp_path / "a"))
+
+    def interrupt(step, loss, acc):
+        if step == 17:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(task, 8, config=cfg, out_dir=str(tmp_path / "b"), callback=interrupt)
+    state = json.load(open(tmp_path / "b" / "checkpoint.json"))
+    assert state["step"] == 17
+    resumed = train(task, 8, config=cfg, out_dir=str(tmp_path / "b"))
+    assert resumed.steps == full.steps == 40
+    for (n, p), (_, q) in zip(full.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.equal(p, q), n
+    model, task2, info = load_run(str(tmp_path / "b"))
+    assert torch.equal(task2.table, task.table) and info["steps"] == 40
+    assert torch.equal(model.W_in, resumed.model.W_in)
+
+
+def test_minibatch_training_and_schedule():
+    cfg = TrainConfig(max_steps=100, warmup_frac=0.1, lr=1.0, min_lr_frac=0.0)
+    assert lr_at(0, cfg) == pytest.approx(0.1) and lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(100, cfg) == pytest.approx(0.0, abs=1e-9)
+    task = random_bijections(48, 2, seed=0)
+    res = train(task, 16, config=TrainConfig(max_steps=1500, batch_size=32, progress=False))
+    assert res.success
+
+
+# ----------------------------------------------------------------------------- sweep
+def test_sweep_bisects_and_resumes(tmp_path, monkeypatch):
+    cfg = SweepConfig(subjects=[32], relations=[2], seeds=[0], modes=["trainable"], d_min=2, d_max=24,
+                      train=TrainConfig(max_steps=300, progress=False))
+    out = str(tmp_path / "sweep")
+    summary = run_sweep(cfg, out)
+    rows = load_results(out)
+    assert rows and all("key" in r for r in rows)
+    th = thresholds(rows)[(32, 2, 0, "trainable")]
+    d_star = th["d_star"]
+    assert d_star is not None and th["exact"]
+    assert [c for c in summary["cells"] if c["mode"] == "trainable"][0]["d_star"] == [d_star]
+    assert os.path.exists(os.path.join(out, "table.md")) and os.path.exists(os.path.join(out, "dstar_vs_RlogN.png"))
+    # a rerun trains nothing new
+    import synthetic.sweep as sw
+
+    def boom(*a, **k):
+        raise AssertionError("resumed sweep retrained a finished point")
+
+    monkeypatch.setattr(sw, "_run_point", boom)
+    run_sweep(cfg, out)
+    assert len(load_results(out)) == len(rows)
+
+
+def test_fit_constant():
+    pts = [(10.0, 2.0), (20.0, 4.0), (40.0, 8.0)]
+    fit = fit_constant(pts, n_boot=200)
+    assert fit["c"] == pytest.approx(0.2) and fit["lo"] == pytest.approx(0.2) and fit["hi"] == pytest.approx(0.2)
+
+
+# ----------------------------------------------------------------------------- construction and bounds
+def test_construction_reaches_100_percent_without_training():
+    task = random_bijections(64, 4, seed=0)
+    for codes, variant in (("binary", "erase"), ("sphere", "erase"), ("sphere", "extract")):
+        b = 6 if codes == "binary" else 3
+        model = build_construction(task, b, codes=codes, variant=variant)
+        assert construction_accuracy(model, task) == 1.0, (codes, variant)
+    model = quantize_(build_construction(task, 6, codes="binary"), 4)
+    assert construction_accuracy(model, task) == 1.0
+    small = smallest_construction(64, 4, precision_bits=8)
+    assert small["accuracy"] == 1.0 and small["d_model"] <= 4 * 6 + 2
+    binary = smallest_construction(64, 4, codes="binary")
+    assert binary["d_model"] == 4 * 6 + 2          # R * ceil(log2 N) + 2 = O(R log N)
+
+
+def test_bounds_by_hand():
+    assert bounds.log2_factorial(4) == pytest.approx(math.log2(24))
+    assert bounds.bits_needed(4, 3) == pytest.approx(3 * math.log2(24))
+    assert bounds.bits_needed(4, 3, hops=2, cot=True) == pytest.approx(3 * math.log2(24))
+    # 2 hops without CoT, N=16, R=2: each subject's tree has 4 leaves: log2(16*15*14*13) bits, times 16 subjects
+    assert bounds.bits_needed(16, 2, hops=2) == pytest.approx(16 * math.log2(16 * 15 * 14 * 13))
+    assert bounds.bits_available(1000, 2.0) == 2000
+    assert bounds.min_params(4, 3, bits_per_param=2.0) == math.ceil(3 * math.log2(24) / 2)
+    d = bounds.min_d(512, 8, 2.0)
+    assert bounds.trainable_params(512, 8, d) * 2 >= bounds.bits_needed(512, 8)
+    assert bounds.trainable_params(512, 8, d - 1) * 2 < bounds.bits_needed(512, 8)
+    assert bounds.min_d(512, 8, 2.0, frozen_subjects=True) > d
+
+
+# ----------------------------------------------------------------------------- CLI
+def test_cli_train_and_parsers(tmp_path, capsys):
+    from synthetic.cli import add_parser, add_subcommand
+
+    parser = argparse.ArgumentParser(prog="llmprobe")
+    subs = parser.add_subparsers(dest="command")
+    synth = add_parser(subs)
+    analyze = add_subcommand(synth, "analyze", help="placeholder")
+    analyze.set_defaults(func=lambda a: "analyzed")
+    out = str(tmp_path / "run")
+    args = parser.parse_args(["synth", "train", "--subjects", "32", "--relations", "2", "--d", "12",
+                              "--out", out, "--no-progress", "--max-steps", "400"])
+    result = args.func(args)
+    assert result["success"] and os.path.exists(os.path.join(out, "run.json"))
+    assert os.path.exists(os.path.join(out, "checkpoint.safetensors"))
+    args = parser.parse_args(["synth", "sweep", "--subjects", "256,512", "--relations", "2,4", "--frozen-subjects",
+                              "--out", str(tmp_path / "s")])
+    assert args.func.__name__ == "cmd_sweep" and args.subjects == "256,512" and args.frozen_subjects
+    args = parser.parse_args(["synth", "train", "--subjects", "8", "--relations", "2", "--d", "4", "--hops", "2",
+                              "--cot", "--out", out])
+    assert args.hops == 2 and args.cot
+    assert parser.parse_args(["synth", "analyze"]).func(None) == "analyzed"
+    args = parser.parse_args(["synth", "bounds", "-N", "4", "-R", "3"])
+    assert args.func(args)["bits_one_hop"] == pytest.approx(3 * math.log2(24))
