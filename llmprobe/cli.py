@@ -17,7 +17,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", default="every:3", help="all | every:K | comma list like 0,6,12 | -1")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-facts", type=int, help="keep the first N facts of each relation")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, help="torch CPU threads")
@@ -38,6 +38,48 @@ def _probe(args) -> int:
     return 0
 
 
+def _run(args) -> int:
+    from .probe import summary_table
+    from .run import run
+
+    report = run(args.model, out=args.out, relations=args.relations, layers=args.layers,
+                 analyses=tuple(a for a in args.analyses.split(",") if a), device=args.device, dtype=args.dtype,
+                 max_facts=args.max_facts, seed=args.seed, controls=not args.no_controls,
+                 at_model_width=not args.no_model_width, gguf_file=args.gguf_file,
+                 trust_remote_code=args.trust_remote_code)
+    print(summary_table(report))
+    for control in report.get("controls", []):
+        r2 = control["analyses"]["superposition"]["layers"]["0"]["r2"]
+        print(f"{control['label']:<36} train acc {control['train']['accuracy']:.3f}  "
+              f"bits/param {control['train']['bits_per_param']:.3f}  superposition R^2 {r2['value']:.3f} "
+              f"(shuffled {r2['control']['value']:.3f})")
+    for error in report["errors"]:
+        print(f"warning: {error}", file=sys.stderr)
+    print(f"report: {os.path.join(args.out, 'report.html')} (and report.json, report.md, metrics.csv; "
+          f"{report['wall_seconds']} s)")
+    return 0
+
+
+def _formats(text: str) -> tuple[str, ...]:
+    return tuple(f.strip() for f in text.split(",") if f.strip())
+
+
+def _compare(args) -> int:
+    from .report import compare
+
+    for path in compare(args.dirs, args.out, _formats(args.format)):
+        print(path)
+    return 0
+
+
+def _report(args) -> int:
+    from .report import export
+
+    for path in export(args.dir, _formats(args.format), args.out):
+        print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmprobe", description="Measure how language models store facts.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -46,12 +88,30 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--analyses", default="", help="comma list of lre,ridge,superposition (default: none)")
     probe.add_argument("--out", default="runs/probe", help="output folder")
     probe.set_defaults(func=_probe)
-    try:
-        from synthetic.cli import add_parser as add_synth
-    except ImportError:  # the synthetic package is optional at import time
-        add_synth = None
-    if add_synth is not None:
-        add_synth(commands)
+    run = commands.add_parser("run", help="the main job: probe + matched synthetic controls -> one report")
+    _add_model_args(run)
+    run.add_argument("--analyses", default="lre,ridge,superposition", help="comma list (default: all three)")
+    run.add_argument("--no-controls", action="store_true", help="skip the matched synthetic controls")
+    run.add_argument("--no-model-width", action="store_true",
+                     help="train controls only at the threshold d*, not also at the model's d_model")
+    run.add_argument("--out", default="runs/main", help="output folder")
+    run.set_defaults(func=_run)
+    compare = commands.add_parser("compare", help="side-by-side page of several report folders")
+    compare.add_argument("dirs", nargs="+", help="report folders (each with report.json)")
+    compare.add_argument("--out", required=True, help="output folder")
+    compare.add_argument("--format", default="html,md,csv", help="comma list of html, md, json, csv")
+    compare.set_defaults(func=_compare)
+    report = commands.add_parser("report", help="export a report folder as html, md, json or csv")
+    report.add_argument("dir", help="report folder (with report.json)")
+    report.add_argument("--format", default="html,md,csv", help="comma list of html, md, json, csv")
+    report.add_argument("--out", help="output folder (default: the report folder)")
+    report.set_defaults(func=_report)
+
+    from synthetic.analyze import add_analyze_parser
+    from synthetic.cli import add_parser as add_synth
+
+    synth = add_synth(commands)
+    add_analyze_parser(synth.synth_subparsers)
     return parser
 
 
@@ -67,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args) or 0
-    except (ModelLoadError, DatasetError, ValueError, KeyError) as error:
+    except (ModelLoadError, DatasetError, ValueError, KeyError, FileNotFoundError) as error:
         print(f"llmprobe: error: {error}", file=sys.stderr)
         return 2
     except RuntimeError as error:  # CUDA out of memory included

@@ -42,32 +42,47 @@ def _batches(items: list, size: int):
         yield items[start:start + size]
 
 
-def greedy_continuations(lm, prompts: list[str], max_new_tokens: int = 8, batch_size: int = 16) -> list[str]:
-    """Greedy continuation text of each prompt (left-padded batches, no sampling)."""
+def greedy_continuations(lm, prompts: list[str], max_new_tokens: int | list[int] = 8,
+                         batch_size: int = 32) -> list[str]:
+    """Greedy continuation text of each prompt (left-padded batches, no sampling).
+
+    ``max_new_tokens`` may be one number per prompt: prompts are then batched by length of continuation needed,
+    and each batch generates only as many tokens as its longest need.
+    """
     tok = lm.tokenizer
+    budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    order = sorted(range(len(prompts)), key=lambda i: (budgets[i], len(prompts[i])))
+    texts: list[str] = [""] * len(prompts)
     saved_side, tok.padding_side = tok.padding_side, "left"
-    texts = []
     try:
-        for chunk in _batches(prompts, batch_size):
-            batch = tok(chunk, return_tensors="pt", padding=True).to(lm.device)
+        for chunk in _batches(order, batch_size):
+            batch = tok([prompts[i] for i in chunk], return_tensors="pt", padding=True).to(lm.device)
             with torch.no_grad():
-                out = lm.model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
+                out = lm.model.generate(**batch, max_new_tokens=max(budgets[i] for i in chunk), do_sample=False,
                                         pad_token_id=tok.pad_token_id)
-            texts += tok.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+            decoded = tok.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+            for i, text in zip(chunk, decoded):
+                texts[i] = text
     finally:
         tok.padding_side = saved_side
     return texts
 
 
 def known_facts(lm, relation, template: str | None = None, max_new_tokens: int | None = None,
-                batch_size: int = 16) -> list[FactResult]:
-    """Check every fact of ``relation`` with its first (or the given) template."""
+                batch_size: int = 32) -> list[FactResult]:
+    """Check every fact of ``relation`` with its first (or the given) template.
+
+    Each prompt generates one token more than its object has (or ``max_new_tokens``), enough to decide the
+    prefix match.
+    """
     template = template or relation.templates[0]
-    if max_new_tokens is None:
-        longest = max(len(lm.tokenizer(" " + f.object, add_special_tokens=False)["input_ids"]) for f in relation.facts)
-        max_new_tokens = min(longest + 1, 16)
     prompts = [fill(template, fact.subject)[0] for fact in relation.facts]
-    texts = greedy_continuations(lm, prompts, max_new_tokens, batch_size)
+    if max_new_tokens is None:
+        budget = [min(len(seq) + 1, 16) for seq in object_token_sequences(
+            lm.tokenizer, prompts, [f.object for f in relation.facts])]
+    else:
+        budget = max_new_tokens
+    texts = greedy_continuations(lm, prompts, budget, batch_size)
     return [FactResult(f.subject, f.object, p, t, is_known(t, f.object))
             for f, p, t in zip(relation.facts, prompts, texts)]
 

@@ -83,7 +83,7 @@ def probe(
     analyses: tuple[str, ...] = (),
     device: str = "auto",
     dtype: str = "auto",
-    batch_size: int = 16,
+    batch_size: int = 32,
     max_facts: int | None = None,
     seed: int = 0,
     out: str | Path | None = None,

@@ -44,28 +44,30 @@ def source_name(report: dict) -> str:
 def metric_rows(report: dict) -> list[dict]:
     """Flatten every measured number of a report into rows with the keys in ``ROW_FIELDS``.
 
-    Known-fact rates become rows with metric ``known_rate`` and no layer; analyses contribute their per-relation,
-    per-layer metrics (each ``{"value", "ci": [lo, hi], "control": {name: value}}``-shaped entry found under
-    ``report["analyses"]``), and synthetic controls their readouts.
+    Known-fact rates become rows with metric ``known_rate`` and no layer; the analyses (pretrained, or a
+    synthetic control's readouts in the same layout) contribute one row per relation, layer, metric and control,
+    as listed by :func:`llmprobe.analyses.table_rows`.
     """
+    from .analyses import table_rows
+
     source, kind = source_name(report), report.get("kind", "pretrained")
     n_layers = max(report.get("model", {}).get("n_layers") or 1, 1)
     rows = []
     for name, rel in report.get("relations", {}).items():
         rows.append(_row(source, kind, name, None, None, "known_rate", rel.get("known_rate"), n=rel.get("n_facts")))
-    for relation, layer, metric, entry in _walk_metrics(report.get("analyses", {})):
-        depth = None if layer is None else layer / max(n_layers - 1, 1)
-        controls = entry.get("control") or entry.get("controls") or {}
-        if not isinstance(controls, dict):
-            controls = {"control": controls}
+    for entry in table_rows(report.get("analyses") or {}):
+        layer = entry["layer"]
+        depth = layer / (n_layers - 1) if n_layers > 1 else 0.0
         lo, hi = (entry.get("ci") or [None, None])[:2]
+        controls = entry.get("controls") or {}
+        if entry.get("control") and entry["control"] not in controls:
+            controls = {entry["control"]: entry.get("control_value"), **controls}
+        metric = f"{entry['analysis']}.{entry['metric']}"
         if not controls:
-            rows.append(_row(source, kind, relation, layer, depth, metric, entry.get("value"), lo, hi,
-                             n=entry.get("n")))
+            rows.append(_row(source, kind, entry["relation"], layer, depth, metric, entry["value"], lo, hi))
         for control, value in controls.items():
-            value = value.get("value") if isinstance(value, dict) else value
-            rows.append(_row(source, kind, relation, layer, depth, metric, entry.get("value"), lo, hi, control,
-                             value, entry.get("n")))
+            rows.append(_row(source, kind, entry["relation"], layer, depth, metric, entry["value"], lo, hi, control,
+                             value))
     return rows
 
 
@@ -73,25 +75,6 @@ def _row(source, kind, relation, layer, depth, metric, value, lo=None, hi=None, 
          n=None) -> dict:
     return dict(zip(ROW_FIELDS, (source, kind, relation, layer, depth, metric, value, lo, hi, control,
                                  control_value, n)))
-
-
-def _walk_metrics(node, relation=None, layer=None, path=()):
-    """Yield (relation, layer, metric, entry) for every dict holding a numeric "value" below ``node``."""
-    if isinstance(node, dict):
-        if isinstance(node.get("value"), (int, float)) and not isinstance(node.get("value"), bool):
-            yield relation, layer, ".".join(path) or "value", node
-            return
-        for key, child in node.items():
-            if key in ("errors", "settings", "timing", "config"):
-                continue
-            if relation is None and key not in ("layers", "by_layer", "relations") and isinstance(child, dict) \
-                    and path == ():
-                yield from _walk_metrics(child, key, layer, ())
-            elif key in ("layers", "by_layer") and isinstance(child, dict):
-                for layer_key, sub in child.items():
-                    yield from _walk_metrics(sub, relation, int(layer_key), path)
-            else:
-                yield from _walk_metrics(child, relation, layer, path + (key,))
 
 
 def write_csv(rows: list[dict], path: str | Path) -> Path:

@@ -42,7 +42,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     synth.set_defaults(func=lambda args: synth.print_help())
 
     # ---------------------------------------------------------------- train
-    p = sub.add_parser("train", help="train one model to 100% train accuracy",
+    p = sub.add_parser("train", help="train one model to 100%% train accuracy",
                        description="Train one model; resumes automatically when --out holds a checkpoint.")
     p.add_argument("--subjects", "-N", type=int, default=None, help="number of subjects N")
     p.add_argument("--relations", "-R", type=int, default=None, help="number of relations R")
@@ -88,7 +88,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_sweep, threads=1)
 
     # ---------------------------------------------------------------- construct
-    p = sub.add_parser("construct", help="explicit construction: smallest d reaching 100% without training")
+    p = sub.add_parser("construct", help="explicit construction: smallest d reaching 100%% without training")
     p.add_argument("--subjects", default="256,512,1024")
     p.add_argument("--relations", default="2,4,8,16")
     p.add_argument("--codes", choices=["sphere", "binary"], default="sphere")

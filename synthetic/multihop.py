@@ -285,7 +285,7 @@ def _ints(text: str) -> list[int]:
 
 def add_multihop_parser(synth_subparsers) -> None:
     p = synth_subparsers.add_parser(
-        "multihop", help="k-hop: smallest d reaching 100% with and without chain-of-thought",
+        "multihop", help="k-hop: smallest d reaching 100%% with and without chain-of-thought",
         description="Trains one-layer models on k-hop queries and finds the smallest width d (and MLP width) that "
                     "reaches 100%, with and without chain-of-thought. Resumable (points.jsonl in --out).")
     p.add_argument("--subjects", "-N", type=int, default=64)

@@ -11,9 +11,10 @@ def _report(tmp_path, name, relation="capital<script>", known=0.5):
     report = {
         "schema_version": 1, "kind": "pretrained", "model": {"name": name, "n_layers": 5, "architecture": "X"},
         "relations": {relation: {"n_facts": 10, "n_known": int(10 * known), "known_rate": known}},
-        "analyses": {relation: {"layers": {
-            str(layer): {"readout_accuracy": {"value": 0.1 * layer, "ci": [0.1 * layer - 0.05, 0.1 * layer + 0.05],
-                                              "control": {"shuffled": 0.1}}} for layer in (0, 2, 4)}}},
+        "analyses": {"relations": {relation: {"layers": {
+            str(layer): {"lre": {"faithfulness": {"value": 0.1 * layer, "ci": [0.1 * layer - 0.05, 0.1 * layer + 0.05],
+                                                  "control": {"name": "shuffled", "value": 0.1}}}}
+            for layer in (0, 2, 4)}}}},
         "errors": ["fact ('<b>x</b>', 'y') skipped"],
     }
     folder = tmp_path / name.replace("/", "_")
@@ -24,7 +25,7 @@ def _report(tmp_path, name, relation="capital<script>", known=0.5):
 
 def test_metric_rows_flatten_layers_and_controls(tmp_path):
     rows = metric_rows(load_report(_report(tmp_path, "m")))
-    layered = [r for r in rows if r["metric"] == "readout_accuracy"]
+    layered = [r for r in rows if r["metric"] == "lre.faithfulness"]
     assert [r["layer"] for r in layered] == [0, 2, 4]
     assert [r["depth"] for r in layered] == [0.0, 0.5, 1.0]
     assert all(r["control"] == "shuffled" and r["control_value"] == 0.1 for r in layered)

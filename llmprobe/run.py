@@ -1,0 +1,171 @@
+"""``llmprobe run``: the main job. Probe a pretrained model, train matched synthetic controls on the very facts it
+knows, measure both with the same readout code, and write one report (JSON, HTML, Markdown, CSV).
+
+Matched controls: the known-fact table of the probe (same subjects, relations and attribute sets; general maps,
+not only bijections) trains the paper's one-layer model with trainable and with frozen subject embeddings. The
+width d is found by the capacity-sweep bisection (``synthetic.sweep``): the smallest d reaching 100% train
+accuracy, i.e. just above threshold; with ``at_model_width`` a second pair is trained at the model's own d_model.
+Each control is measured by ``llmprobe.geometry.superposition_readout`` on its subject embeddings (via
+``synthetic.mechanisms.superposition``), with the shuffled-table and random-init controls, exactly as the
+pretrained model's subject states are.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from .datasets import Fact, FactTable, Relation
+from .io import write_json
+from .probe import REPORT_SCHEMA_VERSION, library_versions, probe
+
+MODES = ("trainable", "frozen")
+
+
+def known_table(report_relations: dict, known: dict) -> FactTable:
+    """The fact table of known facts only: ``known`` maps relation name -> list of FactResult."""
+    relations = []
+    for name, results in known.items():
+        facts = [Fact(r.subject, r.object) for r in results if r.known]
+        if facts:
+            meta = report_relations.get(name, {})
+            relations.append(Relation(name, meta.get("templates") or ["{}"], meta.get("neutral_templates") or [],
+                                      facts, meta.get("properties") or {}))
+    if not relations:
+        raise ValueError("the model knows none of the probed facts, so there is no table to train controls on")
+    return FactTable.from_relations(relations)
+
+
+def _metric(conditions: dict, key: str, relation: str | None = None) -> dict:
+    """A geometry ``SuperpositionReport`` condition entry -> {"value", "ci", "control", "controls"}."""
+    def pick(condition):
+        entry = conditions.get(condition, {}).get(key)
+        if relation is not None and entry is not None:
+            entry = entry.get(relation)
+        return entry
+
+    real = pick("real") or {}
+    controls = {name: {"value": e["estimate"], "ci": [e["lo"], e["hi"]]}
+                for name in conditions if name != "real" for e in [pick(name)] if e}
+    out = {"value": real.get("estimate"), "ci": [real.get("lo"), real.get("hi")]}
+    if controls:
+        primary = "shuffled" if "shuffled" in controls else next(iter(controls))
+        out["control"] = {"name": primary, **controls[primary]}
+        out["controls"] = controls
+    return out
+
+
+def measure_control(model, task, seed: int = 0, n_boot: int = 500) -> dict:
+    """Superposition readouts of a trained synthetic model, in the pretrained report's layout (layer 0 = e_s)."""
+    from synthetic.mechanisms import superposition, untrained_like
+
+    result = superposition(model, task, controls={"random_init": untrained_like(model)}, n_boot=n_boot, seed=seed,
+                           swap_edit=False)
+    conditions = result["report"]["conditions"]
+    readout = {name: _metric(conditions, "readout_acc", name) for name in task.relations}
+    layer = {"r2": _metric(conditions, "r2"), "readout": readout}
+    return {"superposition": {"place": "subject embeddings e_s (blocks.0.resid_pre at the subject token)",
+                              "layers": {"0": layer}}, "wall_seconds": result.get("wall_s")}
+
+
+def train_controls(table: FactTable, d_model: int, seed: int = 0, at_model_width: bool = True,
+                   max_steps: int = 2000, d_max: int | None = None, progress=print) -> list[dict]:
+    """Train and measure matched controls; returns one synthetic report per trained control."""
+    from synthetic.sweep import SweepConfig
+    from synthetic.tasks import from_fact_table
+    from synthetic.train import TrainConfig
+
+    task = from_fact_table(table)
+    cfg = SweepConfig(d_max=d_max or d_model, train=TrainConfig(max_steps=max_steps, progress=False))
+    controls = []
+    for mode in MODES:
+        start = time.perf_counter()
+        found = find_threshold(task, mode, cfg, seed=seed)
+        progress(f"matched control ({mode}): d* = {found['d_star']} after trying {found['tried']}")
+        widths = [found["d_star"] or cfg.d_max]
+        if at_model_width and d_model not in widths:
+            widths.append(d_model)
+        for d in widths:
+            model, result = found["models"].get(d) or _train_at(task, mode, d, cfg, seed)
+            label = f"synthetic {mode} d={d}" + (" (d*)" if d == found["d_star"] else "")
+            report = {
+                "schema_version": REPORT_SCHEMA_VERSION, "kind": "synthetic", "label": label,
+                "model": {"name": label, "architecture": "FactRecallModel (one layer)", "n_layers": 1,
+                          "d_model": d, "d_mlp": result["d_mlp"], "frozen_subjects": mode == "frozen"},
+                "matched_to": {"n_subjects": len(table.subjects), "relations": table.relations,
+                               "n_facts": int((table.table >= 0).sum())},
+                "threshold": {k: found[k] for k in ("d_star", "tried")},
+                "train": {k: result[k] for k in ("accuracy", "success", "steps", "wall_time_s", "n_params",
+                                                  "n_trainable", "bits", "bits_per_param")},
+                "analyses": measure_control(model, task, seed),
+                "wall_seconds": round(time.perf_counter() - start, 1),
+            }
+            controls.append(report)
+            progress(f"  {label}: train acc {result['accuracy']:.3f}, "
+                     f"R^2 {report['analyses']['superposition']['layers']['0']['r2']['value']:.3f}")
+    return controls
+
+
+def _train_at(task, mode: str, d: int, cfg, seed: int):
+    """Train one control of width d: (model, RunResult as a dict)."""
+    from synthetic.train import train
+
+    d_mlp = cfg.d_mlp or max(1, int(round(cfg.mlp_ratio * d)))
+    result = train(task, d, config=cfg.train, frozen_subjects=mode == "frozen", d_mlp=d_mlp,
+                   attention=cfg.attention, seed=seed)
+    return result.model, result.to_dict()
+
+
+def find_threshold(task, mode: str, cfg, seed: int = 0) -> dict:
+    """Smallest d reaching 100% train accuracy on ``task`` by the capacity sweep's bisection.
+
+    Returns {"d_star", "tried": [(d, success)], "models": {d: (model, result)}} (every trained model kept).
+    """
+    from synthetic.sweep import _Cell
+
+    cell = _Cell(task.n_subjects, task.n_relations, seed, mode, cfg)
+    models = {}
+    while (d := cell.next_d()) is not None:
+        models[d] = _train_at(task, mode, d, cfg, seed)
+        cell.record(d, bool(models[d][1]["success"]))
+    return {"d_star": cell.d_star(), "tried": sorted(cell.ok.items()), "models": models}
+
+
+def run(model: str | None = None, *, out: str | Path = "runs/main", relations: list[str] | None = None,
+        layers: str = "every:3", analyses: tuple[str, ...] = ("lre", "ridge", "superposition"),
+        device: str = "auto", dtype: str = "auto", max_facts: int | None = None, seed: int = 0,
+        controls: bool = True, at_model_width: bool = True, formats=("html", "md", "csv"), gguf_file=None,
+        trust_remote_code: bool = False) -> dict:
+    """The main job; writes ``out/report.json`` (+ html/md/csv) and returns the report."""
+    from .report import write_all
+
+    start = time.perf_counter()
+    out = Path(out)
+    report = probe(model, gguf_file=gguf_file, relations=relations, layers=layers, analyses=analyses, device=device,
+                   dtype=dtype, max_facts=max_facts, seed=seed, out=out, trust_remote_code=trust_remote_code)
+    if controls:
+        known = _known_results(out)
+        try:
+            table = known_table(report["relations"], known)
+            report["controls"] = train_controls(table, report["model"]["d_model"], seed=seed,
+                                                at_model_width=at_model_width)
+        except ValueError as error:
+            report["errors"].append(f"matched controls: {error}")
+        write_json(out / "report.json", report)  # checkpoint: the probe's numbers are safe before export
+    report["versions"] = library_versions()
+    report["wall_seconds"] = round(time.perf_counter() - start, 1)
+    write_json(out / "report.json", report)
+    reports = [report] + [dict(c) for c in report.get("controls", [])]
+    write_all(reports, out, f"llmprobe: {report['model']['name']} and its matched synthetic controls", formats)
+    return report
+
+
+def _known_results(out: Path) -> dict:
+    import json
+
+    from .known import FactResult
+
+    data = json.loads((out / "known_facts.json").read_text(encoding="utf-8"))
+    return {name: [FactResult(**r) for r in rows] for name, rows in data.items()}
+
+
+__all__ = ["run", "train_controls", "measure_control", "known_table", "find_threshold"]
