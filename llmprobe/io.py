@@ -17,6 +17,9 @@ def write_bytes(path: str | Path, data: bytes) -> Path:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600 files; results should read like any other file
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -19,9 +19,14 @@ Everything here takes a trained :class:`synthetic.model.FactRecallModel` and its
    control that zeroes the same number of random units; diagonal-dominant = each row's diagonal drop exceeds every
    off-diagonal drop. **Gate transplant**: run (s, r) with the ReLU on/off mask taken from a *different* subject
    with the same relation (selector: accuracy stays high) or from the same subject with another relation (control:
-   accuracy falls). **Relation patch**: replace the relation token's embedding (``blocks.0.resid_pre``, position 1)
-   by another relation's: the answer should follow the new relation for the same subject.
-3. :func:`compare` lays the summaries of several models (trainable vs frozen) side by side.
+   accuracy falls). **Relation patch**: shift the MLP input of (s, r) by the mean difference between relation r2's
+   and r's MLP inputs (estimated on other subjects): the answer should follow the new relation for the same
+   subject (and a plain swap of the relation token's embedding, as a sanity check).
+   ``exclusive_ablation`` repeats the matrix for units that fire for one relation only.
+3. **Logit attribution** (:func:`logit_attribution`): with r fixed the model is (nearly) linear in e_s; the right
+   answer's logit splits into the queried relation's component and the other relations' components (the latter can
+   only help on the table the attribute vectors were co-adapted with).
+4. :func:`key_numbers` / :func:`compare` lay several models (trainable, frozen, key-value) side by side.
 """
 from __future__ import annotations
 
@@ -177,7 +182,8 @@ def swap_edits(model: FactRecallModel, task: FactTask, k: int = 5, seed: int = 0
         fit = SuperpositionFit(alpha=ALPHA_GRID if alpha is None else alpha).fit(H[train_idx], A[train_idx], U)
         subj = test_idx[torch.randperm(test_idx.numel(), generator=g)]
         rels = torch.randint(0, R, (subj.numel(),), generator=g)
-        keep = A[subj, rels] >= 0
+        n_attr_of = torch.tensor([U_r.shape[0] for U_r in U])
+        keep = (A[subj, rels] >= 0) & (n_attr_of[rels] >= 2)          # something to swap to
         subj, rels = subj[keep][:per_fold], rels[keep][:per_fold]
         if subj.numel() == 0:
             continue
@@ -277,7 +283,7 @@ def ablation_matrix(model: FactRecallModel, task: FactTask, groups: list[torch.T
 
 def diagonal_dominance(drop: torch.Tensor) -> dict:
     """For a square drop matrix: rows whose diagonal exceeds every off-diagonal entry, mean diagonal and mean
-    off-diagonal drop, and their ratio."""
+    off-diagonal drop, and their difference."""
     R = drop.shape[0]
     drop = drop.double()
     diag = drop.diagonal()
@@ -315,7 +321,6 @@ def gate_transplant(model: FactRecallModel, task: FactTask, seed: int = 0) -> di
             continue
         mask = (pre[donor.clamp_min(0)] > 0).to(pre.dtype)
         hid = mask * pre
-        hits = []
         with patch(model, HIDDEN, pos[:, 0], values=hid):
             pred = _logits_last(model, ids, chunk=ids.shape[0])
         hits = (pred == a)[ok]
@@ -325,28 +330,60 @@ def gate_transplant(model: FactRecallModel, task: FactTask, seed: int = 0) -> di
 
 @torch.no_grad()
 def relation_patch(model: FactRecallModel, task: FactTask, seed: int = 0) -> dict:
-    """Replace the relation token's state (``blocks.0.resid_pre`` at position 1) of (s, r) by relation r2's
-    embedding: ``follows_new`` = fraction answering a_{r2}(s), ``keeps_old`` = fraction still answering a_r(s)."""
+    """Move the query from relation r to r2 for the same subject by a *subject-independent* edit.
+
+    ``embedding_swap``: replace the relation token's state (``blocks.0.resid_pre``, position 1) by r2's embedding
+    (the same as feeding token r2: a sanity check). ``mid_shift``: add the mean difference
+    mean_s' [mid(s', r2) - mid(s', r)] of the MLP input (``blocks.0.resid_mid`` at the answer position), estimated
+    on the other half of the subjects, to the held-out half. If the relation enters the MLP as a direction that
+    does not depend on the subject (exactly so with uniform attention), the answer follows r2: ``follows_new`` =
+    fraction answering a_{r2}(s), ``keeps_old`` = fraction still answering a_r(s) (where the two differ)."""
     ids, s, r, a = _one_hop(task)
-    R = task.n_relations
+    N, R = task.n_subjects, task.n_relations
     if R < 2:
-        return {"follows_new": None, "keeps_old": None}
+        return {"embedding_swap": None, "mid_shift": None, "follows_new": None}
     g = torch.Generator().manual_seed(seed + 31)
     r2 = (r + torch.randint(1, R, r.shape, generator=g)) % R
     target = task.table[s, r2]
     ok = target >= 0
+    last = ids.shape[1] - 1
+
+    def score(pred, rows):
+        sel = ok & rows
+        differ = sel & (target != a)
+        return {"follows_new": float((pred == target)[sel].double().mean()) if bool(sel.any()) else None,
+                "keeps_old": float((pred == a)[differ].double().mean()) if bool(differ.any()) else None}
+
     pos_vec = model.pos[1].detach() if model.pos is not None else 0.0
     values = model.relation_embeddings()[r2] + pos_vec
     with patch(model, RESID_PRE, torch.ones(ids.shape[0], dtype=torch.long), values=values):
         pred = _logits_last(model, ids, chunk=ids.shape[0])
-    return {"follows_new": float((pred == target)[ok].double().mean()),
-            "keeps_old": float((pred == a)[ok & (target != a)].double().mean())}
+    out = {"embedding_swap": score(pred, torch.ones_like(ok))}
+    # mean relation-difference vectors at the MLP input, from one half of the subjects
+    pos = torch.full((ids.shape[0], 1), last, dtype=torch.long)
+    mid = capture(model, ["blocks.0.resid_mid"], ids, positions=pos)["blocks.0.resid_mid"][:, 0].double()
+    half = torch.zeros(N, dtype=torch.bool)
+    half[torch.randperm(N, generator=g)[: N // 2]] = True
+    fact = torch.full((N, R), -1, dtype=torch.long)
+    fact[s, r] = torch.arange(s.numel())
+    mean_mid = torch.zeros(R, mid.shape[1], dtype=torch.float64)
+    for q in range(R):
+        rows = fact[half, q]
+        rows = rows[rows >= 0]
+        mean_mid[q] = mid[rows].mean(0) if rows.numel() else 0.0
+    delta = (mean_mid[r2] - mean_mid[r]).float()
+    with patch(model, "blocks.0.resid_mid", pos[:, 0], delta=delta):
+        pred = _logits_last(model, ids, chunk=ids.shape[0])
+    out["mid_shift"] = score(pred, ~half[s])
+    out["follows_new"] = out["mid_shift"]["follows_new"]
+    return out
 
 
 def selector(model: FactRecallModel, task: FactTask, seed: int = 0, min_si: float = 0.0) -> dict:
     """The MLP-as-selector analyses of one model (see module docstring). Units count for the ablation when they
     fire for some fact and their selectivity index is >= ``min_si``; the random control zeroes as many random
-    live units per row."""
+    live units per row. ``exclusive_ablation``: the same matrix for the units that fire for at least half of
+    relation r's facts and for fewer than half of every other relation's (a stricter "selective for r")."""
     t0 = time.perf_counter()
     hidden, s, rel = hidden_activations(model, task)
     R = task.n_relations
@@ -358,6 +395,13 @@ def selector(model: FactRecallModel, task: FactTask, seed: int = 0, min_si: floa
     alive_idx = torch.nonzero(st["alive"]).flatten()
     rand_groups = [alive_idx[torch.randperm(alive_idx.numel(), generator=g)[:grp.numel()]] for grp in groups]
     ctrl = ablation_matrix(model, task, rand_groups)
+    # exclusive units: fire for most facts of relation r and for fewer than half of every other relation's facts
+    rate = st["rate"]
+    excl = []
+    for r in range(R):
+        others = torch.cat([rate[:r], rate[r + 1:]]).max(0).values if R > 1 else torch.zeros(rate.shape[1])
+        excl.append(torch.nonzero(st["alive"] & (rate[r] >= 0.5) & (others < 0.5)).flatten())
+    excl_abl = ablation_matrix(model, task, excl)
     gating = st["gating"][~torch.isnan(st["gating"])]
     si_alive = st["si"][st["alive"]]
     out = {
@@ -376,6 +420,9 @@ def selector(model: FactRecallModel, task: FactTask, seed: int = 0, min_si: floa
         "ablation": diagonal_dominance(abl["drop"]),
         "random_ablation_drop": ctrl["drop"],
         "random_ablation": diagonal_dominance(ctrl["drop"]),
+        "exclusive_units_per_relation": [int(x.numel()) for x in excl],
+        "exclusive_ablation_drop": excl_abl["drop"],
+        "exclusive_ablation": diagonal_dominance(excl_abl["drop"]),
         "gate_transplant": gate_transplant(model, task, seed),
         "relation_patch": relation_patch(model, task, seed),
     }
@@ -468,9 +515,14 @@ def key_numbers(sup: dict | None, sel: dict | None) -> dict:
                     "ablation_diag_dominant_rows": f"{sel['ablation']['dominant_rows']}/{sel['ablation']['n_rows']}",
                     "ablation_diag_minus_offdiag": sel["ablation"]["diag_minus_offdiag"],
                     "random_ablation_diag_minus_offdiag": sel["random_ablation"]["diag_minus_offdiag"],
+                    "exclusive_units": sum(sel["exclusive_units_per_relation"]),
+                    "exclusive_ablation_diag_drop": sel["exclusive_ablation"]["mean_diag_drop"],
+                    "exclusive_ablation_offdiag_drop": sel["exclusive_ablation"]["mean_offdiag_drop"],
                     "gate_transplant_same_relation": sel["gate_transplant"]["same_relation"],
                     "gate_transplant_same_subject": sel["gate_transplant"]["same_subject"],
-                    "relation_patch_follows_new": sel["relation_patch"]["follows_new"]})
+                    "relation_patch_follows_new": sel["relation_patch"]["follows_new"],
+                    "relation_patch_keeps_old": sel["relation_patch"]["mid_shift"]["keeps_old"]
+                    if sel["relation_patch"].get("mid_shift") else None})
     return _round(out)
 
 

@@ -18,7 +18,6 @@ until one succeeds, then bisects between the last failure and that success; ever
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -235,6 +234,7 @@ def plot(summary: dict, path: str) -> str:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     cfg = summary["config"]
     n_panels = 2 if summary["mlp_width"] else 1
@@ -253,7 +253,10 @@ def plot(summary: dict, path: str) -> str:
     if base:
         R = cfg["relations"]
         ax.plot(ks, [base * R ** (k - min(ks)) for k in ks], ":", color="gray", label="∝ R^k")
+        ax.plot(ks, [base * R ** ((k - min(ks)) / 2) for k in ks], "--", color="lightgray",
+                label="∝ R^(k/2) (params ∝ d² ∝ R^k)")
     ax.set_yscale("log", base=2)
+    ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.set_xticks(ks)
     ax.set_xlabel("hops k")
     ax.set_ylabel("smallest d reaching 100%")
@@ -267,6 +270,8 @@ def plot(summary: dict, path: str) -> str:
             ax.plot(ds, [r[key] if r[key] is not None else topm for r in summary["mlp_width"]], style, label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log", base=2)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.set_xlabel("d")
         ax.set_ylabel("smallest MLP width reaching 100%")
         ax.set_title(f"MLP width vs d at k = {cfg['width_hops']}")

@@ -162,3 +162,20 @@ def test_control_config_freezes_parts(trainable):
     assert control_config(trainable.config, "frozen").frozen_subjects
     kv = control_config(trainable.config, "key_value")
     assert kv.frozen_subjects and kv.frozen_unembed and kv.d_model == trainable.config.d_model
+
+
+def test_cli_registers_on_synth_group():
+    import argparse
+
+    from synthetic.analyze import add_analyze_parser, cmd_analyze
+    from synthetic.cli import add_parser
+    from synthetic.multihop import cmd_multihop
+
+    parser = argparse.ArgumentParser(prog="llmprobe")
+    synth = add_parser(parser.add_subparsers(dest="command"))
+    add_analyze_parser(synth.synth_subparsers)
+    args = parser.parse_args(["synth", "analyze", "RUN", "--controls", "key_value", "-N", "16", "-R", "2",
+                              "--d", "8"])
+    assert args.func is cmd_analyze and args.run_dir == "RUN" and args.subjects == 16
+    args = parser.parse_args(["synth", "multihop", "--out", "X", "--hops", "1,2"])
+    assert args.func is cmd_multihop and args.hops == "1,2"
