@@ -21,18 +21,24 @@ from .probe import REPORT_SCHEMA_VERSION, library_versions, probe
 MODES = ("trainable", "frozen")
 
 
-def known_table(report_relations: dict, known: dict) -> FactTable:
-    """The fact table of known facts only: ``known`` maps relation name -> list of FactResult."""
-    relations = []
+def known_table(report_relations: dict, known: dict, min_facts: int = 5) -> tuple[FactTable, list[str]]:
+    """The fact table of known facts only, and the relations left out for having fewer than ``min_facts``.
+
+    ``known`` maps relation name -> list of FactResult. Too few facts cannot be split into cross-fitting folds.
+    """
+    relations, dropped = [], []
     for name, results in known.items():
         facts = [Fact(r.subject, r.object) for r in results if r.known]
-        if facts:
-            meta = report_relations.get(name, {})
-            relations.append(Relation(name, meta.get("templates") or ["{}"], meta.get("neutral_templates") or [],
-                                      facts, meta.get("properties") or {}))
+        if len(facts) < min_facts:
+            dropped.append(f"{name} ({len(facts)} known)")
+            continue
+        meta = report_relations.get(name, {})
+        relations.append(Relation(name, meta.get("templates") or ["{}"], meta.get("neutral_templates") or [],
+                                  facts, meta.get("properties") or {}))
     if not relations:
-        raise ValueError("the model knows none of the probed facts, so there is no table to train controls on")
-    return FactTable.from_relations(relations)
+        raise ValueError(f"no relation has {min_facts} or more known facts, so there is no table to train "
+                         f"controls on (known: {', '.join(dropped) or 'none'})")
+    return FactTable.from_relations(relations), dropped
 
 
 def _metric(conditions: dict, key: str, relation: str | None = None) -> dict:
@@ -145,7 +151,9 @@ def run(model: str | None = None, *, out: str | Path = "runs/main", relations: l
     if controls:
         known = _known_results(out)
         try:
-            table = known_table(report["relations"], known)
+            table, dropped = known_table(report["relations"], known)
+            if dropped:
+                report["errors"].append(f"matched controls: left out for too few known facts: {', '.join(dropped)}")
             report["controls"] = train_controls(table, report["model"]["d_model"], seed=seed,
                                                 at_model_width=at_model_width)
         except ValueError as error:
