@@ -170,13 +170,15 @@ def _metric(main: _Hits, controls: dict[str, _Hits], cfg: AnalysisSettings, prim
     return out
 
 
-def _pairs(y: torch.Tensor, idx: torch.Tensor, gen: torch.Generator, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For up to ``limit`` subjects in ``idx`` (random, seeded) a target subject in ``idx`` whose object has
-    another first token."""
+def _pairs(y: torch.Tensor, idx: torch.Tensor, gen: torch.Generator, limit: int,
+           targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """For up to ``limit`` source subjects in ``idx`` (random, seeded) a target subject among ``targets``
+    (default ``idx``) whose object has another first token."""
     src, tgt = [], []
+    pool = (idx if targets is None else targets).tolist()
     chosen = idx[torch.randperm(len(idx), generator=gen)[:limit]].sort().values
     for i in chosen.tolist():
-        options = [j for j in idx.tolist() if int(y[j]) != int(y[i])]
+        options = [j for j in pool if j != i and int(y[j]) != int(y[i])]
         if options:
             src.append(i)
             tgt.append(options[int(torch.randint(len(options), (1,), generator=gen))])
@@ -320,7 +322,10 @@ def _decoders_for_relation(lm, relation, results, layers: list[int], lre_layers:
         causal = layer in causal_layers
         if causal and cfg.scoring == FIRST_TOKEN:
             data.sequences = {layer: layer_sequences(lm, template, subjects, layer, batch_size=cfg.batch_size)}
-        pairs = [(_pairs(y, va, gen, cfg.max_val_pairs), _pairs(y, te, gen, cfg.max_test_pairs))
+        # test edits take their targets from all held-out subjects (validation and test): a few objects cannot
+        # be reached even by patching in the target's whole state, and a wider pool averages over them
+        pairs = [(_pairs(y, va, gen, cfg.max_val_pairs),
+                  _pairs(y, te, gen, cfg.max_test_pairs, targets=torch.cat([va, te])))
                  for _, va, te in splits] if causal else None
         if do_lre and layer in W_all:
             entry["lre"], val_scores["lre"][layer] = _lre_layer(lm, data, layer, H, O, W_all[layer], splits, pairs,
@@ -381,7 +386,7 @@ def _lre_layer(lm, data, layer, H, O, W, splits, pairs, to_logits, gen, cfg):
                 o_s, o_t = ends(vs, vt)
                 cand = [_edit_delta(pinvs[r], beta, o_s, o_t) for r in cfg.edit_ranks]
                 rates = [float(h.double().mean()) for h in _causality_hits(lm, data, layer, cand, vs, vt, cfg)]
-                r_best = max(range(len(rates)), key=lambda i: (rates[i], -i))
+                r_best = max(range(len(rates)), key=lambda i: (rates[i], i))  # ties: the larger rank
                 edit_rank = cfg.edit_ranks[r_best]
                 val_c.append(rates[r_best])
                 o_s, o_t = ends(ts, tt)
@@ -790,8 +795,10 @@ def _fmt(m: dict | None) -> str:
     return f"{m['value']:.2f} [{ci[0]:.2f},{ci[1]:.2f}]"
 
 
-def format_table(result: dict) -> str:
-    """Markdown table per relation and layer: value [95% CI] (primary control value) for each measurement."""
+def format_table(result: dict, layers: list[int] | None = None) -> str:
+    """Markdown table per relation and layer: value [95% CI] (primary control value) for each measurement.
+    ``layers``: only these layers (default: all analysed)."""
+    keep = None if layers is None else {str(l) for l in layers}
     head = ("| relation | layer | LRE faithfulness (majority) | LRE causality (random dir.) | ridge faithfulness "
             "(shuffled) | readout accuracy (shuffled / random init) |")
     lines = [head, "|" + "---|" * 6]
@@ -807,6 +814,8 @@ def format_table(result: dict) -> str:
             lines.append(f"| {name} | - | error: {rel['error']} | | | |")
             continue
         for layer, entry in rel.get("layers", {}).items():
+            if keep is not None and layer not in keep:
+                continue
             lre, ridge = entry.get("lre") or {}, entry.get("ridge") or {}
             ro = (sup.get(layer) or {}).get("readout", {}).get(name)
             ro_txt = _fmt(ro) + (f" ({ro['controls']['shuffled']['value']:.2f} / "
@@ -820,6 +829,8 @@ def format_table(result: dict) -> str:
         lines += ["", "| layer | superposition R^2 (shuffled / random init) | swap success (random dir.) | "
                       "others unchanged (random dir.) |", "|---|---|---|---|"]
         for layer, entry in sup.items():
+            if keep is not None and layer not in keep:
+                continue
             r2 = entry["r2"]
             sw = entry.get("swap") or {}
             lines.append(f"| {layer} | {_fmt(r2)} ({r2['controls']['shuffled']['value']:.3f} / "

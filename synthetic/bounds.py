@@ -62,15 +62,16 @@ def min_params(n_subjects: int, n_relations: int, hops: int = 1, cot: bool = Fal
 
 def trainable_params(n_subjects: int, n_relations: int, d: int, d_mlp: int | None = None, n_outputs: int | None = None,
                      frozen_subjects: bool = False) -> int:
-    """Trainable parameters of the uniform-attention model (``d_mlp`` None = 4d, ``n_outputs`` None = N)."""
-    m = 4 * d if d_mlp is None else d_mlp
+    """Trainable parameters of the uniform-attention model (``d_mlp`` None = 8d as in the model's default,
+    ``n_outputs`` None = N)."""
+    m = 8 * d if d_mlp is None else d_mlp
     n_out = n_subjects if n_outputs is None else n_outputs
     count = n_relations * d + 2 * d * m + m + d + n_out * d
     return count if frozen_subjects else count + n_subjects * d
 
 
 def min_d(n_subjects: int, n_relations: int, bits_per_param: float = 2.0, frozen_subjects: bool = False,
-          mlp_ratio: float = 4.0, hops: int = 1, cot: bool = False) -> int:
+          mlp_ratio: float = 8.0, hops: int = 1, cot: bool = False) -> int:
     """Smallest d whose trainable parameters (MLP width ``mlp_ratio * d``) can hold the facts' bits at
     ``bits_per_param``. For k hops without CoT this is the per-subject evaluation-tree bound
     ``d >= log2(N!/(N-L)!) / p`` instead (the subject embedding alone must carry the tree)."""

@@ -128,15 +128,44 @@ def _task_from_args(args):
     return random_bijections(args.subjects, args.relations, args.seed)
 
 
+def _interrupt_on_term() -> dict:
+    """SIGTERM (and SIGINT, which background shells ignore) -> KeyboardInterrupt, so train() checkpoints first.
+    Returns the previous handlers for :func:`_restore`."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        old[sig] = signal.signal(sig, handler)
+    return old
+
+
+def _restore(old: dict) -> None:
+    import signal
+
+    for sig, h in old.items():
+        signal.signal(sig, h)
+
+
 def cmd_train(args) -> dict:
     from .train import train
 
     task = _task_from_args(args)
     m = args.mlp_width or 8 * args.d
-    res = train(task, args.d, config=_train_config(args, progress=not args.no_progress), out_dir=args.out,
-                resume=not args.fresh, frozen_subjects=args.frozen_subjects,
-                frozen_unembed=args.frozen_unembed, d_mlp=m, attention=args.attention,
-                seed=args.seed)
+    old = _interrupt_on_term()
+    try:
+        res = train(task, args.d, config=_train_config(args, progress=not args.no_progress), out_dir=args.out,
+                    resume=not args.fresh, frozen_subjects=args.frozen_subjects,
+                    frozen_unembed=args.frozen_unembed, d_mlp=m, attention=args.attention,
+                    seed=args.seed)
+    finally:
+        _restore(old)
     out = res.to_dict()
     out.pop("history", None)
     out.pop("train", None)

@@ -264,13 +264,21 @@ def summarize(out_dir: str, cfg: SweepConfig | None = None) -> dict:
     """Thresholds per cell, mean over seeds per (N, R, mode), fitted constants, bits per parameter at d*."""
     rows = load_results(out_dir)
     th = thresholds(rows)
+    d_max = cfg.d_max if cfg is not None else SweepConfig().d_max
     by_point = {(r["n_subjects"], r["n_relations"], r["seed"], r["mode"], r["d_model"]): r for r in rows}
     table: dict[tuple, dict] = {}
     for (N, R, seed, mode), t in th.items():
         entry = table.setdefault((N, R, mode), {"N": N, "R": R, "mode": mode, "d_star": [], "bits_per_param": [],
-                                                 "steps": [], "time_s": [], "censored": 0})
+                                                 "steps": [], "time_s": [], "censored": 0, "pending": 0,
+                                                 "upper_bounds": []})
         if t["d_star"] is None:
-            entry["censored"] += 1
+            if t["max_failed"] is not None and t["max_failed"] >= d_max:
+                entry["censored"] += 1          # no width up to d_max reached 100%
+            else:
+                entry["pending"] += 1           # search not finished (interrupted sweep)
+            continue
+        if not t["exact"]:                      # d*-1 never tried: only an upper bound, kept out of the fits
+            entry["upper_bounds"].append(t["d_star"])
             continue
         entry["d_star"].append(t["d_star"])
         r = by_point[(N, R, seed, mode, t["d_star"])]
@@ -292,7 +300,7 @@ def summarize(out_dir: str, cfg: SweepConfig | None = None) -> dict:
             "bits_per_param": sum(e["bits_per_param"]) / len(ds) if ds else None,
             "steps": sum(e["steps"]) / len(ds) if ds else None,
             "time_s": sum(e["time_s"]) / len(ds) if ds else None,
-            "censored": e["censored"]})
+            "censored": e["censored"], "pending": e["pending"], "upper_bounds": e["upper_bounds"]})
     total_time = sum(r.get("wall_time_s", 0) for r in rows)
     cpu_time = sum(r.get("cpu_time_s") or 0 for r in rows)
     return {"cells": rows_out, "fits": fits, "power_fits": powers, "n_runs": len(rows),
@@ -317,6 +325,7 @@ def fit_power(points: list[tuple[int, int, float]]) -> dict:
 def table_markdown(summary: dict) -> str:
     """Markdown table of d* per (N, R), one column group per mode, with the fits underneath."""
     fits = summary["fits"]
+    d_max = (summary.get("config") or {}).get("d_max", SweepConfig().d_max)
     cells = {(c["N"], c["R"], c["mode"]): c for c in summary["cells"]}
     modes = [m for m in MODES if any(k[2] == m for k in cells)]
     head = "| N | R | R log2 N |"
@@ -329,10 +338,9 @@ def table_markdown(summary: dict) -> str:
     def ds(c):
         if c is None:
             return "-"
-        s = ", ".join(map(str, c["d_star"]))
-        if c["censored"]:
-            s += (", " if s else "") + f"{c['censored']}x none"
-        return s
+        parts = [str(d) for d in c["d_star"]] + [f"<={d}" for d in c.get("upper_bounds", [])]
+        parts += [f">{d_max}"] * c["censored"] + ["?"] * c.get("pending", 0)
+        return ", ".join(parts) or "-"
 
     def fmt(v, p=2):
         return "-" if v is None else f"{v:.{p}f}"

@@ -63,7 +63,7 @@ def test_result_has_the_documented_keys_and_finite_values(tiny_result):
     assert "before the final norm" in settings["o"] and "first token" in settings["objects"]
     for name in ("capital", "continent"):
         rel = res["relations"][name]
-        assert rel["error"] is None and rel["n_used"] == 28 and len(rel["jacobian_subjects"]) == 4
+        assert rel["error"] is None and rel["n_used"] == 28 and len(rel["jacobian_subjects"]) == 3
         for layer in ("0", "1", "2"):
             entry = rel["layers"][layer]
             ridge = entry["ridge"]["faithfulness"]
@@ -186,3 +186,13 @@ def test_planted_superposition_beats_shuffled_and_random_init_controls():
             assert m["value"] >= 0.9, (layer, name, m)
             assert m["ci"][0] > m["controls"]["shuffled"]["value"] and m["ci"][0] > m["chance"]
             assert m["value"] > m["controls"]["random_init"]["value"] + 0.2
+
+
+def test_neutral_templates_that_open_with_the_subject_are_dropped_without_a_bos_token(tmp_path):
+    """Without a leading special token the subject of "{}" sits at position 0 (the attention sink)."""
+    from llmprobe.analyses import _neutral_templates
+    gpt2 = load_model(str(save_tiny("gpt2", tmp_path / "gpt2")), device="cpu")  # no BOS
+    rel = Relation("r", ["The capital of {} is"], ["{}", "{} is a country.", "Tell me about {}."],
+                   [Fact("France", "Paris")], {})
+    assert _neutral_templates(gpt2.tokenizer, [rel], None) == (["Tell me about {}."], ["{}", "{} is a country."])
+    assert _neutral_templates(gpt2.tokenizer, [rel], ("{}",)) == (["{}"], [])

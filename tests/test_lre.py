@@ -13,8 +13,8 @@ from llmprobe.capture import capture, forward, patch
 from llmprobe.geometry import LinearRelationDecoder, LinearRelationOperator
 from llmprobe.known import first_token_ids
 from llmprobe.loading import LoadedModel, load_model
-from llmprobe.lre import (logits_fn, next_token_predictions, output_name, per_prompt_jacobians, random_like,
-                          relation_states, subject_jacobians, subject_states)
+from llmprobe.lre import (layer_sequences, logits_fn, next_token_predictions, output_name, per_prompt_jacobians,
+                          random_like, relation_states, subject_jacobians, subject_states)
 from llmprobe.subjects import encode
 from llmprobe.scoring import first_token_collisions, object_continuations, sequence_logprobs
 from tiny_models import save_tiny
@@ -177,6 +177,19 @@ def test_lre_faithfulness_goes_through_adapter_logits(llama64):
     assert torch.equal(dec.hits(jac.H, y, fn), by_hand == y)
     # at beta = 1, and evaluated at the training mean, the LRE reproduces the mean output exactly
     torch.testing.assert_close(dec.operator_.W, jac.W)
+
+
+@pytest.mark.parametrize("layer", [0, 1, 2])
+def test_resumed_edit_forward_equals_the_full_edited_forward(llama64, gpt2_64, layer):
+    """Starting at block layer+1 from the clean layer states (+ the edit) gives the full forward's logits."""
+    for lm in (llama64, gpt2_64):
+        delta = torch.randn(5, lm.adapter.d_model, generator=torch.Generator().manual_seed(layer)).double() * 3
+        full = next_token_predictions(lm, TEMPLATES, SUBJECTS, layer, delta, batch_size=3, return_logits=True)
+        seqs = layer_sequences(lm, TEMPLATES, SUBJECTS, layer, batch_size=2)
+        resumed = next_token_predictions(lm, TEMPLATES, SUBJECTS, layer, delta, batch_size=3, return_logits=True,
+                                         resume=seqs)
+        torch.testing.assert_close(resumed, full, atol=1e-5, rtol=1e-5)
+        assert not any("forward" in vars(block) for block in lm.adapter.blocks)  # blocks restored
 
 
 # --------------------------------------------------------------------------------------- linear toy: exactness
