@@ -44,7 +44,7 @@ def _select(states: torch.Tensor, positions: torch.Tensor | None) -> torch.Tenso
 
 
 @contextlib.contextmanager
-def _hooks(adapter: ModelAdapter, fns: dict[str, Callable]) -> Iterator[None]:
+def hooks(adapter: ModelAdapter, fns: dict[str, Callable]) -> Iterator[None]:
     """Register ``fn(tensor) -> tensor | None`` at each name; a returned tensor replaces the hidden state."""
     handles = []
     try:
@@ -112,7 +112,7 @@ def capture(
                 raise _StopForward
         return keep
 
-    with torch.no_grad(), _hooks(adapter, {name: keeper(name) for name in names}):
+    with torch.no_grad(), hooks(adapter, {name: keeper(name) for name in names}):
         try:
             output = forward(adapter, input_ids, attention_mask, **forward_kwargs)
         except _StopForward:
@@ -169,5 +169,5 @@ def patch(
         states[rows, pos] = new if values is not None else states[rows, pos] + new
         return states
 
-    with _hooks(adapter, {name: edit}):
+    with hooks(adapter, {name: edit}):
         yield

@@ -14,12 +14,13 @@ from __future__ import annotations
 import csv
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
 import torch
+
+from .io import write_text
 
 __all__ = ["DatasetError", "Fact", "Relation", "FactTable", "load_relations", "list_bundled", "save_relation",
            "relation_from_dict", "format_relation", "infer_cardinality", "SLOT", "CARDINALITIES"]
@@ -444,14 +445,5 @@ def save_relation(relation: Relation, path: str | os.PathLike) -> Path:
     """Write ``relation`` in our schema, atomically (temp file in the same folder, then ``os.replace``)."""
     path = Path(path)
     relation_from_dict(relation.to_dict(), str(path))  # refuse to write what we could not read back
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(format_relation(relation))
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_text(path, format_relation(relation))
     return path

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .capture import adapter_for, capture, patch
+from .capture import adapter_for, capture, hooks, patch
 from .subjects import EncodedPrompts, encode
 
 __all__ = ["RelationStates", "JacobianResult", "output_name", "state_name", "relation_states", "subject_states",
@@ -245,24 +245,11 @@ class _Stop(Exception):
 @contextlib.contextmanager
 def _output_hooks(adapter, fns: dict[str, Callable]) -> Iterator[None]:
     """Forward hooks on module outputs (``blocks.{l}.resid_post``); ``fn(states)`` may return new states."""
-    handles = []
-    try:
-        for name, fn in fns.items():
-            place = adapter.place(name)
-            if place.read_input:
-                raise ValueError(f"{name!r} is read from a module input; Jacobians need a module output")
-
-            def hook(module, args, output, fn=fn):
-                states = output[0] if isinstance(output, (tuple, list)) else output
-                new = fn(states)
-                if new is None:
-                    return None
-                return (new, *output[1:]) if isinstance(output, tuple) else new
-            handles.append(place.module.register_forward_hook(hook))
+    for name in fns:
+        if adapter.place(name).read_input:
+            raise ValueError(f"{name!r} is read from a module input; Jacobians need a module output")
+    with hooks(adapter, fns):
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def _cache_kwarg(model) -> str:

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmprobe.io import write_text
+
 
 @dataclass
 class SeqData:
@@ -148,7 +150,7 @@ class FactTask:
                    meta=obj.get("meta", {}))
 
     def save(self, path: str) -> None:
-        _atomic_write_text(path, json.dumps(self.to_json()))
+        write_text(path, json.dumps(self.to_json()))
 
     @classmethod
     def load(cls, path: str) -> "FactTask":
@@ -308,10 +310,3 @@ def random_khop(n_subjects: int, n_relations: int, hops: int, cot: bool = False,
     return task
 
 
-def _atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

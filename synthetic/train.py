@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from llmprobe.io import write_json
+
 from .model import FactRecallModel, ModelConfig
 from .tasks import FactTask, KHopTask, SeqData
 
@@ -243,7 +245,7 @@ def train(task: FactTask | KHopTask, d_model: int | None = None, *, model_config
         cpu_time_s=round(time.process_time() - cpu0, 3))
     if out_dir:
         _save_checkpoint(out_dir, model, opt, params, step, wall, history, acc, loss_val, cfg)
-        _atomic_json(os.path.join(out_dir, RUN), {**result.to_dict(), "model_config": mcfg.to_dict()})
+        write_json(os.path.join(out_dir, RUN), {**result.to_dict(), "model_config": mcfg.to_dict()})
     result.model = model
     return result
 
@@ -276,13 +278,6 @@ def _progress(cfg: TrainConfig, start: int):
     return tqdm(total=cfg.max_steps, initial=start, desc="train", unit="step", leave=False, mininterval=0.5)
 
 
-def _atomic_json(path: str, obj) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _save_task(task, out_dir: str) -> None:
@@ -291,7 +286,7 @@ def _save_task(task, out_dir: str) -> None:
                "base": task.base.to_json()}
     else:
         obj = task.to_json()
-    _atomic_json(os.path.join(out_dir, TASK), obj)
+    write_json(os.path.join(out_dir, TASK), obj)
 
 
 def _load_task(out_dir: str):
@@ -318,7 +313,7 @@ def _save_checkpoint(out_dir, model, opt, params, step, elapsed, history, acc, l
     tmp = f"{path}.tmp{os.getpid()}"
     save_file(tensors, tmp)
     os.replace(tmp, path)
-    _atomic_json(os.path.join(out_dir, STATE), {
+    write_json(os.path.join(out_dir, STATE), {
         "step": step, "elapsed": elapsed, "history": history, "accuracy": acc, "loss": loss,
         "opt_step": opt_step, "train_config": cfg.to_dict(), "model_config": model.config.to_dict()})
 
