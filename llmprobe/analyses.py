@@ -737,8 +737,10 @@ def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits
             try:
                 entry = _decoders_for_relation(lm, relation, known.get(relation.name), layers, lre_layers,
                                                causal_layers, do_lre, do_ridge, cfg, log)
-            except (AnalysisError, SubjectNotFoundError, ValueError) as error:
-                message = str(error) if relation.name in str(error) else f"relation {relation.name}: {error}"
+            except Exception as error:  # noqa: BLE001 - one relation's failure must not stop the others
+                text = str(error) if isinstance(error, (AnalysisError, ValueError)) else \
+                    f"{type(error).__name__}: {error}"
+                message = text if relation.name in text else f"relation {relation.name}: {text}"
                 entry = {"error": message}
                 result["errors"].append(message)
                 log(message)
@@ -748,7 +750,8 @@ def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits
         t = time.perf_counter()
         try:
             result["superposition"] = _superposition(lm, relations, known, layers, swap_layers, cfg, log)
-        except (AnalysisError, SubjectNotFoundError, ValueError) as error:
+        except Exception as error:  # noqa: BLE001 - reported, the decoders' results are kept
+            error = error if isinstance(error, (AnalysisError, ValueError)) else f"{type(error).__name__}: {error}"
             result["superposition"] = {"error": str(error)}
             result["errors"].append(f"superposition: {error}")
             log(f"superposition: {error}")
