@@ -176,7 +176,8 @@ def summary_tables(reports: list[dict], rows: list[dict]) -> list[tuple[str, lis
         body = [[r["source"], r["relation"], r["metric"], r["layer"], r["value"], r["lo"], r["hi"], r["control"],
                  r["control_value"]] for r in sorted(best.values(), key=lambda r: (r["metric"], r["relation"],
                                                                                      r["source"], str(r["control"])))]
-        tables.append(("Best layer per relation and metric (value with interval, beside its control)",
+        tables.append(("Highest value over layers per relation and metric (descriptive: picked on test numbers; "
+                       "the validation-selected layer is in report.json, analyses.selected)",
                        ["source", "relation", "metric", "layer", "value", "lo", "hi", "control", "control value"],
                        body))
     return tables
