@@ -10,7 +10,7 @@ Compares, in the same process and on the same device:
 Throughput is measured over a few timed epochs after a warm-up; time to 100% is a full training run of each recipe
 (the baseline is capped at ``--baseline-max-epochs``). Runs unchanged on a GPU with ``--device cuda``.
 
-    python benchmarks/synthetic.py                       # N=1024, R=8, d=16 on CPU, 2 threads
+    python benchmarks/synthetic.py                       # N=1024, R=8, d=24 on CPU, 2 threads
     python benchmarks/synthetic.py --device cuda -N 4096 -R 16 --d 40
 """
 from __future__ import annotations
@@ -128,7 +128,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("-N", "--subjects", type=int, default=1024)
     p.add_argument("-R", "--relations", type=int, default=8)
-    p.add_argument("--d", type=int, default=16)
+    p.add_argument("--d", type=int, default=24)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--epochs", type=int, default=5, help="timed epochs for throughput")

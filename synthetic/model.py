@@ -12,9 +12,10 @@ Forward pass for a token sequence ``ids`` [b, t] (ids as in :mod:`synthetic.task
 
 ``E`` is two tables: subject embeddings [N, d] (trainable, or frozen at their random init) and relation embeddings
 [R, d]; ``frozen_unembed`` also freezes the attribute unembedding U at its random init (then only the relation
-embeddings and the MLP learn: the associative-memory regime of earlier work). Uniform attention is the paper's simplest case and has no parameters: position t reads the mean of
-positions 0..t (for the one-hop input (s, r) the last state is x_r + (x_s + x_r)/2). Learned attention is one
-causal softmax head with W_Q, W_K, W_V, W_O. There is no layer norm.
+embeddings and the MLP learn: the associative-memory regime of earlier work). Uniform attention is the paper's
+simplest case and has no parameters: position t reads the mean of positions 0..t (for the one-hop input (s, r)
+the last state is x_r + (x_s + x_r)/2). Learned attention is one causal softmax head with W_Q, W_K, W_V, W_O.
+There is no layer norm. The MLP width defaults to 8d (docs/synthetic.md: it lowers d* against 4d).
 
 The ``nn.Identity`` modules returned by :meth:`FactRecallModel.hook_points` are called on the real tensors, so
 ``llmprobe.capture`` and ``llmprobe.capture.patch`` read and edit this model exactly as they do a Hugging Face one.

@@ -106,13 +106,14 @@ def initial_guess(N: int, R: int, mode: str) -> int:
 class _Cell:
     """Bisection state for one (N, R, seed, mode) cell, fed with cached or fresh results.
 
-    From the start width it steps down after a success (up after a failure) by ~12% of d, doubling the step on
-    every further move in the same direction, until it holds a failing width below a succeeding one; then it
-    bisects. With a good start (the other seed's d*) this takes two or three runs.
+    From the start width it steps down after a success (up after a failure) by ~12% of d (by 1 when the start is
+    another seed's d*), doubling the step on every further move in the same direction, until it holds a failing
+    width below a succeeding one; then it bisects. With a good start this takes two or three runs.
     """
 
     def __init__(self, N, R, seed, mode, cfg: SweepConfig, start: int | None = None):
         self.N, self.R, self.seed, self.mode, self.cfg = N, R, seed, mode, cfg
+        self.prior = start is not None
         self.start = start or initial_guess(N, R, mode)
         self.ok: dict[int, bool] = {}
         self.order: list[int] = []
@@ -140,7 +141,8 @@ class _Cell:
             else:
                 break
         ref = worst if going_up else best
-        step = max(1, int(round(0.12 * ref))) * 2 ** max(0, streak - 1)
+        base = 1 if self.prior else max(1, int(round(0.12 * ref)))
+        step = base * 2 ** max(0, streak - 1)
         if going_up:
             return None if worst >= hi else min(hi, worst + step)
         return None if best <= lo else max(lo, best - step)
@@ -408,7 +410,7 @@ def plot(out_dir: str, summary: dict | None = None, img_dir: str | None = None, 
     paths.append(_savefig(fig, os.path.join(img_dir, f"{prefix}accuracy_vs_d.png")))
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(5.2, 4.0))
+    fig, ax = plt.subplots(figsize=(7.6, 4.0))
     markers = {N: m for N, m in zip(Ns, "os^Dv<>")}
     for mode, color in (("trainable", "tab:blue"), ("frozen", "tab:red"), ("frozen_all", "tab:gray")):
         for c in summary["cells"]:
@@ -417,15 +419,20 @@ def plot(out_dir: str, summary: dict | None = None, img_dir: str | None = None, 
             for d in c["d_star"]:
                 ax.scatter(c["R_log2N"], d, color=color, marker=markers.get(c["N"], "o"), s=18, alpha=0.8)
         fit = summary["fits"].get(mode) or {}
-        if fit.get("c") is not None:
+        if fit.get("c") is not None and (fit.get("r2") is None or fit["r2"] >= 0.5):
             xs = [0, max(c["R_log2N"] for c in summary["cells"])]
             ax.plot(xs, [fit["c"] * x for x in xs], color=color, lw=1,
                     label=f"{mode}: d* = {fit['c']:.2f} R log2 N")
+        elif fit.get("c") is not None:          # not linear in R log N: show the power law instead
+            pw = (summary.get("power_fits") or {}).get(mode) or {}
+            label = mode if pw.get("alpha") is None else \
+                f"{mode}: d* ~ N^{pw['alpha']:.2f} R^{pw['beta']:.2f} (no linear fit)"
+            ax.scatter([], [], color=color, s=18, label=label)
     for N, m in markers.items():
         ax.scatter([], [], color="gray", marker=m, s=18, label=f"N={N}")
     ax.set_xlabel("R log2 N")
     ax.set_ylabel("threshold width d*")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     paths.append(_savefig(fig, os.path.join(img_dir, f"{prefix}dstar_vs_RlogN.png")))

@@ -2,9 +2,10 @@
 
 Recipe (defaults of :class:`TrainConfig`): Adam (lr 0.1, betas (0.9, 0.98), no weight decay), full batch over
 every fact (or minibatches of ``batch_size``), learning rate with a linear warm-up over the first 10% of
-``max_steps`` and cosine decay to ``lr * min_lr_frac``, and stop as soon as every training prediction is the argmax (``target_acc`` = 1.0). In full-batch
-mode the accuracy comes for free from the step's own forward pass (parameters *before* the step); in minibatch mode
-a full evaluation runs at the end of each epoch.
+``max_steps`` and cosine decay to ``lr * min_lr_frac``, and stop as soon as every training prediction is the
+argmax (``target_acc`` = 1.0). In full-batch mode the accuracy comes for free from the step's own forward pass
+(parameters *before* the update, confirmed by a plain argmax pass, and that update is then not applied, so the
+saved model is the one that scored 100%); in minibatch mode a full evaluation runs at the end of each epoch.
 
 Checkpoints (``out_dir``): ``checkpoint.safetensors`` holds the parameters and the flattened Adam moments
 (``opt.<name>.exp_avg`` / ``opt.<name>.exp_avg_sq``), ``checkpoint.json`` the step, configs and history, and
