@@ -343,7 +343,7 @@ def add_analyze_parser(synth_subparsers) -> None:
     g.add_argument("--subjects", "-N", type=int, default=None)
     g.add_argument("--relations", "-R", type=int, default=None)
     g.add_argument("--d", type=int, default=None)
-    g.add_argument("--mlp-width", type=int, default=None, help="default 4d")
+    g.add_argument("--mlp-width", type=int, default=None, help="default 8d (the model default)")
     g.add_argument("--attention", choices=["uniform", "learned"], default="uniform")
     g.add_argument("--lr", type=float, default=DEFAULT_TRAIN["lr"])
     g.add_argument("--max-steps", type=int, default=DEFAULT_TRAIN["max_steps"])
