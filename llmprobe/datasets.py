@@ -428,10 +428,10 @@ def load_relations(names_or_paths: list[str] | str | None = None, *, templates: 
     return out
 
 
-def format_relation(relation: Relation) -> str:
-    """JSON text in our schema, one fact per line."""
+def format_json(obj: dict) -> str:
+    """JSON text of a relation dict in our schema, one fact per line."""
     parts = []
-    for key, val in relation.to_dict().items():
+    for key, val in obj.items():
         if key == "facts":
             body = ",\n".join("  " + json.dumps(f, ensure_ascii=False) for f in val)
             parts.append(f' "facts": [\n{body}\n ]')
@@ -439,6 +439,11 @@ def format_relation(relation: Relation) -> str:
             text = json.dumps(val, ensure_ascii=False, indent=1).replace("\n", "\n ")
             parts.append(f" {json.dumps(key)}: {text}")
     return "{\n" + ",\n".join(parts) + "\n}\n"
+
+
+def format_relation(relation: Relation) -> str:
+    """JSON text in our schema, one fact per line."""
+    return format_json(relation.to_dict())
 
 
 def save_relation(relation: Relation, path: str | os.PathLike) -> Path:

@@ -25,6 +25,8 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pycountry
+
+from llmprobe.datasets import format_json
 from countryinfo import CountryInfo
 
 OUT_DIR = Path(__file__).resolve().parent
@@ -224,17 +226,7 @@ def build(rows):
     return out
 
 
-def dump(obj):
-    """JSON text with one fact per line (same layout as llmprobe.datasets.save_relation)."""
-    parts = []
-    for key, val in obj.items():
-        if key == "facts":
-            body = ",\n".join("  " + json.dumps(f, ensure_ascii=False) for f in val)
-            parts.append(f' "facts": [\n{body}\n ]')
-        else:
-            text = json.dumps(val, ensure_ascii=False, indent=1).replace("\n", "\n ")
-            parts.append(f" {json.dumps(key)}: {text}")
-    return "{\n" + ",\n".join(parts) + "\n}\n"
+dump = format_json  # the layout llmprobe.datasets.save_relation writes
 
 
 def main(argv=None):
