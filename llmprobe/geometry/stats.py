@@ -102,8 +102,13 @@ ALPHA_GRID = tuple(10.0 ** k for k in range(-4, 6))                    # 1e-4 ..
 
 def ridge_fit_cv(X: Any, Y: Any, alphas: Sequence[float] = ALPHA_GRID,
                  fit_intercept: bool = True) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Ridge with alpha chosen by exact leave-one-out error (closed form via the SVD of centred X, as in
-    scikit-learn's RidgeCV), one alpha shared by all outputs. X [n, p], Y [n, q] -> (W [q, p], b [q], alpha)."""
+    """Ridge with alpha chosen by exact leave-one-out error (closed form, as in scikit-learn's RidgeCV), one alpha
+    shared by all outputs. X [n, p], Y [n, q] -> (W [q, p], b [q], alpha).
+
+    The spectrum of the centred X comes from the eigendecomposition of the smaller of X X^T [n, n] and X^T X
+    [p, p] (a few times faster than its SVD when n and p differ); the solution is the dual form
+    W^T = X^T Q (Lambda + alpha)^-1 Q^T Y, with Q the left singular vectors, so no singular value is divided by.
+    """
     X = as_float(X, "X", 2)
     Y = as_float(Y, "Y", 2)
     check_rows("X", X, "Y", Y)
@@ -113,24 +118,25 @@ def ridge_fit_cv(X: Any, Y: Any, alphas: Sequence[float] = ALPHA_GRID,
     if X.shape[0] < 3:
         raise ValueError(f"leave-one-out alpha selection needs >= 3 rows, got {X.shape[0]}")
     Xd, Yd = X.to(torch.float64), Y.to(X.device, torch.float64)
-    n = Xd.shape[0]
-    x_mean = Xd.mean(0) if fit_intercept else torch.zeros(Xd.shape[1], dtype=torch.float64, device=Xd.device)
+    n, p = Xd.shape
+    x_mean = Xd.mean(0) if fit_intercept else torch.zeros(p, dtype=torch.float64, device=Xd.device)
     y_mean = Yd.mean(0) if fit_intercept else torch.zeros(Yd.shape[1], dtype=torch.float64, device=Yd.device)
     Xc, Yc = Xd - x_mean, Yd - y_mean
-    Us, S, Vh = torch.linalg.svd(Xc, full_matrices=False)
-    keep = S > S.max().clamp_min(0) * max(Xc.shape) * torch.finfo(torch.float64).eps
-    Us, S, Vh = Us[:, keep], S[keep], Vh[keep]
-    UtY = Us.T @ Yc                                                          # [k, q]
+    lam, vecs = torch.linalg.eigh(Xc @ Xc.T if n <= p else Xc.T @ Xc)         # eigenvalues = squared singular values
+    keep = lam > lam.max().clamp_min(0) * max(n, p) * torch.finfo(torch.float64).eps
+    lam, vecs = lam[keep], vecs[:, keep]
+    Q = vecs if n <= p else (Xc @ vecs) / lam.sqrt()                          # left singular vectors [n, k]
+    QtY = Q.T @ Yc                                                           # [k, q]
     best = (float("inf"), alphas[0])
     for a in alphas:
-        f = S ** 2 / (S ** 2 + a)                                            # shrinkage factors [k]
-        resid = Yc - Us @ (f[:, None] * UtY)
-        h = (Us ** 2) @ f + (1.0 / n if fit_intercept else 0.0)              # hat-matrix diagonal [n]
+        f = lam / (lam + a)                                                  # shrinkage factors [k]
+        resid = Yc - Q @ (f[:, None] * QtY)
+        h = (Q ** 2) @ f + (1.0 / n if fit_intercept else 0.0)               # hat-matrix diagonal [n]
         loo = float(((resid / (1 - h).clamp_min(1e-12)[:, None]) ** 2).sum())
         if loo < best[0]:
             best = (loo, a)
     a = best[1]
-    B = Vh.T @ ((S / (S ** 2 + a))[:, None] * UtY)                           # [p, q]
+    B = Xc.T @ (Q @ (QtY / (lam + a)[:, None]))                              # [p, q]
     W = B.T.contiguous()
     b = y_mean - W @ x_mean
     return W.to(X.dtype), b.to(X.dtype), a
