@@ -41,7 +41,7 @@ from .lre import (layer_sequences, logits_fn, next_token_predictions, random_lik
                   subject_jacobians, subject_states)
 from .scoring import (FIRST_TOKEN, SCORING_MODES, SEQUENCE, attribute_token_ids, first_token_collisions,
                       first_token_targets, sequence_logprobs)
-from .subjects import SubjectNotFoundError, encode
+from .subjects import SubjectNotFoundError, encode, locate_errors
 
 __all__ = ["ANALYSES", "AnalysisError", "AnalysisSettings", "run_analyses", "default_layers", "pick_layers",
            "table_rows", "format_table"]
@@ -91,7 +91,7 @@ class AnalysisSettings:
     n_boot: int = 1000
     batch_size: int = 32
     jacobian_batch_size: int = 16
-    jacobian_chunk: int = 32
+    jacobian_chunk: int = 96           # output dims per batched backward (96: ~13% faster than 32 on 2 cores)
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -487,14 +487,7 @@ def _neutral_templates(tokenizer, group, override) -> tuple[list[str], list[str]
 
 
 def _locatable(tokenizer, template: str, subjects: list[str]) -> list[bool]:
-    ok = []
-    for s in subjects:
-        try:
-            encode(tokenizer, template, [s])
-            ok.append(True)
-        except SubjectNotFoundError:
-            ok.append(False)
-    return ok
+    return [error is None for error in locate_errors(tokenizer, template, subjects)]
 
 
 def _unembedding(lm) -> torch.Tensor:

@@ -17,7 +17,7 @@ from .datasets import DatasetError, Relation, load_relations
 from .io import write_json
 from .known import known_facts
 from .loading import LoadedModel, load_model
-from .subjects import SubjectNotFoundError, encode
+from .subjects import locate_errors
 
 REPORT_SCHEMA_VERSION = 1
 LIBRARIES = ("llmprobe", "torch", "transformers", "accelerate", "datasets", "scikit-learn", "transformer-lens",
@@ -64,13 +64,10 @@ def dataset_hash(relations: list[Relation]) -> str:
 
 def locatable(lm: LoadedModel, relation: Relation) -> tuple[list, list[str]]:
     """Facts whose subject can be located in the relation's first template, and an error per fact that can't."""
-    ok, errors = [], []
-    for fact in relation.facts:
-        try:
-            encode(lm.tokenizer, relation.templates[0], [fact.subject])
-            ok.append(fact)
-        except SubjectNotFoundError as error:
-            errors.append(f"{relation.name}: fact ({fact.subject!r}, {fact.object!r}): {error}")
+    found = locate_errors(lm.tokenizer, relation.templates[0], [fact.subject for fact in relation.facts])
+    ok = [fact for fact, error in zip(relation.facts, found) if error is None]
+    errors = [f"{relation.name}: fact ({fact.subject!r}, {fact.object!r}): {error}"
+              for fact, error in zip(relation.facts, found) if error is not None]
     return ok, errors
 
 
@@ -104,6 +101,7 @@ def probe(
                 for r in rels]
     lm = lm or load_model(model, gguf_file=gguf_file, device=device, dtype=dtype,
                           trust_remote_code=trust_remote_code)
+    timings = {"load_s": round(time.perf_counter() - start, 1)}
     layer_ids = parse_layers(layers, lm.adapter.n_layers)
     report = {
         "schema_version": REPORT_SCHEMA_VERSION,
@@ -117,6 +115,7 @@ def probe(
         "layers": layer_ids,
         "versions": library_versions(),
         "seed": seed,
+        "timings": timings,
         "errors": [],
     }
     known = {}
@@ -141,10 +140,13 @@ def probe(
             "properties": relation.properties,
             "source": relation.source,
         }
+    timings["known_facts_s"] = round(time.perf_counter() - start - timings["load_s"], 1)
     if analyses:
         from .analyses import run_analyses
 
+        t = time.perf_counter()
         report["analyses"] = run_analyses(lm, rels, known, layer_ids, analyses=tuple(analyses), seed=seed)
+        timings["analyses_s"] = round(time.perf_counter() - t, 1)
     report["wall_seconds"] = round(time.perf_counter() - start, 1)
     if out is not None:
         out = Path(out)

@@ -113,3 +113,15 @@ def encode(tokenizer, templates: list[str] | str, subjects: list[str], padding_s
         how.append(method)
     as_long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
     return EncodedPrompts(batch["input_ids"], mask, as_long(first), as_long(last), as_long(prompt_last), how)
+
+
+def locate_errors(tokenizer, template: str, subjects: list[str]) -> list[str | None]:
+    """Per subject: None when its tokens can be located in the filled ``template``, else the reason it can't."""
+    errors = []
+    for subject in subjects:
+        try:
+            encode(tokenizer, template, [subject])
+            errors.append(None)
+        except SubjectNotFoundError as error:
+            errors.append(str(error))
+    return errors

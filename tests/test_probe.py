@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from llmprobe import probe as probe_module
+from llmprobe import subjects as subjects_module
 from llmprobe.cli import main
 from llmprobe.known import first_token_ids, is_known, object_token_sequences
 from llmprobe.probe import parse_layers, probe
@@ -44,14 +44,14 @@ def test_probe_writes_report(tiny_folder, relation_file, tmp_path):
 
 
 def test_unlocatable_subject_is_reported_and_the_run_goes_on(tiny_folder, relation_file, tmp_path, monkeypatch):
-    real_encode = probe_module.encode
+    real_encode = subjects_module.encode
 
     def encode(tokenizer, template, subjects, **kw):
         if subjects == ["Japan"]:
             raise SubjectNotFoundError("subject 'Japan' not found in the prompt tokens")
         return real_encode(tokenizer, template, subjects, **kw)
 
-    monkeypatch.setattr(probe_module, "encode", encode)
+    monkeypatch.setattr(subjects_module, "encode", encode)
     report = probe(tiny_folder, relations=[relation_file], layers="-1", device="cpu", out=tmp_path)
     assert report["relations"]["capital"]["n_facts"] == 3
     assert any("'Japan'" in e and "capital" in e for e in report["errors"])
