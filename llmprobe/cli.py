@@ -51,7 +51,7 @@ def _run(args) -> int:
     for control in report.get("controls", []):
         r2 = control["analyses"]["superposition"]["layers"]["0"]["r2"]
         print(f"{control['label']:<36} train acc {control['train']['accuracy']:.3f}  "
-              f"bits/param {control['train']['bits_per_param']:.3f}  superposition R^2 {r2['value']:.3f} "
+              f"bits/param {control['train']['bits_per_param']:.3g}  superposition R^2 {r2['value']:.3f} "
               f"(shuffled {r2['control']['value']:.3f})")
     for error in report["errors"]:
         print(f"warning: {error}", file=sys.stderr)

@@ -61,16 +61,24 @@ def _metric(conditions: dict, key: str, relation: str | None = None) -> dict:
 
 
 def measure_control(model, task, seed: int = 0, n_boot: int = 500) -> dict:
-    """Superposition readouts of a trained synthetic model, in the pretrained report's layout (layer 0 = e_s)."""
-    from synthetic.mechanisms import superposition, untrained_like
+    """Superposition readouts of a trained synthetic model, in the pretrained report's layout (layer 0 = e_s),
+    and its MLP-as-selector measurements (``synthetic.mechanisms.selector``: ablation matrices, gate transplant)."""
+    from synthetic.mechanisms import selector, superposition, untrained_like
 
     result = superposition(model, task, controls={"random_init": untrained_like(model)}, n_boot=n_boot, seed=seed,
                            swap_edit=False)
     conditions = result["report"]["conditions"]
     readout = {name: _metric(conditions, "readout_acc", name) for name in task.relations}
     layer = {"r2": _metric(conditions, "r2"), "readout": readout}
+    sel = selector(model, task, seed=seed)
+    keys = ("n_units", "n_alive", "units_per_relation", "relation_gating", "ablation", "random_ablation",
+            "gate_transplant", "relation_patch")
+    mlp = {k: sel[k] for k in keys}
+    mlp.update({"relations": list(task.relations), "base_accuracy": sel["base_accuracy"],
+                "ablation_drop": sel["ablation_drop"], "random_ablation_drop": sel["random_ablation_drop"]})
     return {"superposition": {"place": "subject embeddings e_s (blocks.0.resid_pre at the subject token)",
-                              "layers": {"0": layer}}, "wall_seconds": result.get("wall_s")}
+                              "layers": {"0": layer}},
+            "selector": mlp, "wall_seconds": round((result.get("wall_s") or 0) + sel["wall_s"], 2)}
 
 
 def train_controls(table: FactTable, d_model: int, seed: int = 0, at_model_width: bool = True,
@@ -86,7 +94,8 @@ def train_controls(table: FactTable, d_model: int, seed: int = 0, at_model_width
     for mode in MODES:
         start = time.perf_counter()
         found = find_threshold(task, mode, cfg, seed=seed)
-        progress(f"matched control ({mode}): d* = {found['d_star']} after trying {found['tried']}")
+        progress(f"matched control ({mode}): d* = {found['d_star']} after trying "
+                 f"{[(t['d'], t['success']) for t in found['tried']]}")
         widths = [found["d_star"] or cfg.d_max]
         if at_model_width and d_model not in widths:
             widths.append(d_model)
@@ -122,18 +131,23 @@ def _train_at(task, mode: str, d: int, cfg, seed: int):
 
 
 def find_threshold(task, mode: str, cfg, seed: int = 0) -> dict:
-    """Smallest d reaching 100% train accuracy on ``task`` by the capacity sweep's bisection.
+    """Smallest d reaching 100% train accuracy on ``task`` by the capacity sweep's bisection, started from the
+    table's bits per subject (``synthetic.sweep.initial_guess``).
 
-    Returns {"d_star", "tried": [(d, success)], "models": {d: (model, result)}} (every trained model kept).
+    Returns {"d_star", "tried": [{"d", "success", "accuracy", "steps", "wall_time_s"}] (by d),
+    "models": {d: (model, result)}} (every trained model kept).
     """
     from synthetic.sweep import _Cell
 
-    cell = _Cell(task.n_subjects, task.n_relations, seed, mode, cfg)
+    cell = _Cell(task.n_subjects, task.n_relations, seed, mode, cfg,
+                 bits_per_subject=task.bits() / max(1, task.n_subjects))
     models = {}
     while (d := cell.next_d()) is not None:
         models[d] = _train_at(task, mode, d, cfg, seed)
         cell.record(d, bool(models[d][1]["success"]))
-    return {"d_star": cell.d_star(), "tried": sorted(cell.ok.items()), "models": models}
+    tried = [{"d": d, "success": bool(r["success"]), "accuracy": r["accuracy"], "steps": r["steps"],
+              "wall_time_s": r["wall_time_s"]} for d, (_, r) in sorted(models.items())]
+    return {"d_star": cell.d_star(), "tried": tried, "models": models}
 
 
 def run(model: str | None = None, *, out: str | Path = "runs/main", relations: list[str] | None = None,
@@ -149,6 +163,7 @@ def run(model: str | None = None, *, out: str | Path = "runs/main", relations: l
     report = probe(model, gguf_file=gguf_file, relations=relations, layers=layers, analyses=analyses, device=device,
                    dtype=dtype, max_facts=max_facts, seed=seed, out=out, trust_remote_code=trust_remote_code)
     if controls:
+        t = time.perf_counter()
         known = _known_results(out)
         try:
             table, dropped = known_table(report["relations"], known)
@@ -158,6 +173,7 @@ def run(model: str | None = None, *, out: str | Path = "runs/main", relations: l
                                                 at_model_width=at_model_width)
         except ValueError as error:
             report["errors"].append(f"matched controls: {error}")
+        report["timings"]["controls_s"] = round(time.perf_counter() - t, 1)
         write_json(out / "report.json", report)  # checkpoint: the probe's numbers are safe before export
     report["versions"] = library_versions()
     report["wall_seconds"] = round(time.perf_counter() - start, 1)

@@ -17,7 +17,6 @@ logarithmic from polynomial growth in N), and :func:`plot` draws accuracy agains
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import math
@@ -27,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
+from llmprobe.io import append_jsonl, read_jsonl, write_figure, write_json, write_text
 
 from .train import TrainConfig, train
 from .tasks import random_bijections
@@ -62,45 +63,26 @@ def point_key(N: int, R: int, seed: int, mode: str, d: int, cfg: SweepConfig) ->
             "sched": t.schedule, "target": t.target_acc}
     if mode not in ("trainable", "frozen"):
         spec["mode"] = mode
+    if t.weight_decay:                    # only when set, so that keys of earlier sweeps stay valid
+        spec["weight_decay"] = t.weight_decay
     return hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def load_results(out_dir: str) -> list[dict]:
-    path = os.path.join(out_dir, RESULTS)
-    if not os.path.exists(path):
-        return []
-    rows = []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:      # a torn last line from a killed run: ignore it
-                    pass
-    return rows
+    """Every finished point of a sweep directory (a torn last line from a killed run is ignored)."""
+    return read_jsonl(os.path.join(out_dir, RESULTS))
 
 
-def _append(out_dir: str, row: dict) -> None:
-    path = os.path.join(out_dir, RESULTS)
-    line = json.dumps(row) + "\n"
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def initial_guess(N: int, R: int, mode: str) -> int:
-    """Starting width: the measured rule of thumb d* ~ 0.17 R log2 N (trainable), 1.5 times that for frozen
-    subjects; for frozen_all the MLP must hold the facts: 16 d^2 * 2 bits ~ R N log2 N."""
-    g = 0.17 * R * math.log2(N)
+def initial_guess(N: int, R: int, mode: str, bits_per_subject: float | None = None) -> int:
+    """Starting width from the measured rule of thumb d* ~ 0.2 * (bits of facts per subject), i.e. ~0.17 R log2 N
+    for R random bijections (bits per subject = R log2(N!) / N), 1.5 times that for frozen subjects; for
+    frozen_all the MLP must hold the facts: 16 d^2 * 2 bits ~ all the bits. ``bits_per_subject``: of a general
+    fact table (``FactTask.bits() / n_subjects``; default: that of R bijections)."""
+    if bits_per_subject is None:
+        bits_per_subject = R * (math.lgamma(N + 1) / math.log(2)) / N
     if mode == "frozen_all":
-        return max(2, int(round(math.sqrt(R * N * math.log2(N) / 32))))
-    return max(2, int(round(g * (1.5 if mode == "frozen" else 1.0))))
+        return max(2, int(round(math.sqrt(N * bits_per_subject / 32))))
+    return max(2, int(round(0.2 * bits_per_subject * (1.5 if mode == "frozen" else 1.0))))
 
 
 class _Cell:
@@ -111,10 +93,11 @@ class _Cell:
     width below a succeeding one; then it bisects. With a good start this takes two or three runs.
     """
 
-    def __init__(self, N, R, seed, mode, cfg: SweepConfig, start: int | None = None):
+    def __init__(self, N, R, seed, mode, cfg: SweepConfig, start: int | None = None,
+                 bits_per_subject: float | None = None):
         self.N, self.R, self.seed, self.mode, self.cfg = N, R, seed, mode, cfg
         self.prior = start is not None
-        self.start = start or initial_guess(N, R, mode)
+        self.start = start or initial_guess(N, R, mode, bits_per_subject)
         self.ok: dict[int, bool] = {}
         self.order: list[int] = []
 
@@ -175,7 +158,7 @@ def _bisect_cell(N, R, seed, mode, cfg: SweepConfig, out_dir: str, cache: dict, 
         row = cache.get(key)
         if row is None:
             row = _run_point(N, R, seed, mode, d, cfg)
-            _append(out_dir, row)
+            append_jsonl(os.path.join(out_dir, RESULTS), row)
             print(f"[sweep] N={N} R={R} seed={seed} {mode} d={d}: "
                   f"acc={row['accuracy']:.4f} steps={row['steps']} {row['wall_time_s']:.0f}s", flush=True)
         cell.record(d, bool(row["success"]))
@@ -217,8 +200,8 @@ def run_sweep(cfg: SweepConfig, out_dir: str) -> dict:
         for job in jobs:
             _sweep_unit(job)
     summary = summarize(out_dir, cfg)
-    _write_json(os.path.join(out_dir, "summary.json"), summary)
-    _write_text(os.path.join(out_dir, "table.md"), table_markdown(summary))
+    write_json(os.path.join(out_dir, "summary.json"), summary)
+    write_text(os.path.join(out_dir, "table.md"), table_markdown(summary))
     try:
         plot(out_dir, summary)
     except ImportError:  # pragma: no cover - matplotlib missing
@@ -407,8 +390,7 @@ def plot(out_dir: str, summary: dict | None = None, img_dir: str | None = None, 
     fig.legend(loc="lower center", ncol=min(4, n_modes * len(Rs)), fontsize=7, frameon=False)
     n_rows_legend = math.ceil(n_modes * len(Rs) / 4)
     fig.tight_layout(rect=(0, min(0.4, 0.06 * n_rows_legend + 0.02), 1, 1))
-    paths.append(_savefig(fig, os.path.join(img_dir, f"{prefix}accuracy_vs_d.png")))
-    plt.close(fig)
+    paths.append(str(write_figure(os.path.join(img_dir, f"{prefix}accuracy_vs_d.png"), fig)))
 
     fig, ax = plt.subplots(figsize=(7.6, 4.0))
     markers = {N: m for N, m in zip(Ns, "os^Dv<>")}
@@ -435,30 +417,11 @@ def plot(out_dir: str, summary: dict | None = None, img_dir: str | None = None, 
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    paths.append(_savefig(fig, os.path.join(img_dir, f"{prefix}dstar_vs_RlogN.png")))
-    plt.close(fig)
+    paths.append(str(write_figure(os.path.join(img_dir, f"{prefix}dstar_vs_RlogN.png"), fig)))
     return paths
-
-
-def _savefig(fig, path: str) -> str:
-    tmp = f"{path}.tmp{os.getpid()}.png"
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, path)
-    return path
 
 
 def _cfg_dict(cfg: SweepConfig) -> dict:
     d = dict(cfg.__dict__)
     d["train"] = cfg.train.to_dict()
     return d
-
-
-def _write_json(path: str, obj) -> None:
-    _write_text(path, json.dumps(obj, indent=1))
-
-
-def _write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)

@@ -238,7 +238,7 @@ def train(task: FactTask | KHopTask, d_model: int | None = None, *, model_config
     result = RunResult(
         accuracy=acc, success=acc >= cfg.target_acc, steps=step, wall_time_s=round(wall, 3),
         n_params=n["total"], n_trainable=n["trainable"], bits=round(bits, 1),
-        bits_per_param=round(bits / max(1, n["trainable"]), 4), loss=loss_val,
+        bits_per_param=float(f"{bits / max(1, n['trainable']):.4g}"), loss=loss_val,
         facts_per_s=round(step * bs / max(wall, 1e-9), 1), n_subjects=mcfg.n_subjects, n_relations=mcfg.n_relations,
         d_model=mcfg.d_model, d_mlp=mcfg.d_mlp, frozen_subjects=mcfg.frozen_subjects, attention=mcfg.attention,
         task_kind=task.kind, train=cfg.to_dict(), history=history,

@@ -32,13 +32,19 @@ def test_matched_controls_reach_threshold_and_beat_their_controls():
     assert [c["model"]["frozen_subjects"] for c in controls] == [False, True]
     trainable = controls[0]
     assert trainable["train"]["accuracy"] == 1.0 and trainable["threshold"]["d_star"] is not None
-    tried = dict(map(tuple, trainable["threshold"]["tried"]))
-    assert tried[trainable["threshold"]["d_star"]] and not any(ok for d, ok in tried.items()
-                                                               if d < trainable["threshold"]["d_star"])
+    tried = {t["d"]: t for t in trainable["threshold"]["tried"]}
+    d_star = trainable["threshold"]["d_star"]
+    assert tried[d_star]["success"] and tried[d_star]["accuracy"] == 1.0
+    assert not any(t["success"] for d, t in tried.items() if d < d_star)
+    assert all(t["accuracy"] < 1.0 for d, t in tried.items() if d < d_star)
     r2 = trainable["analyses"]["superposition"]["layers"]["0"]["r2"]
     assert r2["value"] > r2["controls"]["shuffled"]["value"] + 0.3
     assert r2["value"] > r2["controls"]["random_init"]["value"] + 0.3
     assert trainable["train"]["bits_per_param"] > 0
+    selector = trainable["analyses"]["selector"]        # MLP ablations: R x R drops, beside random units
+    R = len(selector["relations"])
+    assert R == 3 and len(selector["ablation_drop"]) == R and len(selector["random_ablation_drop"][0]) == R
+    assert selector["base_accuracy"] == [1.0] * R
 
 
 def test_run_end_to_end_on_tiny_model_and_compare(tmp_path):
