@@ -1,10 +1,16 @@
 """Atomic file writes: results are written to a temp file beside the target, then renamed over it."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import tempfile
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: appends are not locked
+    fcntl = None
 
 
 def write_bytes(path: str | Path, data: bytes) -> Path:
@@ -47,11 +53,29 @@ def _finite(obj):
     return obj
 
 
+def figure_png(figure, dpi: int = 110) -> bytes:
+    """A matplotlib figure as PNG bytes (tight bounding box); the figure is closed."""
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=dpi, bbox_inches="tight")
+    plt.close(figure)
+    return buffer.getvalue()
+
+
+def write_figure(path: str | Path, figure, dpi: int = 110) -> Path:
+    """Save a matplotlib figure as a PNG atomically (and close it)."""
+    return write_bytes(path, figure_png(figure, dpi))
+
+
 def append_jsonl(path: str | Path, record: dict) -> None:
-    """Append one JSON line and flush it to disk (for results that accumulate as runs finish)."""
+    """Append one JSON line and flush it to disk (for results that accumulate as runs finish); an exclusive
+    lock keeps lines whole when several worker processes append to the same file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", encoding="utf-8") as handle:
+        if fcntl is not None:
+            fcntl.flock(handle, fcntl.LOCK_EX)
         handle.write(json.dumps(_finite(record), ensure_ascii=False) + "\n")
         handle.flush()
         os.fsync(handle.fileno())

@@ -12,7 +12,7 @@ import io
 import json
 from pathlib import Path
 
-from .io import write_text
+from .io import figure_png, write_text
 
 ROW_FIELDS = ("source", "kind", "relation", "layer", "depth", "metric", "value", "lo", "hi", "control",
               "control_value", "n")
@@ -95,12 +95,7 @@ def _fmt(value, digits=3) -> str:
 
 
 def _png_data_uri(figure) -> str:
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
-    import matplotlib.pyplot as plt
-
-    plt.close(figure)
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+    return "data:image/png;base64," + base64.b64encode(figure_png(figure)).decode("ascii")
 
 
 def layer_figures(rows: list[dict]) -> list[tuple[str, str]]:
@@ -139,6 +134,120 @@ def layer_figures(rows: list[dict]) -> list[tuple[str, str]]:
     return figures
 
 
+def _superposition_at(report: dict) -> tuple[str, dict] | None:
+    """(label, layer entry) of a report's superposition readouts: a synthetic control's e_s, or the pretrained
+    layer with the highest cross-fitted R^2 (descriptive: chosen on the held-out numbers it shows)."""
+    layers = ((report.get("analyses") or {}).get("superposition") or {}).get("layers") or {}
+    scored = {l: e for l, e in layers.items() if (e.get("r2") or {}).get("value") is not None}
+    if not scored:
+        return None
+    if report.get("kind") == "synthetic":
+        return source_name(report), scored[min(scored, key=int)]
+    layer = max(scored, key=lambda l: scored[l]["r2"]["value"])
+    return f"{source_name(report)} (layer {layer}, highest R^2)", scored[layer]
+
+
+def comparison_figure(reports: list[dict]):
+    """Grouped bars, pretrained vs synthetic: per-relation readout accuracy and R^2, with 95% CIs and the
+    shuffled control as a black tick on each bar. None when fewer than one source has readouts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sources = [s for s in (_superposition_at(r) for r in reports) if s]
+    if not sources:
+        return None
+    relations = list(dict.fromkeys(n for _, e in sources for n in (e.get("readout") or {})))
+    groups = relations + ["R^2 (all relations)"]
+    height = 0.8 / len(sources)
+    figure, axis = plt.subplots(figsize=(8, max(3.0, 0.16 * len(groups) * len(sources) + 1.2)))
+    for index, (label, entry) in enumerate(sources):
+        metrics = [(entry.get("readout") or {}).get(n) for n in relations] + [entry.get("r2")]
+        ys = [g + (index - (len(sources) - 1) / 2) * height for g in range(len(groups))]
+        values = [m["value"] if m and m.get("value") is not None else float("nan") for m in metrics]
+        cis = [(m or {}).get("ci") or [None, None] for m in metrics]
+        errors = [[max(0.0, v - ci[0]) if None not in ci[:2] else 0.0 for v, ci in zip(values, cis)],
+                  [max(0.0, ci[1] - v) if None not in ci[:2] else 0.0 for v, ci in zip(values, cis)]]
+        axis.barh(ys, values, height=height * 0.95, xerr=errors, capsize=2, color=f"C{index % 10}", label=label,
+                  error_kw={"lw": 0.8})
+        shuffled = [((m or {}).get("controls") or {}).get("shuffled", {}).get("value") for m in metrics]
+        axis.scatter([c for c in shuffled if c is not None], [y for y, c in zip(ys, shuffled) if c is not None],
+                     marker="|", s=60, color="black", zorder=3)
+    axis.set_yticks(range(len(groups)), groups, fontsize=7)
+    axis.invert_yaxis()
+    axis.set_xlabel("readout accuracy (per relation) / R^2 (last row)")
+    axis.set_title("Pretrained vs synthetic: superposition readouts (black tick: shuffled control)", fontsize=9)
+    axis.legend(fontsize=6, loc="lower right")
+    return _png_data_uri(figure)
+
+
+def capacity_figure(reports: list[dict]):
+    """Matched controls' train accuracy against width d (the bisection's points), d* marked. None without any."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = {}
+    for report in reports:
+        threshold = report.get("threshold") or {}
+        if report.get("kind") == "synthetic" and threshold.get("tried"):
+            mode = "frozen subjects" if report.get("model", {}).get("frozen_subjects") else "trainable subjects"
+            points = [t for t in threshold["tried"] if isinstance(t, dict)]
+            curves[mode] = (sorted((t["d"], t["accuracy"]) for t in points), threshold.get("d_star"))
+    if not curves:
+        return None
+    figure, axis = plt.subplots(figsize=(6, 3.4))
+    for index, (mode, (points, d_star)) in enumerate(sorted(curves.items())):
+        axis.plot([d for d, _ in points], [a for _, a in points], marker="o", color=f"C{index}", label=mode)
+        if d_star is not None:
+            axis.axvline(d_star, color=f"C{index}", ls=":", lw=1)
+            axis.annotate(f"d* = {d_star}", (d_star, 0.02 + 0.08 * index), color=f"C{index}", fontsize=7)
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("width d (log scale)")
+    axis.set_ylabel("train accuracy")
+    axis.set_ylim(0, 1.05)
+    axis.set_title("Matched controls: capacity (bisection on d; d* = smallest width at 100%)")
+    axis.legend(fontsize=7)
+    return _png_data_uri(figure)
+
+
+def ablation_figure(reports: list[dict]):
+    """Heatmaps of the controls' MLP ablations: accuracy drop on relation r (column) when the units most tied to
+    relation q (row) are zeroed, beside the same number of random live units. None without any."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = []
+    for report in reports:
+        selector = (report.get("analyses") or {}).get("selector") or {}
+        if report.get("kind") == "synthetic" and selector.get("ablation_drop"):
+            panels.append((source_name(report), "relation units", selector["ablation_drop"], selector["relations"]))
+            panels.append((source_name(report), "random units", selector["random_ablation_drop"],
+                           selector["relations"]))
+    if not panels:
+        return None
+    cols = 2
+    rows = (len(panels) + 1) // cols
+    figure, axes = plt.subplots(rows, cols, figsize=(9, 3.6 * rows), squeeze=False)
+    for axis, (label, what, drop, names) in zip(axes.flat, panels):
+        image = axis.imshow(drop, vmin=0, vmax=1, cmap="viridis")
+        ticks = [n if len(n) <= 18 else n[:17] + "." for n in names]
+        axis.set_xticks(range(len(names)), ticks, rotation=90, fontsize=6)
+        axis.set_yticks(range(len(names)), ticks, fontsize=6)
+        axis.set_title(f"{label}: {what}", fontsize=8)
+        axis.set_xlabel("accuracy drop on relation", fontsize=7)
+        axis.set_ylabel("units zeroed: those tied to", fontsize=7)
+        figure.colorbar(image, ax=axis, fraction=0.046)
+    for axis in list(axes.flat)[len(panels):]:
+        axis.axis("off")
+    figure.tight_layout()
+    return _png_data_uri(figure)
+
+
 def _table_html(header: list[str], body: list[list]) -> str:
     head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
     lines = ["<tr>" + "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in row) + "</tr>" for row in body]
@@ -154,6 +263,73 @@ def _table_md(header: list[str], body: list[list]) -> str:
     return "\n".join(lines)
 
 
+def _with_ci(m: dict | None) -> str:
+    """'value [lo, hi]' of a metric entry, '-' when absent."""
+    if not m or m.get("value") is None:
+        return "-"
+    lo, hi = (m.get("ci") or [None, None])[:2]
+    return _fmt(m["value"]) + (f" [{_fmt(lo, 2)}, {_fmt(hi, 2)}]" if lo is not None and hi is not None else "")
+
+
+def _control_text(m: dict | None, *names: str) -> str:
+    """'name value' of the named controls (default: the primary one) of a metric entry."""
+    if not m:
+        return "-"
+    controls = m.get("controls") or {}
+    if not names:
+        primary = m.get("control") or {}
+        return f"{primary.get('name')} {_fmt(primary.get('value'))}" if primary else "-"
+    return ", ".join(f"{n} {_fmt(controls[n].get('value'))}" for n in names if n in controls) or "-"
+
+
+def selected_rows(report: dict) -> list[list]:
+    """Per relation and decoder: test numbers at the layers chosen on validation (``analyses.selected``)."""
+    rows = []
+    for name, rel in ((report.get("analyses") or {}).get("relations") or {}).items():
+        for method, sel in (rel.get("selected") or {}).items():
+            rows.append([source_name(report), name, method, sel.get("layer"), _with_ci(sel.get("faithfulness")),
+                         _control_text(sel.get("faithfulness")), sel.get("causality_layer"),
+                         _with_ci(sel.get("causality")), _control_text(sel.get("causality"))])
+    return rows
+
+
+def superposition_rows(report: dict) -> list[list]:
+    """Per layer: R^2 with its controls, mean readout accuracy with its shuffled control, swap edit where run."""
+    rows = []
+    layers = ((report.get("analyses") or {}).get("superposition") or {}).get("layers") or {}
+    for layer, entry in sorted(layers.items(), key=lambda kv: int(kv[0])):
+        readout = [m for m in (entry.get("readout") or {}).values() if m.get("value") is not None]
+        mean = (lambda xs: sum(xs) / len(xs) if xs else None)
+        acc = mean([m["value"] for m in readout])
+        acc_shuffled = mean([m["controls"]["shuffled"]["value"] for m in readout
+                             if (m.get("controls") or {}).get("shuffled", {}).get("value") is not None])
+        swap = entry.get("swap") or {}
+        rows.append([source_name(report), int(layer), _with_ci(entry.get("r2")),
+                     _control_text(entry.get("r2"), "shuffled", "random_init"), acc, acc_shuffled,
+                     _with_ci(swap.get("success")) if swap.get("success") else "not run at this layer",
+                     _control_text(swap.get("success"), "random_direction") if swap.get("success") else "-",
+                     _with_ci(swap.get("others_unchanged")) if swap.get("others_unchanged") else "-"])
+    return rows
+
+
+def control_rows(report: dict) -> list[list]:
+    """One row per synthetic report (a matched control): width, training, readouts, selector numbers."""
+    if report.get("kind") != "synthetic":
+        return []
+    train = report.get("train") or {}
+    layer = (((report.get("analyses") or {}).get("superposition") or {}).get("layers") or {}).get("0") or {}
+    readout = [m["value"] for m in (layer.get("readout") or {}).values() if m.get("value") is not None]
+    selector = (report.get("analyses") or {}).get("selector") or {}
+    transplant = selector.get("gate_transplant") or {}
+    return [[source_name(report), report.get("model", {}).get("d_model"),
+             (report.get("threshold") or {}).get("d_star"), train.get("accuracy"), train.get("steps"),
+             train.get("bits_per_param"), _with_ci(layer.get("r2")),
+             _control_text(layer.get("r2"), "shuffled", "random_init"),
+             sum(readout) / len(readout) if readout else None,
+             (selector.get("relation_gating") or {}).get("mean"), transplant.get("same_relation"),
+             transplant.get("same_subject")]]
+
+
 def summary_tables(reports: list[dict], rows: list[dict]) -> list[tuple[str, list[str], list[list]]]:
     """(title, header, body) tables shared by the HTML and Markdown renderers."""
     tables = []
@@ -165,21 +341,22 @@ def summary_tables(reports: list[dict], rows: list[dict]) -> list[tuple[str, lis
     if known:
         tables.append(("Known facts (greedy continuation starts with the object)",
                        ["source", "relation", "facts", "known rate"], known))
-    best = {}
-    for r in rows:
-        if r["layer"] is None or r["value"] is None:
-            continue
-        key = (r["source"], r["relation"], r["metric"], r["control"])
-        if key not in best or r["value"] > best[key]["value"]:
-            best[key] = r
-    if best:
-        body = [[r["source"], r["relation"], r["metric"], r["layer"], r["value"], r["lo"], r["hi"], r["control"],
-                 r["control_value"]] for r in sorted(best.values(), key=lambda r: (r["metric"], r["relation"],
-                                                                                     r["source"], str(r["control"])))]
-        tables.append(("Highest value over layers per relation and metric (descriptive: picked on test numbers; "
-                       "the validation-selected layer is in report.json, analyses.selected)",
-                       ["source", "relation", "metric", "layer", "value", "lo", "hi", "control", "control value"],
-                       body))
+    selected = [row for report in reports for row in selected_rows(report)]
+    if selected:
+        tables.append(("Linear relation decoders at the layer chosen on validation (test subjects; value [95% CI])",
+                       ["source", "relation", "decoder", "layer", "faithfulness", "control", "causality layer",
+                        "causality", "control"], selected))
+    superposition = [row for report in reports for row in superposition_rows(report)]
+    if superposition:
+        tables.append(("Superposition readouts of relation-free subject states, per layer (cross-fitted)",
+                       ["source", "layer", "R^2", "R^2 controls", "mean readout accuracy", "shuffled",
+                        "swap success", "swap control", "others unchanged"], superposition))
+    controls = [row for report in reports for row in control_rows(report)]
+    if controls:
+        tables.append(("Matched synthetic controls (trained on the known-fact table; readouts of e_s)",
+                       ["control", "d", "d*", "train acc", "steps", "bits/param", "R^2", "R^2 controls",
+                        "mean readout accuracy", "relation gating", "gate transplant (same relation)",
+                        "gate transplant (other relation)"], controls))
     return tables
 
 
@@ -200,8 +377,13 @@ def render_html(reports: list[dict], title: str, extra_images: list[tuple[str, s
              f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>"]
     for caption, header, body in summary_tables(reports, rows):
         parts.append(f"<h2>{html.escape(caption)}</h2>{_table_html(header, body)}")
-    for metric, uri in layer_figures(rows):
-        parts.append(f"<h2>{html.escape(metric)}</h2><img alt='{html.escape(metric)}' src='{uri}'>")
+    figures = [(f"{metric} by depth", uri) for metric, uri in layer_figures(rows)]
+    figures += [(caption, uri) for caption, uri in (
+        ("Pretrained vs synthetic controls: readout accuracy and R^2", comparison_figure(reports)),
+        ("Capacity of the matched controls", capacity_figure(reports)),
+        ("MLP ablations of the matched controls", ablation_figure(reports))) if uri]
+    for caption, uri in figures:
+        parts.append(f"<h2>{html.escape(caption)}</h2><img alt='{html.escape(caption)}' src='{uri}'>")
     for caption, image in extra_images:
         if not image.startswith("data:"):
             path = Path(image)

@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from llmprobe.io import write_json, write_text
+from llmprobe.io import write_figure, write_json, write_text
 
 from . import mechanisms as mech
 from .model import FactRecallModel, ModelConfig
@@ -213,9 +213,7 @@ def make_plots(run_dir: str, result: dict, unit_stats: dict, img_dir: str | None
 
     def save(fig, name):
         path = os.path.join(run_dir, f"analysis_{name}.png")
-        fig.savefig(path + ".tmp.png", dpi=110, bbox_inches="tight")
-        os.replace(path + ".tmp.png", path)
-        plt.close(fig)
+        write_figure(path, fig)
         paths.append(path)
         if img_dir:
             os.makedirs(img_dir, exist_ok=True)

@@ -25,7 +25,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 
-from llmprobe.io import append_jsonl, read_jsonl, write_json, write_text
+from llmprobe.io import append_jsonl, read_jsonl, write_figure, write_json, write_text
 
 from .tasks import random_khop
 from .train import TrainConfig, train
@@ -277,9 +277,7 @@ def plot(summary: dict, path: str) -> str:
         ax.set_title(f"MLP width vs d at k = {cfg['width_hops']}")
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path + ".tmp.png", dpi=110, bbox_inches="tight")
-    os.replace(path + ".tmp.png", path)
-    plt.close(fig)
+    write_figure(path, fig)
     return path
 
 

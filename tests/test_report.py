@@ -66,3 +66,48 @@ def test_bad_inputs_are_named(tmp_path):
         load_report(tmp_path)
     with pytest.raises(ValueError, match="unknown report format"):
         export(_report(tmp_path, "ok"), formats=("pdf",))
+
+
+def _metric(value, shuffled=0.0):
+    return {"value": value, "ci": [value - 0.1, value + 0.1], "control": {"name": "shuffled", "value": shuffled},
+            "controls": {"shuffled": {"value": shuffled, "ci": [0.0, 0.0]}}}
+
+
+def test_run_page_shows_selected_layers_controls_capacity_and_ablations(tmp_path):
+    """The validation-selected layer (not the best test layer) is what the decoder table shows; a run with
+    matched controls gets the pretrained-vs-synthetic bars, the capacity curve and the ablation heatmaps."""
+    layers = {str(l): {"lre": {"faithfulness": _metric(v)}} for l, v in ((0, 0.9), (2, 0.4))}
+    pretrained = {
+        "schema_version": 1, "kind": "pretrained", "model": {"name": "m", "n_layers": 3},
+        "relations": {"capital": {"n_facts": 10, "n_known": 5, "known_rate": 0.5}},
+        "analyses": {"relations": {"capital": {"layers": layers, "selected": {"lre": {
+            "layer": 2, "faithfulness": _metric(0.4), "causality_layer": 2, "causality": _metric(0.3)}}}},
+                     "superposition": {"layers": {"1": {"r2": _metric(0.2), "readout": {"capital": _metric(0.5)}}}}},
+        "errors": [],
+    }
+    control = {
+        "schema_version": 1, "kind": "synthetic", "label": "synthetic trainable d=4 (d*)",
+        "model": {"name": "synthetic trainable d=4 (d*)", "d_model": 4, "frozen_subjects": False},
+        "threshold": {"d_star": 4, "tried": [{"d": 3, "success": False, "accuracy": 0.8, "steps": 10},
+                                             {"d": 4, "success": True, "accuracy": 1.0, "steps": 9}]},
+        "train": {"accuracy": 1.0, "steps": 9, "bits_per_param": 1.5},
+        "analyses": {"superposition": {"layers": {"0": {"r2": _metric(0.7), "readout": {"capital": _metric(0.9)}}}},
+                     "selector": {"relations": ["capital", "continent"], "ablation_drop": [[0.9, 0.1], [0.0, 0.8]],
+                                  "random_ablation_drop": [[0.1, 0.0], [0.0, 0.1]],
+                                  "gate_transplant": {"same_relation": 0.95, "same_subject": 0.1},
+                                  "relation_gating": {"mean": 0.8}}},
+        "errors": [],
+    }
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "report.json").write_text(json.dumps({**pretrained, "controls": [control]}))
+    compare([folder], tmp_path / "out")
+    page = (tmp_path / "out" / "report.html").read_text()
+    for caption in ("layer chosen on validation", "Pretrained vs synthetic", "Capacity of the matched controls",
+                    "MLP ablations of the matched controls", "Matched synthetic controls"):
+        assert caption in page
+    text = (tmp_path / "out" / "report.md").read_text()
+    selected = [line for line in text.splitlines() if line.startswith("| m | capital | lre")]
+    assert selected == ["| m | capital | lre | 2 | 0.400 [0.30, 0.50] | shuffled 0.000 | 2 | 0.300 [0.20, 0.40] | "
+                        "shuffled 0.000 |"]
+    assert "| synthetic trainable d=4 (d*) | 4 | 4 | 1.000 | 9 | 1.500 | 0.700 [0.60, 0.80] |" in text
