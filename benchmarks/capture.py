@@ -68,7 +68,7 @@ def run_one(method: str, model: str | None, n_prompts: int, batch_size: int, rep
     start = time.perf_counter()
     results = []
     for _ in range(repeats):
-        results = [step(batch) for batch in batches]  # results stay alive, as a user would keep them
+        results = [step(batch) for batch in batches]  # noqa: F841 - kept alive, as a user would keep them
     seconds = (time.perf_counter() - start) / repeats
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"method": method, "seconds": seconds, "extra_peak_mb": max(peak - rss_loaded, 0) / 1024,

@@ -16,7 +16,6 @@ Every hand correction to the package data is listed below with its reason.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys

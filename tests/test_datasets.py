@@ -2,6 +2,7 @@
 import csv
 import json
 import os
+import re
 from importlib import resources
 from pathlib import Path
 
@@ -327,27 +328,24 @@ def test_one_to_one_duplicate_message_and_allowed_cases(tmp_path):
     assert len(rel.facts) == 2 and rel.properties["cardinality"] == "one-to-many"
 
 
-def test_other_load_errors(tmp_path):
+def test_unknown_relation_name_lists_the_bundled_ones():
     with pytest.raises(DatasetError, match="no_such_relation.*country_capital"):
         load_relations(["no_such_relation"])
-    p = _write(tmp_path, '{"name": "r", ', "broken.json")
-    with pytest.raises(DatasetError, match=rf"^{p}: not valid JSON"):
-        load_relations([p])
-    p = _write(tmp_path, "[1, 2]", "list.json")
-    with pytest.raises(DatasetError, match=r"list\.json\[0\]: expected a JSON object"):
-        load_relations([p])
-    p = _write(tmp_path, "subject,answer\nFrance,Paris\n", "cols.csv")
-    with pytest.raises(DatasetError, match=rf"^{p}: field 'object' is not a column"):
-        load_relations([p], templates=["{}"])
-    p = _write(tmp_path, "subject,object\nFrance,Paris\n", "notpl.csv")
-    with pytest.raises(DatasetError, match=rf"^{p}: field 'template' is missing"):
-        load_relations([p])
-    p = _write(tmp_path, "subject,object,template\nFrance,,The capital of {} is\n", "empty.csv")
-    with pytest.raises(DatasetError, match=rf"^{p}: field 'rows\[0\]\.object'"):
-        load_relations([p])
-    p = _write(tmp_path, "x", "facts.txt")
-    with pytest.raises(DatasetError, match="unknown file type"):
-        load_relations([p])
+
+
+@pytest.mark.parametrize("name, content, templates, message", [
+    ("broken.json", '{"name": "r", ', None, "{p}: not valid JSON"),
+    ("list.json", "[1, 2]", None, r"list\.json\[0\]: expected a JSON object"),
+    ("cols.csv", "subject,answer\nFrance,Paris\n", ["{}"], "{p}: field 'object' is not a column"),
+    ("notpl.csv", "subject,object\nFrance,Paris\n", None, "{p}: field 'template' is missing"),
+    ("empty.csv", "subject,object,template\nFrance,,The capital of {} is\n", None, r"{p}: field 'rows\[0\]\.object'"),
+    ("facts.txt", "x", None, "unknown file type"),
+])
+def test_load_errors_name_the_file_and_field(tmp_path, name, content, templates, message):
+    path = _write(tmp_path, content, name)
+    pattern = message.replace("{p}", "^" + re.escape(str(path)))
+    with pytest.raises(DatasetError, match=pattern):
+        load_relations([path], templates=templates) if templates else load_relations([path])
     (tmp_path / "empty").mkdir()
     with pytest.raises(DatasetError, match="no .json"):
         load_relations([str(tmp_path / "empty")])
