@@ -19,6 +19,8 @@ def _train_config_args(p: argparse.ArgumentParser, max_steps: int) -> None:
     g.add_argument("--batch-size", type=int, default=None, help="minibatch size (default: full batch)")
     g.add_argument("--warmup-frac", type=float, default=0.1)
     g.add_argument("--min-lr-frac", type=float, default=0.01)
+    g.add_argument("--weight-decay", type=float, default=0.0,
+                   help="Adam weight decay (default 0; 1e-4 makes the trained geometry readable, see docs/mechanisms.md)")
     g.add_argument("--target-acc", type=float, default=1.0, help="stop (and count success) at this train accuracy")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps, ...")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -29,6 +31,7 @@ def _train_config(args, progress: bool):
 
     return TrainConfig(lr=args.lr, max_steps=args.max_steps, batch_size=args.batch_size,
                        warmup_frac=args.warmup_frac, min_lr_frac=args.min_lr_frac, target_acc=args.target_acc,
+                       weight_decay=args.weight_decay,
                        device=args.device, threads=args.threads, progress=progress)
 
 
