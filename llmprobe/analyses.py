@@ -88,6 +88,7 @@ class AnalysisSettings:
     random_control: bool = True       # the random-init model of the same architecture
     swap_layers: tuple | None = None  # None: the LRE layers
     max_swap_subjects: int = 12
+    swap_scales: tuple = (1.0, 4.0, 16.0)       # swap edits also at these multiples of the fitted edit (dose-response)
     n_boot: int = 1000
     batch_size: int = 32
     jacobian_batch_size: int = 16
@@ -657,22 +658,29 @@ def _swap(lm, rels, subjects, A, U, attributes, H, layer, cfg) -> dict:
             got = layer_sequences(lm, templates[r], [subjects[i] for i in rows], layer, batch_size=cfg.batch_size)
             seqs.update({(r, i): s for i, s in zip(rows, got)})
     resume = [seqs[(e[1], e[0])] for e in edits] + [seqs[(e[2], e[0])] for e in edits]
-    preds = next_token_predictions(lm, t_r + t_q + t_r + t_q, subj * 4, layer,
-                                   torch.cat([deltas, deltas, rand, rand]), batch_size=cfg.batch_size,
-                                   resume=resume * 2)
+    scales = list(cfg.swap_scales) or [1.0]
+    edit_sets = [x * scale for scale in scales for x in (deltas, deltas, rand, rand)]
+    preds = next_token_predictions(lm, (t_r + t_q + t_r + t_q) * len(scales), subj * 4 * len(scales), layer,
+                                   torch.cat(edit_sets), batch_size=cfg.batch_size, resume=resume * 2 * len(scales))
     m = len(edits)
-    success, unchanged = preds[:m] == target, preds[m:2 * m] == clean_q
-    r_success, r_unchanged = preds[2 * m:3 * m] == target, preds[3 * m:] == clean_q
+    preds = preds.view(len(scales), 4, m)
     subj_idx = torch.tensor(idx)
 
     def per_subject(hits):
         h = _Hits(n)
         h.add(subj_idx, hits)
         return h
+
+    def measured(p):  # p [4, m]: edit on r, edit read on q, random on r, random read on q
+        return {"success": _metric(per_subject(p[0] == target), {"random_direction": per_subject(p[2] == target)},
+                                   cfg),
+                "others_unchanged": _metric(per_subject(p[1] == clean_q),
+                                            {"random_direction": per_subject(p[3] == clean_q)}, cfg)}
     norm_ratio = float((deltas.double().norm(dim=1) / H[subj_idx].double().norm(dim=1)).mean())
     return {
-        "success": _metric(per_subject(success), {"random_direction": per_subject(r_success)}, cfg),
-        "others_unchanged": _metric(per_subject(unchanged), {"random_direction": per_subject(r_unchanged)}, cfg),
+        **measured(preds[0]),
+        "scale": scales[0],
+        "by_scale": [{"scale": scale, **measured(preds[k])} for k, scale in enumerate(scales)],
         "n_edits": m, "n_subjects": len(set(idx)), "edit_norm_ratio": norm_ratio,
     }
 

@@ -308,7 +308,11 @@ def superposition_rows(report: dict) -> list[list]:
                      _control_text(entry.get("r2"), "shuffled", "random_init"), acc, acc_shuffled,
                      _with_ci(swap.get("success")) if swap.get("success") else "not run at this layer",
                      _control_text(swap.get("success"), "random_direction") if swap.get("success") else "-",
-                     _with_ci(swap.get("others_unchanged")) if swap.get("others_unchanged") else "-"])
+                     _with_ci(swap.get("others_unchanged")) if swap.get("others_unchanged") else "-",
+                     "; ".join(f"x{b['scale']:g}: {_fmt(b['success']['value'], 2)} "
+                               f"({_fmt(b['success']['control']['value'], 2)}) / "
+                               f"{_fmt(b['others_unchanged']['value'], 2)}" for b in swap.get("by_scale") or [])
+                     or "-"])
     return rows
 
 
@@ -350,7 +354,8 @@ def summary_tables(reports: list[dict], rows: list[dict]) -> list[tuple[str, lis
     if superposition:
         tables.append(("Superposition readouts of relation-free subject states, per layer (cross-fitted)",
                        ["source", "layer", "R^2", "R^2 controls", "mean readout accuracy", "shuffled",
-                        "swap success", "swap control", "others unchanged"], superposition))
+                        "swap success", "swap control", "others unchanged",
+                        "swap by edit scale: success (random dir.) / others unchanged"], superposition))
     controls = [row for report in reports for row in control_rows(report)]
     if controls:
         tables.append(("Matched synthetic controls (trained on the known-fact table; readouts of e_s)",

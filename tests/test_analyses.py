@@ -88,6 +88,8 @@ def test_result_has_the_documented_keys_and_finite_values(tiny_result):
             assert _ci_ok(m) and _ci_ok(m["controls"]["random_init"]) and 0 <= m["chance"] <= 1
     swap = sup["layers"]["0"]["swap"]
     assert _ci_ok(swap["success"]) and _ci_ok(swap["others_unchanged"]) and swap["n_edits"] > 0
+    assert [b["scale"] for b in swap["by_scale"]] == list(settings["swap_scales"]) and swap["scale"] == 1.0
+    assert swap["by_scale"][0]["success"] == swap["success"]      # the fitted edit is the first scale
     assert "swap" not in sup["layers"]["2"]
     json.dumps(res)                                               # JSON-ready (plain floats, lists, dicts)
 
