@@ -658,7 +658,7 @@ def _swap(lm, rels, subjects, A, U, attributes, H, layer, cfg) -> dict:
             got = layer_sequences(lm, templates[r], [subjects[i] for i in rows], layer, batch_size=cfg.batch_size)
             seqs.update({(r, i): s for i, s in zip(rows, got)})
     resume = [seqs[(e[1], e[0])] for e in edits] + [seqs[(e[2], e[0])] for e in edits]
-    scales = list(cfg.swap_scales) or [1.0]
+    scales = [1.0] + [float(x) for x in cfg.swap_scales if float(x) != 1.0]   # the fitted edit comes first
     edit_sets = [x * scale for scale in scales for x in (deltas, deltas, rand, rand)]
     preds = next_token_predictions(lm, (t_r + t_q + t_r + t_q) * len(scales), subj * 4 * len(scales), layer,
                                    torch.cat(edit_sets), batch_size=cfg.batch_size, resume=resume * 2 * len(scales))
