@@ -327,7 +327,8 @@ def control_rows(report: dict) -> list[list]:
     transplant = selector.get("gate_transplant") or {}
     return [[source_name(report), report.get("model", {}).get("d_model"),
              (report.get("threshold") or {}).get("d_star"), train.get("accuracy"), train.get("steps"),
-             train.get("bits_per_param"), _with_ci(layer.get("r2")),
+             f"{train['bits_per_param']:.3g}" if isinstance(train.get("bits_per_param"), (int, float)) else None,
+             _with_ci(layer.get("r2")),
              _control_text(layer.get("r2"), "shuffled", "random_init"),
              sum(readout) / len(readout) if readout else None,
              (selector.get("relation_gating") or {}).get("mean"), transplant.get("same_relation"),
@@ -339,7 +340,9 @@ def summary_tables(reports: list[dict], rows: list[dict]) -> list[tuple[str, lis
     tables = []
     models = [[source_name(r), r.get("kind"), r.get("model", {}).get("architecture"),
                r.get("model", {}).get("n_layers"), r.get("model", {}).get("d_model"),
-               (r.get("model", {}).get("weights_hash") or "")[:19], r.get("wall_seconds")] for r in reports]
+               (r.get("model", {}).get("weights_hash") or "")[:19],
+               f"{r['wall_seconds']:.1f}" if isinstance(r.get("wall_seconds"), (int, float)) else None]
+              for r in reports]
     tables.append(("Sources", ["source", "kind", "architecture", "layers", "d_model", "weights", "wall s"], models))
     known = [[r["source"], r["relation"], r["n"], r["value"]] for r in rows if r["metric"] == "known_rate"]
     if known:
@@ -419,8 +422,13 @@ def export(report_dir: str | Path, formats: tuple[str, ...] = ("html", "md", "cs
            extra_images: list[tuple[str, str]] = ()) -> list[Path]:
     """Write report.html / report.md / metrics.csv for the report in ``report_dir`` (into ``out`` or beside it)."""
     report = load_report(report_dir)
-    return write_all([report], Path(out or report_dir), f"llmprobe report: {source_name(report)}", formats,
-                     extra_images)
+    return write_all(with_controls([report]), Path(out or report_dir), f"llmprobe report: {source_name(report)}",
+                     formats, extra_images)
+
+
+def with_controls(reports: list[dict]) -> list[dict]:
+    """The reports followed by the matched synthetic controls inside them (each a source of its own)."""
+    return list(reports) + [dict(c, schema_version=r["schema_version"]) for r in reports for c in r.get("controls", [])]
 
 
 def compare(report_dirs: list[str | Path], out: str | Path, formats: tuple[str, ...] = ("html", "md", "csv"),
@@ -428,9 +436,7 @@ def compare(report_dirs: list[str | Path], out: str | Path, formats: tuple[str, 
     """Side-by-side page of any number of reports, aligned on relations and normalised depth."""
     if len(report_dirs) < 1:
         raise ValueError("compare needs at least one report directory")
-    reports = [load_report(d) for d in report_dirs]
-    for report in reports:  # a run's matched synthetic controls are reports in their own right
-        reports += [dict(c, schema_version=report["schema_version"]) for c in report.get("controls", [])]
+    reports = with_controls([load_report(d) for d in report_dirs])
     names = " vs ".join(dict.fromkeys(source_name(r) for r in reports))
     return write_all(reports, Path(out), f"llmprobe comparison: {names}", formats)
 

@@ -159,7 +159,7 @@ def run(model: str | None = None, *, out: str | Path = "runs/main", relations: l
         controls: bool = True, at_model_width: bool = True, formats=("html", "md", "csv"), gguf_file=None,
         trust_remote_code: bool = False) -> dict:
     """The main job; writes ``out/report.json`` (+ html/md/csv) and returns the report."""
-    from .report import write_all
+    from .report import with_controls, write_all
 
     start = time.perf_counter()
     out = Path(out)
@@ -181,8 +181,7 @@ def run(model: str | None = None, *, out: str | Path = "runs/main", relations: l
     report["versions"] = library_versions()
     report["wall_seconds"] = round(time.perf_counter() - start, 1)
     write_json(out / "report.json", report)
-    reports = [report] + [dict(c) for c in report.get("controls", [])]
-    write_all(reports, out, f"llmprobe: {report['model']['name']} and its matched synthetic controls", formats)
+    write_all(with_controls([report]), out, f"llmprobe: {report['model']['name']} and its matched synthetic controls", formats)
     return report
 
 

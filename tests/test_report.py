@@ -110,4 +110,4 @@ def test_run_page_shows_selected_layers_controls_capacity_and_ablations(tmp_path
     selected = [line for line in text.splitlines() if line.startswith("| m | capital | lre")]
     assert selected == ["| m | capital | lre | 2 | 0.400 [0.30, 0.50] | shuffled 0.000 | 2 | 0.300 [0.20, 0.40] | "
                         "shuffled 0.000 |"]
-    assert "| synthetic trainable d=4 (d*) | 4 | 4 | 1.000 | 9 | 1.500 | 0.700 [0.60, 0.80] |" in text
+    assert "| synthetic trainable d=4 (d*) | 4 | 4 | 1.000 | 9 | 1.5 | 0.700 [0.60, 0.80] |" in text
