@@ -150,7 +150,7 @@ def load_model(
         "device": str(adapter.embed.weight.device),
         "device_map": device_map if isinstance(device_map, str) else None,
         "revision": revision or _hub_commit(model),
-        "weights_hash": weights_hash(Path(folder)) if source != "hub" else None,
+        "weights_hash": weights_hash(Path(folder), gguf) if source != "hub" else None,
         "load_seconds": round(time.perf_counter() - start, 2),
     }
     return LoadedModel(model, tokenizer, adapter, info)
@@ -217,10 +217,14 @@ def _hub_commit(model: nn.Module) -> str | None:
     return path.name if path.parent.name == "snapshots" else None
 
 
-def weights_hash(folder: Path) -> str | None:
-    """sha256 over the folder's weight files (safetensors, bin, gguf), in name order; None if it has none."""
-    files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".gguf", ".bin")) \
-        if folder.is_dir() else []
+def weights_hash(folder: Path, gguf_file: str | None = None) -> str | None:
+    """sha256 over the folder's weight files (safetensors, bin, gguf), in name order, or over ``gguf_file`` alone
+    when the model was loaded from that file; None if there is none."""
+    if gguf_file:
+        files = [folder / gguf_file] if (folder / gguf_file).is_file() else []
+    else:
+        files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".gguf", ".bin")) \
+            if folder.is_dir() else []
     if not files:
         return None
     digest = hashlib.sha256()

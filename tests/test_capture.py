@@ -155,3 +155,15 @@ def test_missing_model_offline_fails_at_once(monkeypatch):
     with pytest.raises(ModelLoadError, match="not-a-real/model-xyz.*Hugging Face cache"):
         load_model("not-a-real/model-xyz", device="cpu")
     assert time.perf_counter() - start < 5
+
+
+def test_weights_hash_covers_the_loaded_gguf_file_only(tmp_path):
+    import hashlib
+
+    from llmprobe.loading import weights_hash
+
+    (tmp_path / "a.gguf").write_bytes(b"weights a")
+    (tmp_path / "b.gguf").write_bytes(b"weights b")
+    assert weights_hash(tmp_path, "a.gguf") == "sha256:" + hashlib.sha256(b"weights a").hexdigest()
+    assert weights_hash(tmp_path) == "sha256:" + hashlib.sha256(b"weights aweights b").hexdigest()
+    assert weights_hash(tmp_path, "missing.gguf") is None and weights_hash(tmp_path / "nothing") is None
