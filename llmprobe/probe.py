@@ -86,11 +86,13 @@ def probe(
     out: str | Path | None = None,
     trust_remote_code: bool = False,
     lm: LoadedModel | None = None,
+    on_known=None,
 ) -> dict:
     """Probe ``model`` (None = embedded default) on ``relations`` (None = all bundled); returns the report.
 
     Writes ``out/report.json`` and ``out/known_facts.json`` when ``out`` is given. ``max_facts`` keeps the first
-    facts of each relation (country relations list the most populous first).
+    facts of each relation (country relations list the most populous first). ``on_known(report, known)`` is called
+    once the known facts are checked, before the analyses (``llmprobe run`` starts its controls there).
     """
     start = time.perf_counter()
     random.seed(seed)
@@ -141,6 +143,8 @@ def probe(
             "source": relation.source,
         }
     timings["known_facts_s"] = round(time.perf_counter() - start - timings["load_s"], 1)
+    if on_known is not None:
+        on_known(report, known)
     if analyses:
         from .analyses import run_analyses
 

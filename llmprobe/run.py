@@ -158,40 +158,74 @@ def run(model: str | None = None, *, out: str | Path = "runs/main", relations: l
         device: str = "auto", dtype: str = "auto", max_facts: int | None = None, seed: int = 0,
         controls: bool = True, at_model_width: bool = True, formats=("html", "md", "csv"), gguf_file=None,
         trust_remote_code: bool = False) -> dict:
-    """The main job; writes ``out/report.json`` (+ html/md/csv) and returns the report."""
+    """The main job; writes ``out/report.json`` (+ html/md/csv) and returns the report.
+
+    The matched controls need only the known facts, so they train in a worker process (one CPU thread) while
+    this process runs the analyses, which leave part of the CPU idle; their report entries are the same as when
+    trained alone.
+    """
     from .report import with_controls, write_all
 
     start = time.perf_counter()
     out = Path(out)
-    report = probe(model, gguf_file=gguf_file, relations=relations, layers=layers, analyses=analyses, device=device,
-                   dtype=dtype, max_facts=max_facts, seed=seed, out=out, trust_remote_code=trust_remote_code)
-    if controls:
-        t = time.perf_counter()
-        known = _known_results(out)
+    pending: dict = {}
+
+    def start_controls(partial: dict, known: dict) -> None:
         try:
-            table, dropped = known_table(report["relations"], known)
-            if dropped:
-                report["errors"].append(f"matched controls: left out for too few known facts: {', '.join(dropped)}")
-            report["controls"] = train_controls(table, report["model"]["d_model"], seed=seed,
-                                                at_model_width=at_model_width)
+            table, dropped = known_table(partial["relations"], known)
         except ValueError as error:
-            report["errors"].append(f"matched controls: {error}")
-        report["timings"]["controls_s"] = round(time.perf_counter() - t, 1)
-        write_json(out / "report.json", report)  # checkpoint: the probe's numbers are safe before export
+            pending["error"] = f"matched controls: {error}"
+            return
+        if dropped:
+            pending["dropped"] = f"matched controls: left out for too few known facts: {', '.join(dropped)}"
+        pending["start"] = time.perf_counter()
+        pending["pool"] = _worker_pool()
+        pending["result"] = pending["pool"].apply_async(
+            train_controls, (table, partial["model"]["d_model"]),
+            {"seed": seed, "at_model_width": at_model_width, "progress": _controls_progress})
+
+    try:
+        report = probe(model, gguf_file=gguf_file, relations=relations, layers=layers, analyses=analyses,
+                       device=device, dtype=dtype, max_facts=max_facts, seed=seed, out=out,
+                       trust_remote_code=trust_remote_code, on_known=start_controls if controls else None)
+        if controls:
+            t = time.perf_counter()
+            report["errors"] += [pending[k] for k in ("dropped", "error") if k in pending]
+            if "result" in pending:
+                try:
+                    report["controls"] = pending["result"].get()
+                except ValueError as error:
+                    report["errors"].append(f"matched controls: {error}")
+                report["timings"]["controls_s"] = round(time.perf_counter() - pending["start"], 1)
+                report["timings"]["controls_wait_s"] = round(time.perf_counter() - t, 1)
+            write_json(out / "report.json", report)  # checkpoint: the probe's numbers are safe before export
+    finally:
+        if "pool" in pending:           # an interrupted run does not wait for the controls
+            pending["pool"].terminate()
+            pending["pool"].join()
     report["versions"] = library_versions()
     report["wall_seconds"] = round(time.perf_counter() - start, 1)
     write_json(out / "report.json", report)
-    write_all(with_controls([report]), out, f"llmprobe: {report['model']['name']} and its matched synthetic controls", formats)
+    write_all(with_controls([report]), out, f"llmprobe: {report['model']['name']} and its matched synthetic controls",
+              formats)
     return report
 
 
-def _known_results(out: Path) -> dict:
-    import json
+def _one_thread() -> None:
+    import torch
 
-    from .known import FactResult
+    torch.set_num_threads(1)
 
-    data = json.loads((out / "known_facts.json").read_text(encoding="utf-8"))
-    return {name: [FactResult(**r) for r in rows] for name, rows in data.items()}
+
+def _worker_pool():
+    """One spawned worker process with one torch thread (spawn: safe with torch and any device)."""
+    import multiprocessing
+
+    return multiprocessing.get_context("spawn").Pool(1, initializer=_one_thread)
+
+
+def _controls_progress(message: str) -> None:
+    print(f"[controls] {message}", flush=True)
 
 
 __all__ = ["run", "train_controls", "measure_control", "known_table", "find_threshold"]
