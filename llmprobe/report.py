@@ -94,17 +94,23 @@ def _fmt(value, digits=3) -> str:
     return str(value)
 
 
+def _pyplot():
+    """matplotlib.pyplot on the non-interactive Agg backend (imported only when a report draws)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def _png_data_uri(figure) -> str:
     return "data:image/png;base64," + base64.b64encode(figure_png(figure)).decode("ascii")
 
 
 def layer_figures(rows: list[dict]) -> list[tuple[str, str]]:
     """One plot per metric: value against normalised depth per (source, relation), CI band, control dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     figures = []
     metrics = sorted({r["metric"] for r in rows if r["layer"] is not None})
     for metric in metrics:
@@ -150,11 +156,7 @@ def _superposition_at(report: dict) -> tuple[str, dict] | None:
 def comparison_figure(reports: list[dict]):
     """Grouped bars, pretrained vs synthetic: per-relation readout accuracy and R^2, with 95% CIs and the
     shuffled control as a black tick on each bar. None when fewer than one source has readouts."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     sources = [s for s in (_superposition_at(r) for r in reports) if s]
     if not sources:
         return None
@@ -184,11 +186,7 @@ def comparison_figure(reports: list[dict]):
 
 def capacity_figure(reports: list[dict]):
     """Matched controls' train accuracy against width d (the bisection's points), d* marked. None without any."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     curves = {}
     for report in reports:
         threshold = report.get("threshold") or {}
@@ -216,11 +214,7 @@ def capacity_figure(reports: list[dict]):
 def ablation_figure(reports: list[dict]):
     """Heatmaps of the controls' MLP ablations: accuracy drop on relation r (column) when the units most tied to
     relation q (row) are zeroed, beside the same number of random live units. None without any."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     panels = []
     for report in reports:
         selector = (report.get("analyses") or {}).get("selector") or {}
@@ -263,6 +257,10 @@ def _table_md(header: list[str], body: list[list]) -> str:
     return "\n".join(lines)
 
 
+def _mean(values: list) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
 def _with_ci(m: dict | None) -> str:
     """'value [lo, hi]' of a metric entry, '-' when absent."""
     if not m or m.get("value") is None:
@@ -299,9 +297,8 @@ def superposition_rows(report: dict) -> list[list]:
     layers = ((report.get("analyses") or {}).get("superposition") or {}).get("layers") or {}
     for layer, entry in sorted(layers.items(), key=lambda kv: int(kv[0])):
         readout = [m for m in (entry.get("readout") or {}).values() if m.get("value") is not None]
-        mean = (lambda xs: sum(xs) / len(xs) if xs else None)
-        acc = mean([m["value"] for m in readout])
-        acc_shuffled = mean([m["controls"]["shuffled"]["value"] for m in readout
+        acc = _mean([m["value"] for m in readout])
+        acc_shuffled = _mean([m["controls"]["shuffled"]["value"] for m in readout
                              if (m.get("controls") or {}).get("shuffled", {}).get("value") is not None])
         swap = entry.get("swap") or {}
         rows.append([source_name(report), int(layer), _with_ci(entry.get("r2")),
@@ -330,7 +327,7 @@ def control_rows(report: dict) -> list[list]:
              f"{train['bits_per_param']:.3g}" if isinstance(train.get("bits_per_param"), (int, float)) else None,
              _with_ci(layer.get("r2")),
              _control_text(layer.get("r2"), "shuffled", "random_init"),
-             sum(readout) / len(readout) if readout else None,
+             _mean(readout),
              (selector.get("relation_gating") or {}).get("mean"), transplant.get("same_relation"),
              transplant.get("same_subject")]]
 

@@ -161,8 +161,9 @@ def run(model: str | None = None, *, out: str | Path = "runs/main", relations: l
     """The main job; writes ``out/report.json`` (+ html/md/csv) and returns the report.
 
     The matched controls need only the known facts, so they train in a worker process (one CPU thread) while
-    this process runs the analyses, which leave part of the CPU idle; their report entries are the same as when
-    trained alone.
+    this process runs the analyses, which leave part of the CPU idle. One thread sums floats in another order
+    than two, so their numbers can differ slightly from ``train_controls`` called in a two-thread process
+    (SmolLM2's frozen d* control: R^2 0.094 here, 0.103 there).
     """
     from .report import with_controls, write_all
 
