@@ -1,0 +1,188 @@
+"""The typed metric: every number llmprobe reports, pretrained or synthetic, is a :class:`Metric`.
+
+A ``Metric`` holds the estimate, the interval that brackets *that* estimate, ``n`` (the number of test items it
+averages), the ``spread`` over re-fits (re-drawn Jacobian subjects, re-splits, re-shuffles) and named controls of
+the same type. Its JSON form is the one interval vocabulary of every report::
+
+    {"value": 0.71, "ci": [0.52, 0.85], "n": 24, "interval": "wilson",
+     "spread": {"sd": 0.04, "values": [0.70, 0.75, 0.67]},      # or null: no re-fit was made
+     "control": "random_direction",                             # the control shown beside the value, or null
+     "controls": {"random_direction": {...same type...}, ...}}
+
+Intervals (95% by default):
+
+* proportions (faithfulness, causality, readout accuracy): Wilson score interval on the mean of the per-item
+  values with ``n`` items. Per-item values may be fractions (an item's hit rate averaged over re-fits on the same
+  fixed test set); the Wilson interval is then conservative, since such values vary less than 0/1 hits. It never
+  has zero width for n >= 1.
+* other statistics (R^2, differences of proportions): percentile bootstrap over items (subjects), the statistic
+  recomputed on each resample; the value is the statistic on all items. A percentile interval that would not
+  contain the value (a skewed bootstrap) is extended to it; one of zero width (all resamples equal, e.g. a single
+  item) becomes the statistic's ``bounds``; the ``interval`` field then says "bootstrap (widened)".
+
+Nothing here imports torch, a model loader, the analyses or the report code: this is the ground module that the
+geometry, the analyses, the synthetic controls and the reports all read.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["LEVEL", "Metric", "wilson", "proportion", "bootstrap", "paired_difference", "is_metric",
+           "iter_metrics", "nan_metric"]
+
+LEVEL = 0.95
+_FIELDS = ("value", "ci", "n", "interval")
+
+
+def _z(level: float) -> float:
+    from statistics import NormalDist
+
+    return NormalDist().inv_cdf(0.5 + level / 2)
+
+
+def wilson(mean: float, n: int, level: float = LEVEL) -> tuple[float, float]:
+    """Wilson score interval for a proportion ``mean`` observed on ``n`` items (n >= 1): (lo, hi), lo < hi."""
+    if n < 1:
+        return float("nan"), float("nan")
+    if not 0 <= mean <= 1:
+        raise ValueError(f"a proportion must lie in [0, 1], got {mean}")
+    z = _z(level)
+    denom = 1 + z * z / n
+    centre = (mean + z * z / (2 * n)) / denom
+    half = z * math.sqrt(mean * (1 - mean) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+@dataclass
+class Metric:
+    """One reported number. ``ci`` brackets ``value``; ``n`` test items; ``spread`` {"sd", "values"} over
+    re-fits (None when no re-fit was made); ``controls`` {name: Metric}; ``control`` the name shown beside it."""
+
+    value: float
+    ci: tuple[float, float]
+    n: int
+    interval: str
+    spread: dict | None = None
+    controls: dict[str, "Metric"] = field(default_factory=dict)
+    control: str | None = None
+    note: str | None = None
+
+    def with_controls(self, controls: dict[str, "Metric"], primary: str | None = None) -> "Metric":
+        """Attach controls (same type); ``primary`` (default: the first) is the one shown beside the value."""
+        self.controls = {**self.controls, **controls}
+        self.control = primary or self.control or (next(iter(self.controls)) if self.controls else None)
+        return self
+
+    def to_dict(self) -> dict:
+        out = {"value": _float(self.value), "ci": [_float(self.ci[0]), _float(self.ci[1])], "n": int(self.n),
+               "interval": self.interval, "spread": self.spread, "control": self.control,
+               "controls": {name: m.to_dict() for name, m in self.controls.items()}}
+        if self.note:
+            out["note"] = self.note
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Metric":
+        return cls(d["value"], tuple(d["ci"]), d["n"], d["interval"], d.get("spread"),
+                   {k: cls.from_dict(v) for k, v in (d.get("controls") or {}).items()}, d.get("control"),
+                   d.get("note"))
+
+
+def _float(x) -> float | None:
+    return None if x is None else float(x)
+
+
+def nan_metric(interval: str = "none", note: str | None = None) -> Metric:
+    """A metric that could not be measured (no test item): value and interval NaN, n = 0."""
+    return Metric(float("nan"), (float("nan"), float("nan")), 0, interval, note=note)
+
+
+def _spread(refits: Sequence[float] | None) -> dict | None:
+    if refits is None:
+        return None
+    values = [float(v) for v in refits if v is not None and not math.isnan(float(v))]
+    if not values:
+        return None
+    sd = float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+    return {"sd": sd, "values": values}
+
+
+def proportion(per_item: Sequence[float], *, refits: Sequence[float] | None = None, level: float = LEVEL,
+               note: str | None = None) -> Metric:
+    """A proportion from per-item values in [0, 1] (hits, or hit rates averaged over re-fits of the same items).
+
+    value = mean over items; ci = Wilson with n = number of items; ``refits``: the same proportion from each
+    re-fit (its standard deviation is the spread)."""
+    v = np.asarray([float(x) for x in per_item], dtype=np.float64)
+    v = v[~np.isnan(v)]
+    if v.size == 0:
+        return nan_metric("wilson", note)
+    if v.min() < 0 or v.max() > 1:
+        raise ValueError("per-item values of a proportion must lie in [0, 1]")
+    mean = float(v.mean())
+    return Metric(mean, wilson(mean, int(v.size), level), int(v.size), "wilson", _spread(refits), note=note)
+
+
+def bootstrap(parts, statistic: Callable[[np.ndarray], float] | None = None, *, n_boot: int = 1000,
+              seed: int = 0, level: float = LEVEL, bounds: tuple[float, float] = (-math.inf, math.inf),
+              refits: Sequence[float] | None = None, note: str | None = None) -> Metric:
+    """Percentile bootstrap over items. ``parts``: [n] per-item values (statistic: mean) or [n, k] per-item
+    parts for a custom ``statistic`` (e.g. pooled R^2 from per-subject (SSE, SST)). NaN rows are dropped.
+
+    value = statistic(all items); a percentile interval that excludes the value is extended to it, one of zero
+    width becomes ``bounds`` (``interval`` then says "bootstrap (widened)")."""
+    x = np.asarray(parts, dtype=np.float64)
+    if x.ndim not in (1, 2):
+        raise ValueError(f"parts must be [n] or [n, k], got shape {x.shape}")
+    x = x[~np.isnan(x).reshape(len(x), -1).any(1)] if x.size else x
+    stat = statistic or (lambda a: float(a.mean()))
+    n = int(len(x))
+    if n == 0:
+        return nan_metric("bootstrap", note)
+    value = float(stat(x))
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, n, size=(n_boot, n))
+    boots = np.array([stat(x[i]) for i in idx], dtype=np.float64)
+    boots = boots[np.isfinite(boots)]
+    kind = "bootstrap"
+    if boots.size == 0 or not math.isfinite(value):
+        lo, hi = bounds
+        kind = "bootstrap (widened)"
+    else:
+        lo, hi = (float(q) for q in np.quantile(boots, [(1 - level) / 2, (1 + level) / 2]))
+        if lo == hi:                                   # every resample gave the same number: nothing is known
+            (lo, hi), kind = bounds, "bootstrap (widened)"
+        elif not lo <= value <= hi:                    # a skewed bootstrap: extend the side that misses the value
+            lo, hi, kind = min(lo, value), max(hi, value), "bootstrap (widened)"
+    return Metric(value, (lo, hi), n, kind, _spread(refits), note=note)
+
+
+def paired_difference(a: Sequence[float], b: Sequence[float], *, n_boot: int = 1000, seed: int = 0,
+                      level: float = LEVEL, note: str | None = None) -> Metric:
+    """Mean of a - b over the items where both are measured, with a paired percentile bootstrap (bounds [-1, 1]
+    for proportions)."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    keep = ~(np.isnan(a) | np.isnan(b))
+    return bootstrap(a[keep] - b[keep], n_boot=n_boot, seed=seed, level=level, bounds=(-1.0, 1.0), note=note)
+
+
+def is_metric(obj) -> bool:
+    """Is ``obj`` a metric in its JSON form?"""
+    return isinstance(obj, dict) and all(k in obj for k in _FIELDS)
+
+
+def iter_metrics(tree, path: tuple = ()) -> Iterator[tuple[tuple, dict]]:
+    """Every metric (JSON form) in a nested dict, with its key path; a metric's controls are not descended."""
+    if is_metric(tree):
+        yield path, tree
+        return
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from iter_metrics(value, path + (str(key),))
+    elif isinstance(tree, list):
+        for i, value in enumerate(tree):
+            yield from iter_metrics(value, path + (str(i),))
