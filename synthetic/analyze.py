@@ -229,10 +229,10 @@ def make_plots(run_dir: str, result: dict, unit_stats: dict, img_dir: str | None
     for j, rel in enumerate(rel_names):
         vals, errs = [], [[], []]
         for c in conds:
-            e = sup["report"]["conditions"][c]["readout_acc"][rel] or {"estimate": 0, "lo": 0, "hi": 0}
-            vals.append(e["estimate"])
-            errs[0].append(max(0, e["estimate"] - e["lo"]))
-            errs[1].append(max(0, e["hi"] - e["estimate"]))
+            e = sup["report"]["conditions"][c]["readout_acc"][rel] or {"value": 0, "ci": [0, 0]}
+            vals.append(e["value"])
+            errs[0].append(max(0, e["value"] - e["ci"][0]))
+            errs[1].append(max(0, e["ci"][1] - e["value"]))
         axes[0].bar([i + j * width for i in range(len(conds))], vals, width, yerr=errs, label=rel, capsize=2)
     axes[0].set_xticks([i + 0.4 - width / 2 for i in range(len(conds))], [labels[c] for c in conds], fontsize=8)
     axes[0].set_ylabel("held-out readout accuracy")
@@ -240,13 +240,13 @@ def make_plots(run_dir: str, result: dict, unit_stats: dict, img_dir: str | None
     axes[0].set_ylim(0, 1.05)
     axes[0].legend(fontsize=7, ncol=2)
     r2 = [sup["report"]["conditions"][c]["r2"] for c in conds]
-    axes[1].bar(range(len(conds)), [x["estimate"] for x in r2],
-                yerr=[[max(0, x["estimate"] - x["lo"]) for x in r2], [max(0, x["hi"] - x["estimate"]) for x in r2]],
+    axes[1].bar(range(len(conds)), [x["value"] for x in r2],
+                yerr=[[max(0, x["value"] - x["ci"][0]) for x in r2], [max(0, x["ci"][1] - x["value"]) for x in r2]],
                 color="tab:gray", capsize=3)
     axes[1].set_xticks(range(len(conds)), [labels[c] for c in conds], fontsize=8)
     axes[1].set_ylabel("held-out R^2")
     axes[1].set_title("superposition fit e_s ~ c + sum_r W_r u_{a_r(s)}")
-    axes[1].set_ylim(min(0, min(x["estimate"] for x in r2)), 1.05)
+    axes[1].set_ylim(min(0, min(x["value"] for x in r2)), 1.05)
     save(fig, "readout")
 
     names = list(unit_stats)

@@ -145,9 +145,9 @@ def superposition(model: FactRecallModel, task: FactTask, controls: dict[str, Fa
                                 seed=seed).to_dict()
     summary = {}
     for name, cond in rep["conditions"].items():
-        summary[name] = {"r2": cond["r2"]["estimate"], "r2_ci": [cond["r2"]["lo"], cond["r2"]["hi"]]}
+        summary[name] = {"r2": cond["r2"]["value"], "r2_ci": cond["r2"]["ci"]}
         for key in ("readout_acc", "decode_acc", "chance"):
-            vals = [v["estimate"] for v in (cond.get(key) or {}).values() if v]
+            vals = [v["value"] for v in (cond.get(key) or {}).values() if v]
             summary[name][key] = sum(vals) / len(vals) if vals else None
     out = {"report": rep, "summary": _round(summary)}
     if swap_edit:

@@ -101,14 +101,33 @@ def test_superposition_readout_report_with_controls():
     rep = superposition_readout(H, A, U, controls={"random_init": rand}, k=4, n_boot=200)   # alpha: LOO grid
     d = json.loads(json.dumps(rep.to_dict()))
     real, shuf, ctrl = (d["conditions"][k] for k in ("real", "shuffled", "random_init"))
-    assert real["r2"]["estimate"] > 0.95 and shuf["r2"]["estimate"] < 0.1 and ctrl["r2"]["estimate"] < 0.1
+    assert real["r2"]["value"] > 0.95 and shuf["r2"]["value"] < 0.1 and ctrl["r2"]["value"] < 0.1
     for name in ("r0", "r1", "r2", "r3"):
-        assert real["readout_acc"][name]["lo"] > 0.9
-        assert shuf["readout_acc"][name]["estimate"] < 0.2
-        assert d["margins"]["shuffled"]["readout_acc"][name]["lo"] > 0.7
+        acc = real["readout_acc"][name]
+        assert acc["ci"][0] > 0.9 and acc["n"] == 200 and acc["interval"] == "wilson"
+        assert len(acc["spread"]["values"]) == 4                              # one value per cross-fitting fold
+        assert shuf["readout_acc"][name]["value"] < 0.2
+        assert d["margins"]["shuffled"]["readout_acc"][name]["ci"][0] > 0.7
     assert len(real["alpha_per_fold"]) == 4
     m = d["margins"]["random_init"]["r2"]
-    assert m["lo"] <= m["estimate"] <= m["hi"] and m["lo"] > 0.8
+    assert m["ci"][0] <= m["value"] <= m["ci"][1] and m["ci"][0] > 0.8
+    typed = rep.measure("readout_acc", "r0")
+    assert set(typed.controls) == {"shuffled", "random_init"} and typed.control == "shuffled"
+
+
+def test_superposition_fit_on_held_out_rows_is_caught():
+    """Pure noise with more features than subjects per fold: an in-sample fit explains much of H, the held-out
+    R^2 (what is reported) must not. Fitting on the rows it scores (the mutation) fails this test."""
+    gen = torch.Generator().manual_seed(0)
+    n, d, R, n_attr = 60, 8, 4, 12
+    H = torch.randn(n, d, generator=gen, dtype=torch.float64)
+    A = torch.randint(n_attr, (n, R), generator=gen)
+    U = [torch.randn(n_attr, 16, generator=gen, dtype=torch.float64) for _ in range(R)]
+    in_sample = SuperpositionFit(alpha=1e-3).fit(H, A, U).score(H, A)
+    assert in_sample > 0.4                                                    # what a leak would report
+    rep = superposition_readout(H, A, U, k=5, n_boot=200, alpha=1e-3, decode=False)
+    r2 = rep.conditions["real"]["r2"]
+    assert r2.value < 0.1 and r2.ci[0] < r2.value < r2.ci[1]
 
 
 def test_decode_in_superposition_regime():

@@ -13,6 +13,8 @@ measures pretrained and synthetic models.
 """
 from __future__ import annotations
 
+import copy
+import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -20,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from sklearn.base import BaseEstimator
 
-from .stats import (ALPHA_GRID, as_float, as_tensor, bootstrap_ci, check_rows, fit_ridge, kfold_indices,
+from ..metric import Metric, bootstrap, paired_difference, proportion
+from .stats import (ALPHA_GRID, as_float, as_tensor, check_rows, fit_ridge, kfold_indices,
                     shuffle_table, truncate_rank)
 
 __all__ = ["RelationReadout", "SuperpositionFit", "superposition_readout", "SuperpositionReport"]
@@ -339,12 +342,13 @@ class SuperpositionFit(BaseEstimator):
         return hits.sum(0) / present.sum(0)
 
 
-def _pooled_r2(parts: torch.Tensor) -> float:
+def _pooled_r2(parts) -> float:
+    """1 - sum SSE / sum SST over subjects; parts [n, 2] (tensor or array)."""
     sst = float(parts[:, 1].sum())
     return 1.0 - float(parts[:, 0].sum()) / sst if sst > 0 else float("nan")
 
 
-def _r2_diff(parts: torch.Tensor) -> float:
+def _r2_diff(parts) -> float:
     return _pooled_r2(parts[:, :2]) - _pooled_r2(parts[:, 2:])
 
 
@@ -352,34 +356,57 @@ def _r2_diff(parts: torch.Tensor) -> float:
 @dataclass
 class SuperpositionReport:
     """Cross-fitted superposition readouts per condition ("real", "shuffled", supplied controls) and the margins
-    real - control with paired bootstrap CIs over subjects. Every CI is (estimate, lo, hi)."""
+    real - control with paired bootstrap intervals over subjects; every number a :class:`llmprobe.metric.Metric`.
+
+    ``conditions[name]``: {"r2": Metric, "readout_acc": {relation: Metric | None}, "decode_acc": {...} | None,
+    "chance": {...}, "alpha_per_fold": [...]}; ``margins[control]``: {"r2": Metric, "readout_acc": {...},
+    "decode_acc": {...} | None}."""
     conditions: dict = field(default_factory=dict)
     margins: dict = field(default_factory=dict)
     settings: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {"settings": self.settings, "conditions": self.conditions, "margins": self.margins}
+        return {"settings": self.settings, "conditions": _as_json(self.conditions), "margins": _as_json(self.margins)}
+
+    def measure(self, key: str, relation: str | None = None, primary: str = "shuffled") -> Metric | None:
+        """The real condition's ``key`` ("r2", "readout_acc", "decode_acc"; per ``relation`` for the last two)
+        with every other condition attached as a named control (``primary`` shown beside it)."""
+        def pick(condition):
+            entry = self.conditions[condition].get(key)
+            return entry.get(relation) if relation is not None and entry is not None else entry
+        real = pick("real")
+        if real is None:
+            return None
+        controls = {name: m for name in self.conditions if name != "real" for m in [pick(name)] if m is not None}
+        return copy.copy(real).with_controls(controls, primary if primary in controls else None)
+
+
+def _as_json(tree):
+    if isinstance(tree, Metric):
+        return tree.to_dict()
+    if isinstance(tree, dict):
+        return {k: _as_json(v) for k, v in tree.items()}
+    return tree
 
 
 def _jsonable(alpha):
     return float(alpha) if isinstance(alpha, (int, float)) else [float(a) for a in alpha]
 
 
-def _ci(est_lo_hi: tuple[float, float, float]) -> dict:
-    return dict(zip(("estimate", "lo", "hi"), est_lo_hi))
-
-
 def _cross_fit(H, A, U, splits, alpha, rank, readout_kw, do_decode):
     """Out-of-fold per-subject values: parts [n, 2], readout hits [n, R], decode hits [n, R], chance hits [n, R]
-    (NaN where the fact is missing or the relation had no training facts in that fold)."""
+    (NaN where the fact is missing or the relation had no training facts in that fold), the fold of each subject
+    [n], and the chosen alphas."""
     n, R = A.shape
     parts = torch.zeros(n, 2, dtype=torch.float64)
+    fold = torch.zeros(n, dtype=torch.long)
     alphas = []
     nan = torch.full((n, R), float("nan"), dtype=torch.float64)
     readout, decoded, chance = nan.clone(), nan.clone(), nan.clone()
-    for train, test in splits:
+    for f, (train, test) in enumerate(splits):
         fit = SuperpositionFit(alpha=alpha, rank=rank).fit(H[train], A[train], U)
         parts[test] = fit.residual_parts(H[test], A[test]).cpu()
+        fold[test] = f
         alphas.append(fit.alpha_)
         if do_decode:
             dec = fit.decode_hits(H[test], A[test]).double()
@@ -394,7 +421,17 @@ def _cross_fit(H, A, U, splits, alpha, rank, readout_kw, do_decode):
             if rows.numel():
                 readout[rows, r] = ro.predict(H[test][present.to(H.device)]).cpu().eq(a_te[present].cpu()).double()
                 chance[rows, r] = a_te[present].cpu().eq(ro.majority_).double()
-    return parts, readout, decoded, chance, alphas
+    return parts, readout, decoded, chance, fold, alphas
+
+
+def _per_fold(values: torch.Tensor, fold: torch.Tensor, statistic) -> list[float]:
+    """``statistic`` on each fold's subjects (the spread over the cross-fitting folds)."""
+    return [float(statistic(values[fold == f])) for f in fold.unique().tolist()]
+
+
+def _nanmean(x: torch.Tensor) -> float:
+    x = x[~torch.isnan(x)]
+    return float(x.mean()) if x.numel() else float("nan")
 
 
 def superposition_readout(H: Any, A: Any, U: Sequence[Any], *, controls: dict | None = None,
@@ -404,17 +441,18 @@ def superposition_readout(H: Any, A: Any, U: Sequence[Any], *, controls: dict | 
                           metric: str = "cosine",
                           k: int = 5, n_shuffles: int = 1, seed: int = 0, n_boot: int = 1000,
                           level: float = 0.95, decode: bool = True) -> SuperpositionReport:
-    """Measure superposition readouts with their controls (DESIGN.md section 2).
+    """Measure superposition readouts with their controls (``docs/measures.md``).
 
     H [n, d] relation-free subject states, A [n, R] fact table (-1 = missing), U list of R [n_attr_r, d_u_r].
     controls: {name: H_c} or {name: (H_c, U_c)}: states of the same subjects from a control model (e.g. the same
     architecture with random weights), measured identically (with U_c, else U). The shuffled-table control
     (``shuffle_table``, n_shuffles seeds, per-subject values averaged over seeds) is always included.
 
-    k-fold cross-fitting over subjects gives every subject out-of-fold values; CIs are percentile bootstraps over
-    subjects. Per condition: "r2" (pooled held-out R^2 of the superposition fit), per relation "readout_acc"
-    (RelationReadout), "decode_acc" (SuperpositionFit.decode), "chance" (training-majority answer).
-    Margins: real minus each control, paired over the same subjects.
+    k-fold cross-fitting over subjects gives every subject out-of-fold values; nothing is fitted on the rows it
+    is scored on. Per condition: "r2" (pooled held-out R^2 of the superposition fit; percentile bootstrap over
+    subjects), per relation "readout_acc" (RelationReadout), "decode_acc" (SuperpositionFit.decode), "chance"
+    (training-majority answer): proportions with Wilson intervals, n = subjects with that fact. Spread: the
+    statistic per cross-fitting fold. Margins: real minus each control, paired bootstrap over the same subjects.
     alpha / readout_alpha (default: alpha): ridge penalties, or sequences chosen from by leave-one-out error
     inside each training fold (default: the grid 1e-4 ... 1e5); the chosen superposition alphas per fold are
     reported as "alpha_per_fold".
@@ -434,7 +472,7 @@ def superposition_readout(H: Any, A: Any, U: Sequence[Any], *, controls: dict | 
     conds["real"] = _cross_fit(H, A, U, splits, alpha, rank, readout_kw, decode)
     shuf = [_cross_fit(H, shuffle_table(A, seed + 1 + i), U, splits, alpha, rank, readout_kw, decode)
             for i in range(n_shuffles)]
-    conds["shuffled"] = tuple(torch.stack(x).mean(0) for x in list(zip(*shuf))[:4]) + (shuf[0][4],)
+    conds["shuffled"] = tuple(torch.stack(x).mean(0) for x in list(zip(*shuf))[:4]) + tuple(shuf[0][4:])
     for name, ctrl in (controls or {}).items():
         H_c, U_c = (ctrl if isinstance(ctrl, (tuple, list)) else (ctrl, U))
         H_c = as_float(H_c, f"controls[{name!r}]", 2)
@@ -445,34 +483,40 @@ def superposition_readout(H: Any, A: Any, U: Sequence[Any], *, controls: dict | 
 
     boot = dict(n_boot=n_boot, level=level, seed=seed)
 
-    def per_relation(x: torch.Tensor) -> dict:
+    def per_relation(x: torch.Tensor, fold: torch.Tensor) -> dict:
         out = {}
         for r, nm in enumerate(names):
             col = x[:, r]
-            col = col[~torch.isnan(col)]
-            out[nm] = _ci(bootstrap_ci(col, **boot)) if col.numel() else None
+            keep = ~torch.isnan(col)
+            out[nm] = proportion(col[keep].tolist(), refits=_per_fold(col, fold, _nanmean), level=level) \
+                if bool(keep.any()) else None
         return out
+
+    def margin(a: torch.Tensor, b: torch.Tensor) -> dict:
+        return {nm: paired_difference(a[:, r].tolist(), b[:, r].tolist(), **boot)
+                if bool((~torch.isnan(a[:, r] - b[:, r])).any()) else None for r, nm in enumerate(names)}
 
     report = SuperpositionReport(settings={"n_subjects": n, "n_relations": R, "relations": names, "k": k,
                                            "alpha": _jsonable(alpha), "rank": rank,
                                            "readout": {**readout_kw, "alpha": _jsonable(readout_kw["alpha"])},
                                            "n_shuffles": n_shuffles, "seed": seed, "n_boot": n_boot,
                                            "level": level})
-    for name, (parts, readout, decoded, chance, alphas) in conds.items():
+    for name, (parts, readout, decoded, chance, fold, alphas) in conds.items():
         report.conditions[name] = {
             "alpha_per_fold": alphas,
-            "r2": _ci(bootstrap_ci(parts, statistic=_pooled_r2, **boot)),
-            "readout_acc": per_relation(readout),
-            "decode_acc": per_relation(decoded) if decode else None,
-            "chance": per_relation(chance),
+            "r2": bootstrap(parts.numpy(), _pooled_r2, bounds=(-math.inf, 1.0),
+                            refits=_per_fold(parts, fold, _pooled_r2), **boot),
+            "readout_acc": per_relation(readout, fold),
+            "decode_acc": per_relation(decoded, fold) if decode else None,
+            "chance": per_relation(chance, fold),
         }
     real = conds["real"]
     for name, other in conds.items():
         if name == "real":
             continue
         report.margins[name] = {
-            "r2": _ci(bootstrap_ci(torch.cat([real[0], other[0]], 1), statistic=_r2_diff, **boot)),
-            "readout_acc": per_relation(real[1] - other[1]),
-            "decode_acc": per_relation(real[2] - other[2]) if decode else None,
+            "r2": bootstrap(torch.cat([real[0], other[0]], 1).numpy(), _r2_diff, **boot),
+            "readout_acc": margin(real[1], other[1]),
+            "decode_acc": margin(real[2], other[2]) if decode else None,
         }
     return report
