@@ -50,9 +50,8 @@ def _metric(conditions: dict, key: str, relation: str | None = None) -> dict:
         return entry
 
     real = pick("real") or {}
-    controls = {name: {"value": e["estimate"], "ci": [e["lo"], e["hi"]]}
-                for name in conditions if name != "real" for e in [pick(name)] if e}
-    out = {"value": real.get("estimate"), "ci": [real.get("lo"), real.get("hi")]}
+    controls = {name: e for name in conditions if name != "real" for e in [pick(name)] if e}
+    out = dict(real)
     if controls:
         primary = "shuffled" if "shuffled" in controls else next(iter(controls))
         out["control"] = {"name": primary, **controls[primary]}
