@@ -3,8 +3,10 @@
 For every cell (N, R, seed, mode) the sweep trains at a few widths d and finds the smallest d that reaches
 100% train accuracy (``success``: every fact's answer is the argmax, within the step cap). It does not train a
 full grid: it starts from a guess, walks up or down by a factor until it has one failing and one succeeding width
-(``bracket``), then bisects the integer interval. It assumes success is monotone in d (noisy near the threshold;
-every trained point is kept, so a reader can see any non-monotone one). Modes: ``trainable`` (every parameter
+(``bracket``), then bisects the integer interval (:class:`Bisection`, :func:`find_threshold`: the public API the
+matched controls use too). It assumes success is monotone in d but noisy near the threshold, so d* is called
+exact only when d*-1 failed with two initialisations (another model seed, the same facts); every trained point is
+kept, so a reader can see any non-monotone one. Modes: ``trainable`` (every parameter
 learns), ``frozen`` (subject embeddings frozen at random init, the paper's control) and ``frozen_all`` (subject
 embeddings *and* the attribute unembedding frozen: only the relation embeddings and the MLP learn).
 
@@ -12,8 +14,9 @@ Every trained point is appended to ``results.jsonl`` (one JSON line per run, flu
 lock so worker processes can share it). A point is keyed by (N, R, seed, mode, d, d_mlp rule, attention, training
 config); a rerun of the same sweep reads the file first and skips every key already there, so an interrupted
 sweep resumes where it stopped. :func:`summarize` fits ``d* = c * R * log2 N`` by least squares through the origin
-with a bootstrap interval over cells (and a power law ``d* = a N^alpha R^beta`` in log space, which separates
-logarithmic from polynomial growth in N), and :func:`plot` draws accuracy against d and d* against R log2 N.
+with a bootstrap interval over cells, the same c per N and ``d* = c R (log2 N)^p`` with p free, and flags drift
+when c moves with N (:func:`fit_trend`; a power law ``d* = a N^alpha R^beta`` in log space beside it), and
+:func:`plot` draws accuracy against d and d* against R log2 N.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmprobe.io import append_jsonl, read_jsonl, write_figure, write_json, write_text
+from llmprobe.io import append_jsonl, file_lock, read_jsonl, write_figure, write_json, write_text
 
 from .train import TrainConfig, train
 from .tasks import random_bijections
@@ -54,13 +57,15 @@ class SweepConfig:
 MODES = ("trainable", "frozen", "frozen_all")
 
 
-def point_key(N: int, R: int, seed: int, mode: str, d: int, cfg: SweepConfig) -> str:
-    """Identity of one trained point (what a resumed sweep looks up)."""
+def point_key(N: int, R: int, seed: int, mode: str, d: int, cfg: SweepConfig, init: int = 0) -> str:
+    """Identity of one trained point (what a resumed sweep looks up); ``init`` > 0: another initialisation."""
     t = cfg.train
     spec = {"N": N, "R": R, "seed": seed, "frozen": mode != "trainable", "d": d, "attention": cfg.attention,
             "d_mlp": cfg.d_mlp if cfg.d_mlp else f"x{cfg.mlp_ratio}", "lr": t.lr, "max_steps": t.max_steps,
             "batch": t.batch_size, "warmup": t.warmup_frac, "min_lr": t.min_lr_frac, "betas": list(t.betas),
             "sched": t.schedule, "target": t.target_acc}
+    if init:                              # only when set, so that keys of earlier sweeps stay valid
+        spec["init"] = init
     if mode not in ("trainable", "frozen"):
         spec["mode"] = mode
     if t.weight_decay:                    # only when set, so that keys of earlier sweeps stay valid
@@ -69,8 +74,13 @@ def point_key(N: int, R: int, seed: int, mode: str, d: int, cfg: SweepConfig) ->
 
 
 def load_results(out_dir: str) -> list[dict]:
-    """Every finished point of a sweep directory (a torn last line from a killed run is ignored)."""
-    return read_jsonl(os.path.join(out_dir, RESULTS))
+    """Every finished point of a sweep directory, once per key (a torn line from a killed run is skipped)."""
+    rows, seen = [], set()
+    for row in read_jsonl(os.path.join(out_dir, RESULTS)):
+        if row.get("key") is None or row["key"] not in seen:
+            seen.add(row.get("key"))
+            rows.append(row)
+    return rows
 
 
 def initial_guess(N: int, R: int, mode: str, bits_per_subject: float | None = None) -> int:
@@ -85,41 +95,63 @@ def initial_guess(N: int, R: int, mode: str, bits_per_subject: float | None = No
     return max(2, int(round(0.2 * bits_per_subject * (1.5 if mode == "frozen" else 1.0))))
 
 
-class _Cell:
-    """Bisection state for one (N, R, seed, mode) cell, fed with cached or fresh results.
+CONFIRM = 2          # initialisations that must fail at d*-1 before d* is called exact
+INIT_OFFSET = 1000   # model seed of initialisation i: seed + i * INIT_OFFSET (the fact table keeps its seed)
 
-    From the start width it steps down after a success (up after a failure) by ~12% of d (by 1 when the start is
-    another seed's d*), doubling the step on every further move in the same direction, until it holds a failing
-    width below a succeeding one; then it bisects. With a good start this takes two or three runs.
+
+class Bisection:
+    """The threshold search: the smallest width d in [lo, hi] at which training succeeds, assuming success is
+    monotone in d (it is noisy near the threshold: one initialisation can fail where another succeeds).
+
+    Feed it results with :meth:`record` and ask :meth:`next` for the next (d, init) to train, until it says None.
+    From ``start`` it steps down after a success (up after a failure) by ~12% of d (by 1 with ``prior``: the start
+    is another seed's d*), doubling the step on every further move in the same direction, until it holds a failing
+    width below a succeeding one; then it bisects the integer interval. A width *succeeds* when any of its
+    initialisations succeeded. When the bracket is one apart (d*-1 failing, d* succeeding), d*-1 is retrained with
+    further initialisations (``init`` 1, 2, ...: another model seed, the same facts) until it has failed
+    ``confirm`` times; a success there moves d* down and the search goes on. :attr:`exact` holds only then, so a
+    single noisy failure at the true threshold cannot end in a wrong d* flagged exact.
     """
 
-    def __init__(self, N, R, seed, mode, cfg: SweepConfig, start: int | None = None,
-                 bits_per_subject: float | None = None):
-        self.N, self.R, self.seed, self.mode, self.cfg = N, R, seed, mode, cfg
-        self.prior = start is not None
-        self.start = start or initial_guess(N, R, mode, bits_per_subject)
-        self.ok: dict[int, bool] = {}
-        self.order: list[int] = []
+    def __init__(self, lo: int, hi: int, start: int | None = None, *, confirm: int = CONFIRM, prior: bool = False):
+        if lo > hi:
+            raise ValueError(f"empty width range [{lo}, {hi}]")
+        self.lo, self.hi, self.confirm, self.prior = int(lo), int(hi), max(1, int(confirm)), prior
+        self.start = min(max(int(start if start is not None else lo), self.lo), self.hi)
+        self.results: dict[int, dict[int, bool]] = {}        # d -> {init: success}
+        self.order: list[tuple[int, int, bool]] = []
 
-    def record(self, d: int, success: bool) -> None:
-        self.ok[d] = success
-        self.order.append(d)
+    def record(self, d: int, success: bool, init: int = 0) -> None:
+        self.results.setdefault(int(d), {})[int(init)] = bool(success)
+        self.order.append((int(d), int(init), bool(success)))
 
-    def next_d(self) -> int | None:
-        """The next width to train, or None when d* is determined (or the range is exhausted)."""
-        lo, hi = self.cfg.d_min, self.cfg.d_max
-        succ = [d for d, s in self.ok.items() if s]
-        fail = [d for d, s in self.ok.items() if not s]
-        best = min(succ) if succ else None
-        worst = max([d for d in fail if best is None or d < best], default=None)
+    def succeeded(self, d: int) -> bool | None:
+        """True if any initialisation at d succeeded, False if all tried failed, None if d was not tried."""
+        res = self.results.get(d)
+        return None if not res else any(res.values())
+
+    def _bracket(self) -> tuple[int | None, int | None]:
+        best = min((d for d in self.results if self.succeeded(d)), default=None)
+        worst = max((d for d in self.results if self.succeeded(d) is False and (best is None or d < best)),
+                    default=None)
+        return best, worst
+
+    def next(self) -> tuple[int, int] | None:
+        """The next (width, initialisation) to train, or None when d* is settled (or the range is exhausted)."""
+        best, worst = self._bracket()
         if best is None and worst is None:
-            return min(max(self.start, lo), hi)
+            return self.start, 0
         if best is not None and worst is not None:
-            return None if best - worst <= 1 else (best + worst) // 2
+            if best - worst > 1:
+                return (best + worst) // 2, 0
+            tried = self.results[worst]
+            if len(tried) >= self.confirm:
+                return None
+            return worst, next(i for i in range(len(tried) + 1) if i not in tried)
         going_up = best is None
         streak = 0                                  # consecutive moves in the current direction
-        for d in reversed(self.order):
-            if self.ok[d] == (not going_up):
+        for _, _, ok in reversed(self.order):
+            if ok == (not going_up):
                 streak += 1
             else:
                 break
@@ -127,47 +159,79 @@ class _Cell:
         base = 1 if self.prior else max(1, int(round(0.12 * ref)))
         step = base * 2 ** max(0, streak - 1)
         if going_up:
-            return None if worst >= hi else min(hi, worst + step)
-        return None if best <= lo else max(lo, best - step)
+            return None if worst >= self.hi else (min(self.hi, worst + step), 0)
+        return None if best <= self.lo else (max(self.lo, best - step), 0)
 
+    @property
     def d_star(self) -> int | None:
-        succ = [d for d, s in self.ok.items() if s]
-        return min(succ) if succ else None
+        return self._bracket()[0]
+
+    @property
+    def exact(self) -> bool:
+        """d* is known: d*-1 failed with ``confirm`` initialisations (and none succeeded)."""
+        best = self.d_star
+        res = self.results.get(best - 1) if best is not None else None
+        return bool(res) and not any(res.values()) and len(res) >= self.confirm
+
+    def tried(self) -> list[dict]:
+        return [{"d": d, "init": i, "success": ok} for d, i, ok in self.order]
 
 
-def _run_point(N, R, seed, mode, d, cfg: SweepConfig) -> dict:
+def find_threshold(train_fn, lo: int, hi: int, start: int | None = None, *, confirm: int = CONFIRM,
+                   prior: bool = False) -> dict:
+    """Run a :class:`Bisection` with ``train_fn(d, init) -> success`` (a bool, or a (bool, anything) pair whose
+    second part is kept). Returns {"d_star", "exact", "tried": [{"d", "init", "success"}] in training order,
+    "results": {(d, init): the second part}}; d_star is None when no width up to ``hi`` succeeded."""
+    search = Bisection(lo, hi, start, confirm=confirm, prior=prior)
+    kept = {}
+    while (nxt := search.next()) is not None:
+        d, init = nxt
+        out = train_fn(d, init)
+        ok, payload = (out if isinstance(out, tuple) else (out, None))
+        kept[(d, init)] = payload
+        search.record(d, bool(ok), init)
+    return {"d_star": search.d_star, "exact": search.exact, "tried": search.tried(), "results": kept}
+
+
+def config_key(cfg: SweepConfig) -> str:
+    """Identity of a sweep's training config (everything of :func:`point_key` but the cell and the width)."""
+    return point_key(0, 0, 0, "trainable", 0, cfg)
+
+
+def _run_point(N, R, seed, mode, d, cfg: SweepConfig, init: int = 0) -> dict:
     task = random_bijections(N, R, seed)
     d_mlp = cfg.d_mlp or max(1, int(round(cfg.mlp_ratio * d)))
     res = train(task, d, config=cfg.train, frozen_subjects=mode != "trainable",
-                frozen_unembed=mode == "frozen_all", d_mlp=d_mlp, attention=cfg.attention, seed=seed)
+                frozen_unembed=mode == "frozen_all", d_mlp=d_mlp, attention=cfg.attention,
+                seed=seed + INIT_OFFSET * init)
     row = res.to_dict()
     row.pop("train", None)
     row["history"] = row["history"][-3:]
-    row.update({"key": point_key(N, R, seed, mode, d, cfg), "seed": seed, "mode": mode,
-                "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    row.update({"key": point_key(N, R, seed, mode, d, cfg, init), "seed": seed, "init": init, "mode": mode,
+                "config": config_key(cfg), "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
     return row
 
 
 def _bisect_cell(N, R, seed, mode, cfg: SweepConfig, out_dir: str, cache: dict, start: int | None) -> dict:
-    cell = _Cell(N, R, seed, mode, cfg, start)
-    while True:
-        d = cell.next_d()
-        if d is None:
-            break
-        key = point_key(N, R, seed, mode, d, cfg)
+    def train_fn(d, init):
+        key = point_key(N, R, seed, mode, d, cfg, init)
         row = cache.get(key)
         if row is None:
-            row = _run_point(N, R, seed, mode, d, cfg)
+            row = _run_point(N, R, seed, mode, d, cfg, init)
             append_jsonl(os.path.join(out_dir, RESULTS), row)
-            print(f"[sweep] N={N} R={R} seed={seed} {mode} d={d}: "
+            print(f"[sweep] N={N} R={R} seed={seed} {mode} d={d} init={init}: "
                   f"acc={row['accuracy']:.4f} steps={row['steps']} {row['wall_time_s']:.0f}s", flush=True)
-        cell.record(d, bool(row["success"]))
-    return {"N": N, "R": R, "seed": seed, "mode": mode, "d_star": cell.d_star(),
-            "tried": sorted(cell.ok.items())}
+        return bool(row["success"])
+
+    found = find_threshold(train_fn, cfg.d_min, cfg.d_max, start or initial_guess(N, R, mode),
+                           prior=start is not None)
+    return {"N": N, "R": R, "seed": seed, "mode": mode, "d_star": found["d_star"], "exact": found["exact"],
+            "tried": found["tried"]}
 
 
 def _sweep_unit(args) -> list[dict]:
-    """All seeds of one (N, R, mode), in order: each later seed starts from the previous seed's d*."""
+    """All seeds of one (N, R, mode), in order: each later seed starts from the previous seed's d* (a start only:
+    its own d* is exact only when its own d*-1 failed with :data:`CONFIRM` initialisations)."""
     (N, R, mode, cfg, out_dir, cache) = args
     torch.set_num_threads(max(1, cfg.threads))
     out, start = [], None
@@ -176,6 +240,18 @@ def _sweep_unit(args) -> list[dict]:
         out.append(res)
         start = res["d_star"] or start
     return out
+
+
+def _locked_unit(args, block: bool = True) -> list[dict] | None:
+    """:func:`_sweep_unit` holding a lock on its (N, R, mode) in ``out_dir/.locks``, with the finished points
+    re-read under the lock, so sweeps of one folder in several processes never train a point twice. None, at
+    once, when ``block`` is false and another process holds the lock."""
+    (N, R, mode, cfg, out_dir, cache) = args
+    with file_lock(os.path.join(out_dir, ".locks", f"N{N}-R{R}-{mode}.lock"), block=block) as held:
+        if not held:
+            return None
+        fresh = {r["key"]: r for r in load_results(out_dir) if "key" in r}
+        return _sweep_unit((N, R, mode, cfg, out_dir, {**cache, **fresh}))
 
 
 def run_sweep(cfg: SweepConfig, out_dir: str) -> dict:
@@ -194,11 +270,12 @@ def run_sweep(cfg: SweepConfig, out_dir: str) -> dict:
 
         ctx = mp.get_context("spawn")
         with ctx.Pool(cfg.workers) as pool:
-            for _ in pool.imap_unordered(_sweep_unit, jobs):
+            for _ in pool.imap_unordered(_locked_unit, jobs):
                 pass
     else:
-        for job in jobs:
-            _sweep_unit(job)
+        busy = [job for job in jobs if _locked_unit(job, block=False) is None]  # another process's: do them last
+        for job in busy:
+            _locked_unit(job)
     summary = summarize(out_dir, cfg)
     write_json(os.path.join(out_dir, "summary.json"), summary)
     write_text(os.path.join(out_dir, "table.md"), table_markdown(summary))
@@ -210,49 +287,148 @@ def run_sweep(cfg: SweepConfig, out_dir: str) -> dict:
 
 
 # ----------------------------------------------------------------------------- analysis
-def thresholds(rows: list[dict]) -> dict:
-    """d* per (N, R, seed, mode): smallest successful d with d-1 observed failing (``exact``), from rows."""
-    cells: dict[tuple, dict[int, bool]] = {}
+def thresholds(rows: list[dict], confirm: int = CONFIRM) -> dict:
+    """d* per cell (N, R, seed, mode, config): the smallest width at which some initialisation succeeded, with
+    ``exact`` when d*-1 failed with ``confirm`` or more initialisations (and none succeeded there).
+
+    ``config`` is the training config's :func:`config_key` (``"unrecorded"`` for rows of sweeps older than it), so
+    results of different step caps, learning rates or weight decays never overwrite each other."""
+    cells: dict[tuple, dict[int, dict[int, bool]]] = {}
     for r in rows:
-        cells.setdefault((r["n_subjects"], r["n_relations"], r["seed"], r["mode"]), {})[r["d_model"]] = r["success"]
+        key = (r["n_subjects"], r["n_relations"], r["seed"], r["mode"], r.get("config", "unrecorded"))
+        cells.setdefault(key, {}).setdefault(r["d_model"], {})[int(r.get("init", 0))] = bool(r["success"])
     out = {}
     for key, pts in cells.items():
-        succ = [d for d, s in pts.items() if s]
-        best = min(succ) if succ else None
-        exact = best is not None and pts.get(best - 1) is False
-        out[key] = {"d_star": best, "exact": exact, "max_failed": max([d for d, s in pts.items() if not s],
-                                                                       default=None)}
+        ok = {d: any(res.values()) for d, res in pts.items()}
+        best = min((d for d, s in ok.items() if s), default=None)
+        below = pts.get(best - 1) if best is not None else None
+        exact = bool(below) and not any(below.values()) and len(below) >= confirm
+        out[key] = {"d_star": best, "exact": exact,
+                    "inits_failed_below": len(below) if below and not any(below.values()) else 0,
+                    "max_failed": max([d for d, s in ok.items() if not s], default=None)}
     return out
 
 
-def fit_constant(points: list[tuple[float, float]], n_boot: int = 2000, seed: int = 0) -> dict:
-    """Least squares through the origin y = c x with a bootstrap 95% interval over points."""
+def _slope(parts) -> float:
+    """Least-squares slope through the origin of rows (x, y)."""
+    sxx = float((parts[:, 0] ** 2).sum())
+    return float((parts[:, 0] * parts[:, 1]).sum()) / sxx if sxx else float("nan")
+
+
+def _free_exponent(parts, which: int) -> float:
+    """d* = c R (log2 N)^p from rows (log2 N, R, d*): c_N = the through-origin constant of each N (as ``c_by_n``),
+    then log c_N = log c + (p - 1) log log2 N by least squares over the N. Returns p (which=1) or c (which=0);
+    NaN with fewer than two distinct N. (Per-N linear fits weigh the large cells, where d*'s integer rounding
+    matters least; a log-space fit over cells lets the rounding of d* = 3 or 4 fake a trend.)"""
+    import numpy as np
+
+    Ls = sorted(set(parts[:, 0].tolist()))
+    if len(Ls) < 2:
+        return float("nan")
+    logc = []
+    for L in Ls:
+        rows = parts[parts[:, 0] == L]
+        logc.append(math.log(_slope(np.stack([rows[:, 1] * L, rows[:, 2]], 1))))
+    x, y = np.log(np.asarray(Ls)), np.asarray(logc)
+    slope = float(((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum())
+    return slope + 1 if which == 1 else float(math.exp(y.mean() - slope * x.mean()))
+
+
+def fit_constant(points: list[tuple[float, float]], n_boot: int = 2000, seed: int = 0):
+    """d* = c x (x = R log2 N) by least squares through the origin: a :class:`llmprobe.metric.Metric` whose
+    interval is a percentile bootstrap over the points (cells); ``note`` carries the fit's R^2."""
+    import numpy as np
+
+    from llmprobe.metric import bootstrap, nan_metric
+
     if not points:
-        return {"c": None, "lo": None, "hi": None, "n": 0}
-
-    def fit(pts):
-        sxx = sum(x * x for x, _ in pts)
-        return sum(x * y for x, y in pts) / sxx if sxx else float("nan")
-
-    c = fit(points)
-    rng = random.Random(seed)
-    boots = sorted(fit([points[rng.randrange(len(points))] for _ in points]) for _ in range(n_boot))
-    resid = [y - c * x for x, y in points]
-    ss_res = sum(e * e for e in resid)
-    mean_y = sum(y for _, y in points) / len(points)
-    ss_tot = sum((y - mean_y) ** 2 for _, y in points)
-    return {"c": c, "lo": boots[int(0.025 * n_boot)], "hi": boots[int(0.975 * n_boot) - 1], "n": len(points),
-            "r2": 1 - ss_res / ss_tot if ss_tot else None}
+        return nan_metric("bootstrap")
+    parts = np.asarray(points, dtype=np.float64)
+    m = bootstrap(parts, _slope, n_boot=n_boot, seed=seed, bounds=(0.0, math.inf))
+    resid = parts[:, 1] - m.value * parts[:, 0]
+    ss_tot = float(((parts[:, 1] - parts[:, 1].mean()) ** 2).sum())
+    m.note = f"R^2 {1 - float((resid ** 2).sum()) / ss_tot:.3f}" if ss_tot else None
+    return m
 
 
-def summarize(out_dir: str, cfg: SweepConfig | None = None) -> dict:
-    """Thresholds per cell, mean over seeds per (N, R, mode), fitted constants, bits per parameter at d*."""
-    rows = load_results(out_dir)
-    th = thresholds(rows)
+def fit_trend(points: list[tuple[int, int, int]], n_boot: int = 2000, seed: int = 0) -> dict:
+    """The capacity fit with its trend, from exact d* per cell (N, R, d*), one point per (N, R, seed) cell.
+
+    * ``c``: d* = c R log2 N through the origin over every cell (bootstrap over cells);
+    * ``c_by_n``: the same constant fitted per N (bootstrap over that N's cells);
+    * ``p`` and ``c_free``: d* = c R (log2 N)^p with the exponent free (log c_N against log log2 N over the N,
+      bootstrap over cells; needs two or more N);
+    * ``drift``: True when two ``c_by_n`` intervals do not overlap or ``p``'s interval excludes 1 -- the constant
+      is then not constant over N, and ``c`` alone would hide it; ``drift_reason`` says which, in a sentence.
+    Every number is a :class:`llmprobe.metric.Metric` in its JSON form."""
+    import numpy as np
+
+    from llmprobe.metric import bootstrap, nan_metric
+
+    c = fit_constant([(R * math.log2(N), d) for N, R, d in points], n_boot, seed)
+    ys = np.asarray([d for _, _, d in points], dtype=np.float64)
+    ss_tot = float(((ys - ys.mean()) ** 2).sum()) if len(ys) else 0.0
+    ss_res = sum((d - c.value * R * math.log2(N)) ** 2 for N, R, d in points)
+    out = {"n_cells": len(points), "c": c.to_dict(), "r2": 1 - ss_res / ss_tot if ss_tot else None}
+    by_n = {}
+    for N in sorted({N for N, _, _ in points}):
+        pts = [(R * math.log2(N), d) for n, R, d in points if n == N]
+        by_n[N] = bootstrap(np.asarray(pts, dtype=np.float64), _slope, n_boot=n_boot, seed=seed,
+                            bounds=(0.0, math.inf))
+    out["c_by_n"] = {str(N): m.to_dict() for N, m in by_n.items()}
+    logs = np.asarray([(math.log2(N), R, d) for N, R, d in points], dtype=np.float64)
+    if len(by_n) >= 2:
+        p = bootstrap(logs, lambda a: _free_exponent(a, 1), n_boot=n_boot, seed=seed)
+        c_free = bootstrap(logs, lambda a: _free_exponent(a, 0), n_boot=n_boot, seed=seed, bounds=(0.0, math.inf))
+    else:
+        p = c_free = nan_metric("bootstrap", "needs two or more N")
+    out["p"], out["c_free"] = p.to_dict(), c_free.to_dict()
+    reasons = []
+    finite = {N: m for N, m in by_n.items() if m.n >= 2 and all(map(math.isfinite, m.ci))}
+    apart = [(a, b) for a in finite for b in finite if a < b and (finite[a].ci[1] < finite[b].ci[0]
+                                                                  or finite[b].ci[1] < finite[a].ci[0])]
+    if apart:
+        a, b = apart[0]
+        reasons.append(f"c per N moves from {finite[a].value:.3f} [{finite[a].ci[0]:.3f}, {finite[a].ci[1]:.3f}] "
+                       f"at N={a} to {finite[b].value:.3f} [{finite[b].ci[0]:.3f}, {finite[b].ci[1]:.3f}] at "
+                       f"N={b} (intervals do not overlap)")
+    if p.n and math.isfinite(p.value) and not p.ci[0] <= 1.0 <= p.ci[1]:
+        reasons.append(f"the exponent of log2 N is p = {p.value:.2f} [{p.ci[0]:.2f}, {p.ci[1]:.2f}], whose interval "
+                       f"excludes 1 (d* = c R log2 N assumes p = 1)")
+    out["drift"] = bool(reasons)
+    if reasons:
+        out["drift_reason"] = "Drift: " + "; ".join(reasons) + "."
+    elif len(by_n) >= 2:
+        out["drift_reason"] = (f"No drift detected over N = {', '.join(map(str, by_n))}: the c per N intervals "
+                               f"overlap and p's interval [{p.ci[0]:.2f}, {p.ci[1]:.2f}] contains 1.")
+    else:
+        out["drift_reason"] = "Not tested: one N only."
+    return out
+
+
+def summarize(out_dir: str, cfg: SweepConfig | None = None, confirm: int = CONFIRM) -> dict:
+    """Thresholds per cell, mean over seeds per (N, R, mode), the capacity fit with its trend (:func:`fit_trend`)
+    per mode, bits per parameter at d*.
+
+    Only rows of one training config are summarised: ``cfg``'s (:func:`config_key`), else the config with the
+    most rows; the others are counted in ``other_configs``."""
+    all_rows = load_results(out_dir)
+    counts: dict[str, int] = {}
+    for r in all_rows:
+        counts[r.get("config", "unrecorded")] = counts.get(r.get("config", "unrecorded"), 0) + 1
+    chosen = config_key(cfg) if cfg is not None else max(counts, key=counts.get, default=None)
+    if cfg is not None and chosen not in counts and set(counts) == {"unrecorded"}:
+        chosen = "unrecorded"              # a sweep written before configs were recorded: nothing to tell apart
+    rows = [r for r in all_rows if r.get("config", "unrecorded") == chosen]
+    th = thresholds(rows, confirm)
     d_max = cfg.d_max if cfg is not None else SweepConfig().d_max
-    by_point = {(r["n_subjects"], r["n_relations"], r["seed"], r["mode"], r["d_model"]): r for r in rows}
+    by_point = {}
+    for r in rows:                        # the successful run at each width (the d* row)
+        k = (r["n_subjects"], r["n_relations"], r["seed"], r["mode"], r["d_model"])
+        if k not in by_point or (r["success"] and not by_point[k]["success"]):
+            by_point[k] = r
     table: dict[tuple, dict] = {}
-    for (N, R, seed, mode), t in th.items():
+    for (N, R, seed, mode, _), t in th.items():
         entry = table.setdefault((N, R, mode), {"N": N, "R": R, "mode": mode, "d_star": [], "bits_per_param": [],
                                                  "steps": [], "time_s": [], "censored": 0, "pending": 0,
                                                  "upper_bounds": []})
@@ -262,7 +438,7 @@ def summarize(out_dir: str, cfg: SweepConfig | None = None) -> dict:
             else:
                 entry["pending"] += 1           # search not finished (interrupted sweep)
             continue
-        if not t["exact"]:                      # d*-1 never tried: only an upper bound, kept out of the fits
+        if not t["exact"]:                      # d*-1 not seen failing twice: an upper bound, kept out of the fits
             entry["upper_bounds"].append(t["d_star"])
             continue
         entry["d_star"].append(t["d_star"])
@@ -275,7 +451,7 @@ def summarize(out_dir: str, cfg: SweepConfig | None = None) -> dict:
     modes = [m for m in MODES if any(k[2] == m for k in table)]
     for mode in modes:
         pts = [(N, R, d) for (N, R, m), e in sorted(table.items()) if m == mode for d in e["d_star"]]
-        fits[mode] = fit_constant([(R * math.log2(N), d) for N, R, d in pts])
+        fits[mode] = fit_trend(pts)
         powers[mode] = fit_power(pts)
     for (N, R, mode), e in sorted(table.items(), key=lambda kv: (MODES.index(kv[0][2]), kv[0][0], kv[0][1])):
         ds = e["d_star"]
@@ -288,7 +464,9 @@ def summarize(out_dir: str, cfg: SweepConfig | None = None) -> dict:
             "censored": e["censored"], "pending": e["pending"], "upper_bounds": e["upper_bounds"]})
     total_time = sum(r.get("wall_time_s", 0) for r in rows)
     cpu_time = sum(r.get("cpu_time_s") or 0 for r in rows)
-    return {"cells": rows_out, "fits": fits, "power_fits": powers, "n_runs": len(rows),
+    return {"cells": rows_out, "fit": fits, "power_fits": powers, "n_runs": len(rows),
+            "confirm_inits": confirm, "config_key": chosen,
+            "other_configs": {k: n for k, n in counts.items() if k != chosen},
             "train_time_s": round(total_time, 1), "cpu_time_s": round(cpu_time, 1),
             "config": None if cfg is None else _cfg_dict(cfg)}
 
@@ -307,9 +485,16 @@ def fit_power(points: list[tuple[int, int, float]]) -> dict:
     return {"a": float(math.exp(coef[0])), "alpha": float(coef[1]), "beta": float(coef[2])}
 
 
+def _ci_text(m: dict, digits: int = 3) -> str:
+    lo, hi = m.get("ci") or (None, None)
+    fmt = lambda v: "inf" if v is None else f"{v:.{digits}f}"  # noqa: E731 - JSON null is an unbounded side
+    return f"95% {m.get('interval', 'bootstrap')} interval {fmt(lo)}-{fmt(hi)} over cells"
+
+
 def table_markdown(summary: dict) -> str:
-    """Markdown table of d* per (N, R), one column group per mode, with the fits underneath."""
-    fits = summary["fits"]
+    """Markdown table of d* per (N, R), one column group per mode, with the fits (c, c per N, the free exponent
+    of log2 N and the drift test) underneath."""
+    fits = summary["fit"]
     d_max = (summary.get("config") or {}).get("d_max", SweepConfig().d_max)
     cells = {(c["N"], c["R"], c["mode"]): c for c in summary["cells"]}
     modes = [m for m in MODES if any(k[2] == m for k in cells)]
@@ -339,13 +524,23 @@ def table_markdown(summary: dict) -> str:
     lines.append("")
     for mode in modes:
         fit = fits.get(mode) or {}
-        if fit.get("c") is not None:
-            r2 = "-" if fit.get("r2") is None else f"{fit['r2']:.3f}"
-            pw = (summary.get("power_fits") or {}).get(mode) or {}
-            extra = "" if pw.get("alpha") is None else \
-                f"; power law d* = {pw['a']:.3f} N^{pw['alpha']:.2f} R^{pw['beta']:.2f}"
-            lines.append(f"Fit {mode}: d* = {fit['c']:.3f} * R log2 N (95% bootstrap interval "
-                         f"{fit['lo']:.3f}-{fit['hi']:.3f}, n={fit['n']}, R^2={r2}){extra}  ")
+        c = fit.get("c") or {}
+        if c.get("value") is None:
+            continue
+        pw = (summary.get("power_fits") or {}).get(mode) or {}
+        extra = "" if pw.get("alpha") is None else \
+            f"; power law d* = {pw['a']:.3f} N^{pw['alpha']:.2f} R^{pw['beta']:.2f}"
+        lines.append(f"Fit {mode}: d* = {c['value']:.3f} * R log2 N ({_ci_text(c)}, n={c['n']} cells, "
+                     f"{c.get('note') or ''}){extra}  ")
+        by_n = ", ".join(f"N={N}: {m['value']:.3f} ({_ci_text(m)}, n={m['n']})"
+                         for N, m in (fit.get("c_by_n") or {}).items() if m.get("value") is not None)
+        if by_n:
+            lines.append(f"c per N ({mode}): {by_n}  ")
+        p = fit.get("p") or {}
+        if p.get("value") is not None:
+            lines.append(f"Exponent free ({mode}): d* = {fit['c_free']['value']:.3f} R (log2 N)^p with "
+                         f"p = {p['value']:.2f} ({_ci_text(p, 2)})  ")
+        lines.append(f"{fit.get('drift_reason', '')}  ")
     return "\n".join(lines) + "\n"
 
 
@@ -400,12 +595,14 @@ def plot(out_dir: str, summary: dict | None = None, img_dir: str | None = None, 
                 continue
             for d in c["d_star"]:
                 ax.scatter(c["R_log2N"], d, color=color, marker=markers.get(c["N"], "o"), s=18, alpha=0.8)
-        fit = summary["fits"].get(mode) or {}
-        if fit.get("c") is not None and (fit.get("r2") is None or fit["r2"] >= 0.5):
-            xs = [0, max(c["R_log2N"] for c in summary["cells"])]
-            ax.plot(xs, [fit["c"] * x for x in xs], color=color, lw=1,
-                    label=f"{mode}: d* = {fit['c']:.2f} R log2 N")
-        elif fit.get("c") is not None:          # not linear in R log N: show the power law instead
+        fit = summary["fit"].get(mode) or {}
+        c = (fit.get("c") or {}).get("value")
+        r2 = fit.get("r2")
+        if c is not None and (r2 is None or r2 >= 0.5):
+            xs = [0, max(c_["R_log2N"] for c_ in summary["cells"])]
+            drift = " (drifts with N: see c per N)" if fit.get("drift") else ""
+            ax.plot(xs, [c * x for x in xs], color=color, lw=1, label=f"{mode}: d* = {c:.2f} R log2 N{drift}")
+        elif c is not None:                     # not linear in R log N: show the power law instead
             pw = (summary.get("power_fits") or {}).get(mode) or {}
             label = mode if pw.get("alpha") is None else \
                 f"{mode}: d* ~ N^{pw['alpha']:.2f} R^{pw['beta']:.2f} (no linear fit)"

@@ -11,7 +11,8 @@ import torch
 from synthetic import bounds
 from synthetic.construction import build_construction, construction_accuracy, quantize_, smallest_construction
 from synthetic.model import HOOK_NAMES, FactRecallModel, ModelConfig, softmax_cross_entropy
-from synthetic.sweep import SweepConfig, fit_constant, load_results, run_sweep, thresholds
+from synthetic.sweep import (Bisection, SweepConfig, config_key, find_threshold, fit_constant, fit_trend,
+                             load_results, run_sweep, summarize, thresholds)
 from synthetic.tasks import (FactTask, from_fact_table, random_bijections, random_functions, random_khop)
 from synthetic.train import TrainConfig, load_run, lr_at, train
 
@@ -191,11 +192,14 @@ def test_sweep_bisects_and_resumes(tmp_path, monkeypatch):
     out = str(tmp_path / "sweep")
     summary = run_sweep(cfg, out)
     rows = load_results(out)
-    assert rows and all("key" in r for r in rows)
-    th = thresholds(rows)[(32, 2, 0, "trainable")]
+    assert rows and all("key" in r and r["config"] == config_key(cfg) for r in rows)
+    th = thresholds(rows)[(32, 2, 0, "trainable", config_key(cfg))]
     d_star = th["d_star"]
-    assert d_star is not None and th["exact"]
+    assert d_star is not None and th["exact"] and th["inits_failed_below"] == 2
+    below = [r for r in rows if r["d_model"] == d_star - 1]      # d*-1 trained with two initialisations
+    assert sorted(r["init"] for r in below) == [0, 1] and not any(r["success"] for r in below)
     assert [c for c in summary["cells"] if c["mode"] == "trainable"][0]["d_star"] == [d_star]
+    assert summary["fit"]["trainable"]["c_by_n"]["32"]["value"] == pytest.approx(d_star / (2 * 5))
     assert os.path.exists(os.path.join(out, "table.md")) and os.path.exists(os.path.join(out, "dstar_vs_RlogN.png"))
     # a rerun trains nothing new
     import synthetic.sweep as sw
@@ -208,10 +212,128 @@ def test_sweep_bisects_and_resumes(tmp_path, monkeypatch):
     assert len(load_results(out)) == len(rows)
 
 
+def _monotone(threshold, calls=None):
+    def train_fn(d, init):
+        if calls is not None:
+            calls.append((d, init))
+        return d >= threshold
+    return train_fn
+
+
+def _fails_once_at(threshold):
+    """Success iff d >= threshold, except the first initialisation at the threshold itself (a noisy failure)."""
+    return lambda d, init: d >= threshold and (d, init) != (threshold, 0)
+
+
+@pytest.mark.parametrize("threshold", [3, 7, 10, 37, 100, 128])
+@pytest.mark.parametrize("start", [2, 12, 128])
+def test_bisection_finds_a_monotone_threshold(threshold, start):
+    calls = []
+    found = find_threshold(_monotone(threshold, calls), 2, 128, start)
+    assert found["d_star"] == threshold and found["exact"]
+    assert calls.count((threshold - 1, 1)) == 1                   # d*-1 confirmed with a second initialisation
+    assert len(calls) == len(set(calls)) <= 16                    # nothing trained twice; a bisection, not a scan
+    assert find_threshold(_monotone(200), 2, 128, start)["d_star"] is None        # nothing in range: censored
+    low = find_threshold(_monotone(1), 2, 128, start)
+    assert low["d_star"] == 2 and not low["exact"]                # d*-1 = 1 lies outside the range: not exact
+
+
+@pytest.mark.parametrize("start,prior", [(16, False), (64, False), (4, False), (10, True), (12, True), (9, True)])
+def test_bisection_survives_one_noisy_failure_at_the_threshold(start, prior):
+    found = find_threshold(_fails_once_at(10), 2, 128, start, prior=prior)
+    assert found["d_star"] == 10 and found["exact"], found["tried"]
+    # with one initialisation the noisy failure would have returned 11 flagged exact (the old behaviour)
+    assert find_threshold(_fails_once_at(10), 2, 128, 16, confirm=1)["d_star"] == 11
+
+
+def test_bisection_api_step_by_step():
+    search = Bisection(2, 64, start=8)
+    assert search.next() == (8, 0)
+    search.record(8, True)
+    assert search.next() == (7, 0) and search.d_star == 8 and not search.exact
+    search.record(7, False)
+    assert search.next() == (7, 1)                 # confirm d*-1 with a second initialisation
+    search.record(7, False, init=1)
+    assert search.next() is None and search.d_star == 8 and search.exact
+
+
+def test_later_seeds_do_not_inherit_a_wrong_exact_threshold(tmp_path, monkeypatch):
+    """Seed 0 (d* 12) starts seed 1 (true d* 9, whose first initialisation fails once at 9)."""
+    import synthetic.sweep as sw
+
+    truth = {0: 12, 1: 9}
+
+    def fake_point(N, R, seed, mode, d, cfg, init=0):
+        ok = d >= truth[seed] and (seed, d, init) != (1, 9, 0)
+        return {"n_subjects": N, "n_relations": R, "seed": seed, "init": init, "mode": mode, "d_model": d,
+                "success": ok, "accuracy": 1.0 if ok else 0.9, "steps": 1, "wall_time_s": 0.0, "bits_per_param": 1.0,
+                "key": sw.point_key(N, R, seed, mode, d, cfg, init), "config": sw.config_key(cfg)}
+
+    monkeypatch.setattr(sw, "_run_point", fake_point)
+    cfg = SweepConfig(subjects=[64], relations=[2], seeds=[0, 1], modes=["trainable"], d_max=64)
+    out = str(tmp_path / "sweep")
+    res = sw._sweep_unit((64, 2, "trainable", cfg, out, {}))
+    assert [(r["d_star"], r["exact"]) for r in res] == [(12, True), (9, True)]
+    th = thresholds(load_results(out))
+    assert [th[(64, 2, s, "trainable", config_key(cfg))]["d_star"] for s in (0, 1)] == [12, 9]
+
+
+def test_thresholds_keep_training_configs_apart():
+    rows = [{"n_subjects": 8, "n_relations": 2, "seed": 0, "mode": "trainable", "d_model": d, "init": i,
+             "success": d >= t, "config": c} for c, t in (("short", 6), ("long", 4)) for d in range(2, 9)
+            for i in (0, 1)]
+    th = thresholds(rows)
+    assert th[(8, 2, 0, "trainable", "short")]["d_star"] == 6 and th[(8, 2, 0, "trainable", "long")]["d_star"] == 4
+    assert all(t["exact"] for t in th.values())
+    single = thresholds([r for r in rows if r["init"] == 0])     # one initialisation below d*: an upper bound only
+    assert not any(t["exact"] for t in single.values()) and all(t["exact"] for t in thresholds(
+        [r for r in rows if r["init"] == 0], confirm=1).values())
+
+
 def test_fit_constant():
     pts = [(10.0, 2.0), (20.0, 4.0), (40.0, 8.0)]
     fit = fit_constant(pts, n_boot=200)
-    assert fit["c"] == pytest.approx(0.2) and fit["lo"] == pytest.approx(0.2) and fit["hi"] == pytest.approx(0.2)
+    assert fit.value == pytest.approx(0.2) and fit.ci[0] <= 0.2 <= fit.ci[1] and fit.n == 3
+
+
+def _cells(c_of_n, noise=0.02, seeds=(0, 1)):
+    rng = torch.Generator().manual_seed(0)
+    return [(N, R, max(1, round(c * R * math.log2(N) * (1 + noise * float(torch.randn(1, generator=rng))))))
+            for N, c in c_of_n.items() for R in (2, 4, 8, 16) for _ in seeds]
+
+
+def test_fit_trend_recovers_a_constant_and_flags_none():
+    fit = fit_trend(_cells({256: 0.2, 512: 0.2, 1024: 0.2}), n_boot=500)
+    assert fit["c"]["value"] == pytest.approx(0.2, abs=0.01) and fit["n_cells"] == 24
+    assert all(m["ci"][0] <= m["value"] <= m["ci"][1] and m["n"] == 8 for m in fit["c_by_n"].values())
+    assert fit["p"]["ci"][0] <= 1.0 <= fit["p"]["ci"][1]
+    assert not fit["drift"] and fit["drift_reason"].startswith("No drift")
+
+
+def test_fit_trend_flags_a_rising_constant():
+    """The issue's case: c per N rising 0.152 -> 0.175 -> 0.194 (N = 256, 512, 1024)."""
+    fit = fit_trend(_cells({256: 0.152, 512: 0.175, 1024: 0.194}, noise=0.01), n_boot=500)
+    by_n = {int(N): m["value"] for N, m in fit["c_by_n"].items()}
+    assert by_n[256] == pytest.approx(0.152, abs=0.006) and by_n[1024] == pytest.approx(0.194, abs=0.006)
+    assert fit["p"]["value"] > 1.5 and fit["p"]["ci"][0] > 1.0
+    assert fit["drift"] and "N=256" in fit["drift_reason"] and "excludes 1" in fit["drift_reason"]
+
+
+def test_summarize_keeps_to_one_config(tmp_path):
+    from llmprobe.io import append_jsonl
+
+    cfg = SweepConfig(subjects=[8], relations=[2], modes=["trainable"])
+    other = SweepConfig(subjects=[8], relations=[2], modes=["trainable"], train=TrainConfig(max_steps=7))
+    for c, t in ((cfg, 4), (other, 6)):
+        for d in range(2, 9):
+            for i in (0, 1):
+                append_jsonl(str(tmp_path / "results.jsonl"), {
+                    "n_subjects": 8, "n_relations": 2, "seed": 0, "mode": "trainable", "d_model": d, "init": i,
+                    "success": d >= t, "config": config_key(c), "bits_per_param": 1.0, "steps": 1,
+                    "wall_time_s": 0.1, "accuracy": 1.0})
+    assert summarize(str(tmp_path), cfg)["cells"][0]["d_star"] == [4]
+    summary = summarize(str(tmp_path), other)
+    assert summary["cells"][0]["d_star"] == [6] and summary["other_configs"] == {config_key(cfg): 14}
 
 
 # ----------------------------------------------------------------------------- construction and bounds
