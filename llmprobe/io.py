@@ -1,10 +1,14 @@
 """Atomic file writes: results are written to a temp file beside the target, then renamed over it."""
 from __future__ import annotations
 
+import contextlib
+import glob
 import io
 import json
 import os
 import tempfile
+import time
+import warnings
 from pathlib import Path
 
 try:
@@ -31,7 +35,23 @@ def write_bytes(path: str | Path, data: bytes) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    _remove_stale_tmp(path)
     return path
+
+
+STALE_TMP_S = 600.0
+
+
+def _remove_stale_tmp(path: Path) -> None:
+    """Remove temp files of earlier writes of ``path`` that a killed process left behind (older than
+    ``STALE_TMP_S``, so that another process still writing the same target keeps its own)."""
+    cutoff = time.time() - STALE_TMP_S
+    for tmp in glob.glob(os.path.join(glob.escape(str(path.parent)), f".{glob.escape(path.name)}.*.tmp")):
+        try:
+            if os.stat(tmp).st_mtime < cutoff:
+                os.unlink(tmp)
+        except OSError:  # removed by someone else meanwhile, or not ours to remove
+            pass
 
 
 def write_text(path: str | Path, text: str) -> Path:
@@ -73,23 +93,55 @@ def append_jsonl(path: str | Path, record: dict) -> None:
     lock keeps lines whole when several worker processes append to the same file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as handle:
+    line = (json.dumps(_finite(record), ensure_ascii=False) + "\n").encode("utf-8")
+    with open(path, "a+b") as handle:
         if fcntl is not None:
             fcntl.flock(handle, fcntl.LOCK_EX)
-        handle.write(json.dumps(_finite(record), ensure_ascii=False) + "\n")
+        handle.seek(0, os.SEEK_END)
+        if handle.tell() > 0:
+            handle.seek(-1, os.SEEK_END)
+            if handle.read(1) != b"\n":   # a torn last line (killed writer): end it, so this record stays whole
+                line = b"\n" + line
+        handle.write(line)
         handle.flush()
         os.fsync(handle.fileno())
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    """Records of a JSON-lines file; a torn last line (from an interrupted write) is ignored."""
+    """Records of a JSON-lines file; a line that does not parse (torn by an interrupted write) is skipped with a
+    warning that names it."""
     path = Path(path)
     if not path.exists():
         return []
     records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
-            continue
+            warnings.warn(f"{path}: line {number} is not valid JSON (torn by an interrupted write?); skipped",
+                          stacklevel=2)
     return records
+
+
+@contextlib.contextmanager
+def file_lock(path: str | Path, block: bool = True):
+    """Hold an exclusive ``fcntl`` lock on ``path`` (created if missing) for the ``with`` block; yields True, or
+    False without waiting when ``block`` is false and another process holds it. Locks are released when the
+    holder exits, killed or not. Without ``fcntl`` (Windows) every lock is granted."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as handle:
+        if fcntl is None:
+            yield True
+            return
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | (0 if block else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
