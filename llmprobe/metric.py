@@ -54,7 +54,7 @@ def wilson(mean: float, n: int, level: float = LEVEL) -> tuple[float, float]:
     denom = 1 + z * z / n
     centre = (mean + z * z / (2 * n)) / denom
     half = z * math.sqrt(mean * (1 - mean) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
+    return min(mean, max(0.0, centre - half)), max(mean, min(1.0, centre + half))   # exact at 0 and 1
 
 
 @dataclass

@@ -1,25 +1,28 @@
-"""run_analyses end to end on tiny models: documented keys, finite values and intervals, errors per relation,
-and planted structure (an exactly linear toy model) that must beat its controls."""
+"""run_analyses end to end on tiny models: documented keys, typed metrics that bracket their values, errors per
+relation, and planted models with known answers whose tests fail on a broken estimator (each was checked by
+mutation: see the docstrings)."""
 import json
-import math
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 
-from llmprobe.analyses import ANALYSES, default_layers, format_table, pick_layers, run_analyses
+import llmprobe.analyses.decoders as decoders_module
+from llmprobe.adapters import ModelAdapter
+from llmprobe.analyses import ANALYSES, pick_layers, run_analyses
+from llmprobe.analyses.superposition import neutral_templates
 from llmprobe.datasets import Fact, Relation
+from llmprobe.geometry import random_spectrum_like
 from llmprobe.known import FactResult
-from llmprobe.loading import load_model
-from test_lre import linear_toy
+from llmprobe.loading import LoadedModel, load_model
+from llmprobe.lre import next_token_predictions
+from llmprobe.metric import iter_metrics
+from test_lre import linear_toy, word_tokenizer
 from tiny_models import save_tiny
 
-FAST = dict(n_boot=100, max_swap_subjects=4, folds=3, max_val_pairs=4, max_test_pairs=6)
-
-
-def _ci_ok(m: dict) -> bool:
-    lo, hi = m["ci"]
-    return math.isfinite(m["value"]) and math.isfinite(lo) and math.isfinite(hi) and lo <= hi + 1e-12
+FAST = dict(n_boot=100, max_swap_subjects=4, folds=3, max_val_pairs=4, max_test_pairs=8)
 
 
 def _relations(subjects, seed=0):
@@ -32,9 +35,12 @@ def _relations(subjects, seed=0):
         facts = [Fact(s, rnd.choice(vals)) for s in subjects]
         template = f"The {name} of {{}} is"
         rels.append(Relation(name, [template], ["{}", "Tell me about {}."], facts, {"subject_type": "country"}))
-        known[name] = [FactResult(f.subject, f.object, template.replace("{}", f.subject), f.object, True)
-                       for f in facts]
+        known[name] = _all_known(facts, template)
     return rels, known
+
+
+def _all_known(facts, template):
+    return [FactResult(f.subject, f.object, template.replace("{}", f.subject), f.object, True) for f in facts]
 
 
 @pytest.fixture(scope="module")
@@ -55,43 +61,61 @@ def tiny_result(tiny):
     return run_analyses(tiny, rels, known, [0, 1, 2], progress=False, **FAST)
 
 
-def test_result_has_the_documented_keys_and_finite_values(tiny_result):
+def test_result_has_the_documented_keys_and_typed_metrics(tiny_result):
     res = tiny_result
-    assert set(res) >= {"settings", "relations", "superposition", "table", "errors", "timing"}
+    assert set(res) >= {"settings", "relations", "superposition", "errors", "timing"}
     settings = res["settings"]
     assert settings["lre_layers"] == [0, 1] and settings["causality_layers"] == [0, 1]
     assert "before the final norm" in settings["o"] and "first token" in settings["objects"]
+    assert settings["protocol"] == "strict" and "Wilson" in settings["intervals"]
     for name in ("capital", "continent"):
         rel = res["relations"][name]
-        assert rel["error"] is None and rel["n_used"] == 28 and len(rel["jacobian_subjects"]) == 3
+        assert rel["error"] is None and rel["n_used"] == 28
+        test = rel["test_subjects"]
+        assert len(test) == round(28 / 3) and len(rel["refits"]) == 3
+        for refit in rel["refits"]:                     # re-fits never draw from the fixed test set
+            assert not set(refit["jacobian_subjects"]) & set(test) and len(refit["jacobian_subjects"]) == 3
         for layer in ("0", "1", "2"):
             entry = rel["layers"][layer]
             ridge = entry["ridge"]["faithfulness"]
-            assert _ci_ok(ridge) and len(ridge["per_split"]) == 3 and ridge["control"]["name"] == "shuffled"
+            assert ridge["n"] == len(test) and set(ridge["controls"]) == {"shuffled", "majority"}
+            assert len(ridge["spread"]["values"]) == 3
             if layer in ("0", "1"):
                 lre = entry["lre"]
-                assert _ci_ok(lre["faithfulness"]) and lre["faithfulness"]["control"]["name"] == "majority"
-                assert _ci_ok(lre["causality"]) and _ci_ok(lre["causality"]["control"])
-                assert set(lre["causality"]["controls"]) == {"random_direction", "full_patch"}
-                assert {"beta", "rank", "edit_rank"} <= set(lre["chosen"][0])
-                assert _ci_ok(entry["ridge"]["causality"])
+                assert lre["faithfulness"]["control"] == "majority" and lre["faithfulness"]["n"] == len(test)
+                causal = lre["causality"]
+                assert causal["n"] == rel["n_test_pairs"] > 0 and causal["control"] == "random_direction"
+                assert set(causal["controls"]) == {"random_direction", "random_operator", "full_patch"}
+                assert {"beta", "rank", "edit_rank", "n_candidates"} <= set(lre["chosen"][0])
+                assert entry["ridge"]["causality"]["n"] == rel["n_test_pairs"]
             else:
                 assert "lre" not in entry
-        assert rel["selected"]["lre"]["layer"] in (0, 1)
+        assert rel["selected"]["lre"]["layer"] in (0, 1) and rel["selected"]["lre"]["causality_layer"] in (0, 1)
     sup = res["superposition"]
     assert sup["relations"] == ["capital", "continent", "language"] and sup["subjects"] == 28
     for layer in ("0", "1", "2"):
         entry = sup["layers"][layer]
-        assert _ci_ok(entry["r2"]) and set(entry["r2"]["controls"]) == {"shuffled", "random_init"}
+        assert entry["r2"]["n"] == 28 and set(entry["r2"]["controls"]) == {"shuffled", "random_init"}
         for name in sup["relations"]:
             m = entry["readout"][name]
-            assert _ci_ok(m) and _ci_ok(m["controls"]["random_init"]) and 0 <= m["chance"] <= 1
+            assert m["interval"] == "wilson" and 0 <= m["chance"] <= 1 and "random_init" in m["controls"]
     swap = sup["layers"]["0"]["swap"]
-    assert _ci_ok(swap["success"]) and _ci_ok(swap["others_unchanged"]) and swap["n_edits"] > 0
-    assert [b["scale"] for b in swap["by_scale"]] == list(settings["swap_scales"]) and swap["scale"] == 1.0
-    assert swap["by_scale"][0]["success"] == swap["success"]      # the fitted edit is the first scale
+    assert [b["scale"] for b in swap["by_scale"]] == list(settings["swap_scales"]) and swap["n_edits"] > 0
+    assert swap["by_scale"][0]["success"]["n"] == swap["n_edits"]
     assert "swap" not in sup["layers"]["2"]
     json.dumps(res)                                               # JSON-ready (plain floats, lists, dicts)
+
+
+def test_every_value_lies_inside_an_interval_of_nonzero_width(tiny_result):
+    """The reviewer's check on a whole result: n >= 1 -> lo <= value <= hi and hi > lo, controls included."""
+    seen = 0
+    for path, m in iter_metrics(tiny_result):
+        for metric in [m, *m["controls"].values()]:
+            if metric["n"] and metric["value"] is not None:
+                lo, hi = metric["ci"]
+                assert lo - 1e-12 <= metric["value"] <= hi + 1e-12 and hi > lo, (path, metric)
+                seen += 1
+    assert seen > 100
 
 
 def test_errors_name_the_relation_and_the_others_go_on(tiny_result):
@@ -103,55 +127,125 @@ def test_errors_name_the_relation_and_the_others_go_on(tiny_result):
     assert rels["capital"]["error"] is None
 
 
-def test_table_rows_and_markdown(tiny_result):
-    rows = tiny_result["table"]
-    kinds = {(r["analysis"], r["metric"]) for r in rows}
-    assert {("lre", "faithfulness"), ("lre", "causality"), ("ridge", "faithfulness"),
-            ("superposition", "r2"), ("superposition", "readout_accuracy"),
-            ("superposition", "swap_success")} <= kinds
-    assert all(r["control"] for r in rows)
-    text = format_table(tiny_result)
-    assert "| capital | 0 |" in text and "error:" in text and "superposition R^2" in text
-
-
 def test_bad_arguments_fail_clearly(tiny):
     rels, known = _relations(["Aa", "Bb"])
     with pytest.raises(ValueError, match="unknown analyses"):
         run_analyses(tiny, rels, known, [0], analyses=("lre", "probing"))
     with pytest.raises(TypeError, match="unknown options"):
         run_analyses(tiny, rels, known, [0], n_bootstrap=3)
+    with pytest.raises(ValueError, match="protocol"):
+        run_analyses(tiny, rels, known, [0], protocol="icl")
     assert ANALYSES == ("lre", "ridge", "superposition")
 
 
-def test_layer_helpers():
-    assert default_layers(30) == [0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 29]
-    assert pick_layers(default_layers(30), 3, 30) == [6, 15, 24]
+def test_pick_layers():
+    layers = [0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 29]
+    assert pick_layers(layers, 3, 30) == [6, 15, 24]
     assert pick_layers([0, 1, 2], 3, 3) == [0, 1]
     assert pick_layers([5], 3, 30) == [5]
 
 
 # ------------------------------------------------------------------------------------------ planted structure
-def test_planted_lre_is_faithful_and_causal_beyond_its_controls():
-    """On the exactly linear toy, with the model's own answers as the known facts, the LRE at layer 0 is exact:
-    faithfulness and causality reach 1, above the majority and random-direction controls."""
-    subjects = [f"S{i}" for i in range(40)]
-    words = [f"W{i}" for i in range(30)]
-    lm = linear_toy(subjects, extra=words, seed=2)
+def _toy_relation(n_subjects=45, seed=2):
+    """The exactly linear toy (o affine in the layer-0 subject state) with its own answers as the known facts."""
+    subjects = [f"S{i}" for i in range(n_subjects)]
+    lm = linear_toy(subjects, extra=[f"W{i}" for i in range(30)], seed=seed)
     template = "The capital of {} is"
-    from llmprobe.lre import next_token_predictions
     pred = next_token_predictions(lm, template, subjects)
     objects = lm.tokenizer.convert_ids_to_tokens(pred.tolist())
     facts = [Fact(s, o) for s, o in zip(subjects, objects) if o not in ("<s>", "<pad>", "</s>", "[UNK]")]
     assert len({f.object for f in facts}) >= 4 and len(facts) >= 30
-    rel = Relation("toy", [template], ["{}"], facts, {})
-    known = {"toy": [FactResult(f.subject, f.object, template.replace("{}", f.subject), f.object, True)
-                     for f in facts]}
-    res = run_analyses(lm, [rel], known, [0, 1], analyses=("lre", "ridge"), progress=False, **FAST)
-    entry = res["relations"]["toy"]["layers"]["0"]["lre"]
+    return lm, Relation("toy", [template], ["{}"], facts, {}), template
+
+
+def _run_toy(lm, rel, template, **options):
+    known = {"toy": _all_known(rel.facts, template)}
+    return run_analyses(lm, [rel], known, [0, 1], analyses=options.pop("analyses", ("lre",)), progress=False,
+                        **{**FAST, "max_test_pairs": 15, **options})["relations"]["toy"]
+
+
+@pytest.fixture(scope="module")
+def toy():
+    return _toy_relation()
+
+
+@pytest.fixture(scope="module")
+def toy_lre(toy):
+    return _run_toy(*toy, analyses=("lre", "ridge"))
+
+
+def test_planted_lre_is_faithful_and_causal_beyond_its_controls(toy_lre):
+    """On the exactly linear toy the LRE at layer 0 is exact: faithfulness and causality 1, above the majority,
+    random-direction and random-operator controls; full patching (the ceiling) works too."""
+    entry = toy_lre["layers"]["0"]["lre"]
     faith, causal = entry["faithfulness"], entry["causality"]
-    assert faith["value"] == 1.0 and faith["value"] > faith["control"]["value"]
-    assert causal["value"] == 1.0 and causal["ci"][0] > causal["control"]["value"]
-    assert res["relations"]["toy"]["model_first_token_accuracy"] == 1.0
+    assert faith["value"] == 1.0 and faith["ci"][0] > faith["controls"]["majority"]["value"]
+    assert causal["value"] == 1.0 and causal["controls"]["full_patch"]["value"] == 1.0
+    for control in ("random_direction", "random_operator"):
+        assert causal["ci"][0] > causal["controls"][control]["ci"][1], control
+    assert toy_lre["model_accuracy"] == 1.0
+
+
+def test_causality_with_a_random_W_of_the_same_spectrum_drops_to_its_random_operator_control(toy, monkeypatch):
+    """Mutation of the estimator: the Jacobians replaced by random matrices with W's singular values. The
+    reference edit W^+ (o_t - o_s) then no longer reaches the target, and causality falls to its random_operator
+    control. (The old edit, W^+ (op(h_t) - op(h_s)) / beta = a projection of h_t - h_s, kept 1.00 here.)"""
+    real = decoders_module.subject_jacobians
+    gen = torch.Generator().manual_seed(5)
+
+    def random_jacobians(*args, **kwargs):
+        out = real(*args, **kwargs)
+        for result in out.values():
+            result.J[:] = random_spectrum_like(result.J.double().mean(0), gen).to(result.J.dtype)
+        return out
+    monkeypatch.setattr(decoders_module, "subject_jacobians", random_jacobians)
+    causal = _run_toy(*toy)["layers"]["0"]["lre"]["causality"]
+    assert causal["value"] <= 0.4
+    assert causal["ci"][0] <= causal["controls"]["random_operator"]["value"] <= causal["ci"][1] + 0.1
+
+
+def test_selections_never_look_at_the_test_labels(toy, toy_lre):
+    """Permuting the objects of the test subjects changes test numbers only: beta, rank, edit rank, ridge alpha
+    and the selected layers are chosen on validation subjects. (Choosing beta on the test subjects fails this.)"""
+    lm, rel, template = toy
+    test = set(toy_lre["test_subjects"])
+    objects = {f.subject: f.object for f in rel.facts}
+    order = sorted(test)
+    rotated = dict(zip(order, order[1:] + order[:1]))
+    facts = [Fact(f.subject, objects[rotated[f.subject]] if f.subject in test else f.object) for f in rel.facts]
+    permuted = _run_toy(lm, Relation("toy", [template], ["{}"], facts, {}), template, analyses=("lre", "ridge"))
+    assert permuted["test_subjects"] == toy_lre["test_subjects"]
+    def selections(out, layer, method):
+        return [{k: v for k, v in c.items() if k in ("beta", "rank", "edit_rank", "alpha", "val_faithfulness",
+                                                      "val_causality")} for c in out["layers"][layer][method]["chosen"]]
+    for layer, method in (("0", "lre"), ("0", "ridge"), ("1", "ridge")):   # layer 1 is the last: no LRE there
+        assert selections(permuted, layer, method) == selections(toy_lre, layer, method)
+    assert permuted["selected"] == toy_lre["selected"]
+    assert permuted["layers"]["0"]["lre"]["faithfulness"]["value"] < 1.0     # the test numbers did change
+
+
+def test_lre_numbers_do_not_change_when_ridge_is_switched_on(toy, toy_lre):
+    alone = _run_toy(*toy)
+    assert alone["layers"]["0"]["lre"] == toy_lre["layers"]["0"]["lre"] and "lre" not in alone["layers"]["1"]
+
+
+def test_few_validation_subjects_choose_among_few_candidates(toy):
+    """With 4 validation subjects the 21-candidate (beta, rank) grid is thinned to full rank and two betas."""
+    lm, rel, template = toy
+    small = Relation("toy", [template], ["{}"], rel.facts[:15], {})
+    out = _run_toy(lm, small, template)
+    assert all(r["n_val"] == 2 and r["n_candidates"] == 1 for r in out["refits"])
+    assert {c["rank"] for c in out["layers"]["0"]["lre"]["chosen"]} == {None}
+
+
+def test_reference_protocol_uses_in_context_examples_and_the_prefix_rule(toy):
+    lm, rel, template = toy
+    out = _run_toy(lm, rel, template, protocol="lre", n_icl=3)
+    assert out["protocol"] == "lre" and len(out["context_subjects"]) == 3
+    assert out["template"].count("\n") == 3 and out["template"].endswith(template)
+    assert not set(out["context_subjects"]) & set(out["test_subjects"])
+    faith = out["layers"]["0"]["lre"]["faithfulness"]
+    assert faith["value"] > faith["controls"]["majority"]["value"]
 
 
 def test_planted_superposition_beats_shuffled_and_random_init_controls():
@@ -190,11 +284,80 @@ def test_planted_superposition_beats_shuffled_and_random_init_controls():
             assert m["value"] > m["controls"]["random_init"]["value"] + 0.2
 
 
+class SelectorToy(nn.Module):
+    """A planted geometric fact store. A subject's embedding is the sum of its attribute vectors, one block per
+    relation (e_s = sum_r u_{a_r(s)}); a relation word's embedding is a one-hot relation code. Block 1 reads, at
+    each position, the running sums of the subject blocks (S) and of the codes (C) and outputs block r of S scaled
+    by C_r: the relation selects its block, so relation r's answer is a_r(s) and nothing else moves it."""
+
+    def __init__(self, vocab: int, d_u: int, n_rel: int):
+        super().__init__()
+        self.d_u, self.n_rel = d_u, n_rel
+        d = d_u * n_rel + n_rel
+        self.embed = nn.Embedding(vocab, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.points = nn.ModuleList(nn.Identity() for _ in range(2))
+        with torch.no_grad():
+            self.embed.weight.zero_()
+            self.head.weight.zero_()
+        self.config = SimpleNamespace(d_model=d, model_type="selector_toy")
+
+    def hook_points(self):
+        return {f"blocks.{l}.resid_post": p for l, p in enumerate(self.points)}
+
+    def forward(self, input_ids, **kwargs):
+        x = self.points[0](self.embed(input_ids))
+        k = self.d_u * self.n_rel
+        S, C = x[..., :k].cumsum(1), x[..., k:].cumsum(1)
+        gate = C.repeat_interleave(self.d_u, dim=-1)
+        out = torch.cat([S * gate, torch.zeros_like(C)], -1)
+        return SimpleNamespace(logits=self.head(self.points[1](out)))
+
+    def unembed(self, resid):
+        return self.head(resid)
+
+    def get_output_embeddings(self):
+        return self.head
+
+
+def test_swap_edit_through_a_real_forward_pass_on_a_planted_selector():
+    """h + W_r (u_b - u_a), with W_r fitted from held-out subjects, makes relation r answer b and leaves the
+    other relation's answer alone; a random direction of the same norm does neither."""
+    n, d_u = 40, 8
+    attrs = {"colour": [f"c{i}" for i in range(6)], "shape": [f"p{i}" for i in range(5)]}
+    subjects = [f"S{i}" for i in range(n)]
+    tok = word_tokenizer("The of is Tell me about . colour shape".split() + subjects
+                         + [a for v in attrs.values() for a in v])
+    model = SelectorToy(len(tok), d_u, 2).double().eval().requires_grad_(False)
+    gen = torch.Generator().manual_seed(3)
+    table = {name: torch.randint(len(vals), (n,), generator=gen) for name, vals in attrs.items()}
+    with torch.no_grad():
+        for r, (name, vals) in enumerate(attrs.items()):
+            V = torch.linalg.qr(torch.randn(d_u, d_u, generator=gen, dtype=torch.float64))[0][:len(vals)]
+            model.head.weight[tok.convert_tokens_to_ids(vals), r * d_u:(r + 1) * d_u] = V
+            model.embed.weight[tok.convert_tokens_to_ids(subjects), r * d_u:(r + 1) * d_u] = V[table[name]]
+            model.embed.weight[tok.convert_tokens_to_ids(name), 2 * d_u + r] = 1.0
+    lm = LoadedModel(model, tok, ModelAdapter(model), {"name": "selector_toy"})
+    rels = [Relation(name, [f"The {name} of {{}} is"], ["Tell me about {} ."],
+                     [Fact(s, vals[int(a)]) for s, a in zip(subjects, table[name])], {"subject_type": "thing"})
+            for name, vals in attrs.items()]
+    for rel in rels:                                             # the planted model knows every fact
+        pred = next_token_predictions(lm, rel.templates[0], subjects)
+        assert tok.convert_ids_to_tokens(pred.tolist()) == [f.object for f in rel.facts]
+    res = run_analyses(lm, rels, {}, [0], analyses=("superposition",), progress=False,
+                       **{**FAST, "folds": 4, "swap_layers": (0,), "max_swap_subjects": 16, "swap_scales": (1.0,),
+                          "random_control": False})
+    assert res["errors"] == []
+    swap = res["superposition"]["layers"]["0"]["swap"]["by_scale"][0]
+    success, others = swap["success"], swap["others_unchanged"]
+    assert success["n"] >= 16 and success["value"] >= 0.9 and others["value"] >= 0.9
+    assert success["ci"][0] > success["controls"]["random_direction"]["ci"][1]
+
+
 def test_neutral_templates_that_open_with_the_subject_are_dropped_without_a_bos_token(tmp_path):
     """Without a leading special token the subject of "{}" sits at position 0 (the attention sink)."""
-    from llmprobe.analyses import _neutral_templates
     gpt2 = load_model(str(save_tiny("gpt2", tmp_path / "gpt2")), device="cpu")  # no BOS
     rel = Relation("r", ["The capital of {} is"], ["{}", "{} is a country.", "Tell me about {}."],
                    [Fact("France", "Paris")], {})
-    assert _neutral_templates(gpt2.tokenizer, [rel], None) == (["Tell me about {}."], ["{}", "{} is a country."])
-    assert _neutral_templates(gpt2.tokenizer, [rel], ("{}",)) == (["{}"], [])
+    assert neutral_templates(gpt2.tokenizer, [rel], None) == (["Tell me about {}."], ["{}", "{} is a country."])
+    assert neutral_templates(gpt2.tokenizer, [rel], ("{}",)) == (["{}"], [])

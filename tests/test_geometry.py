@@ -7,7 +7,7 @@ import torch
 from sklearn.base import clone
 
 from llmprobe.geometry import (LinearRelationDecoder, LinearRelationOperator, RelationReadout, RidgeDecoder,
-                               SuperpositionFit, bootstrap_ci, cross_val_score, kfold_indices, r2_score,
+                               SuperpositionFit, cross_val_score, kfold_indices, r2_score,
                                shuffle_table, superposition_readout, train_test_split, truncate_rank)
 
 N, R, D, DU, NA = 300, 4, 64, 8, 20
@@ -186,12 +186,13 @@ def test_edit_delta_hits_target():
     o_src, o_tgt = op(H[:20]), op(H[20:40])
     delta = op.edit_delta(o_src, o_tgt)
     assert delta.shape == (20, 12)
-    assert torch.allclose(op(H[:20] + delta), o_tgt, atol=1e-8)
+    # the reference edit does not divide by beta: W h moves by exactly o_tgt - o_src, op's output by beta times it
+    assert torch.allclose(op(H[:20] + delta) - o_src, 1.5 * (o_tgt - o_src), atol=1e-8)
     # low-rank edit: moves the output only within W's top-k output subspace
     U = torch.linalg.svd(W).U[:, :2]
     d2 = op.edit_delta(o_src, o_tgt, edit_rank=2)
     moved = op(H[:20] + d2) - o_src
-    assert torch.allclose(moved, (o_tgt - o_src) @ U @ U.T, atol=1e-8)
+    assert torch.allclose(moved, 1.5 * (o_tgt - o_src) @ U @ U.T, atol=1e-8)
     # single vectors work too
     assert op.edit_delta(o_src[0], o_tgt[0]).shape == (12,)
 
@@ -225,22 +226,6 @@ def test_float32_and_numpy_inputs():
 
 
 # -------------------------------------------------------------------------------------------------------- stats
-def test_bootstrap_ci_contains_mean_and_narrows():
-    g = torch.Generator().manual_seed(0)
-    widths = []
-    for n in (50, 2000):
-        x = 3.0 + torch.randn(n, generator=g)
-        est, lo, hi = bootstrap_ci(x, n_boot=1000, seed=1)
-        assert lo < 3.0 < hi and lo <= est <= hi
-        widths.append(hi - lo)
-    assert widths[1] < widths[0] / 3
-    assert bootstrap_ci(x, seed=7) == bootstrap_ci(x, seed=7)                  # deterministic
-    # custom statistic over per-item parts
-    parts = torch.stack([torch.rand(100, generator=g), torch.ones(100)], 1)
-    est, lo, hi = bootstrap_ci(parts, n_boot=200, statistic=lambda p: 1 - p[:, 0].sum() / p[:, 1].sum())
-    assert lo <= est <= hi
-
-
 def test_splits_and_cross_val():
     folds = kfold_indices(23, k=5, seed=0)
     assert torch.equal(torch.cat([te for _, te in folds]).sort().values, torch.arange(23))
@@ -252,10 +237,10 @@ def test_splits_and_cross_val():
 
     H, A, U, W, c = planted(n=150, seed=7)
     cv = cross_val_score(RelationReadout(alpha=1e-2), (H, A[:, 0]), kfold_indices(150, 3), fit_kwargs={"U_r": U[0]})
-    assert len(cv.scores) == 3 and cv.mean > 0.95 and cv.std >= 0
+    assert len(cv) == 3 and min(cv) > 0.95
     cv2 = cross_val_score(lambda: SuperpositionFit(alpha=1e-3), (H, A), kfold_indices(150, 3),
                           fit_kwargs={"U": U})
-    assert cv2.mean > 0.95
+    assert min(cv2) > 0.95
     Hd, O, Wd, bd = affine_world(seed=8)
     E = torch.randn(10, 30, dtype=torch.float64)
     y = (O @ E).argmax(1)
@@ -263,7 +248,7 @@ def test_splits_and_cross_val():
     for est in (LinearRelationDecoder(), RidgeDecoder(alpha=1e-6)):
         cv3 = cross_val_score(est, (Hd, O, J), kfold_indices(len(Hd), 4), score_data=(Hd, y),
                               score_kwargs={"logits_fn": lambda o: o @ E})
-        assert cv3.mean == 1.0
+        assert cv3 == [1.0] * 4
 
 
 def test_sklearn_clone():
@@ -310,8 +295,6 @@ def test_errors_on_bad_shapes():
         LinearRelationOperator(Wd, bd)(Hd[:, :3])
     with pytest.raises(ValueError, match="NaN"):
         RidgeDecoder().fit(Hd * float("nan"), O)
-    with pytest.raises(ValueError, match="empty"):
-        bootstrap_ci(torch.tensor([]))
     with pytest.raises(ValueError):
         kfold_indices(3, k=5)
     with pytest.raises(ValueError):

@@ -16,7 +16,8 @@ from sklearn.base import BaseEstimator
 
 from .stats import as_float, as_tensor, check_rows, fit_ridge, pinv_rank, truncate_rank
 
-__all__ = ["LinearRelationOperator", "LinearRelationDecoder", "RidgeDecoder", "topk_hits", "faithfulness"]
+__all__ = ["LinearRelationOperator", "LinearRelationDecoder", "RidgeDecoder", "topk_hits", "random_direction_like",
+           "random_spectrum_like"]
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -32,11 +33,27 @@ def topk_hits(logits: torch.Tensor, y: Any, k: int = 1) -> torch.Tensor:
     return (logits.topk(k, dim=1).indices == y[:, None]).any(1)
 
 
-def faithfulness(O_hat: torch.Tensor, y: Any, logits_fn: LogitsFn, k: int = 1) -> float:
-    """Fraction of rows whose logits_fn(O_hat) top-k contains y (k=1: argmax == y)."""
-    if logits_fn is None:
-        raise ValueError("logits_fn is required (a callable [n, d_out] -> [n, vocab])")
-    return float(topk_hits(logits_fn(O_hat), y, k).double().mean())
+def random_direction_like(delta: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """The random-direction control of an edit: rows of ``delta`` [n, d] replaced by random directions of the
+    same norms (float64 draws, returned in delta's dtype)."""
+    r = torch.randn(delta.shape, generator=generator, dtype=torch.float64)
+    r = r / r.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    return (r * delta.double().norm(dim=-1, keepdim=True)).to(delta.dtype)
+
+
+def _random_orthonormal(rows: int, cols: int, generator: torch.Generator) -> torch.Tensor:
+    q, r = torch.linalg.qr(torch.randn(rows, cols, generator=generator, dtype=torch.float64))
+    return q * torch.sign(torch.diagonal(r)).clamp(min=0).mul(2).sub(1)        # Haar: fix the signs of QR
+
+
+def random_spectrum_like(W: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """The random-operator control: a matrix with W's singular values and random (Haar) singular vectors,
+    W [m, n] -> [m, n] float64. An edit built from it has W's scale but none of its directions."""
+    S = torch.linalg.svdvals(W.double())
+    k = S.numel()
+    U = _random_orthonormal(W.shape[0], k, generator)
+    V = _random_orthonormal(W.shape[1], k, generator)
+    return (U * S) @ V.T
 
 
 def _as_2d(h: Any, name: str, d: int) -> tuple[torch.Tensor, bool]:
@@ -86,17 +103,17 @@ class LinearRelationOperator:
         return o[0] if squeeze else o
 
     def edit_delta(self, o_source: Any, o_target: Any, edit_rank: int | None = None) -> torch.Tensor:
-        """delta_h [n, d_in] = W_k^+ (o_target - o_source) / beta, so that op(h + delta_h) moves by the projection
-        of (o_target - o_source) onto W's top-k output subspace. k = edit_rank, else self.rank, else full rank."""
+        """The LRE reference's causal edit: delta_h [n, d_in] = W_k^+ (o_target - o_source), with o_source and
+        o_target the model's *real* last-layer states of the two subjects' prompts. No division by beta (as in
+        the reference): W (h + delta_h) moves by the projection of (o_target - o_source) onto W's top-k output
+        subspace. k = edit_rank, else self.rank, else full rank."""
         o_s, sq = _as_2d(o_source, "o_source", self.d_out)
         o_t, _ = _as_2d(o_target, "o_target", self.d_out)
         if o_s.shape != o_t.shape:
             raise ValueError(f"o_source shape {tuple(o_s.shape)} != o_target shape {tuple(o_t.shape)}")
-        if self.beta == 0:
-            raise ValueError("beta is 0: the operator cannot be inverted")
         k = edit_rank if edit_rank is not None else self.rank
         P = pinv_rank(self.W, k).to(o_s.device, o_s.dtype)              # [d_in, d_out]
-        delta = (o_t - o_s) @ P.T / self.beta
+        delta = (o_t - o_s) @ P.T
         return delta[0] if sq else delta
 
     def to_dict(self) -> dict:

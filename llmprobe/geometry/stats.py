@@ -1,11 +1,11 @@
-"""Statistics shared by the geometry estimators: ridge, R^2, splits, cross-validation, bootstrap, shuffled controls.
+"""Statistics shared by the geometry estimators: ridge, R^2, splits, cross-validation, shuffled controls (intervals:
+``llmprobe.metric``).
 
 Pure torch (plus scikit-learn's ``clone``); every random step takes a seed and uses its own ``torch.Generator``,
 so results are reproducible and independent of the global RNG state.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -18,12 +18,10 @@ __all__ = [
     "fit_ridge",
     "ALPHA_GRID",
     "r2_score",
-    "bootstrap_ci",
     "shuffle_table",
     "kfold_indices",
     "train_test_split",
     "cross_val_score",
-    "CVScores",
 ]
 
 
@@ -190,42 +188,6 @@ def r2_score(y_true: Any, y_pred: Any, y_mean: Any | None = None) -> float:
     return float(1 - sse / sst)
 
 
-# ----------------------------------------------------------------------------------------------------- bootstrap
-def bootstrap_ci(values: Any, n_boot: int = 1000, level: float = 0.95, seed: int = 0,
-                 statistic: Callable[[torch.Tensor], Any] | None = None) -> tuple[float, float, float]:
-    """Percentile bootstrap over items (subjects).
-
-    values: [n] per-item numbers (default statistic: mean), or [n, k] per-item parts for a custom ``statistic``
-    mapping a resampled [n, k] tensor to a scalar (e.g. pooled R^2 from per-subject (SSE, SST)).
-    Returns (point estimate on all items, lo, hi).
-    """
-    v = as_float(values, "values")
-    if v.dim() not in (1, 2):
-        raise ValueError(f"values must be [n] or [n, k], got shape {tuple(v.shape)}")
-    if not 0 < level < 1:
-        raise ValueError(f"level must be in (0, 1), got {level}")
-    if n_boot < 1:
-        raise ValueError(f"n_boot must be >= 1, got {n_boot}")
-    v = v.to(torch.float64)
-    n = v.shape[0]
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, n, (n_boot, n), generator=g).to(v.device)
-    if statistic is None:
-        if v.dim() != 1:
-            raise ValueError("values [n, k] need a statistic")
-        point = float(v.mean())
-        boots = v[idx].mean(1)
-    else:
-        point = float(statistic(v))
-        boots = torch.tensor([float(statistic(v[i])) for i in idx], dtype=torch.float64)
-    boots = boots[torch.isfinite(boots)]
-    if boots.numel() == 0:
-        return point, float("nan"), float("nan")
-    q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64, device=boots.device)
-    lo, hi = torch.quantile(boots, q).tolist()
-    return point, lo, hi
-
-
 # ------------------------------------------------------------------------------------------------------ controls
 def shuffle_table(A: Any, seed: int = 0) -> torch.Tensor:
     """Shuffled control for a fact table A [n_subjects, n_relations] (LongTensor, -1 = missing).
@@ -282,25 +244,9 @@ def take(x: Any, idx: torch.Tensor) -> Any:
     return [x[i] for i in idx.tolist()]
 
 
-@dataclass
-class CVScores:
-    """Per-split scores with their mean and spread (std over splits, ddof=1)."""
-    scores: list[float]
-    mean: float = field(init=False)
-    std: float = field(init=False)
-
-    def __post_init__(self):
-        s = np.asarray(self.scores, dtype=float)
-        self.mean = float(s.mean()) if s.size else float("nan")
-        self.std = float(s.std(ddof=1)) if s.size > 1 else 0.0
-
-    def to_dict(self) -> dict:
-        return {"scores": list(self.scores), "mean": self.mean, "std": self.std}
-
-
 def cross_val_score(estimator: Any, fit_data: Sequence[Any], splits: Sequence[tuple[torch.Tensor, torch.Tensor]],
                     score_data: Sequence[Any] | None = None, fit_kwargs: dict | None = None,
-                    score_kwargs: dict | None = None) -> CVScores:
+                    score_kwargs: dict | None = None) -> list[float]:
     """Fit on each split's train rows, score on its test rows.
 
     estimator: an unfitted estimator (cloned per split with ``sklearn.base.clone``) or a zero-argument factory.
@@ -317,4 +263,4 @@ def cross_val_score(estimator: Any, fit_data: Sequence[Any], splits: Sequence[tu
         est = clone(estimator) if hasattr(estimator, "get_params") else estimator()
         est.fit(*[take(x, train) for x in fit_data], **fit_kwargs)
         scores.append(float(est.score(*[take(x, test) for x in score_data], **score_kwargs)))
-    return CVScores(scores)
+    return scores

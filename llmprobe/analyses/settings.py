@@ -1,0 +1,83 @@
+"""Settings of the analyses, the places they read, and small shared helpers (no model code)."""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+from ..scoring import FIRST_TOKEN
+
+ANALYSES = ("lre", "ridge", "superposition")
+PROTOCOLS = ("strict", "lre")
+O_PLACE = ("o = output of the last block (blocks.{L-1}.resid_post, before the final norm) at the prompt's last "
+           "token; logits = adapter.logits(o) = final norm + LM head")
+H_PLACE = "h = blocks.{l}.resid_post at the subject's last token"
+FIRST_TOKEN_NOTE = "objects scored by their first token (the first token of ' ' + object after the prompt)"
+PREFIX_NOTE = ("a prediction counts when the decoded top-1 token, stripped and lower-cased, is a non-empty prefix "
+               "of the object (the LRE reference's rule)")
+
+
+class AnalysisError(ValueError):
+    """An analysis could not run on one relation (the message names it); the others go on."""
+
+
+@dataclass
+class AnalysisSettings:
+    """Options of ``run_analyses`` (all recorded in the result's ``settings``); ``docs/measures.md`` defines
+    every measure they shape."""
+
+    n_splits: int = 3                 # re-fits: re-drawn train/validation and Jacobian subjects (test stays fixed)
+    seed: int = 0
+    max_subjects: int = 90            # known facts used per relation (the first ones: most populous countries)
+    min_known: int = 8                # fewer known facts -> the relation's decoders are skipped with an error
+    n_jacobian: int = 3               # prompts whose Jacobians are averaged into W (re-drawn per re-fit)
+    test_fraction: float = 1 / 3      # of the relation's known facts: the fixed held-out test set
+    val_fraction: float = 1 / 4       # of the remaining subjects, per re-fit
+    min_val_per_candidate: int = 2    # a (beta, rank) grid larger than n_val / this is thinned
+    betas: tuple = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
+    ranks: tuple = (None, 128, 32)              # truncation of W for faithfulness (None = full)
+    edit_ranks: tuple = (8, 32, 128)            # rank of the pseudo-inverse used by causality edits
+    max_val_pairs: int = 8                      # causality edits per re-fit used to choose the edit rank
+    max_test_pairs: int = 30                    # causality edits on the fixed test subjects (drawn once)
+    ridge_alphas: tuple = tuple(10.0 ** k for k in range(-2, 6))
+    protocol: str = "strict"          # "strict" (zero-shot prompt, exact first token) or "lre" (the reference's)
+    n_icl: int = 5                    # in-context examples of the "lre" protocol
+    scoring: str = FIRST_TOKEN        # causality success: first token, or "sequence" (full-sequence log-prob)
+    lre_layers: tuple | None = None   # None: up to max_lre_layers of the layers (Jacobians cost the most)
+    max_lre_layers: int = 3
+    causality_layers: tuple | None = None       # None: the LRE layers
+    superposition_facts: str = "all"  # "all" facts of the shared-subject table, or "known" ones only
+    neutral_templates: tuple | None = None      # None: the relations' own, minus those that open with the
+                                                # subject when the tokenizer adds no leading special token
+    attribute_vectors: str = "first"  # "first" token's unembedding row, or "mean" over the attribute's tokens
+    max_superposition_subjects: int | None = None
+    folds: int = 5                    # cross-fitting folds of the superposition readouts
+    random_control: bool = True       # the random-init model of the same architecture
+    swap_layers: tuple | None = None  # None: the LRE layers
+    max_swap_subjects: int = 12
+    swap_scales: tuple = (1.0, 4.0, 16.0)       # swap edits also at these multiples of the fitted edit (dose-response)
+    n_boot: int = 1000
+    batch_size: int = 32
+    jacobian_batch_size: int = 16
+    jacobian_chunk: int = 96           # output dims per batched backward
+
+
+def pick_layers(layers: list[int], k: int, n_layers: int) -> list[int]:
+    """Up to ``k`` of ``layers`` spread through depth (at the fractions 1/(k+1) ... k/(k+1) of the list),
+    leaving out the last layer (where an edit at the subject cannot reach the last token)."""
+    candidates = [l for l in sorted(layers) if l != n_layers - 1] or sorted(layers)
+    if len(candidates) <= k:
+        return candidates
+    picks = {candidates[min(len(candidates) - 1, round((i + 1) * len(candidates) / (k + 1)))] for i in range(k)}
+    return sorted(picks)
+
+
+class Log:
+    """Progress lines on stderr with the seconds since the analyses started."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.start = enabled, time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        if self.enabled:
+            print(f"[analyses {time.perf_counter() - self.start:6.0f}s] {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,269 @@
+"""Superposition readouts from relation-free subject states, per layer, with controls, and the swap edit through
+real forward passes (``docs/measures.md``).
+
+The subjects shared by several relations (the largest group with one ``subject_type``) form a fact table A
+[n_subjects, n_relations]; u_a = the unembedding row of attribute a's first token (``attribute_vectors="first"``)
+or the mean of its tokens' rows (``"mean"``). ``llmprobe.geometry.superposition_readout`` measures per-relation
+readout accuracy and the held-out R^2 of h_s ~ c + sum_r W_r u_{a_r(s)}, beside the shuffled-table control and
+the same architecture with random weights. The same table trains the matched synthetic controls
+(:func:`superposition_table` needs only the tokenizer).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..geometry import SuperpositionFit, kfold_indices, random_direction_like, superposition_readout
+from ..lre import layer_sequences, next_token_predictions, random_like, subject_states
+from ..metric import proportion
+from ..scoring import attribute_token_ids, first_token_collisions, first_token_targets
+from ..subjects import SubjectNotFoundError, encode, locate_errors
+from .settings import AnalysisError, AnalysisSettings, Log
+
+
+@dataclass
+class SuperpositionTable:
+    """The shared-subject fact table: ``A`` LongTensor [n_subjects, n_relations] (-1 = no fact) indexing
+    ``attributes[r]``; ``relations`` the Relation objects; ``neutral`` the relation-free templates used."""
+
+    subjects: list[str]
+    relations: list
+    attributes: list[list[str]]
+    A: torch.Tensor
+    neutral: list[str]
+    neutral_dropped: list[str]
+
+    @property
+    def names(self) -> list[str]:
+        return [r.name for r in self.relations]
+
+    def fact_table(self):
+        """As a :class:`llmprobe.datasets.FactTable` (what the matched synthetic controls train on)."""
+        from ..datasets import FactTable
+
+        return FactTable(list(self.subjects), self.names, [list(a) for a in self.attributes], self.A.clone())
+
+
+def shared_group(relations) -> list:
+    """The largest group of relations with the same subject type (>= 2), else all relations."""
+    groups: dict[str, list] = {}
+    for rel in relations:
+        kind = (rel.properties or {}).get("subject_type")
+        if kind:
+            groups.setdefault(kind, []).append(rel)
+    best = max(groups.values(), key=len, default=[])
+    return best if len(best) >= 2 else list(relations)
+
+
+def subject_at_start(tokenizer, template: str, probe: str = "France") -> bool:
+    """Does the subject open the token sequence (no special token before it)? Its state then sits at position
+    0, where models without a BOS token keep their attention sink (norms ~100x larger in SmolLM2)."""
+    try:
+        return int(encode(tokenizer, template, [probe]).subject_first[0]) == 0
+    except SubjectNotFoundError:
+        return False
+
+
+def neutral_templates(tokenizer, group, override) -> tuple[list[str], list[str]]:
+    """Relation-free templates: ``override``, else those of the group's first relation minus the ones that put
+    the subject at position 0 (kept when nothing else is left). Returns (used, dropped)."""
+    if override:
+        return list(override), []
+    templates = list(dict.fromkeys(group[0].neutral_templates)) or ["{}"]
+    keep = [t for t in templates if not subject_at_start(tokenizer, t)]
+    if not keep:
+        return templates, []
+    return keep, [t for t in templates if t not in keep]
+
+
+def _locatable(tokenizer, template: str, subjects: list[str]) -> list[bool]:
+    return [error is None for error in locate_errors(tokenizer, template, subjects)]
+
+
+def superposition_table(tokenizer, relations, known: dict, cfg: AnalysisSettings) -> SuperpositionTable:
+    """The fact table the superposition readouts measure (and the matched controls train on)."""
+    from ..datasets import FactTable
+
+    group = shared_group(relations)
+    table = FactTable.from_relations(group, min_relations=2 if len(group) >= 2 else 1)
+    neutral, dropped = neutral_templates(tokenizer, group, cfg.neutral_templates)
+    ok = torch.tensor([all(_locatable(tokenizer, t, [s])[0] for t in neutral) for s in table.subjects])
+    keep = torch.nonzero(ok).flatten()
+    if cfg.max_superposition_subjects:
+        keep = keep[:cfg.max_superposition_subjects]
+    subjects = [table.subjects[i] for i in keep.tolist()]
+    A = table.table[keep].clone()
+    if cfg.superposition_facts == "known":
+        for r, rel in enumerate(group):
+            status = {f.subject: f.known for f in (known.get(rel.name) or [])}
+            for i, s in enumerate(subjects):
+                if not status.get(s, False):
+                    A[i, r] = -1
+    elif cfg.superposition_facts != "all":
+        raise ValueError(f"superposition_facts must be 'all' or 'known', got {cfg.superposition_facts!r}")
+    present = (A >= 0).sum(0)
+    usable = [r for r in range(A.shape[1]) if int(present[r]) >= max(cfg.folds, 3) * 2]
+    rows = (A[:, usable] >= 0).any(1) if usable else torch.zeros(len(subjects), dtype=torch.bool)
+    if len(usable) < 1 or int(rows.sum()) < 2 * cfg.folds:
+        raise AnalysisError(f"superposition: relations {[r.name for r in group]} share too few subjects with facts "
+                            f"({int(rows.sum())} subjects, {len(usable)} relations with enough facts)")
+    sel = torch.nonzero(rows).flatten()
+    return SuperpositionTable([subjects[i] for i in sel.tolist()], [group[r] for r in usable],
+                              [table.attributes[r] for r in usable], A[sel][:, usable], neutral, dropped)
+
+
+def _unembedding(lm) -> torch.Tensor:
+    """The LM head's weight [vocab, d] (rows = u vectors of tokens)."""
+    head = lm.adapter.lm_head
+    if head is None and hasattr(lm.model, "get_output_embeddings"):
+        head = lm.model.get_output_embeddings()
+    if head is None or not hasattr(head, "weight"):
+        raise AnalysisError("superposition: the model has no LM head weight to take attribute vectors from")
+    return head.weight.detach().float().cpu()
+
+
+def attribute_vectors(lm, attributes: list[list[str]], how: str) -> tuple[list[torch.Tensor], list[int]]:
+    """Per relation, u vectors [n_attr, d] of its attributes, and how many attributes share a first token."""
+    weight = _unembedding(lm)
+    U, collisions = [], []
+    for attrs in attributes:
+        ids = attribute_token_ids(lm.tokenizer, attrs)
+        if how == "first":
+            U.append(weight[[t[0] for t in ids]].clone())
+        elif how == "mean":
+            U.append(torch.stack([weight[t].mean(0) for t in ids]))
+        else:
+            raise ValueError(f"attribute_vectors must be 'first' or 'mean', got {how!r}")
+        collisions.append(first_token_collisions([t[0] for t in ids], attrs))
+    return U, collisions
+
+
+def superposition(lm, table: SuperpositionTable, layers: list[int], swap_layers: list[int], cfg: AnalysisSettings,
+                  log: Log) -> dict:
+    """Readouts, R^2 and (at ``swap_layers``) swap edits per layer: JSON-ready dict of typed metrics."""
+    t0 = time.perf_counter()
+    subjects, A, names = table.subjects, table.A, table.names
+    U, collisions = attribute_vectors(lm, table.attributes, cfg.attribute_vectors)
+    log(f"superposition: {len(subjects)} subjects x {len(names)} relations, states at {len(layers)} layers")
+    H = subject_states(lm, table.neutral, subjects, layers, batch_size=cfg.batch_size * 2)
+    controls_H, U_c = None, None
+    if cfg.random_control:
+        rlm = random_like(lm, seed=cfg.seed + 12345)
+        controls_H = subject_states(rlm, table.neutral, subjects, layers, batch_size=cfg.batch_size * 2)
+        U_c, _ = attribute_vectors(rlm, table.attributes, cfg.attribute_vectors)
+        del rlm
+    out = {
+        "relations": names, "subjects": len(subjects), "n_facts": int((A >= 0).sum()),
+        "facts": cfg.superposition_facts, "neutral_templates": table.neutral,
+        "neutral_templates_dropped": table.neutral_dropped,
+        "attribute_vectors": ("unembedding row of the attribute's first token (' ' + attribute)"
+                              if cfg.attribute_vectors == "first" else
+                              "mean of the unembedding rows of the attribute's tokens (' ' + attribute)"),
+        "n_attributes": {nm: len(a) for nm, a in zip(names, table.attributes)},
+        "first_token_collisions": dict(zip(names, collisions)),
+        "layers": {}, "error": None,
+    }
+    for layer in layers:
+        controls = {"random_init": (controls_H[layer], U_c)} if controls_H is not None else None
+        rep = superposition_readout(H[layer], A, U, controls=controls, relation_names=names, k=cfg.folds,
+                                    seed=cfg.seed, n_boot=cfg.n_boot, decode=False)
+        r2 = rep.measure("r2").to_dict()
+        r2["margins"] = {c: m["r2"].to_dict() for c, m in rep.margins.items()}
+        readout = {}
+        for nm in names:
+            m = rep.measure("readout_acc", nm)
+            if m is None:
+                continue
+            entry = m.to_dict()
+            entry["chance"] = rep.conditions["real"]["chance"][nm].value
+            entry["margins"] = {c: x["readout_acc"][nm].to_dict() for c, x in rep.margins.items()
+                                if x["readout_acc"][nm] is not None}
+            readout[nm] = entry
+        entry = {"r2": r2, "readout": readout, "alpha_per_fold": rep.conditions["real"]["alpha_per_fold"]}
+        if layer in swap_layers:
+            entry["swap"] = swap(lm, table, U, H[layer], layer, cfg)
+        out["layers"][str(layer)] = entry
+        log(f"superposition: layer {layer} done (R^2 {r2['value']:.3f}, shuffled "
+            f"{r2['controls']['shuffled']['value']:.3f})")
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def swap(lm, table: SuperpositionTable, U: list[torch.Tensor], H: torch.Tensor, layer: int,
+         cfg: AnalysisSettings) -> dict:
+    """Swap edit h + W_r (u_a' - u_a) (``SuperpositionFit.swap_edit``, fitted without the edited subject) through
+    real forward passes on relation prompts: success = relation r's next token becomes a''s first token;
+    others_unchanged = another relation's answer stays. Items: the edits (n); controls: a random direction of the
+    same norm, at every scale of ``swap_scales``."""
+    tok = lm.tokenizer
+    subjects, A, attributes = table.subjects, table.A, table.attributes
+    n, R = A.shape
+    gen = torch.Generator().manual_seed(cfg.seed + 11)
+    templates = [r.templates[0] for r in table.relations]
+    ok = torch.tensor([_locatable(tok, t, subjects) for t in templates]).T          # [n, R]
+    chosen = torch.randperm(n, generator=gen)[:cfg.max_swap_subjects]
+    fold_of = {}
+    for f, (train, test) in enumerate(kfold_indices(n, cfg.folds, cfg.seed)):
+        for i in test.tolist():
+            fold_of[i] = (f, train)
+    # first token of each attribute after each relation's prompt (the tokens after the prompt do not depend on
+    # the subject, so one prompt per relation gives them)
+    firsts = [first_token_targets(tok, [templates[r].replace("{}", subjects[0], 1)] * len(attributes[r]),
+                                  attributes[r]) for r in range(R)]
+    fits: dict[int, SuperpositionFit] = {}
+    edits = []  # (subject index, r, r_other, delta, target token)
+    for i in sorted(chosen.tolist()):
+        f, train = fold_of[i]
+        if f not in fits:
+            fits[f] = SuperpositionFit(alpha=tuple(10.0 ** k for k in range(-4, 6))).fit(H[train], A[train], U)
+        fit = fits[f]
+        for r in range(R):
+            a = int(A[i, r])
+            if a < 0 or not ok[i, r]:
+                continue
+            first = firsts[r]
+            options = [b for b in range(len(U[r])) if b != a and int(first[b]) != int(first[a])]
+            others = [q for q in range(R) if q != r and ok[i, q]]
+            if not options or not others:
+                continue
+            b = options[int(torch.randint(len(options), (1,), generator=gen))]
+            q = others[int(torch.randint(len(others), (1,), generator=gen))]
+            h = H[i:i + 1]
+            delta = (fit.swap_edit(h, A[i:i + 1], r, b) - h)[0]
+            edits.append((i, r, q, delta, int(first[b])))
+    if not edits:
+        return {"error": "no swap edit could be built (no subject with facts in two locatable relations)"}
+    idx = [e[0] for e in edits]
+    deltas = torch.stack([e[3] for e in edits]).float()
+    rand = random_direction_like(deltas, gen)
+    subj = [subjects[i] for i in idx]
+    t_r = [templates[e[1]] for e in edits]
+    t_q = [templates[e[2]] for e in edits]
+    target = torch.tensor([e[4] for e in edits])
+    clean_q = next_token_predictions(lm, t_q, subj, batch_size=cfg.batch_size)
+    seqs = {}
+    for r in range(R):
+        rows = sorted({e[0] for e in edits if r in (e[1], e[2])})
+        if rows:
+            got = layer_sequences(lm, templates[r], [subjects[i] for i in rows], layer, batch_size=cfg.batch_size)
+            seqs.update({(r, i): s for i, s in zip(rows, got)})
+    resume = [seqs[(e[1], e[0])] for e in edits] + [seqs[(e[2], e[0])] for e in edits]
+    scales = [1.0] + [float(x) for x in cfg.swap_scales if float(x) != 1.0]   # the fitted edit comes first
+    edit_sets = [x * scale for scale in scales for x in (deltas, deltas, rand, rand)]
+    preds = next_token_predictions(lm, (t_r + t_q + t_r + t_q) * len(scales), subj * 4 * len(scales), layer,
+                                   torch.cat(edit_sets), batch_size=cfg.batch_size, resume=resume * 2 * len(scales))
+    m = len(edits)
+    preds = preds.view(len(scales), 4, m)
+
+    def measured(p):  # p [4, m]: edit read on r, edit read on q, random read on r, random read on q
+        return {"success": proportion((p[0] == target).double().tolist()).with_controls(
+                    {"random_direction": proportion((p[2] == target).double().tolist())}).to_dict(),
+                "others_unchanged": proportion((p[1] == clean_q).double().tolist()).with_controls(
+                    {"random_direction": proportion((p[3] == clean_q).double().tolist())}).to_dict()}
+    norm_ratio = float((deltas.double().norm(dim=1) / H[torch.tensor(idx)].double().norm(dim=1)).mean())
+    return {
+        "by_scale": [{"scale": scale, **measured(preds[k])} for k, scale in enumerate(scales)],
+        "n_edits": m, "n_subjects": len(set(idx)), "edit_norm_ratio": norm_ratio,
+    }

@@ -1,0 +1,60 @@
+"""The typed metric: the value lies inside its interval, intervals never have zero width for n >= 1, and the
+JSON form round-trips."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+from llmprobe.metric import Metric, bootstrap, iter_metrics, paired_difference, proportion, wilson
+
+
+@pytest.mark.parametrize("hits", [[1] * 9, [0] * 5, [1], [0], [1, 0, 1], [0.5, 1, 0.25, 0.75]])
+def test_proportion_brackets_its_value_with_nonzero_width(hits):
+    m = proportion(hits)
+    lo, hi = m.ci
+    assert m.n == len(hits) and m.interval == "wilson"
+    assert lo <= m.value <= hi and hi - lo > 0.05
+    assert 0 <= lo and hi <= 1
+
+
+def test_wilson_matches_the_closed_form_and_narrows():
+    lo, hi = wilson(0.5, 100)
+    assert lo == pytest.approx(0.4038, abs=1e-3) and hi == pytest.approx(0.5962, abs=1e-3)
+    assert wilson(1.0, 9)[0] == pytest.approx(0.7008, abs=1e-3)            # 9/9: [0.70, 1], not [1, 1]
+    assert wilson(0.3, 1000)[1] - wilson(0.3, 1000)[0] < (wilson(0.3, 50)[1] - wilson(0.3, 50)[0]) / 3
+    with pytest.raises(ValueError, match="proportion"):
+        wilson(1.5, 10)
+
+
+def test_bootstrap_contains_the_mean_narrows_and_is_deterministic():
+    rng = np.random.default_rng(0)
+    widths = []
+    for n in (50, 2000):
+        x = 3.0 + rng.standard_normal(n)
+        m = bootstrap(x, n_boot=1000, seed=1)
+        assert m.ci[0] < 3.0 < m.ci[1] and m.ci[0] <= m.value <= m.ci[1] and m.n == n
+        widths.append(m.ci[1] - m.ci[0])
+    assert widths[1] < widths[0] / 3
+    assert bootstrap(x, seed=7).ci == bootstrap(x, seed=7).ci
+    parts = np.stack([rng.random(100), np.ones(100)], 1)
+    r2 = bootstrap(parts, lambda p: 1 - p[:, 0].sum() / p[:, 1].sum(), bounds=(-math.inf, 1.0), n_boot=200)
+    assert r2.ci[0] <= r2.value <= r2.ci[1] and r2.ci[1] > r2.ci[0]
+
+
+def test_bootstrap_of_one_item_or_equal_items_is_widened_not_zero_width():
+    one = bootstrap([0.4], bounds=(0.0, 1.0))
+    assert one.ci == (0.0, 1.0) and one.interval == "bootstrap (widened)"
+    same = paired_difference([1, 1, 1], [0, 0, 0])
+    assert same.value == 1.0 and same.ci[0] < 1.0 and same.ci[1] >= 1.0
+
+
+def test_refits_give_the_spread_and_json_round_trips():
+    m = proportion([1, 0, 1, 1], refits=[0.75, 0.5, 1.0]).with_controls(
+        {"random_direction": proportion([0, 0, 0, 1])})
+    assert m.spread["sd"] == pytest.approx(0.25) and m.spread["values"] == [0.75, 0.5, 1.0]
+    d = json.loads(json.dumps(m.to_dict()))
+    assert d["control"] == "random_direction" and d["controls"]["random_direction"]["n"] == 4
+    assert Metric.from_dict(d).to_dict() == d
+    found = dict(iter_metrics({"a": {"b": d}, "c": [d]}))
+    assert set(found) == {("a", "b"), ("c", "0")}                            # controls are not descended
