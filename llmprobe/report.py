@@ -28,14 +28,39 @@ def load_report(path: str | Path) -> dict:
         report = json.loads(file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:
         raise ValueError(f"{file}: not valid JSON ({error})") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{file}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+    if not isinstance(report, dict):
+        raise ValueError(f"{file}: not an llmprobe report (a JSON {type(report).__name__}, expected an object)")
     if "schema_version" not in report:
         raise ValueError(f"{file}: not an llmprobe report (no 'schema_version')")
+    supported = supported_schema_versions()
+    version = report["schema_version"]
+    if type(version) is not int or version not in supported:
+        raise ValueError(f"{file}: schema_version {version!r} is not supported by this llmprobe (supported: "
+                         f"{', '.join(map(str, supported))}); open it with the llmprobe version that wrote it, or "
+                         f"run the model again")
+    for key, kinds in (("model", dict), ("relations", dict), ("analyses", dict), ("errors", list),
+                       ("controls", (dict, list))):
+        if report.get(key) is not None and not isinstance(report[key], kinds):
+            raise ValueError(f"{file}: malformed report: {key!r} is a JSON {type(report[key]).__name__}, expected "
+                             f"{'a list' if kinds is list else 'an object'}")
     report.setdefault("_path", str(file.parent))
     return report
 
 
+def supported_schema_versions() -> tuple[int, ...]:
+    """The report.json schema versions this llmprobe reads: the one it writes."""
+    from .probe import REPORT_SCHEMA_VERSION
+
+    return (REPORT_SCHEMA_VERSION,)
+
+
 def source_name(report: dict) -> str:
-    """A short label for a report: the model name, or the synthetic control's description."""
+    """A short label for a report: the model name, or the synthetic control's description (``_label`` when
+    :func:`compare` had to tell two sources of one name apart)."""
+    if report.get("_label"):
+        return report["_label"]
     if report.get("kind") == "synthetic":
         return report.get("label") or "synthetic"
     return report.get("model", {}).get("name", "model")
@@ -78,12 +103,24 @@ def _row(source, kind, relation, layer, depth, metric, value, lo=None, hi=None, 
 
 
 def write_csv(rows: list[dict], path: str | Path) -> Path:
-    """The metric rows as one CSV table (atomic write)."""
+    """The metric rows as one CSV table (atomic write); text cells that a spreadsheet would run as a formula are
+    neutralised (:func:`csv_safe`)."""
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=ROW_FIELDS)
     writer.writeheader()
-    writer.writerows(rows)
+    writer.writerows({k: csv_safe(v) for k, v in row.items()} for row in rows)
     return write_text(path, buffer.getvalue())
+
+
+def csv_safe(value):
+    """A text cell starting with ``= + - @``, tab or CR gets a leading ``'`` so that spreadsheets show it as
+    text instead of running it as a formula; numbers (and text that reads as a number, like ``-0.12``) stay."""
+    if isinstance(value, str) and value.startswith(("=", "+", "-", "@", "\t", "\r")):
+        try:
+            float(value)
+        except ValueError:
+            return "'" + value
+    return value
 
 
 def _fmt(value, digits=3) -> str:
@@ -248,12 +285,16 @@ def _table_html(header: list[str], body: list[list]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(lines)}</tbody></table>"
 
 
-def _table_md(header: list[str], body: list[list]) -> str:
-    def cell(value):
-        return _fmt(value).replace("|", "\\|").replace("\n", " ")
+def _md(text) -> str:
+    """Any text for Markdown, on one line: HTML escaped (no tag reaches a renderer that allows HTML), line breaks
+    folded into spaces (no injected headings or list items), backslashes and table pipes escaped."""
+    text = html.escape(str(text), quote=False).replace("\\", "\\\\").replace("|", "\\|")
+    return " ".join(text.splitlines())
 
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in body]
+
+def _table_md(header: list[str], body: list[list]) -> str:
+    lines = ["| " + " | ".join(_md(h) for h in header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_md(_fmt(c)) for c in row) + " |" for row in body]
     return "\n".join(lines)
 
 
@@ -406,12 +447,12 @@ def render_html(reports: list[dict], title: str, extra_images: list[tuple[str, s
 
 def render_markdown(reports: list[dict], title: str) -> str:
     rows = [row for report in reports for row in metric_rows(report)]
-    parts = [f"# {title}"]
+    parts = [f"# {_md(title)}"]
     for caption, header, body in summary_tables(reports, rows):
-        parts.append(f"## {caption}\n\n{_table_md(header, body)}")
+        parts.append(f"## {_md(caption)}\n\n{_table_md(header, body)}")
     errors = [e for report in reports for e in report.get("errors", [])]
     if errors:
-        parts.append("## Errors and skipped facts\n\n" + "\n".join(f"- {e}" for e in errors))
+        parts.append("## Errors and skipped facts\n\n" + "\n".join(f"- {_md(e)}" for e in errors))
     return "\n\n".join(parts) + "\n"
 
 
@@ -425,7 +466,23 @@ def export(report_dir: str | Path, formats: tuple[str, ...] = ("html", "md", "cs
 
 def with_controls(reports: list[dict]) -> list[dict]:
     """The reports followed by the matched synthetic controls inside them (each a source of its own)."""
-    return list(reports) + [dict(c, schema_version=r["schema_version"]) for r in reports for c in r.get("controls", [])]
+    return list(reports) + [dict(c, schema_version=r["schema_version"], _path=r.get("_path"))
+                            for r in reports for c in r.get("controls") or []]
+
+
+def label_apart(reports: list[dict]) -> list[dict]:
+    """Sources that share a name (two runs of one model, or their controls) get the report folder's name after
+    it (and a number where the folder names repeat too), so their rows and plot lines stay apart."""
+    groups: dict[str, list[dict]] = {}
+    for report in reports:
+        groups.setdefault(source_name(report), []).append(report)
+    for name, group in groups.items():
+        if len(group) < 2:
+            continue
+        folders = [Path(r.get("_path") or "").name or "?" for r in group]
+        for index, (report, folder) in enumerate(zip(group, folders), 1):
+            report["_label"] = f"{name} ({folder})" if folders.count(folder) == 1 else f"{name} ({folder} #{index})"
+    return reports
 
 
 def compare(report_dirs: list[str | Path], out: str | Path, formats: tuple[str, ...] = ("html", "md", "csv"),
@@ -433,7 +490,7 @@ def compare(report_dirs: list[str | Path], out: str | Path, formats: tuple[str, 
     """Side-by-side page of any number of reports, aligned on relations and normalised depth."""
     if len(report_dirs) < 1:
         raise ValueError("compare needs at least one report directory")
-    reports = with_controls([load_report(d) for d in report_dirs])
+    reports = label_apart(with_controls([load_report(d) for d in report_dirs]))
     names = " vs ".join(dict.fromkeys(source_name(r) for r in reports))
     return write_all(reports, Path(out), f"llmprobe comparison: {names}", formats)
 
