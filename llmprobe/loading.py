@@ -80,12 +80,72 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {dtype!r}; choose auto, float32, bfloat16 or float16") from None
 
 
+def device_choices() -> list[str]:
+    """The devices this machine's torch can use (what ``--device`` accepts)."""
+    choices = ["auto", "cpu"]
+    if torch.cuda.is_available():
+        choices += ["cuda"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    if torch.backends.mps.is_available():
+        choices.append("mps")
+    return choices
+
+
 def resolve_device(device: str) -> str:
+    """``auto`` -> cuda when available, else cpu; any other name is checked here, so an unknown or unavailable
+    device fails before the model is read, with the valid choices."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ModelLoadError(f"device {device!r} asked for, but torch sees no CUDA device")
-    return device
+    choices = (f"{', '.join(device_choices())} (here; llmprobe runs on cpu, cuda, cuda:N and mps where torch "
+               f"has them)")
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError, ValueError):
+        raise ModelLoadError(f"unknown device {device!r}; choose one of: {choices}") from None
+    if kind == "cpu" or device in device_choices():
+        return device
+    if kind == "cuda":
+        have = f"{torch.cuda.device_count()} CUDA device(s)" if torch.cuda.is_available() else "no CUDA device"
+        raise ModelLoadError(f"device {device!r} asked for, but torch sees {have}; choose one of: {choices}")
+    if kind == "mps":
+        raise ModelLoadError(f"device 'mps' asked for, but this torch build has no usable MPS (Apple GPU) backend; "
+                             f"choose one of: {choices}")
+    raise ModelLoadError(f"device {device!r} is not supported; choose one of: {choices}")
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+
+
+def _looks_like_path(name: str) -> bool:
+    """A model name meant as a file system path (hub ids are ``name`` or ``owner/name``)."""
+    return (name.startswith(("./", "../", "/", "~", ".\\", "..\\")) or name in (".", "..")
+            or name.count("/") > 1 or "\\" in name
+            or name.lower().endswith((".gguf", ".safetensors") + PICKLE_SUFFIXES))
+
+
+def _check_local_weights(folder: Path, allow_pickle: bool) -> list[Path]:
+    """The weight files of a local model folder, each safetensors file's header checked (a truncated or corrupt
+    file is named here rather than deep inside transformers); pickle-only folders need ``allow_pickle``."""
+    safetensors = sorted(folder.glob("*.safetensors"))
+    pickles = sorted(p for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES and p.name.startswith(
+        ("pytorch_model", "model")))
+    if safetensors:
+        from safetensors import SafetensorError, safe_open
+
+        for path in safetensors:
+            try:
+                with safe_open(str(path), framework="pt") as handle:
+                    handle.keys()
+            except (SafetensorError, OSError) as error:
+                raise ModelLoadError(f"{path}: corrupt or truncated safetensors file ({error}); download or save "
+                                     f"the model again") from None
+        return safetensors
+    if pickles and not allow_pickle:
+        raise ModelLoadError(
+            f"{folder} holds pickle weights only ({', '.join(p.name for p in pickles)}); llmprobe loads safetensors "
+            f"by default, because unpickling a file can run code. If you trust the file, pass allow_pickle=True "
+            f"(CLI: --allow-pickle; it is then read with torch.load(weights_only=True)), or convert it to "
+            f"safetensors.")
+    return pickles
 
 
 def load_model(
@@ -97,25 +157,39 @@ def load_model(
     device_map: str | dict | None = None,
     revision: str | None = None,
     trust_remote_code: bool = False,
+    allow_pickle: bool = False,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer.
 
     ``name``: a hub name (``Qwen/Qwen2.5-0.5B``), a local folder, a ``.gguf`` path, or None for the embedded
     default. ``gguf_file``: the GGUF file inside the folder or hub repo ``name``. ``device_map="auto"`` spreads a
     model over the available devices through accelerate (chosen automatically for ``device="auto"`` when several
-    GPUs are present). ``trust_remote_code`` stays off unless asked for.
+    GPUs are present). ``trust_remote_code`` stays off unless asked for. Weights load from safetensors only; a
+    model with pickle weights only (``pytorch_model.bin``) needs ``allow_pickle=True`` and is then read with
+    ``weights_only=True``. Every failure is a :class:`ModelLoadError` that names the path, file or device.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     start = time.perf_counter()
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
+    local = os.path.expanduser(name) if name else name
+    weight_files: list[Path] = []
     if name is None or name == DEFAULT_MODEL:
         source, folder, gguf = "embedded", _embedded_safetensors(), None
-    elif name.endswith(".gguf") and Path(name).is_file():
-        source, folder, gguf = "gguf", str(Path(name).parent), Path(name).name
-    elif Path(name).is_dir():
-        source, folder, gguf = "local", name, gguf_file
+    elif local.endswith(".gguf") and Path(local).is_file():
+        source, folder, gguf = "gguf", str(Path(local).parent), Path(local).name
+    elif Path(local).is_dir():
+        source, folder, gguf = "local", local, gguf_file
+        if not gguf:
+            weight_files = _check_local_weights(Path(local), allow_pickle)
+    elif Path(local).exists():
+        raise ModelLoadError(f"{name!r} is a file but not a .gguf model; pass a model folder (config.json and "
+                             f"safetensors weights), a .gguf file or a hub name")
+    elif _looks_like_path(name):
+        raise ModelLoadError(f"no such folder or file: {name!r} ({os.path.abspath(local)} does not exist); pass an "
+                             f"existing model folder or .gguf file, a hub name like Qwen/Qwen2.5-0.5B, or omit MODEL "
+                             f"for the embedded default {DEFAULT_MODEL}")
     else:
         source, folder, gguf = "hub", name, gguf_file
         _check_hub_reachable(name, revision)
@@ -124,12 +198,25 @@ def load_model(
     kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code, revision=revision)
     if gguf:
         kwargs["gguf_file"] = gguf
+    model_kwargs = {} if gguf else ({"weights_only": True} if allow_pickle else {"use_safetensors": True})
+    where = f"({source}: {folder}{', gguf_file=' + gguf if gguf else ''})"
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, **{k: v for k, v in kwargs.items() if k != "dtype"})
-        model = AutoModelForCausalLM.from_pretrained(folder, device_map=device_map, **kwargs)
     except (OSError, ValueError) as error:
-        raise ModelLoadError(f"could not load {name or DEFAULT_MODEL!r} ({source}: {folder}"
-                             f"{', gguf_file=' + gguf if gguf else ''}): {error}") from error
+        raise ModelLoadError(f"could not load the tokenizer of {name or DEFAULT_MODEL!r} {where}: {error}") from error
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, device_map=device_map, **kwargs, **model_kwargs)
+    except (OSError, ValueError) as error:
+        hint = "" if allow_pickle or "safetensors" not in str(error) else \
+            " (llmprobe loads safetensors weights only unless allow_pickle=True / --allow-pickle)"
+        raise ModelLoadError(f"could not load {name or DEFAULT_MODEL!r} {where}: {error}{hint}") from error
+    except Exception as error:  # noqa: BLE001 - a corrupt weights file surfaces as many types
+        if isinstance(error, RuntimeError) and "out of memory" in str(error).lower():
+            raise
+        files = ", ".join(str(p) for p in weight_files) or str(folder)
+        raise ModelLoadError(f"could not read the weights of {name or DEFAULT_MODEL!r} from {files}: corrupt, "
+                             f"truncated or not a weights file ({type(error).__name__}: "
+                             f"{str(error).splitlines()[0] if str(error) else ''})") from error
     if device_map is None:
         model.to(device)
     model.eval()
@@ -190,8 +277,14 @@ def _embedded_safetensors() -> str:
 def _check_hub_reachable(name: str, revision: str | None) -> None:
     """Fail at once, naming what was tried, when ``name`` is neither cached nor reachable."""
     from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
 
-    cached = try_to_load_from_cache(name, "config.json", revision=revision)
+    try:
+        cached = try_to_load_from_cache(name, "config.json", revision=revision)
+    except HFValidationError as error:
+        raise ModelLoadError(f"model {name!r} not found: it is not a local folder or .gguf file, and not a valid "
+                             f"hub name ({error}). Pass a local folder, a hub name like Qwen/Qwen2.5-0.5B, or omit "
+                             f"MODEL for the embedded default {DEFAULT_MODEL}.") from None
     if isinstance(cached, str):
         return
     offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false") or \
