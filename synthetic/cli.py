@@ -217,9 +217,9 @@ def cmd_construct(args) -> list:
             print(f"N={N:5d} R={R:3d}  b={r['b']}  d={r['d_model']}  m={r['d_mlp']}  acc={r['accuracy']:.4f}",
                   flush=True)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "construction.json"), "w") as f:
-            json.dump(rows, f, indent=1)
+        from llmprobe import io as llmio
+
+        llmio.write_json(os.path.join(args.out, "construction.json"), rows)   # atomic
     return rows
 
 

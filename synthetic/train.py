@@ -7,11 +7,13 @@ argmax (``target_acc`` = 1.0). In full-batch mode the accuracy comes for free fr
 (parameters *before* the update, confirmed by a plain argmax pass, and that update is then not applied, so the
 saved model is the one that scored 100%); in minibatch mode a full evaluation runs at the end of each epoch.
 
-Checkpoints (``out_dir``): ``checkpoint.safetensors`` holds the parameters and the flattened Adam moments
-(``opt.<name>.exp_avg`` / ``opt.<name>.exp_avg_sq``), ``checkpoint.json`` the step, configs and history, and
-``task.json`` the fact table. All writes are atomic (temp file + ``os.replace``). A run started on a directory that
-holds a checkpoint resumes from it (``resume=False`` starts over). ``run.json`` records the result: accuracy, steps,
-wall time, parameter counts and bits per trainable parameter.
+Checkpoints (``out_dir``): ``checkpoint.safetensors`` holds the parameters, the flattened Adam moments
+(``opt.<name>.exp_avg`` / ``opt.<name>.exp_avg_sq``) and, in its metadata, the step, configs and history: one file
+written atomically, so weights and optimizer state can never come from different steps. ``checkpoint.json``
+repeats that state for readers (a resume reads the safetensors file; older checkpoints without the metadata fall
+back to it), and ``task.json`` holds the fact table. All writes are atomic (temp file + ``os.replace``).
+A run started on a directory that holds a checkpoint resumes from it (``resume=False`` starts over). ``run.json``
+records the result: accuracy, steps, wall time, parameter counts and bits per trainable parameter.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from llmprobe.io import write_json
+from llmprobe.io import write_bytes, write_json
 
 from .model import FactRecallModel, ModelConfig
 from .tasks import FactTask, KHopTask, SeqData
@@ -151,7 +153,7 @@ def train(task: FactTask | KHopTask, d_model: int | None = None, *, model_config
     step, elapsed, history, acc, loss_val, t_target = 0, 0.0, [], 0.0, float("nan"), None
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
-        if resume and os.path.exists(os.path.join(out_dir, STATE)):
+        if resume and (os.path.exists(os.path.join(out_dir, STATE)) or _checkpoint_state(out_dir)):
             state = _load_checkpoint(out_dir, model, opt, params)
             step, elapsed, history = state["step"], state["elapsed"], state["history"]
             acc, loss_val = state.get("accuracy", 0.0), state.get("loss", float("nan"))
@@ -253,8 +255,10 @@ def train(task: FactTask | KHopTask, d_model: int | None = None, *, model_config
 
 def load_run(out_dir: str, device: str = "cpu") -> tuple[FactRecallModel, FactTask | KHopTask, dict]:
     """Load a trained model, its task and its ``run.json`` (or checkpoint state) from a training directory."""
-    with open(os.path.join(out_dir, STATE)) as f:
-        state = json.load(f)
+    state = _checkpoint_state(out_dir)
+    if state is None:
+        with open(os.path.join(out_dir, STATE)) as f:
+            state = json.load(f)
     model = FactRecallModel(ModelConfig.from_dict(state["model_config"]))
     from safetensors.torch import load_file
 
@@ -299,8 +303,21 @@ def _load_task(out_dir: str):
     return FactTask.from_json(obj)
 
 
+def _checkpoint_state(out_dir) -> dict | None:
+    """The training state stored in the metadata of ``checkpoint.safetensors`` (None: no file, or an older
+    checkpoint without it)."""
+    from safetensors import safe_open
+
+    path = os.path.join(out_dir, CHECKPOINT)
+    if not os.path.exists(path):
+        return None
+    with safe_open(path, framework="pt") as handle:
+        meta = handle.metadata() or {}
+    return json.loads(meta["llmprobe_state"]) if "llmprobe_state" in meta else None
+
+
 def _save_checkpoint(out_dir, model, opt, params, step, elapsed, history, acc, loss, cfg) -> None:
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     tensors = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters()}
     opt_step = {}
@@ -310,20 +327,21 @@ def _save_checkpoint(out_dir, model, opt, params, step, elapsed, history, acc, l
             tensors[f"opt.{name}.exp_avg"] = st["exp_avg"].detach().cpu().contiguous()
             tensors[f"opt.{name}.exp_avg_sq"] = st["exp_avg_sq"].detach().cpu().contiguous()
             opt_step[name] = float(st["step"])
-    path = os.path.join(out_dir, CHECKPOINT)
-    tmp = f"{path}.tmp{os.getpid()}"
-    save_file(tensors, tmp)
-    os.replace(tmp, path)
-    write_json(os.path.join(out_dir, STATE), {
-        "step": step, "elapsed": elapsed, "history": history, "accuracy": acc, "loss": loss,
-        "opt_step": opt_step, "train_config": cfg.to_dict(), "model_config": model.config.to_dict()})
+    state = {"step": step, "elapsed": elapsed, "history": history, "accuracy": acc, "loss": loss,
+             "opt_step": opt_step, "train_config": cfg.to_dict(), "model_config": model.config.to_dict()}
+    # one file, one atomic write: the state travels with the tensors it describes
+    write_bytes(os.path.join(out_dir, CHECKPOINT),
+                save(tensors, metadata={"llmprobe_state": json.dumps(state)}))
+    write_json(os.path.join(out_dir, STATE), state)
 
 
 def _load_checkpoint(out_dir, model, opt, params) -> dict:
     from safetensors.torch import load_file
 
-    with open(os.path.join(out_dir, STATE)) as f:
-        state = json.load(f)
+    state = _checkpoint_state(out_dir)
+    if state is None:                       # a checkpoint written before the state moved into it
+        with open(os.path.join(out_dir, STATE)) as f:
+            state = json.load(f)
     saved = ModelConfig.from_dict(state["model_config"]).to_dict()
     if saved != model.config.to_dict():
         raise ValueError(f"{out_dir} holds a checkpoint of a different model ({saved}); use another directory "
