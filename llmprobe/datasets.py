@@ -12,6 +12,7 @@ Malformed input raises :class:`DatasetError`, whose message names the file and t
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 from dataclasses import dataclass, field
@@ -295,24 +296,33 @@ def _from_rows(rows, source: str, name: str, columns: list[str], *, subject_colu
     return out
 
 
+def _read_text(path: Path) -> str:
+    """A file's text as UTF-8 (a leading byte-order mark is dropped), or a DatasetError naming the file."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise DatasetError(f"{path}: not UTF-8 text (byte 0x{data[e.start]:02x} on line {line}); relation files "
+                           f"must be UTF-8: re-save it as UTF-8 (it may be Latin-1 or Windows-1252)") from None
+
+
 def _read_csv(path: Path, **kw) -> list[Relation]:
-    with open(path, newline="", encoding="utf-8-sig") as f:
-        reader = csv.DictReader(f)
-        rows = list(reader)
-        columns = [c.strip() for c in (reader.fieldnames or [])]
+    reader = csv.DictReader(io.StringIO(_read_text(path), newline=""))
+    rows = list(reader)
+    columns = [c.strip() for c in (reader.fieldnames or [])]
     rows = [{(k or "").strip(): v for k, v in r.items()} for r in rows]
     return _from_rows(rows, str(path), path.stem, columns, **kw)
 
 
 def _read_jsonl(path: Path, **kw) -> list[Relation]:
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise DatasetError(f"{path}: line {n} is not valid JSON ({e.msg})") from None
+    for n, line in enumerate(_read_text(path).split("\n"), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{path}: line {n} is not valid JSON ({e.msg})") from None
     bad = [i for i, r in enumerate(rows) if not isinstance(r, dict)]
     if bad:
         raise _err(str(path), f"rows[{bad[0]}]", "must be a JSON object")
@@ -373,7 +383,7 @@ def _read_json_text(text: str, source: str) -> list[Relation]:
 def _read_path(path: Path, row_kw: dict) -> list[Relation]:
     suffix = path.suffix.lower()
     if suffix == ".json":
-        return _read_json_text(path.read_text(encoding="utf-8"), str(path))
+        return _read_json_text(_read_text(path), str(path))
     if suffix == ".csv":
         return _read_csv(path, **row_kw)
     if suffix == ".jsonl":
