@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from .io import figure_png, write_text
+from .metric import iter_metrics
 
 ROW_FIELDS = ("source", "kind", "relation", "layer", "depth", "metric", "value", "lo", "hi", "control",
               "control_value", "n")
@@ -69,31 +70,46 @@ def source_name(report: dict) -> str:
 def metric_rows(report: dict) -> list[dict]:
     """Flatten every measured number of a report into rows with the keys in ``ROW_FIELDS``.
 
-    Known-fact rates become rows with metric ``known_rate`` and no layer; the analyses (pretrained, or a
-    synthetic control's readouts in the same layout) contribute one row per relation, layer, metric and control,
-    as listed by :func:`llmprobe.analyses.table_rows`.
+    Known-fact rates become rows with metric ``known_rate`` and no layer; every typed metric of the analyses
+    (pretrained, or a synthetic control's readouts in the same layout) contributes one row per control (or one
+    row when it has none), found by its place in the report: ``relations.R.layers.L.DECODER.MEASURE``,
+    ``superposition.layers.L.r2``, ``superposition.layers.L.readout.R`` and the swap edit's scales.
     """
-    from .analyses import table_rows
-
     source, kind = source_name(report), report.get("kind", "pretrained")
     n_layers = max(report.get("model", {}).get("n_layers") or 1, 1)
     rows = []
     for name, rel in report.get("relations", {}).items():
         rows.append(_row(source, kind, name, None, None, "known_rate", rel.get("known_rate"), n=rel.get("n_facts")))
-    for entry in table_rows(report.get("analyses") or {}):
-        layer = entry["layer"]
+    for path, m in iter_metrics(report.get("analyses") or {}):
+        place = _metric_place(path)
+        if place is None:
+            continue
+        relation, layer, metric = place
         depth = layer / (n_layers - 1) if n_layers > 1 else 0.0
-        lo, hi = (entry.get("ci") or [None, None])[:2]
-        controls = entry.get("controls") or {}
-        if entry.get("control") and entry["control"] not in controls:
-            controls = {entry["control"]: entry.get("control_value"), **controls}
-        metric = f"{entry['analysis']}.{entry['metric']}"
+        lo, hi = (m.get("ci") or [None, None])[:2]
+        controls = m.get("controls") or {}
+        common = (source, kind, relation, layer, depth, metric, m["value"], lo, hi)
         if not controls:
-            rows.append(_row(source, kind, entry["relation"], layer, depth, metric, entry["value"], lo, hi))
-        for control, value in controls.items():
-            rows.append(_row(source, kind, entry["relation"], layer, depth, metric, entry["value"], lo, hi, control,
-                             value))
+            rows.append(_row(*common, n=m.get("n")))
+        for control, c in controls.items():
+            rows.append(_row(*common, control, c.get("value"), n=m.get("n")))
     return rows
+
+
+def _metric_place(path: tuple) -> tuple[str, int, str] | None:
+    """(relation, layer, metric name) of the metric at ``path`` in a report's analyses; None for metrics that are
+    not per-layer rows."""
+    if len(path) == 6 and path[0] == "relations" and path[2] == "layers":             # decoders
+        return path[1], int(path[3]), f"{path[4]}.{path[5]}"
+    if len(path) >= 4 and path[:2] == ("superposition", "layers"):
+        layer, rest = int(path[2]), path[3:]
+        if rest == ("r2",):
+            return "(all)", layer, "superposition.r2"
+        if len(rest) == 2 and rest[0] == "readout":
+            return rest[1], layer, "superposition.readout_accuracy"
+        if len(rest) == 4 and rest[:2] == ("swap", "by_scale"):
+            return "(all)", layer, f"superposition.swap_{rest[3]}" + ("" if rest[2] == "0" else f"_scale{rest[2]}")
+    return None
 
 
 def _row(source, kind, relation, layer, depth, metric, value, lo=None, hi=None, control=None, control_value=None,
@@ -192,9 +208,13 @@ def _superposition_at(report: dict) -> tuple[str, dict] | None:
 
 def comparison_figure(reports: list[dict]):
     """Grouped bars, pretrained vs synthetic: per-relation readout accuracy and R^2, with 95% CIs and the
-    shuffled control as a black tick on each bar. None when fewer than one source has readouts."""
+    shuffled control as a black tick on each bar; of the matched controls only the d* and the widest points (the
+    whole curve is :func:`capacity_figure`). None when fewer than one source has readouts."""
     plt = _pyplot()
-    sources = [s for s in (_superposition_at(r) for r in reports) if s]
+    widest = max((r.get("model", {}).get("d_model") or 0 for r in reports if r.get("kind") == "synthetic"), default=0)
+    shown = [r for r in reports if r.get("kind") != "synthetic" or str(r.get("label", "")).endswith("(d*)")
+             or r.get("model", {}).get("d_model") == widest]          # the curve's ends: d* and the widest width
+    sources = [s for s in (_superposition_at(r) for r in shown) if s]
     if not sources:
         return None
     relations = list(dict.fromkeys(n for _, e in sources for n in (e.get("readout") or {})))
@@ -221,9 +241,105 @@ def comparison_figure(reports: list[dict]):
     return _png_data_uri(figure)
 
 
+def pooled_readout(readout: dict | None) -> dict | None:
+    """Readout accuracy pooled over relations (every subject-relation fact counts once): a typed metric (JSON
+    form) with a Wilson interval on the pooled n, and the same pooling for every control all relations have."""
+    from .metric import Metric, wilson
+
+    entries = [m for m in (readout or {}).values() if m and m.get("value") is not None and m.get("n")]
+    if not entries:
+        return None
+
+    def pool(items):
+        n = sum(int(m["n"]) for m in items)
+        value = sum(float(m["value"]) * int(m["n"]) for m in items) / n
+        return Metric(value, wilson(min(1.0, max(0.0, value)), n), n, "wilson",
+                      note="pooled over relations (each subject-relation fact once)")
+
+    out = pool(entries)
+    names = set.intersection(*(set(m.get("controls") or {}) for m in entries))
+    controls = {name: pool([m["controls"][name] for m in entries]) for name in sorted(names)
+                if all((m["controls"][name] or {}).get("n") for m in entries)}
+    return out.with_controls(controls, "shuffled" if "shuffled" in controls else None).to_dict()
+
+
+def _pretrained_reference(report: dict, relations: list[str]) -> tuple[str, dict | None, dict | None] | None:
+    """(layer, R^2, pooled readout over ``relations``) of the pretrained report's superposition readouts at the
+    layer with the highest cross-fitted R^2; None when it has none."""
+    layers = ((report.get("analyses") or {}).get("superposition") or {}).get("layers") or {}
+    scored = {l: e for l, e in layers.items() if (e.get("r2") or {}).get("value") is not None}
+    if not scored:
+        return None
+    layer = max(scored, key=lambda l: scored[l]["r2"]["value"])
+    readout = {name: m for name, m in (scored[layer].get("readout") or {}).items() if name in relations}
+    return layer, scored[layer]["r2"], pooled_readout(readout)
+
+
+def controls_caption(reports: list[dict]) -> str:
+    """Caption of :func:`capacity_figure`: what is compared with what, and which pretrained layer."""
+    for report in reports:
+        block = report.get("controls")
+        if isinstance(block, dict) and block.get("modes"):
+            ref = _pretrained_reference(report, (block.get("table") or {}).get("relations") or [])
+            where = (f" Pretrained line and band: layer {ref[0]} of {source_name(report)}, the layer with the highest "
+                     f"cross-fitted R^2 (chosen on the numbers shown, which favours the pretrained model), and its "
+                     f"95% interval." if ref else " The pretrained report has no superposition readouts to draw.")
+            return ("Matched controls against width d (log scale): held-out R^2 of the superposition fit and readout "
+                    "accuracy (pooled over relations) of the controls' subject embeddings, with 95% intervals; "
+                    "dotted: the shuffled-table control. " + block.get("compared_with", "") + where)
+    return "Capacity of the matched controls"
+
+
 def capacity_figure(reports: list[dict]):
-    """Matched controls' train accuracy against width d (the bisection's points), d* marked. None without any."""
+    """The matched controls as a curve over width: R^2 (left) and pooled readout accuracy (right) against d (log
+    scale) for each mode, with 95% intervals and the shuffled control dotted; the pretrained model's value at its
+    highest-R^2 layer as a horizontal line with its interval band. Reports with the older per-control list draw
+    the bisection's train accuracy against d instead. None without any control."""
     plt = _pyplot()
+    for report in reports:
+        block = report.get("controls")
+        if isinstance(block, dict) and block.get("modes"):
+            break
+    else:
+        return _bisection_figure(plt, reports)
+    ref = _pretrained_reference(report, (block.get("table") or {}).get("relations") or [])
+    figure, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for axis, key, label in ((axes[0], "r2", "held-out R^2 of the superposition fit"),
+                             (axes[1], "readout_mean", "readout accuracy (pooled over relations)")):
+        for index, (mode, entry) in enumerate(block["modes"].items()):
+            points = sorted(entry.get("points") or [], key=lambda p: p["d"])
+            metrics = [(p["d"], p.get(key) if key == "r2" else pooled_readout(p.get("readout"))) for p in points]
+            metrics = [(d, m) for d, m in metrics if m and m.get("value") is not None]
+            if not metrics:
+                continue
+            ds, values = [d for d, _ in metrics], [m["value"] for _, m in metrics]
+            lo = [max(0.0, v - (m["ci"][0] if m["ci"][0] is not None else v)) for v, (_, m) in zip(values, metrics)]
+            hi = [max(0.0, (m["ci"][1] if m["ci"][1] is not None else v) - v) for v, (_, m) in zip(values, metrics)]
+            d_star = (entry.get("threshold") or {}).get("d_star")
+            axis.errorbar(ds, values, yerr=[lo, hi], marker="o", ms=4, capsize=2, color=f"C{index}",
+                          label=f"{mode} (d* = {d_star})")
+            shuffled = [((m.get("controls") or {}).get("shuffled") or {}).get("value") for _, m in metrics]
+            if all(v is not None for v in shuffled):
+                axis.plot(ds, shuffled, ls=":", lw=1, color=f"C{index}")
+        if ref is not None:
+            m = ref[1] if key == "r2" else ref[2]
+            if m and m.get("value") is not None:
+                axis.axhline(m["value"], color="black", lw=1.2, label=f"pretrained (layer {ref[0]})")
+                if None not in (m.get("ci") or [None, None])[:2]:
+                    axis.axhspan(m["ci"][0], m["ci"][1], color="black", alpha=0.12, lw=0)
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("width d (log scale)")
+        axis.set_ylabel(label, fontsize=8)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    axes[1].set_ylim(0, 1.05)
+    figure.suptitle("Matched controls on the pretrained fit's fact table, against width", fontsize=9)
+    figure.tight_layout()
+    return _png_data_uri(figure)
+
+
+def _bisection_figure(plt, reports: list[dict]):
+    """Reports written before the controls block: the controls' train accuracy against width d, d* marked."""
     curves = {}
     for report in reports:
         threshold = report.get("threshold") or {}
@@ -303,32 +419,35 @@ def _mean(values: list) -> float | None:
 
 
 def _with_ci(m: dict | None) -> str:
-    """'value [lo, hi]' of a metric entry, '-' when absent."""
+    """'value [lo, hi] (n=N)' of a typed metric, '-' when absent."""
     if not m or m.get("value") is None:
         return "-"
     lo, hi = (m.get("ci") or [None, None])[:2]
-    return _fmt(m["value"]) + (f" [{_fmt(lo, 2)}, {_fmt(hi, 2)}]" if lo is not None and hi is not None else "")
+    text = _fmt(m["value"]) + (f" [{_fmt(lo, 2)}, {_fmt(hi, 2)}]" if lo is not None and hi is not None else "")
+    return text + (f" (n={m['n']})" if m.get("n") is not None else "")
 
 
 def _control_text(m: dict | None, *names: str) -> str:
-    """'name value' of the named controls (default: the primary one) of a metric entry."""
+    """'name value' of the named controls (default: the primary one) of a typed metric."""
     if not m:
         return "-"
     controls = m.get("controls") or {}
-    if not names:
-        primary = m.get("control") or {}
-        return f"{primary.get('name')} {_fmt(primary.get('value'))}" if primary else "-"
+    names = names or ((m["control"],) if m.get("control") else ())
     return ", ".join(f"{n} {_fmt(controls[n].get('value'))}" for n in names if n in controls) or "-"
 
 
 def selected_rows(report: dict) -> list[list]:
-    """Per relation and decoder: test numbers at the layers chosen on validation (``analyses.selected``)."""
+    """Per relation and decoder, at the layers chosen on validation (``analyses.relations.R.selected``): test
+    faithfulness and causality with n, interval and every control."""
     rows = []
     for name, rel in ((report.get("analyses") or {}).get("relations") or {}).items():
         for method, sel in (rel.get("selected") or {}).items():
-            rows.append([source_name(report), name, method, sel.get("layer"), _with_ci(sel.get("faithfulness")),
-                         _control_text(sel.get("faithfulness")), sel.get("causality_layer"),
-                         _with_ci(sel.get("causality")), _control_text(sel.get("causality"))])
+            at = lambda layer, key: ((rel.get("layers") or {}).get(str(layer)) or {}).get(method, {}).get(key)
+            faith = at(sel.get("layer"), "faithfulness")
+            causal = at(sel.get("causality_layer"), "causality") if sel.get("causality_layer") is not None else None
+            rows.append([source_name(report), name, method, sel.get("layer"), _with_ci(faith),
+                         _control_text(faith, *(faith or {}).get("controls", {})), sel.get("causality_layer"),
+                         _with_ci(causal), _control_text(causal, *(causal or {}).get("controls", {}))])
     return rows
 
 
@@ -341,16 +460,16 @@ def superposition_rows(report: dict) -> list[list]:
         acc = _mean([m["value"] for m in readout])
         acc_shuffled = _mean([m["controls"]["shuffled"]["value"] for m in readout
                              if (m.get("controls") or {}).get("shuffled", {}).get("value") is not None])
-        swap = entry.get("swap") or {}
+        scales = (entry.get("swap") or {}).get("by_scale") or []
+        fitted = scales[0] if scales else {}
         rows.append([source_name(report), int(layer), _with_ci(entry.get("r2")),
                      _control_text(entry.get("r2"), "shuffled", "random_init"), acc, acc_shuffled,
-                     _with_ci(swap.get("success")) if swap.get("success") else "not run at this layer",
-                     _control_text(swap.get("success"), "random_direction") if swap.get("success") else "-",
-                     _with_ci(swap.get("others_unchanged")) if swap.get("others_unchanged") else "-",
+                     _with_ci(fitted["success"]) if fitted else "not run at this layer",
+                     _control_text(fitted.get("success"), "random_direction") if fitted else "-",
+                     _with_ci(fitted["others_unchanged"]) if fitted else "-",
                      "; ".join(f"x{b['scale']:g}: {_fmt(b['success']['value'], 2)} "
-                               f"({_fmt(b['success']['control']['value'], 2)}) / "
-                               f"{_fmt(b['others_unchanged']['value'], 2)}" for b in swap.get("by_scale") or [])
-                     or "-"])
+                               f"({_fmt(b['success']['controls']['random_direction']['value'], 2)}) / "
+                               f"{_fmt(b['others_unchanged']['value'], 2)}" for b in scales) or "-"])
     return rows
 
 
@@ -388,9 +507,10 @@ def summary_tables(reports: list[dict], rows: list[dict]) -> list[tuple[str, lis
                        ["source", "relation", "facts", "known rate"], known))
     selected = [row for report in reports for row in selected_rows(report)]
     if selected:
-        tables.append(("Linear relation decoders at the layer chosen on validation (test subjects; value [95% CI])",
-                       ["source", "relation", "decoder", "layer", "faithfulness", "control", "causality layer",
-                        "causality", "control"], selected))
+        tables.append(("Linear relation decoders at the layer chosen on validation (fixed test subjects; value "
+                       "[95% CI] (n test items); causality = the reference edit W^+ (o_t - o_s))",
+                       ["source", "relation", "decoder", "layer", "faithfulness", "controls", "causality layer",
+                        "causality", "controls"], selected))
     superposition = [row for report in reports for row in superposition_rows(report)]
     if superposition:
         tables.append(("Superposition readouts of relation-free subject states, per layer (cross-fitted)",
@@ -426,7 +546,7 @@ def render_html(reports: list[dict], title: str, extra_images: list[tuple[str, s
     figures = [(f"{metric} by depth", uri) for metric, uri in layer_figures(rows)]
     figures += [(caption, uri) for caption, uri in (
         ("Pretrained vs synthetic controls: readout accuracy and R^2", comparison_figure(reports)),
-        ("Capacity of the matched controls", capacity_figure(reports)),
+        (controls_caption(reports), capacity_figure(reports)),
         ("MLP ablations of the matched controls", ablation_figure(reports))) if uri]
     for caption, uri in figures:
         parts.append(f"<h2>{html.escape(caption)}</h2><img alt='{html.escape(caption)}' src='{uri}'>")
@@ -465,9 +585,10 @@ def export(report_dir: str | Path, formats: tuple[str, ...] = ("html", "md", "cs
 
 
 def with_controls(reports: list[dict]) -> list[dict]:
-    """The reports followed by the matched synthetic controls inside them (each a source of its own)."""
-    return list(reports) + [dict(c, schema_version=r["schema_version"], _path=r.get("_path"))
-                            for r in reports for c in r.get("controls") or []]
+    """The reports followed by the matched synthetic controls inside them (each trained point a source of its own,
+    see :func:`control_sources`)."""
+    return list(reports) + [dict(c, _path=r.get("_path")) for r in reports
+                            for c in control_sources(r.get("controls"), r["schema_version"])]
 
 
 def label_apart(reports: list[dict]) -> list[dict]:
@@ -483,6 +604,33 @@ def label_apart(reports: list[dict]) -> list[dict]:
         for index, (report, folder) in enumerate(zip(group, folders), 1):
             report["_label"] = f"{name} ({folder})" if folders.count(folder) == 1 else f"{name} ({folder} #{index})"
     return reports
+
+
+def control_sources(block: dict | list | None, schema_version: int | None = None) -> list[dict]:
+    """One synthetic source per trained control point of a report's controls block, in the per-source layout the
+    tables and figures read (``analyses.superposition.layers["0"]``, ``analyses.selector``, ``train``,
+    ``threshold``). A list (reports written before the block existed) is passed through."""
+    if not block:
+        return []
+    if isinstance(block, list):
+        return [dict(c, schema_version=schema_version) for c in block]
+    out = []
+    for mode, entry in (block.get("modes") or {}).items():
+        threshold = entry.get("threshold") or {}
+        for point in entry.get("points") or []:
+            d = point["d"]
+            label = f"synthetic {mode} d={d}" + (" (d*)" if d == threshold.get("d_star") else "")
+            out.append({
+                "schema_version": schema_version, "kind": "synthetic", "label": label,
+                "model": {"name": label, "architecture": "FactRecallModel (one layer)", "n_layers": 1,
+                          "d_model": d, "d_mlp": point.get("d_mlp"), "frozen_subjects": mode == "frozen"},
+                "matched_to": block.get("table"), "threshold": threshold, "train": point.get("train") or {},
+                "analyses": {"superposition": {"place": block.get("place"),
+                                               "layers": {"0": {"r2": point.get("r2"),
+                                                                "readout": point.get("readout") or {}}}},
+                             "selector": point.get("selector") or {}},
+                "wall_seconds": point.get("wall_seconds")})
+    return out
 
 
 def compare(report_dirs: list[str | Path], out: str | Path, formats: tuple[str, ...] = ("html", "md", "csv"),

@@ -4,17 +4,25 @@ import json
 
 import pytest
 
+from llmprobe.metric import Metric
+from llmprobe.probe import REPORT_SCHEMA_VERSION
 from llmprobe.report import compare, export, load_report, metric_rows
+
+
+def _typed(value, controls=None, half=0.05):
+    """A typed metric (JSON form) with n=10 and the named controls."""
+    def one(v):
+        return Metric(v, (v - half, v + half), 10, "wilson")
+    return one(value).with_controls({k: one(v) for k, v in (controls or {}).items()}).to_dict()
 
 
 def _report(tmp_path, name, relation="capital<script>", known=0.5):
     report = {
-        "schema_version": 1, "kind": "pretrained", "model": {"name": name, "n_layers": 5, "architecture": "X"},
+        "schema_version": REPORT_SCHEMA_VERSION, "kind": "pretrained",
+        "model": {"name": name, "n_layers": 5, "architecture": "X"},
         "relations": {relation: {"n_facts": 10, "n_known": int(10 * known), "known_rate": known}},
         "analyses": {"relations": {relation: {"layers": {
-            str(layer): {"lre": {"faithfulness": {"value": 0.1 * layer, "ci": [0.1 * layer - 0.05, 0.1 * layer + 0.05],
-                                                  "control": {"name": "shuffled", "value": 0.1}}}}
-            for layer in (0, 2, 4)}}}},
+            str(layer): {"lre": {"faithfulness": _typed(0.1 * layer, {"shuffled": 0.1})}} for layer in (0, 2, 4)}}}},
         "errors": ["fact ('<b>x</b>', 'y') skipped"],
     }
     folder = tmp_path / name.replace("/", "_")
@@ -69,24 +77,23 @@ def test_bad_inputs_are_named(tmp_path):
 
 
 def _metric(value, shuffled=0.0):
-    return {"value": value, "ci": [value - 0.1, value + 0.1], "control": {"name": "shuffled", "value": shuffled},
-            "controls": {"shuffled": {"value": shuffled, "ci": [0.0, 0.0]}}}
+    return _typed(value, {"shuffled": shuffled}, half=0.1)
 
 
 def test_run_page_shows_selected_layers_controls_capacity_and_ablations(tmp_path):
     """The validation-selected layer (not the best test layer) is what the decoder table shows; a run with
     matched controls gets the pretrained-vs-synthetic bars, the capacity curve and the ablation heatmaps."""
-    layers = {str(l): {"lre": {"faithfulness": _metric(v)}} for l, v in ((0, 0.9), (2, 0.4))}
+    layers = {str(l): {"lre": {"faithfulness": _metric(v), "causality": _metric(v - 0.1)}} for l, v in ((0, 0.9), (2, 0.4))}
     pretrained = {
-        "schema_version": 1, "kind": "pretrained", "model": {"name": "m", "n_layers": 3},
+        "schema_version": REPORT_SCHEMA_VERSION, "kind": "pretrained", "model": {"name": "m", "n_layers": 3},
         "relations": {"capital": {"n_facts": 10, "n_known": 5, "known_rate": 0.5}},
         "analyses": {"relations": {"capital": {"layers": layers, "selected": {"lre": {
-            "layer": 2, "faithfulness": _metric(0.4), "causality_layer": 2, "causality": _metric(0.3)}}}},
+            "layer": 2, "causality_layer": 2}}}},
                      "superposition": {"layers": {"1": {"r2": _metric(0.2), "readout": {"capital": _metric(0.5)}}}}},
         "errors": [],
     }
     control = {
-        "schema_version": 1, "kind": "synthetic", "label": "synthetic trainable d=4 (d*)",
+        "schema_version": REPORT_SCHEMA_VERSION, "kind": "synthetic", "label": "synthetic trainable d=4 (d*)",
         "model": {"name": "synthetic trainable d=4 (d*)", "d_model": 4, "frozen_subjects": False},
         "threshold": {"d_star": 4, "tried": [{"d": 3, "success": False, "accuracy": 0.8, "steps": 10},
                                              {"d": 4, "success": True, "accuracy": 1.0, "steps": 9}]},
@@ -108,6 +115,6 @@ def test_run_page_shows_selected_layers_controls_capacity_and_ablations(tmp_path
         assert caption in page
     text = (tmp_path / "out" / "report.md").read_text()
     selected = [line for line in text.splitlines() if line.startswith("| m | capital | lre")]
-    assert selected == ["| m | capital | lre | 2 | 0.400 [0.30, 0.50] | shuffled 0.000 | 2 | 0.300 [0.20, 0.40] | "
-                        "shuffled 0.000 |"]
-    assert "| synthetic trainable d=4 (d*) | 4 | 4 | 1.000 | 9 | 1.5 | 0.700 [0.60, 0.80] |" in text
+    assert selected == ["| m | capital | lre | 2 | 0.400 [0.30, 0.50] (n=10) | shuffled 0.000 | 2 | "
+                        "0.300 [0.20, 0.40] (n=10) | shuffled 0.000 |"]
+    assert "| synthetic trainable d=4 (d*) | 4 | 4 | 1.000 | 9 | 1.5 | 0.700 [0.60, 0.80] (n=10) |" in text
