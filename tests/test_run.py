@@ -1,12 +1,12 @@
-"""The main job: matched synthetic controls, the end-to-end run on a tiny model, compare and report commands."""
+"""The main job: the known-fact table of the matched controls (the controls themselves: test_controls.py), the
+end-to-end run on a tiny model, compare and report commands."""
 import json
 
 import pytest
 
 from llmprobe.cli import main
-from llmprobe.datasets import FactTable, Relation, load_relations
 from llmprobe.known import FactResult
-from llmprobe.run import known_table, train_controls
+from llmprobe.run import known_table
 from tiny_models import save_tiny
 
 
@@ -22,29 +22,6 @@ def test_known_table_keeps_only_known_facts():
     assert table.relations == ["capital", "continent"] and dropped == ["demonym (0 known)"]
     with pytest.raises(ValueError, match="no relation has 2 or more known facts"):
         known_table({}, known, min_facts=2)
-
-
-def test_matched_controls_reach_threshold_and_beat_their_controls():
-    relations = load_relations(["country_capital", "country_continent", "country_language"])
-    relations = [Relation(r.name, r.templates, r.neutral_templates, r.facts[:20], r.properties) for r in relations]
-    controls = train_controls(FactTable.from_relations(relations), d_model=16, at_model_width=False,
-                              progress=lambda *_: None)
-    assert [c["model"]["frozen_subjects"] for c in controls] == [False, True]
-    trainable = controls[0]
-    assert trainable["train"]["accuracy"] == 1.0 and trainable["threshold"]["d_star"] is not None
-    tried = {t["d"]: t for t in trainable["threshold"]["tried"]}
-    d_star = trainable["threshold"]["d_star"]
-    assert tried[d_star]["success"] and tried[d_star]["accuracy"] == 1.0
-    assert not any(t["success"] for d, t in tried.items() if d < d_star)
-    assert all(t["accuracy"] < 1.0 for d, t in tried.items() if d < d_star)
-    r2 = trainable["analyses"]["superposition"]["layers"]["0"]["r2"]
-    assert r2["value"] > r2["controls"]["shuffled"]["value"] + 0.3
-    assert r2["value"] > r2["controls"]["random_init"]["value"] + 0.3
-    assert trainable["train"]["bits_per_param"] > 0
-    selector = trainable["analyses"]["selector"]        # MLP ablations: R x R drops, beside random units
-    R = len(selector["relations"])
-    assert R == 3 and len(selector["ablation_drop"]) == R and len(selector["random_ablation_drop"][0]) == R
-    assert selector["base_accuracy"] == [1.0] * R
 
 
 def test_run_end_to_end_on_tiny_model_and_compare(tmp_path):

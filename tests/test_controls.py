@@ -1,0 +1,93 @@
+"""Matched synthetic controls (``synthetic.controls``): the threshold on a real fact table, the width curve, the
+controls block, its expansion into report sources, and the curve figure against a pretrained reference."""
+import pytest
+
+from llmprobe.datasets import FactTable, Relation, load_relations
+from llmprobe.metric import Metric, is_metric
+from llmprobe.report import (capacity_figure, control_sources, controls_caption, pooled_readout, render_markdown,
+                             with_controls)
+from synthetic.controls import curve_widths, train_controls
+
+
+@pytest.fixture(scope="module")
+def table():
+    """30 countries x capital, continent, subregion (trainable d* = 3, frozen d* = 4 at a 600-step cap)."""
+    relations = load_relations(["country_capital", "country_continent", "country_subregion"])
+    return FactTable.from_relations([Relation(r.name, r.templates, r.neutral_templates, r.facts[:30], r.properties)
+                                     for r in relations])
+
+
+@pytest.fixture(scope="module")
+def block(table):
+    return train_controls(table, d_model=24, max_steps=600, progress=lambda *_: None, n_boot=200)
+
+
+def test_curve_widths():
+    assert curve_widths(5, 64) == [5, 10, 20, 40, 64]
+    assert curve_widths(8, 64) == [8, 16, 32, 64]
+    assert curve_widths(5, 64, at_model_width=False) == [5]
+    assert curve_widths(None, 64) == [64] and curve_widths(64, 64) == [64]
+
+
+def test_threshold_on_a_table_is_confirmed_with_a_second_initialisation(block):
+    for entry in block["modes"].values():
+        threshold = entry["threshold"]
+        d_star = threshold["d_star"]
+        assert d_star is not None and threshold["exact"]
+        below = [t for t in threshold["tried"] if t["d"] == d_star - 1]
+        assert [t["init"] for t in below] == [0, 1] and not any(t["success"] or t["accuracy"] == 1.0 for t in below)
+        assert not any(t["success"] for t in threshold["tried"] if t["d"] < d_star)
+        assert all(t["success"] and t["accuracy"] == 1.0 for t in threshold["tried"] if t["d"] == d_star)
+
+
+def test_controls_block_is_a_curve_of_typed_metrics(block, table):
+    assert set(block["modes"]) == {"trainable", "frozen"}
+    assert block["table"]["n_subjects"] == len(table.subjects) and block["table"]["relations"] == table.relations
+    assert f"{len(table.subjects)} subjects x 3 relations" in block["compared_with"]
+    for mode, entry in block["modes"].items():
+        d_star = entry["threshold"]["d_star"]
+        ds = [p["d"] for p in entry["points"]]
+        assert ds == curve_widths(d_star, 24) and ds[-1] == 24
+        assert [p["d_over_dstar"] for p in entry["points"]] == [round(d / d_star, 3) for d in ds]
+        for p in entry["points"]:
+            assert p["train"]["accuracy"] == 1.0
+            assert is_metric(p["r2"]) and set(p["r2"]["controls"]) == {"shuffled", "random_init"}
+            assert p["r2"]["n"] == len(table.subjects) and p["r2"]["ci"][0] <= p["r2"]["value"] <= p["r2"]["ci"][1]
+            assert set(p["readout"]) == set(table.relations)
+            for m in p["readout"].values():
+                assert m["interval"] == "wilson" and m["ci"][0] < m["ci"][1] and 0 < m["n"] <= len(table.subjects)
+                assert set(m["controls"]) == {"shuffled", "random_init"}
+            assert p["selector"]["base_accuracy"] == [1.0] * 3 and len(p["selector"]["ablation_drop"]) == 3
+    trainable = block["modes"]["trainable"]["points"][0]           # at d*: the facts are readable from e_s
+    assert trainable["r2"]["value"] > trainable["r2"]["controls"]["shuffled"]["value"] + 0.3
+    assert trainable["r2"]["value"] > trainable["r2"]["controls"]["random_init"]["value"] + 0.3
+    assert trainable["readout_mean"]["value"] > trainable["readout_mean"]["controls"]["shuffled"]["value"] + 0.25
+
+
+def test_pooled_readout_weights_relations_by_their_facts():
+    a = Metric(1.0, (0.8, 1.0), 30, "wilson").with_controls({"shuffled": Metric(0.1, (0.0, 0.3), 30, "wilson")})
+    b = Metric(0.5, (0.3, 0.7), 10, "wilson").with_controls({"shuffled": Metric(0.3, (0.1, 0.6), 10, "wilson")})
+    pooled = pooled_readout({"a": a.to_dict(), "b": b.to_dict()})
+    assert pooled["value"] == pytest.approx(35 / 40) and pooled["n"] == 40
+    assert pooled["ci"][0] < 35 / 40 < pooled["ci"][1]
+    assert pooled["controls"]["shuffled"]["value"] == pytest.approx(6 / 40) and pooled["control"] == "shuffled"
+    assert pooled_readout({}) is None
+
+
+def test_report_sources_and_curve_figure(block):
+    metric = lambda v: Metric(v, (v - 0.05, v + 0.05), 60, "bootstrap").to_dict()   # noqa: E731
+    pretrained = {"schema_version": 1, "kind": "pretrained", "model": {"name": "tiny", "n_layers": 4},
+                  "analyses": {"superposition": {"layers": {"1": {"r2": metric(0.10), "readout": {}},
+                                                            "2": {"r2": metric(0.17), "readout": {}}}}},
+                  "controls": block}
+    sources = with_controls([pretrained])
+    n_points = sum(len(e["points"]) for e in block["modes"].values())
+    assert len(sources) == 1 + n_points and len(control_sources(block, 1)) == n_points
+    star = [s for s in sources[1:] if s["label"].endswith("(d*)")]
+    assert len(star) == 2 and all(s["analyses"]["superposition"]["layers"]["0"]["r2"] for s in star)
+    caption = controls_caption(sources)
+    assert "layer 2 of tiny" in caption and "highest" in caption and block["compared_with"] in caption
+    assert capacity_figure(sources).startswith("data:image/png;base64,")
+    assert "synthetic frozen d=24" in render_markdown(sources, "t")
+    old = [dict(s, threshold={"d_star": 4, "tried": [{"d": 4, "accuracy": 1.0}]}) for s in star]
+    assert len(control_sources(old, 1)) == 2                     # reports written before the block: passed through
