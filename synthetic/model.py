@@ -192,7 +192,8 @@ class FactRecallModel(nn.Module):
 
     def loss(self, input_ids: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
              chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean cross-entropy over all targets [b, k] and the number of correct argmax predictions."""
+        """Mean cross-entropy over all targets [b, k] and the number of correct predictions (strict argmax: the
+        target is the unique maximum, a tie counts as wrong)."""
         h = self.final_states(input_ids, positions).reshape(-1, self.config.d_model)
         return softmax_cross_entropy(h, self.unembed_weight, self.unembed_bias, targets.reshape(-1), chunk)
 
@@ -229,8 +230,10 @@ class _SoftmaxCE(torch.autograd.Function):
             del logits
             rows = torch.arange(hc.shape[0], device=h.device)
             pt = p[rows, yc]
-            # correct = the target's probability is the row maximum (amax is vectorised; argmax is ~10x slower)
-            correct += (pt >= p.amax(1)).sum()
+            # correct = the target's probability is the row's *unique* maximum: a tie is not correct (strict argmax;
+            # amax and a count are vectorised, argmax is ~10x slower)
+            top = p.amax(1, keepdim=True)
+            correct += ((pt >= top[:, 0]) & ((p == top).sum(1) == 1)).sum()
             loss -= pt.clamp_min(1e-30).log().sum().double()
             p[rows, yc] -= 1.0
             if gh is not None:

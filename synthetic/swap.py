@@ -65,7 +65,8 @@ def with_subjects(model: FactRecallModel, embeddings: torch.Tensor) -> FactRecal
 def train_subjects(model: FactRecallModel, task: FactTask, steps=DEFAULT_STEPS, lr: float = 0.01) -> dict:
     """Train only ``model.subject_embed`` on ``task`` (full batch, Adam, constant lr); accuracy at each step count
     in ``steps`` (0 = zero-shot) and ``steps_to_100`` (first step at which every fact is the argmax, None if not
-    within max(steps))."""
+    within max(steps)). Accuracy is strict argmax: a fact counts only when its answer is the *unique* top logit (a
+    tie, e.g. of embeddings that carry nothing, is wrong)."""
     data = task.data()
     opt = torch.optim.Adam([model.subject_embed], lr=lr, betas=(0.9, 0.98))
     want = sorted(set(int(s) for s in steps))

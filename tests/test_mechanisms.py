@@ -101,6 +101,19 @@ def test_freeze_and_swap_zero_shot_beats_random_init(task, trainable):
     assert all(torch.equal(fresh.table[:, r].sort().values, task.table[:, r].sort().values) for r in range(R))
 
 
+def test_freeze_and_swap_scores_a_tie_as_wrong(task, trainable):
+    """Zero subject embeddings and a zero MLP: every answer's logits tie (up to the unembedding bias, zeroed too), so
+    strict argmax scores 0, where counting ties as correct (``pt >= max``) scored 1.0."""
+    from synthetic.swap import train_subjects, with_subjects
+
+    model = with_subjects(trainable, torch.zeros_like(trainable.subject_embed))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p is not model.subject_embed:
+                p.zero_()
+    assert train_subjects(model, task, steps=(0,))["accuracy"][0] == 0.0
+
+
 def test_cot_solves_two_hop_where_direct_does_not():
     cfg = TrainConfig(lr=0.03, max_steps=800, schedule="constant", progress=False)
     accs = {}

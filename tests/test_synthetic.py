@@ -128,6 +128,18 @@ def test_fused_cross_entropy_matches_torch():
     assert int(correct) == int(((h @ w.T).argmax(1) == y).sum())
 
 
+def test_a_tie_is_not_correct():
+    """Strict argmax: with identical unembedding rows every logit ties, and no prediction counts as correct."""
+    h = torch.randn(6, 4)
+    y = torch.tensor([0, 1, 2, 0, 1, 2])
+    _, correct = softmax_cross_entropy(h, torch.ones(3, 4), None, y, chunk=4)
+    assert int(correct) == 0
+    w = torch.tensor([[1.0, 0, 0, 0], [1.0, 0, 0, 0], [0, 1.0, 0, 0]])    # outputs 0 and 1 tie, 2 is apart
+    _, correct = softmax_cross_entropy(torch.tensor([[1.0, 0, 0, 0], [0, 1.0, 0, 0]]), w, None,
+                                       torch.tensor([0, 2]))
+    assert int(correct) == 1                                                # only the untied row is right
+
+
 # ----------------------------------------------------------------------------- training
 def test_small_run_reaches_100_percent():
     task = random_bijections(64, 2, seed=0)
