@@ -6,7 +6,7 @@ with the run's own architecture and training settings, and measures all of them 
 * ``trainable``: the run itself.
 * ``frozen``: subject embeddings frozen at random init (the paper's frozen-embedding control; the unembedding still
   learns).
-* ``key_value``: subject embeddings *and* unembedding frozen at random init (the associative memory of earlier
+* ``frozen_all``: subject embeddings *and* unembedding frozen at random init (the associative memory of earlier
   work: only the MLP and relation embeddings learn, so the MLP must store the facts).
 * ``untrained``: the same architecture at a fresh init (readout control only).
 
@@ -40,7 +40,7 @@ from .tasks import FactTask, KHopTask, random_bijections
 from .train import STATE, TrainConfig, load_run, train
 
 ANALYSIS = "analysis.json"
-CONTROLS = ("frozen", "key_value")
+CONTROLS = ("frozen", "frozen_all")
 PLOTS = ("readout", "selector", "ablation", "swap")
 
 # Defaults of a run trained by ``analyze`` itself: past 100% with a small weight decay, which removes the random
@@ -51,7 +51,7 @@ DEFAULT_TRAIN = {"lr": 0.03, "max_steps": 1000, "weight_decay": 1e-4, "target_ac
 def control_config(config: ModelConfig, kind: str) -> ModelConfig:
     """The run's architecture with the control's frozen parts."""
     flags = {"frozen": {"frozen_subjects": True},
-             "key_value": {"frozen_subjects": True, "frozen_unembed": True}}[kind]
+             "frozen_all": {"frozen_subjects": True, "frozen_unembed": True}}[kind]
     return ModelConfig.from_dict({**config.to_dict(), **flags})
 
 
@@ -127,7 +127,7 @@ def analyze(run_dir: str, *, controls=CONTROLS, swap: bool = True, n_boot: int =
     log("logit attribution (own vs cross-relation components)")
     result["logit_attribution"] = {}
     for name, m in models.items():
-        if name == "key_value":
+        if name == "frozen_all":
             continue                  # no superposition to attribute (R^2 ~ 0): the split is meaningless
         result["logit_attribution"][name] = mech.logit_attribution(m, task, seed=seed)
 
@@ -220,9 +220,9 @@ def make_plots(run_dir: str, result: dict, unit_stats: dict, img_dir: str | None
             shutil.copyfile(path, os.path.join(img_dir, f"mech_{name}.png"))
 
     sup = result["superposition"]
-    conds = [c for c in ("real", "shuffled", "frozen", "key_value", "untrained") if c in sup["report"]["conditions"]]
+    conds = [c for c in ("real", "shuffled", "frozen", "frozen_all", "untrained") if c in sup["report"]["conditions"]]
     labels = {"real": "trainable", "shuffled": "trainable,\nshuffled table", "frozen": "frozen subj.",
-              "key_value": "key-value\n(frozen subj.+unemb.)", "untrained": "untrained"}
+              "frozen_all": "frozen_all\n(frozen subj.+unemb.)", "untrained": "untrained"}
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
     rel_names = sup["report"]["settings"]["relations"]
     width = 0.8 / max(1, len(rel_names))
@@ -292,7 +292,7 @@ def make_plots(run_dir: str, result: dict, unit_stats: dict, img_dir: str | None
 
     if "swap" in result:
         fig, ax = plt.subplots(figsize=(6.5, 4))
-        colors = {"trainable": "tab:blue", "frozen": "tab:orange", "key_value": "tab:purple"}
+        colors = {"trainable": "tab:blue", "frozen": "tab:orange", "frozen_all": "tab:purple"}
         styles = {"swap": "-", "random_init": "--", "random_matched": ":"}
         for name, sw in result["swap"].items():
             for cond in ("swap", "random_init", "random_matched"):
@@ -323,12 +323,12 @@ def add_analyze_parser(synth_subparsers) -> None:
     p = synth_subparsers.add_parser(
         "analyze", help="mechanisms of a trained run: readouts, selector, freeze-and-swap, with controls",
         description="Superposition readouts of e_s, MLP selector interventions and freeze-and-swap for the run in "
-                    "RUN_DIR, beside frozen-embedding and key-value controls trained on the same table. Writes "
+                    "RUN_DIR, beside the frozen and frozen_all controls trained on the same table. Writes "
                     "RUN_DIR/analysis.json, analysis.md and plots. An empty RUN_DIR is trained first "
                     "(--subjects, --relations, --d).")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--controls", default=",".join(CONTROLS),
-                   help="comma list of frozen,key_value ('' = none; default %(default)s)")
+                   help="comma list of frozen,frozen_all ('' = none; default %(default)s)")
     p.add_argument("--no-swap", action="store_true", help="skip freeze-and-swap")
     p.add_argument("--swap-steps", default="0,10,25,50,100", help="step counts to report (default %(default)s)")
     p.add_argument("--swap-lr", type=float, default=0.03)

@@ -1,5 +1,5 @@
-"""``llmprobe synth train|sweep|construct|bounds`` (the lead wires :func:`add_parser` into ``llmprobe/cli.py``;
-another engineer adds ``synth analyze`` to the same group via :func:`add_subcommand`)."""
+"""``llmprobe synth train|sweep|construct|bounds`` (``llmprobe/cli.py`` wires :func:`add_parser` in; ``analyze``
+and ``multihop`` join the group through ``parser.synth_subparsers``)."""
 from __future__ import annotations
 
 import argparse
@@ -110,11 +110,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--bits-per-param", type=float, default=2.0)
     p.set_defaults(func=cmd_bounds)
     return synth
-
-
-def add_subcommand(synth_parser: argparse.ArgumentParser, name: str, **kw) -> argparse.ArgumentParser:
-    """Add another ``synth`` subcommand (e.g. ``analyze``) to the group made by :func:`add_parser`."""
-    return synth_parser.synth_subparsers.add_parser(name, **kw)
 
 
 # ----------------------------------------------------------------------------- commands

@@ -1,5 +1,6 @@
 """How a trained one-layer model recalls: superposition readouts of the subject embeddings and the MLP as a
-relation-conditioned selector, measured beside a key-value (frozen-embedding) control.
+relation-conditioned selector, measured beside the frozen_all control (subject embeddings and unembedding frozen at
+random init: an associative key-value memory).
 
 Everything here takes a trained :class:`synthetic.model.FactRecallModel` and its one-hop
 :class:`synthetic.tasks.FactTask` and returns plain, JSON-ready dicts.
@@ -26,7 +27,7 @@ Everything here takes a trained :class:`synthetic.model.FactRecallModel` and its
 3. **Logit attribution** (:func:`logit_attribution`): with r fixed the model is (nearly) linear in e_s; the right
    answer's logit splits into the queried relation's component and the other relations' components (the latter can
    only help on the table the attribute vectors were co-adapted with).
-4. :func:`key_numbers` / :func:`compare` lay several models (trainable, frozen, key-value) side by side.
+4. :func:`key_numbers` / :func:`compare` lay several models (trainable, frozen, frozen_all) side by side.
 """
 from __future__ import annotations
 

@@ -30,9 +30,9 @@ def trainable(task):
 
 
 @pytest.fixture(scope="module")
-def key_value(task, trainable):
+def frozen_all(task, trainable):
     model, info = train_control(task, trainable.config, TrainConfig(lr=0.03, max_steps=300, progress=False),
-                                "key_value")
+                                "frozen_all")
     assert info["accuracy"] == 1.0
     return model
 
@@ -47,18 +47,18 @@ def test_local_table_maps_global_ids_per_relation():
         assert torch.equal(t.relation_attributes(r)[A[:, r]], t.table[:, r])
 
 
-def test_readout_trainable_beats_key_value_and_shuffled(task, trainable, key_value):
-    out = M.superposition(trainable, task, controls={"key_value": key_value}, n_boot=50, max_edits=64)
+def test_readout_trainable_beats_frozen_all_and_shuffled(task, trainable, frozen_all):
+    out = M.superposition(trainable, task, controls={"frozen_all": frozen_all}, n_boot=50, max_edits=64)
     s = out["summary"]
     assert s["real"]["readout_acc"] > 0.5 and s["real"]["r2"] > 0.6
     assert s["shuffled"]["readout_acc"] < 0.1 and abs(s["shuffled"]["r2"]) < 0.05
-    assert s["key_value"]["readout_acc"] < 0.1 and abs(s["key_value"]["r2"]) < 0.05
+    assert s["frozen_all"]["readout_acc"] < 0.1 and abs(s["frozen_all"]["r2"]) < 0.05
     json.dumps(out)                                       # JSON-ready
     assert out["swap_edit"]["n_edits"] > 0
     assert out["swap_edit"]["success"] >= out["swap_edit"]["random_flip"]
 
 
-def test_selector_ablation_matrix_is_diagonal_dominant(task, trainable, key_value):
+def test_selector_ablation_matrix_is_diagonal_dominant(task, trainable, frozen_all):
     sel = M.selector(trainable, task)
     st = sel.pop("_unit_stats")
     assert st["rate"].shape == (R, trainable.config.d_mlp)
@@ -68,8 +68,8 @@ def test_selector_ablation_matrix_is_diagonal_dominant(task, trainable, key_valu
     gt = sel["gate_transplant"]
     assert gt["same_relation"] > 0.9 and gt["same_subject"] < 0.3
     assert sel["relation_patch"]["follows_new"] > 0.95
-    # the key-value model's gates are subject-specific
-    kv = M.selector(key_value, task)
+    # the frozen_all model's gates are subject-specific
+    kv = M.selector(frozen_all, task)
     assert kv["gate_transplant"]["same_relation"] < gt["same_relation"] - 0.3
     assert kv["relation_gating"]["mean"] < sel["relation_gating"]["mean"]
     json.dumps({k: v for k, v in sel.items()})
@@ -157,10 +157,10 @@ def test_analyze_writes_report(tmp_path):
     run = tmp_path / "run"
     spec = {"subjects": 24, "relations": 2, "d": 16, "d_mlp": 32,
             "train_config": TrainConfig(lr=0.03, max_steps=120, weight_decay=1e-4, target_acc=1.01, progress=False)}
-    res = analyze(str(run), controls=("key_value",), n_boot=20, swap_steps=(0, 5), img_dir=str(tmp_path / "img"),
+    res = analyze(str(run), controls=("frozen_all",), n_boot=20, swap_steps=(0, 5), img_dir=str(tmp_path / "img"),
                   train_spec=spec, progress=False)
     obj = json.loads((run / "analysis.json").read_text())
-    assert set(obj["table"]) == {"trainable", "key_value", "untrained"}
+    assert set(obj["table"]) == {"trainable", "frozen_all", "untrained"}
     assert obj["selector"]["trainable"]["ablation"]["n_rows"] == 2
     assert "swap" in obj and "logit_attribution" in obj
     for name in ("readout", "selector", "ablation", "swap"):
@@ -173,7 +173,7 @@ def test_analyze_writes_report(tmp_path):
 
 def test_control_config_freezes_parts(trainable):
     assert control_config(trainable.config, "frozen").frozen_subjects
-    kv = control_config(trainable.config, "key_value")
+    kv = control_config(trainable.config, "frozen_all")
     assert kv.frozen_subjects and kv.frozen_unembed and kv.d_model == trainable.config.d_model
 
 
@@ -187,7 +187,7 @@ def test_cli_registers_on_synth_group():
     parser = argparse.ArgumentParser(prog="llmprobe")
     synth = add_parser(parser.add_subparsers(dest="command"))
     add_analyze_parser(synth.synth_subparsers)
-    args = parser.parse_args(["synth", "analyze", "RUN", "--controls", "key_value", "-N", "16", "-R", "2",
+    args = parser.parse_args(["synth", "analyze", "RUN", "--controls", "frozen_all", "-N", "16", "-R", "2",
                               "--d", "8"])
     assert args.func is cmd_analyze and args.run_dir == "RUN" and args.subjects == 16
     args = parser.parse_args(["synth", "multihop", "--out", "X", "--hops", "1,2"])

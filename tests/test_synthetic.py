@@ -379,12 +379,12 @@ def test_bounds_by_hand():
 
 # ----------------------------------------------------------------------------- CLI
 def test_cli_train_and_parsers(tmp_path, capsys):
-    from synthetic.cli import add_parser, add_subcommand
+    from synthetic.cli import add_parser
 
     parser = argparse.ArgumentParser(prog="llmprobe")
     subs = parser.add_subparsers(dest="command")
     synth = add_parser(subs)
-    analyze = add_subcommand(synth, "analyze", help="placeholder")
+    analyze = synth.synth_subparsers.add_parser("analyze", help="placeholder")
     analyze.set_defaults(func=lambda a: "analyzed")
     out = str(tmp_path / "run")
     args = parser.parse_args(["synth", "train", "--subjects", "32", "--relations", "2", "--d", "12",
