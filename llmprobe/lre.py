@@ -1,6 +1,6 @@
 """Model side of the linear relation decoder (LRE, Hernandez et al. 2023): states, batched Jacobians, edits.
 
-Places (DESIGN.md section 2):
+Places (``docs/measures.md``):
 
 * ``h`` = ``blocks.{l}.resid_post`` at the subject's last token (the subject state at layer ``l``);
 * ``o`` = ``blocks.{L-1}.resid_post`` at the prompt's last token: the output of the *last block, before the final

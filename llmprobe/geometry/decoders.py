@@ -162,7 +162,7 @@ class LinearRelationDecoder(_DecoderScoring, BaseEstimator):
     ``W_`` [d_out, d_in], ``b_`` [d_out], ``operator_`` (a LinearRelationOperator), ``n_train_``.
 
     Bias choice: b_ = mean_i(o_i - W_ h_i) with W_ the *truncated* mean Jacobian (the operator's own W), and
-    independent of beta (as in DESIGN.md and Hernandez et al., where beta rescales only the slope). So at beta = 1
+    independent of beta (as in ``docs/measures.md`` and Hernandez et al., where beta rescales only the slope). So at beta = 1
     the operator is unbiased on the training rows. Hernandez et al. instead average the per-prompt biases
     o_i - J_i h_i with the untruncated J_i; the two agree when J is constant and rank is None.
     """
