@@ -87,19 +87,23 @@ def known_facts(lm, relation, template: str | None = None, max_new_tokens: int |
             for f, p, t in zip(relation.facts, prompts, texts)]
 
 
-def object_token_sequences(tokenizer, prompts: list[str], objects: list[str]) -> list[list[int]]:
-    """All tokens of each object as it follows its prompt (for full-sequence scoring).
+def object_split(tokenizer, prompt: str, obj: str, add_special_tokens: bool = False) -> tuple[list[int], int]:
+    """The tokens of ``prompt + " " + object`` and the index of the object's first token in them: the first token
+    that differs from the prompt's own tokenization (so tokenizers that merge the space into the word, or not,
+    are both handled). The one place objects are tokenized."""
+    base = tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+    full = tokenizer(prompt + " " + obj.strip(), add_special_tokens=add_special_tokens)["input_ids"]
+    cut = next((i for i, (a, b) in enumerate(zip(base, full)) if a != b), min(len(base), len(full)))
+    if cut >= len(full) or (add_special_tokens and cut == 0):
+        raise ValueError(f"object {obj!r} adds no token after prompt {prompt!r}")
+    return full, cut
 
-    Found as the tokens from the first one that differs between ``prompt`` and ``prompt + " " + object`` (so
-    tokenizers that merge the space into the word, or not, are both handled).
-    """
+
+def object_token_sequences(tokenizer, prompts: list[str], objects: list[str]) -> list[list[int]]:
+    """All tokens of each object as it follows its prompt (``object_split``)."""
     out = []
     for prompt, obj in zip(prompts, objects):
-        base = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        full = tokenizer(prompt + " " + obj.strip(), add_special_tokens=False)["input_ids"]
-        cut = next((i for i, (a, b) in enumerate(zip(base, full)) if a != b), len(base))
-        if cut >= len(full):
-            raise ValueError(f"object {obj!r} adds no token after prompt {prompt!r}")
+        full, cut = object_split(tokenizer, prompt, obj)
         out.append(full[cut:])
     return out
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from .capture import forward, patch
-from .known import first_token_ids
+from .known import first_token_ids, object_split
 from .subjects import encode
 
 __all__ = ["FIRST_TOKEN", "SEQUENCE", "SCORING_MODES", "first_token_targets", "first_token_collisions",
@@ -54,17 +54,8 @@ def attribute_token_ids(tokenizer, attributes: Sequence[str]) -> list[list[int]]
 
 def object_continuations(tokenizer, prompts: Sequence[str], objects: Sequence[str]) -> list[tuple[list[int], int]]:
     """For each (prompt, object): the token ids of ``prompt + " " + object`` (with the tokenizer's special
-    tokens) and the index of the object's first token in them (the first token that differs from the prompt's
-    own tokenization)."""
-    out = []
-    for prompt, obj in zip(prompts, objects):
-        base = tokenizer(prompt)["input_ids"]
-        full = tokenizer(prompt + " " + obj.strip())["input_ids"]
-        cut = next((i for i, (a, b) in enumerate(zip(base, full)) if a != b), min(len(base), len(full)))
-        if cut >= len(full) or cut == 0:
-            raise ValueError(f"object {obj!r} adds no scorable token after prompt {prompt!r}")
-        out.append((full, cut))
-    return out
+    tokens) and the index of the object's first token in them (``llmprobe.known.object_split``)."""
+    return [object_split(tokenizer, prompt, obj, add_special_tokens=True) for prompt, obj in zip(prompts, objects)]
 
 
 def sequence_logprobs(lm, templates: str | Sequence[str], subjects: Sequence[str], objects: Sequence[str], *,
