@@ -406,19 +406,28 @@ def fit_trend(points: list[tuple[int, int, int]], n_boot: int = 2000, seed: int 
     return out
 
 
+def _row_config(row: dict, cfg: SweepConfig | None) -> str:
+    """A row's training config key; rows written before configs were recorded belong to ``cfg``'s config when
+    their point key is the one ``cfg`` gives them, else they stay "unrecorded"."""
+    if "config" in row:
+        return row["config"]
+    if cfg is not None and row.get("key") == point_key(row["n_subjects"], row["n_relations"], row["seed"],
+                                                       row["mode"], row["d_model"], cfg, int(row.get("init", 0))):
+        return config_key(cfg)
+    return "unrecorded"
+
+
 def summarize(out_dir: str, cfg: SweepConfig | None = None, confirm: int = CONFIRM) -> dict:
     """Thresholds per cell, mean over seeds per (N, R, mode), the capacity fit with its trend (:func:`fit_trend`)
     per mode, bits per parameter at d*.
 
     Only rows of one training config are summarised: ``cfg``'s (:func:`config_key`), else the config with the
     most rows; the others are counted in ``other_configs``."""
-    all_rows = load_results(out_dir)
+    all_rows = [dict(r, config=_row_config(r, cfg)) for r in load_results(out_dir)]
     counts: dict[str, int] = {}
     for r in all_rows:
         counts[r.get("config", "unrecorded")] = counts.get(r.get("config", "unrecorded"), 0) + 1
     chosen = config_key(cfg) if cfg is not None else max(counts, key=counts.get, default=None)
-    if cfg is not None and chosen not in counts and set(counts) == {"unrecorded"}:
-        chosen = "unrecorded"              # a sweep written before configs were recorded: nothing to tell apart
     rows = [r for r in all_rows if r.get("config", "unrecorded") == chosen]
     th = thresholds(rows, confirm)
     d_max = cfg.d_max if cfg is not None else SweepConfig().d_max

@@ -344,8 +344,19 @@ def test_summarize_keeps_to_one_config(tmp_path):
                     "success": d >= t, "config": config_key(c), "bits_per_param": 1.0, "steps": 1,
                     "wall_time_s": 0.1, "accuracy": 1.0})
     assert summarize(str(tmp_path), cfg)["cells"][0]["d_star"] == [4]
+    # rows of a sweep older than recorded configs count for the config whose point key they carry
+    import synthetic.sweep as sw
+
+    for d in range(2, 9):
+        append_jsonl(str(tmp_path / "results.jsonl"), {
+            "n_subjects": 8, "n_relations": 2, "seed": 1, "mode": "trainable", "d_model": d, "success": d >= 5,
+            "key": sw.point_key(8, 2, 1, "trainable", d, cfg), "bits_per_param": 1.0, "steps": 1,
+            "wall_time_s": 0.1, "accuracy": 1.0})
+    th = summarize(str(tmp_path), cfg)["cells"][0]
+    assert th["d_star"] == [4] and th["upper_bounds"] == [5]         # one initialisation at d*-1: an upper bound
     summary = summarize(str(tmp_path), other)
-    assert summary["cells"][0]["d_star"] == [6] and summary["other_configs"] == {config_key(cfg): 14}
+    assert summary["cells"][0]["d_star"] == [6] and summary["other_configs"] == {config_key(cfg): 14,
+                                                                                "unrecorded": 7}
 
 
 # ----------------------------------------------------------------------------- construction and bounds
