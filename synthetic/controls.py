@@ -6,7 +6,8 @@ readout code, as a curve over width.
 
 1. finds the threshold width d* for each mode by the capacity sweep's public bisection
    (:func:`synthetic.sweep.find_threshold`: d* is exact only when d*-1 failed with two initialisations);
-2. trains the curve d*, 2 d*, 4 d*, ... below ``d_model``, and ``d_model`` itself (the pretrained model's width);
+2. trains the curve d*, 2 d*, 4 d*, ... up to ``d_model`` / 1.5, and ``d_model`` itself (the pretrained model's
+   width);
 3. measures every point as the pretrained subject states are measured: the superposition fit
    h_s ~ c + sum_r W_r u_{a_r(s)} (held-out R^2) and each relation's linear readout accuracy, through
    :func:`llmprobe.geometry.superposition_readout` on the subject embeddings e_s, with the shuffled-table and the
@@ -100,14 +101,15 @@ def find_threshold(task, mode: str, cfg, seed: int = 0) -> dict:
 
 
 def curve_widths(d_star: int | None, d_model: int, at_model_width: bool = True) -> list[int]:
-    """d*, 2 d*, 4 d*, ... below ``d_model``, then ``d_model`` itself (only d_model when d* is None; without
-    ``at_model_width`` only d*)."""
+    """d*, 2 d*, 4 d*, ... up to d_model / 1.5, then ``d_model`` itself (only d_model when d* is None; without
+    ``at_model_width`` only d*). A doubling within 1.5x of d_model is left out: it would cost as much as d_model
+    (the widest trainings dominate the controls' time) and sit next to it on the log axis."""
     if d_star is None:
         return [d_model]
     if not at_model_width:
         return [d_star]
     widths, d = [], d_star
-    while d < d_model:
+    while d < d_model and (d == d_star or 1.5 * d <= d_model):
         widths.append(d)
         d *= 2
     return widths + [d_model]

@@ -27,6 +27,7 @@ def test_curve_widths():
     assert curve_widths(8, 64) == [8, 16, 32, 64]
     assert curve_widths(5, 64, at_model_width=False) == [5]
     assert curve_widths(None, 64) == [64] and curve_widths(64, 64) == [64]
+    assert curve_widths(4, 576) == [4, 8, 16, 32, 64, 128, 256, 576]     # 512 is within 1.5x of 576: left out
 
 
 def test_threshold_on_a_table_is_confirmed_with_a_second_initialisation(block):
