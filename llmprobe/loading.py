@@ -49,6 +49,60 @@ class LoadedModel:
         return self.adapter.embed.weight.device
 
 
+def reinit_like(module: nn.Module, seed: int) -> nn.Module:
+    """The same architecture at a fresh random init, seeded: the random-init control of both worlds.
+
+    ``llmprobe.lre.random_like`` (a pretrained model, wrapped as a :class:`LoadedModel` with the original
+    tokenizer) and ``synthetic.mechanisms.untrained_like`` (a synthetic fact-recall model) both call this. Three
+    kinds of module, each re-initialised by its own init scheme:
+
+    * a ``transformers`` model: ``AutoModelForCausalLM.from_config(module.config)`` under ``seed``;
+    * a module built from a seeded dataclass config (``module.config.seed``, e.g. ``FactRecallModel``, which draws
+      its init from its own generator): ``type(module)(replace(module.config, seed=seed))``;
+    * any other module: a copy with every sub-module's ``reset_parameters()`` called under ``seed``. A parameter
+      that no ``reset_parameters`` covers would keep its trained value, so that is an error (ValueError).
+
+    The result is on the source's device and dtype, in eval mode; the global RNG state is left as it was."""
+    import copy
+    import dataclasses
+
+    param = next(module.parameters(), None)
+    config = getattr(module, "config", None)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if _is_transformers_model(module):
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_config(config)
+        elif dataclasses.is_dataclass(config) and hasattr(config, "seed"):
+            model = type(module)(dataclasses.replace(config, seed=seed))
+        else:
+            model = copy.deepcopy(module)
+            covered = set()
+            for sub in model.modules():
+                if hasattr(sub, "reset_parameters"):
+                    sub.reset_parameters()
+                    covered.update(id(p) for p in sub.parameters(recurse=False))
+            kept = [name for name, p in model.named_parameters() if id(p) not in covered]
+            if kept:
+                raise ValueError(f"cannot re-initialise {type(module).__name__}: no reset_parameters() covers "
+                                 f"{kept[:5]}{' ...' if len(kept) > 5 else ''} (they would keep their trained values)")
+    if param is not None:
+        model.to(param.device, param.dtype)
+    return model.eval()
+
+
+def _is_transformers_model(module: nn.Module) -> bool:
+    """(Without importing transformers: a module can only be one of its models once it is imported.)"""
+    import sys
+
+    if "transformers" not in sys.modules:
+        return False
+    from transformers import PreTrainedModel
+
+    return isinstance(module, PreTrainedModel)
+
+
 def cache_dir() -> Path:
     """Root of llmprobe's cache: ``$LLMPROBE_CACHE`` or the platform's user cache dir."""
     return Path(os.environ.get("LLMPROBE_CACHE") or platformdirs.user_cache_dir("llmprobe"))

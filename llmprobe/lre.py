@@ -448,26 +448,13 @@ def per_prompt_jacobians(lm, template: str | Sequence[str], subjects: Sequence[s
 
 # ------------------------------------------------------------------------------------------------- controls
 def random_like(lm, seed: int = 0):
-    """The same architecture with random weights (``AutoModelForCausalLM.from_config``, seeded), sharing the
-    tokenizer: the random-init control. The global RNG state is left as it was."""
-    import copy
-
-    from transformers import AutoModelForCausalLM, PreTrainedModel
-
+    """The same architecture with random weights (``llmprobe.loading.reinit_like``: ``from_config`` for a
+    transformers model, seeded), sharing the tokenizer, as a :class:`LoadedModel`: the random-init control. The
+    global RNG state is left as it was."""
     from .adapters import ModelAdapter
-    from .loading import LoadedModel
+    from .loading import LoadedModel, reinit_like
 
-    param = next(lm.model.parameters())
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        if isinstance(lm.model, PreTrainedModel):
-            model = AutoModelForCausalLM.from_config(lm.model.config)
-        else:  # any other module: a copy with every sub-module's reset_parameters() called
-            model = copy.deepcopy(lm.model)
-            for module in model.modules():
-                if hasattr(module, "reset_parameters"):
-                    module.reset_parameters()
-    model.to(param.device, param.dtype).eval().requires_grad_(False)
+    model = reinit_like(lm.model, seed).requires_grad_(False)
     info = {**lm.info, "name": f"{lm.info.get('name', 'model')} (random init, seed {seed})", "source": "random",
             "weights_hash": None}
     return LoadedModel(model, lm.tokenizer, ModelAdapter(model), info)

@@ -151,7 +151,7 @@ def analyze(run_dir: str, *, controls=CONTROLS, swap: bool = True, n_boot: int =
             row.update(mech.key_numbers(None, result["selector"][name]))
             se = sup.get(f"swap_edit_{name}")
             if se:
-                row["swap_edit_success"] = se["success"]
+                row["swap_edit_success"] = se["success"]["value"]
         la = result["logit_attribution"].get(name)
         if la:
             row["relation_operator_r2"] = sum(la["operator_r2"]) / len(la["operator_r2"])

@@ -39,9 +39,11 @@ from typing import Iterator
 import torch
 
 from llmprobe.capture import capture, patch
-from llmprobe.geometry import SuperpositionFit, kfold_indices, superposition_readout
+from llmprobe.geometry import SuperpositionFit, kfold_indices, random_direction_like, superposition_readout
+from llmprobe.loading import reinit_like
+from llmprobe.metric import proportion
 
-from .model import FactRecallModel, ModelConfig
+from .model import FactRecallModel
 from .tasks import FactTask
 
 HIDDEN = "blocks.0.mlp_hidden"
@@ -74,9 +76,10 @@ def local_table(task: FactTask) -> torch.Tensor:
 
 
 def untrained_like(model: FactRecallModel, seed_offset: int = 1) -> FactRecallModel:
-    """The same architecture at a fresh random init (the "random-init model" control)."""
-    cfg = ModelConfig.from_dict({**model.config.to_dict(), "seed": model.config.seed + seed_offset})
-    return FactRecallModel(cfg).eval()
+    """The same architecture at a fresh random init (the "random-init model" control): the model rebuilt from its
+    config with seed ``config.seed + seed_offset`` by :func:`llmprobe.loading.reinit_like`, the random-init helper
+    the pretrained control (:func:`llmprobe.lre.random_like`) uses too."""
+    return reinit_like(model, model.config.seed + seed_offset)
 
 
 def _one_hop(task: FactTask):
@@ -165,66 +168,70 @@ def swap_edits(model: FactRecallModel, task: FactTask, k: int = 5, seed: int = 0
     """Causal test of the superposition fit on held-out subjects.
 
     For each fold, fit e_s ~ c + sum_r W_r u_{a_r(s)} on the training subjects; for a held-out subject s and a
-    relation r pick a random a' != a_r(s) among r's attributes, patch e_s -> e_s + W_r (u_{a'} - u_{a_r(s)}) at
-    the subject position (``blocks.0.resid_pre``, position 0) and ask every relation. ``flip`` = fraction where
-    relation r now answers a'; ``others_kept`` = fraction of the other relations' answers unchanged;
-    ``success`` = both at once. ``random_flip``: the same edit with a random direction of the same norm.
+    relation r pick a random a' != a_r(s) among r's attributes, patch e_s -> e_s + W_r (u_{a'} - u_{a_r(s)})
+    (:meth:`SuperpositionFit.swap_edit`, the edit the pretrained swap uses) at the subject position
+    (``blocks.0.resid_pre``, position 0) and ask every relation. Items: the edits (n = ``n_edits``). ``flip`` =
+    fraction where relation r now answers a'; ``others_kept`` = fraction where every other relation still answers
+    its table answer; ``success`` = both at once. Each is a typed metric (:func:`llmprobe.metric.proportion`,
+    Wilson interval) with the control ``random_direction``: the same edits with a random direction of the same
+    norm (:func:`llmprobe.geometry.random_direction_like`, drawn from its own generator, so the edits do not depend
+    on it).
     """
     from llmprobe.geometry import ALPHA_GRID
 
     H, A, U = readout_inputs(model, task)
     N, R = A.shape
+    H64 = H.double()
     g = torch.Generator().manual_seed(seed + 17)
     folds = kfold_indices(N, k, seed)
     per_fold = max(1, max_edits // len(folds))
-    flips, kept, both, rflips = [], [], [], []
-    rel_ids = [task.relation_attributes(r) for r in range(R)]
+    n_attr_of = torch.tensor([U_r.shape[0] for U_r in U])
+    subjects, relations, new_attrs, deltas = [], [], [], []
     for train_idx, test_idx in folds:
         fit = SuperpositionFit(alpha=ALPHA_GRID if alpha is None else alpha).fit(H[train_idx], A[train_idx], U)
         subj = test_idx[torch.randperm(test_idx.numel(), generator=g)]
         rels = torch.randint(0, R, (subj.numel(),), generator=g)
-        n_attr_of = torch.tensor([U_r.shape[0] for U_r in U])
         keep = (A[subj, rels] >= 0) & (n_attr_of[rels] >= 2)          # something to swap to
         subj, rels = subj[keep][:per_fold], rels[keep][:per_fold]
         if subj.numel() == 0:
             continue
         new_local = torch.empty_like(subj)
         for i, (s, r) in enumerate(zip(subj.tolist(), rels.tolist())):
-            n_attr = U[r].shape[0]
-            a_new = int(torch.randint(0, n_attr - 1, (1,), generator=g))
+            a_new = int(torch.randint(0, int(n_attr_of[r]) - 1, (1,), generator=g))
             new_local[i] = a_new + (a_new >= int(A[s, r]))           # any attribute but the current one
-        delta = torch.zeros(subj.numel(), H.shape[1])
+        delta = torch.zeros(subj.numel(), H.shape[1], dtype=torch.float64)
         for r in rels.unique().tolist():
             rows = rels == r
-            A_old = A[subj[rows]]
-            A_new = A_old.clone()
-            A_new[:, r] = new_local[rows]
-            delta[rows] = (fit.component(A_new, r) - fit.component(A_old, r)).float()
-        rand = torch.randn(delta.shape, generator=g)
-        rand = rand / rand.norm(dim=1, keepdim=True) * delta.norm(dim=1, keepdim=True)
-        for d_vec, store in ((delta, "edit"), (rand, "random")):
-            # ask every relation of the edited subject: batch [n_edits * R]
-            ids = torch.stack([subj.repeat_interleave(R), torch.arange(R).repeat(subj.numel()) + N], 1)
-            with patch(model, RESID_PRE, torch.zeros(ids.shape[0], dtype=torch.long),
-                       delta=d_vec.repeat_interleave(R, 0)):
-                pred = _logits_last(model, ids, chunk=ids.shape[0]).view(-1, R)
-            target_new = torch.stack([rel_ids[r][a] for r, a in zip(rels.tolist(), new_local.tolist())])
-            asked = pred[torch.arange(subj.numel()), rels]
-            if store == "random":
-                rflips.append(asked == target_new)
-                continue
-            flip = asked == target_new
-            other = torch.ones(subj.numel(), R, dtype=torch.bool)
-            other[torch.arange(subj.numel()), rels] = False
-            table = task.table[subj]
-            same = (pred == table) | (table < 0)
-            kept_i = (same | ~other).all(1)
-            flips.append(flip)
-            kept.append(kept_i)
-            both.append(flip & kept_i)
-    cat = lambda xs: float(torch.cat(xs).double().mean()) if xs else float("nan")  # noqa: E731
-    return _round({"n_edits": int(sum(x.numel() for x in flips)), "flip": cat(flips), "others_kept": cat(kept),
-                   "success": cat(both), "random_flip": cat(rflips)})
+            h = H64[subj[rows]]
+            delta[rows] = fit.swap_edit(h, A[subj[rows]], r, new_local[rows]) - h
+        subjects.append(subj)
+        relations.append(rels)
+        new_attrs.append(new_local)
+        deltas.append(delta.float())
+    if not subjects:
+        return _round({"n_edits": 0, **{key: proportion([]).to_dict() for key in ("flip", "others_kept", "success")}})
+    subj, rels, new_local, delta = (torch.cat(x) for x in (subjects, relations, new_attrs, deltas))
+    n = subj.numel()
+    target_new = torch.stack([task.relation_attributes(r)[a] for r, a in zip(rels.tolist(), new_local.tolist())])
+    table = task.table[subj]
+    other = torch.ones(n, R, dtype=torch.bool)
+    other[torch.arange(n), rels] = False
+    ids = torch.stack([subj.repeat_interleave(R), torch.arange(R).repeat(n) + N], 1)   # every relation of s
+    scored = {}
+    for name, d_vec in (("edit", delta), ("random_direction",
+                                          random_direction_like(delta, torch.Generator().manual_seed(seed + 19)))):
+        with patch(model, RESID_PRE, torch.zeros(ids.shape[0], dtype=torch.long),
+                   delta=d_vec.repeat_interleave(R, 0)):
+            pred = _logits_last(model, ids, chunk=ids.shape[0]).view(n, R)
+        flip = pred[torch.arange(n), rels] == target_new
+        kept = (((pred == table) | (table < 0)) | ~other).all(1)
+        scored[name] = {"flip": flip, "others_kept": kept, "success": flip & kept}
+    out = {"n_edits": n}
+    for key in ("flip", "others_kept", "success"):
+        metric = proportion(scored["edit"][key].double().tolist())
+        out[key] = metric.with_controls({"random_direction": proportion(
+            scored["random_direction"][key].double().tolist())}).to_dict()
+    return _round(out)
 
 
 # -------------------------------------------------------------------------------------------------- 2. selector
@@ -508,8 +515,9 @@ def key_numbers(sup: dict | None, sel: dict | None) -> dict:
                     "shuffled_readout_acc": sup["summary"]["shuffled"]["readout_acc"],
                     "shuffled_r2": sup["summary"]["shuffled"]["r2"]})
         if "swap_edit" in sup:
-            out["swap_edit_success"] = sup["swap_edit"]["success"]
-            out["swap_edit_random_flip"] = sup["swap_edit"]["random_flip"]
+            se = sup["swap_edit"]
+            out["swap_edit_success"] = se["success"]["value"]
+            out["swap_edit_random_flip"] = se["flip"]["controls"]["random_direction"]["value"]
     if sel:
         out.update({"selectivity_index": sel["selectivity_index"]["mean"],
                     "relation_gating": sel["relation_gating"]["mean"],

@@ -7,7 +7,9 @@ fact table across subjects: for bijections, new random bijections onto the same 
 * ``swap``: e'_s = c + sum_r W_r u_{a'_r(s)}, with c and W_r from :class:`llmprobe.geometry.SuperpositionFit` fitted
   on the trained embeddings (the learned attribute directions W_r u_a; u_a = unembedding rows).
 * ``random_init``: fresh embeddings drawn as at model initialisation, N(0, embed_std^2): the subject embeddings of
-  :func:`synthetic.mechanisms.untrained_like` (the re-initialisation baseline). ``random_matched``: random directions with the norms of the ``swap`` embeddings.
+  :func:`synthetic.mechanisms.untrained_like` (the re-initialisation baseline). ``random_matched``: random
+  directions with the norms of the ``swap`` embeddings (:func:`llmprobe.geometry.random_direction_like`, the
+  random-direction control of every edit).
 * ``old_table``: the same fit applied to the *trained* table (sanity: the fit reproduces the original facts).
 
 Each condition reports zero-shot accuracy on the new table, then the accuracy after a few steps of training the
@@ -21,7 +23,7 @@ import time
 
 import torch
 
-from llmprobe.geometry import ALPHA_GRID, SuperpositionFit, shuffle_table
+from llmprobe.geometry import ALPHA_GRID, SuperpositionFit, random_direction_like, shuffle_table
 
 from .mechanisms import _round, local_table, readout_inputs, untrained_like
 from .model import FactRecallModel
@@ -99,11 +101,8 @@ def freeze_and_swap(model: FactRecallModel, task: FactTask, seed: int = 1, steps
     H, A, _ = readout_inputs(model, task)
     fresh = new_table(task, seed)
     E_swap = swapped_embeddings(fit, fresh)
-    g = torch.Generator().manual_seed(seed + 101)
-    N, d = E_swap.shape
     E_rand = untrained_like(model, seed_offset=seed + 101).subject_embeddings().detach().float()
-    dirs = torch.randn(N, d, generator=g)
-    E_match = dirs / dirs.norm(dim=1, keepdim=True) * E_swap.norm(dim=1, keepdim=True)
+    E_match = random_direction_like(E_swap, torch.Generator().manual_seed(seed + 101))
     built = {
         "swap": lambda: (E_swap, fresh),
         "random_init": lambda: (E_rand, fresh),

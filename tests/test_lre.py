@@ -264,3 +264,30 @@ def test_random_like_keeps_the_architecture_and_the_global_rng(llama64):
     assert a.shape == b.shape and not torch.allclose(a, b)
     again = random_like(llama64, seed=3)
     torch.testing.assert_close(again.model.model.embed_tokens.weight, b)
+
+
+def test_reinit_like_resets_every_parameter_or_refuses():
+    from torch import nn
+
+    from llmprobe.loading import reinit_like
+
+    net = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2)).double()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.fill_(3.0)                                  # "trained" weights that a re-init must not keep
+    state = torch.random.get_rng_state()
+    a, b = reinit_like(net, 7), reinit_like(net, 7)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    for (name, p), q, old in zip(a.named_parameters(), b.parameters(), net.parameters()):
+        assert p.dtype == torch.float64 and torch.equal(p, q), name      # seeded, on the source's dtype
+        assert not torch.equal(p, old), name
+    assert not torch.equal(reinit_like(net, 8)[0].weight, a[0].weight)
+
+    class Bare(nn.Module):                               # a parameter no reset_parameters() covers
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.scale = nn.Parameter(torch.ones(2))
+
+    with pytest.raises(ValueError, match="scale"):
+        reinit_like(Bare(), 0)

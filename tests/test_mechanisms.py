@@ -54,8 +54,78 @@ def test_readout_trainable_beats_frozen_all_and_shuffled(task, trainable, frozen
     assert s["shuffled"]["readout_acc"] < 0.1 and abs(s["shuffled"]["r2"]) < 0.05
     assert s["frozen_all"]["readout_acc"] < 0.1 and abs(s["frozen_all"]["r2"]) < 0.05
     json.dumps(out)                                       # JSON-ready
-    assert out["swap_edit"]["n_edits"] > 0
-    assert out["swap_edit"]["success"] >= out["swap_edit"]["random_flip"]
+    se = out["swap_edit"]
+    assert se["n_edits"] > 0 and all(se[k]["n"] == se["n_edits"] for k in ("flip", "others_kept", "success"))
+    assert se["success"]["value"] >= se["flip"]["controls"]["random_direction"]["value"]
+
+
+def planted_selector(n_subjects: int = 60, n_relations: int = 3, n_attr: int = 4, spare: int = 16, seed: int = 0):
+    """A hand-built one-layer selector with an exact, causal superposition: relation r's K attributes own block r
+    of the residual (u_(r,a) = the one-hot of dim r*K + a), e_s = sum_r u_(r, a_r(s)), relation r's embedding is a
+    gate channel (10 at the MLP input), and MLP unit (r, a) fires only for relation r and copies dim r*K + a up
+    10-fold. Relation r answers the largest entry of block r (5.5 against 0.5 elsewhere), so
+    e_s + u_(r,a') - u_(r,a) must make r answer a' and leave every other relation's answer alone. ``spare`` unused
+    dimensions (d > R*K, as in a real model)."""
+    from synthetic.model import ModelConfig
+    from synthetic.tasks import random_functions
+
+    task = random_functions(n_subjects, n_relations, n_attr, seed=seed)
+    R, K = n_relations, n_attr
+    d = R * K + R + spare
+    model = M.FactRecallModel(ModelConfig(n_subjects, R, task.n_outputs, d, d_mlp=R * K)).eval()
+    E = torch.zeros(n_subjects, d)
+    E[torch.arange(n_subjects)[:, None], M.local_table(task) + torch.arange(R) * K] = 1.0
+    gate = 10.0                                                  # the queried relation's channel at the MLP
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        model.subject_embed.copy_(E)
+        model.relation_embed[torch.arange(R), R * K + torch.arange(R)] = gate / 1.5   # last state: 1.5 x_r
+        unembed = torch.zeros(task.n_outputs, d)
+        for r in range(R):
+            unembed[task.relation_attributes(r), r * K + torch.arange(K)] = 1.0
+            for a in range(K):
+                unit = r * K + a
+                model.W_in[unit, unit] = 1.0                      # reads 0.5 e_s at its dim ...
+                model.W_in[R * K + r, unit] = 1.0                 # ... and is open only when relation r is asked
+                model.b_in[unit] = -gate
+                model.W_out[unit, unit] = 10.0
+        model.unembed_weight.copy_(unembed)
+    assert M.accuracy_by_relation(model, task).min() == 1.0
+    return model, task
+
+
+def test_swap_edit_flips_relation_r_on_a_planted_selector_and_a_random_direction_does_not():
+    model, task = planted_selector()
+    se = M.swap_edits(model, task, max_edits=60)
+    n = se["n_edits"]
+    assert n == 60
+    for key in ("flip", "others_kept", "success"):
+        m = se[key]
+        assert m["value"] == 1.0 and m["n"] == n and m["interval"] == "wilson"
+        assert m["ci"][0] < 1.0 == m["ci"][1] and m["control"] == "random_direction"
+    rand = {key: se[key]["controls"]["random_direction"] for key in ("flip", "others_kept", "success")}
+    assert rand["flip"]["n"] == n and rand["flip"]["value"] <= 0.05 and rand["success"]["value"] <= 0.05
+    assert rand["success"]["ci"][1] < se["success"]["ci"][0]           # the intervals do not overlap
+    assert rand["others_kept"]["value"] >= 0.95          # same norm, no direction: (almost) nothing moves
+    # the untrained model of the same architecture has nothing to edit
+    untrained = M.swap_edits(M.untrained_like(model), task, max_edits=60)
+    assert untrained["success"]["value"] < 0.1
+
+
+def test_untrained_like_is_the_config_rebuilt_with_a_new_seed(trainable):
+    """The synthetic random-init control goes through llmprobe.loading.reinit_like (the helper random_like uses):
+    the architecture rebuilt from its config with seed + offset, as before; the global RNG is not touched."""
+    from synthetic.model import ModelConfig
+
+    state = torch.random.get_rng_state()
+    fresh = M.untrained_like(trainable, seed_offset=5)
+    assert torch.equal(torch.random.get_rng_state(), state) and not fresh.training
+    assert fresh.config == ModelConfig.from_dict({**trainable.config.to_dict(), "seed": trainable.config.seed + 5})
+    expected = M.FactRecallModel(fresh.config)
+    for (name, a), b, t in zip(fresh.named_parameters(), expected.parameters(), trainable.parameters()):
+        assert torch.equal(a, b), name                   # exactly the model's own init at that seed ...
+        assert a.shape == t.shape and not torch.equal(a, t), name   # ... not the trained weights
 
 
 def test_selector_ablation_matrix_is_diagonal_dominant(task, trainable, frozen_all):
