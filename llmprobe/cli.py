@@ -3,9 +3,34 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+from contextlib import contextmanager
+
+from .checks import (EXIT_INTERRUPTED, EXIT_OK, EXIT_OUT_OF_MEMORY, EXIT_USAGE, UsageError,
+                     is_out_of_memory, layer_spec, output_folder, positive_int)
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def _arg(check):
+    """An argparse ``type`` from a checks.* function (its UsageError becomes argparse's usage error, status 2)."""
+    def convert(text):
+        try:
+            return check(text)
+        except UsageError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    convert.__name__ = getattr(check, "__name__", "value")
+    return convert
+
+
+def positive(name: str):
+    return _arg(lambda text: positive_int(text, name))
+
+
+def _layers(text: str) -> str:
+    layer_spec(text)
+    return text
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -14,23 +39,28 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gguf-file", help="GGUF file inside the MODEL folder or hub repo")
     parser.add_argument("--relations", nargs="+", metavar="NAME_OR_PATH",
                         help="bundled relation names, files (our JSON, LRE JSON, CSV), folders or hf:DATASET")
-    parser.add_argument("--layers", default="every:3", help="all | every:K | comma list like 0,6,12 | -1")
+    parser.add_argument("--layers", default="every:3", type=_arg(_layers),
+                        help="all | every:K | comma list like 0,6,12 | -1")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--max-facts", type=int, help="keep the first N facts of each relation")
+    parser.add_argument("--batch-size", type=positive("--batch-size"), default=32)
+    parser.add_argument("--max-facts", type=positive("--max-facts"), help="keep the first N facts of each relation")
+    parser.add_argument("--max-prompt-tokens", type=positive("--max-prompt-tokens"),
+                        help="skip (and list in errors) facts whose prompt is longer (default: the model's context)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, help="torch CPU threads")
+    parser.add_argument("--threads", type=positive("--threads"), help="torch CPU threads")
+    parser.add_argument("--resume", action="store_true",
+                        help="take finished stages from --out when model and settings match, instead of recomputing")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub (off)")
 
 
 def _probe(args) -> int:
     from .probe import probe, summary_table
 
-    analyses = tuple(a for a in (args.analyses or "").split(",") if a)
     report = probe(args.model, gguf_file=args.gguf_file, relations=args.relations, layers=args.layers,
-                   analyses=analyses, device=args.device, dtype=args.dtype, batch_size=args.batch_size,
-                   max_facts=args.max_facts, seed=args.seed, out=args.out, trust_remote_code=args.trust_remote_code)
+                   analyses=args.analyses, device=args.device, dtype=args.dtype, batch_size=args.batch_size,
+                   max_facts=args.max_facts, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
+                   out=args.out, trust_remote_code=args.trust_remote_code, resume=args.resume)
     print(summary_table(report))
     for error in report["errors"]:
         print(f"warning: {error}", file=sys.stderr)
@@ -43,16 +73,13 @@ def _run(args) -> int:
     from .run import run
 
     report = run(args.model, out=args.out, relations=args.relations, layers=args.layers,
-                 analyses=tuple(a for a in args.analyses.split(",") if a), device=args.device, dtype=args.dtype,
-                 max_facts=args.max_facts, seed=args.seed, controls=not args.no_controls,
-                 at_model_width=not args.no_model_width, gguf_file=args.gguf_file,
-                 trust_remote_code=args.trust_remote_code)
+                 analyses=args.analyses, device=args.device, dtype=args.dtype, batch_size=args.batch_size,
+                 max_facts=args.max_facts, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
+                 controls=not args.no_controls, at_model_width=not args.no_model_width, gguf_file=args.gguf_file,
+                 trust_remote_code=args.trust_remote_code, resume=args.resume)
     print(summary_table(report))
-    for control in report.get("controls", []):
-        r2 = control["analyses"]["superposition"]["layers"]["0"]["r2"]
-        print(f"{control['label']:<36} train acc {control['train']['accuracy']:.3f}  "
-              f"bits/param {control['train']['bits_per_param']:.3g}  superposition R^2 {r2['value']:.3f} "
-              f"(shuffled {r2['control']['value']:.3f})")
+    for line in _control_lines(report.get("controls")):
+        print(line)
     for error in report["errors"]:
         print(f"warning: {error}", file=sys.stderr)
     print(f"report: {os.path.join(args.out, 'report.html')} (and report.json, report.md, metrics.csv; "
@@ -60,14 +87,37 @@ def _run(args) -> int:
     return 0
 
 
+def _number(value, spec: str = ".3f") -> str:
+    return format(value, spec) if isinstance(value, (int, float)) else "n/a"
+
+
+def _control_lines(block) -> list[str]:
+    """One summary line per trained matched control (the ``controls`` block of ``synthetic.controls``)."""
+    lines = []
+    for mode, entry in ((block or {}).get("modes") or {}).items() if isinstance(block, dict) else ():
+        d_star = (entry.get("threshold") or {}).get("d_star")
+        for point in entry.get("points") or []:
+            r2, train = point.get("r2") or {}, point.get("train") or {}
+            shuffled = ((r2.get("controls") or {}).get("shuffled") or {}).get("value")
+            label = f"synthetic {mode} d={point.get('d')}" + (" (d*)" if point.get("d") == d_star else "")
+            lines.append(f"{label:<36} train acc {_number(train.get('accuracy'))}  bits/param "
+                         f"{_number(train.get('bits_per_param'), '.3g')}  superposition R^2 {_number(r2.get('value'))}"
+                         f" (shuffled {_number(shuffled)})")
+    return lines
+
+
 def _formats(text: str) -> tuple[str, ...]:
-    return tuple(f.strip() for f in text.split(",") if f.strip())
+    formats = tuple(dict.fromkeys(f.strip() for f in text.split(",") if f.strip()))
+    unknown = [f for f in formats if f not in ("html", "md", "json", "csv")]
+    if unknown:
+        raise UsageError(f"unknown report format(s) {', '.join(map(repr, unknown))}; choose from html, md, json, csv")
+    return formats
 
 
 def _compare(args) -> int:
     from .report import compare
 
-    for path in compare(args.dirs, args.out, _formats(args.format)):
+    for path in compare(args.dirs, args.out, args.format):
         print(path)
     return 0
 
@@ -75,12 +125,16 @@ def _compare(args) -> int:
 def _report(args) -> int:
     from .report import export
 
-    for path in export(args.dir, _formats(args.format), args.out):
+    for path in export(args.dir, args.format, args.out):
         print(path)
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(synth: bool = True) -> argparse.ArgumentParser:
+    """The whole command line. ``synth=False`` puts a stub in place of the ``synth`` group, whose modules take
+    seconds to import (torch, scikit-learn): main() builds the group only for ``llmprobe synth ...``, so the
+    other commands check their options and output folder at once. (The analysis names are checked by
+    ``probe``/``run`` themselves, after the output folder and before the model is loaded.)"""
     parser = argparse.ArgumentParser(prog="llmprobe", description="Measure how language models store facts.")
     commands = parser.add_subparsers(dest="command", required=True)
     probe = commands.add_parser("probe", help="known facts (and analyses) of a pretrained model -> report.json")
@@ -99,43 +153,106 @@ def build_parser() -> argparse.ArgumentParser:
     compare = commands.add_parser("compare", help="side-by-side page of several report folders")
     compare.add_argument("dirs", nargs="+", help="report folders (each with report.json)")
     compare.add_argument("--out", required=True, help="output folder")
-    compare.add_argument("--format", default="html,md,csv", help="comma list of html, md, json, csv")
+    compare.add_argument("--format", default="html,md,csv", type=_arg(_formats),
+                         help="comma list of html, md, json, csv")
     compare.set_defaults(func=_compare)
     report = commands.add_parser("report", help="export a report folder as html, md, json or csv")
     report.add_argument("dir", help="report folder (with report.json)")
-    report.add_argument("--format", default="html,md,csv", help="comma list of html, md, json, csv")
+    report.add_argument("--format", default="html,md,csv", type=_arg(_formats),
+                        help="comma list of html, md, json, csv")
     report.add_argument("--out", help="output folder (default: the report folder)")
     report.set_defaults(func=_report)
 
+    if not synth:
+        commands.add_parser("synth", help="synthetic factual recall: train, sweep, construct, bounds, analyze, "
+                                          "multihop")
+        return parser
     from synthetic.analyze import add_analyze_parser
     from synthetic.cli import add_parser as add_synth
 
-    synth = add_synth(commands)
-    add_analyze_parser(synth.synth_subparsers)
+    group = add_synth(commands)
+    add_analyze_parser(group.synth_subparsers)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if getattr(args, "threads", None):
-        import torch
+# folders a command writes into: checked (created, writable, not a file) before any work starts
+OUTPUT_ARGS = (("out", "--out"), ("run_dir", "RUN_DIR"), ("img_dir", "--img-dir"))
 
-        torch.set_num_threads(args.threads)
-    from .datasets import DatasetError
-    from .loading import ModelLoadError
 
+def check_outputs(args) -> None:
+    """Create and check every output folder named in ``args`` (UsageError on a file or an unwritable folder).
+    ``llmprobe report DIR`` without --out writes into DIR, which must then exist (it holds the input)."""
+    for attr, flag in OUTPUT_ARGS:
+        value = getattr(args, attr, None)
+        if value is not None:
+            output_folder(value, flag)
+    if getattr(args, "command", None) == "report" and args.out is None and os.path.isdir(args.dir):
+        output_folder(args.dir, "DIR")
+
+
+@contextmanager
+def interrupts_raise():
+    """SIGTERM (and SIGINT, which background shells may ignore) raise KeyboardInterrupt in the main thread, so
+    every command stops the same way: finished work written, child processes stopped, exit status 130."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    old = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            old[sig] = signal.signal(sig, handler)
+        except ValueError:       # not the main thread: leave signals alone
+            break
     try:
-        return args.func(args) or 0
-    except (ModelLoadError, DatasetError, ValueError, KeyError, FileNotFoundError) as error:
+        yield
+    finally:
+        for sig, previous in old.items():
+            signal.signal(sig, previous)
+
+
+def run_command(args) -> int:
+    """Run a parsed command with the one error handler: 0 ok, 2 bad input or refused model, 3 out of memory,
+    130 interrupted; any other exception is a bug and keeps its traceback (status 1). Results go to files; the
+    command prints a short summary."""
+    try:
+        with interrupts_raise():
+            check_outputs(args)
+            if getattr(args, "threads", None):
+                import torch
+
+                torch.set_num_threads(args.threads)
+            status = args.func(args)
+        return status if isinstance(status, int) and not isinstance(status, bool) else EXIT_OK
+    except KeyboardInterrupt as error:
+        how = f" by {error.args[0]}" if error.args and str(error.args[0]).startswith("SIG") else ""
+        where = getattr(args, "out", None) or getattr(args, "run_dir", None)
+        print(f"llmprobe: interrupted{how}; finished work is kept" + (f" in {where}" if where else "") +
+              (" (rerun with --resume to finish)" if getattr(args, "command", None) in ("run", "probe") else ""),
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (UsageError, FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError) as error:
+        # DatasetError is a ValueError
         print(f"llmprobe: error: {error}", file=sys.stderr)
-        return 2
-    except RuntimeError as error:  # CUDA out of memory included
-        if "out of memory" not in str(error).lower():
+        return EXIT_USAGE
+    except (RuntimeError, MemoryError) as error:
+        from .loading import ModelLoadError
+
+        if isinstance(error, ModelLoadError):
+            print(f"llmprobe: error: {error}", file=sys.stderr)
+            return EXIT_USAGE
+        if not is_out_of_memory(error):
             raise
-        print(f"llmprobe: error: out of memory ({error}). Try a smaller --batch-size, --dtype bfloat16, fewer "
-              f"--layers, or --device cpu. Results already written are kept.", file=sys.stderr)
-        return 3
+        print(f"llmprobe: error: out of memory ({str(error).splitlines()[0][:300]}). Try a smaller --batch-size, "
+              f"--max-prompt-tokens, --dtype bfloat16, fewer --layers, or --device cpu. Results already written "
+              f"are kept.", file=sys.stderr)
+        return EXIT_OUT_OF_MEMORY
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``llmprobe ...``: returns the exit status (argparse exits 2 itself on a bad option)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(synth=bool(argv) and argv[0] == "synth").parse_args(argv)
+    return run_command(args)
 
 
 if __name__ == "__main__":

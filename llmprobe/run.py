@@ -23,28 +23,51 @@ def run(model: str | None = None, *, out: str | Path = "runs/main", relations: l
         layers: str = "every:3", analyses: tuple[str, ...] = ("lre", "ridge", "superposition"),
         device: str = "auto", dtype: str = "auto", max_facts: int | None = None, seed: int = 0,
         controls: bool = True, at_model_width: bool = True, formats=("html", "md", "csv"), gguf_file=None,
-        trust_remote_code: bool = False) -> dict:
+        trust_remote_code: bool = False, batch_size: int = 32, max_prompt_tokens: int | None = None,
+        resume: bool = False) -> dict:
     """The main job; writes ``out/report.json`` (+ html/md/csv) and returns the report.
 
     The matched controls need only the known facts, so they train in a worker process (one CPU thread) while
     this process runs the analyses, which leave part of the CPU idle. One thread sums floats in another order
     than two, so their numbers can differ slightly from ``train_controls`` called in a two-thread process
     (SmolLM2's frozen d* control: R^2 0.094 here, 0.103 there).
+
+    Options are checked before the model loads (see ``probe``). On an interrupt (KeyboardInterrupt; the command
+    line turns SIGTERM into one) the worker is stopped and report.json keeps the finished stages
+    (``"partial": true``); ``resume`` takes finished stages (known facts, analyses, controls) from ``out`` when
+    their key (model hash and settings) matches.
     """
+    from .checks import UsageError
+    from .probe import _digest, previous_report
     from .report import with_controls, write_all
 
     start = time.perf_counter()
+    unknown = sorted(set(formats) - {"html", "md", "json", "csv"})
+    if unknown:
+        raise UsageError(f"unknown report format(s) {unknown}; choose from html, md, json, csv")
     out = Path(out)
+    previous = previous_report(out) if resume else {}
     pending: dict = {}
 
     def start_controls(partial: dict, known: dict) -> None:
+        pending["report"] = partial
+        key = _digest(partial["stages"]["known_facts"]["key"], "controls", at_model_width, seed)
+        stage = partial["stages"]["controls"] = {"key": key, "done": False, "resumed": False}
         try:
             table, dropped = known_table(partial["relations"], known)
         except ValueError as error:
-            pending["error"] = f"matched controls: {error}"
+            partial["errors"].append(f"matched controls: {error}")
+            stage["done"] = True          # nothing to train
             return
         if dropped:
-            pending["dropped"] = f"matched controls: left out for too few known facts: {', '.join(dropped)}"
+            partial["errors"].append(f"matched controls: left out for too few known facts: {', '.join(dropped)}")
+        before = (previous.get("stages") or {}).get("controls") or {}
+        if before.get("key") == key and before.get("done") and isinstance(previous.get("controls"), dict):
+            partial["controls"] = previous["controls"]
+            if "controls_s" in (previous.get("timings") or {}):
+                partial["timings"]["controls_s"] = previous["timings"]["controls_s"]
+            stage.update(done=True, resumed=True)
+            return
         pending["pool"] = _worker_pool()
         pending["result"] = pending["pool"].apply_async(
             _timed_controls, (table, partial["model"]["d_model"]),
@@ -53,17 +76,20 @@ def run(model: str | None = None, *, out: str | Path = "runs/main", relations: l
     try:
         report = probe(model, gguf_file=gguf_file, relations=relations, layers=layers, analyses=analyses,
                        device=device, dtype=dtype, max_facts=max_facts, seed=seed, out=out,
-                       trust_remote_code=trust_remote_code, on_known=start_controls if controls else None)
-        if controls:
+                       trust_remote_code=trust_remote_code, on_known=start_controls if controls else None,
+                       batch_size=batch_size, max_prompt_tokens=max_prompt_tokens, resume=resume)
+        if controls and "result" in pending:
             t = time.perf_counter()
-            report["errors"] += [pending[k] for k in ("dropped", "error") if k in pending]
-            if "result" in pending:
-                try:
-                    report["controls"], report["timings"]["controls_s"] = pending["result"].get()
-                except Exception as error:  # noqa: BLE001 - the probe's numbers are kept and exported
-                    report["errors"].append(f"matched controls failed: {type(error).__name__}: {error}")
-                report["timings"]["controls_wait_s"] = round(time.perf_counter() - t, 1)
+            try:
+                report["controls"], report["timings"]["controls_s"] = pending["result"].get()
+                report["stages"]["controls"]["done"] = True
+            except Exception as error:  # noqa: BLE001 - the probe's numbers are kept and exported
+                report["errors"].append(f"matched controls failed: {type(error).__name__}: {error}")
+            report["timings"]["controls_wait_s"] = round(time.perf_counter() - t, 1)
             write_json(out / "report.json", report)  # checkpoint: the probe's numbers are safe before export
+    except KeyboardInterrupt:
+        _save_interrupted(out, pending)
+        raise
     finally:
         if "pool" in pending:           # an interrupted run does not wait for the controls
             pending["pool"].terminate()
@@ -76,23 +102,73 @@ def run(model: str | None = None, *, out: str | Path = "runs/main", relations: l
     return report
 
 
+def _save_interrupted(out: Path, pending: dict) -> None:
+    """After an interrupt: report.json with every finished stage (controls too, if the worker had finished them),
+    marked ``"partial": true`` while a stage is unfinished."""
+    report = pending.get("report")
+    if report is None:                  # interrupted before the known facts: probe wrote nothing to keep
+        return
+    stage, result = report["stages"].get("controls"), pending.get("result")
+    if stage and not stage["done"] and result is not None and result.ready() and result.successful():
+        report["controls"], report["timings"]["controls_s"] = result.get()
+        stage["done"] = True
+    unfinished = [name for name, s in report["stages"].items() if not s["done"]]
+    report["partial"] = bool(unfinished)
+    report["errors"] = [e for e in report["errors"] if not e.startswith("interrupted during")]
+    if unfinished:
+        report["errors"].append(f"interrupted during {', '.join(unfinished)}: finished stages are kept in this "
+                                f"report; rerun with --resume to finish the rest")
+    write_json(out / "report.json", report)
+
+
 def _timed_controls(*args, **kwargs) -> tuple[list[dict], float]:
     """``train_controls`` and its own wall seconds (run in the worker process)."""
     start = time.perf_counter()
     return train_controls(*args, **kwargs), round(time.perf_counter() - start, 1)
 
 
-def _one_thread() -> None:
+def _one_thread(parent_pid: int | None = None) -> None:
+    """Worker set-up: one torch thread; Ctrl-C is left to the parent (which stops the worker); and the worker
+    exits on its own when the parent is gone (kill -9 of the parent leaves no orphan training on)."""
+    import signal
+    import threading
+
     import torch
 
     torch.set_num_threads(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if parent_pid is not None:
+        threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True,
+                         name="llmprobe-parent-watch").start()
+
+
+def _exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
+    """Block until the parent process is gone (its sentinel pipe closes, or our parent pid changes), then exit."""
+    import multiprocessing
+    import os
+    from multiprocessing.connection import wait
+
+    parent = multiprocessing.parent_process()
+    sentinel = getattr(parent, "sentinel", None)
+    while os.getppid() == parent_pid:
+        if sentinel is not None:
+            try:
+                if wait([sentinel], timeout=poll_s):
+                    break
+                continue
+            except OSError:
+                sentinel = None
+        time.sleep(poll_s)
+    os._exit(1)
 
 
 def _worker_pool():
-    """One spawned worker process with one torch thread (spawn: safe with torch and any device)."""
+    """One spawned worker process with one torch thread (spawn: safe with torch and any device); it exits when
+    this process dies."""
     import multiprocessing
+    import os
 
-    return multiprocessing.get_context("spawn").Pool(1, initializer=_one_thread)
+    return multiprocessing.get_context("spawn").Pool(1, initializer=_one_thread, initargs=(os.getpid(),))
 
 
 def _controls_progress(message: str) -> None:

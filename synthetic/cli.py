@@ -9,21 +9,52 @@ import sys
 
 
 def _ints(text: str) -> list[int]:
-    return [int(x) for x in str(text).split(",") if x.strip()]
+    """``"256,512"`` -> [256, 512]; every item a whole number >= 1 (UsageError otherwise)."""
+    from llmprobe.checks import UsageError, positive_int
+
+    items = [x.strip() for x in str(text).split(",") if x.strip()]
+    if not items:
+        raise UsageError(f"empty list {text!r}: give comma-separated whole numbers")
+    return [positive_int(x, f"each value of {text!r}") for x in items]
+
+
+def _positive(name: str):
+    """argparse type: a whole number >= 1 (argparse's usage error, status 2, otherwise)."""
+    def convert(text):
+        from llmprobe.checks import UsageError, positive_int
+
+        try:
+            return positive_int(text, name)
+        except UsageError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    return convert
+
+
+def _int_list(text: str) -> str:
+    """argparse type checking a comma list of whole numbers >= 1 (kept as text for the commands)."""
+    from llmprobe.checks import UsageError
+
+    try:
+        _ints(text)
+    except UsageError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
 
 
 def _train_config_args(p: argparse.ArgumentParser, max_steps: int) -> None:
     g = p.add_argument_group("training")
     g.add_argument("--lr", type=float, default=0.1)
-    g.add_argument("--max-steps", type=int, default=max_steps, help="step cap (default %(default)s)")
-    g.add_argument("--batch-size", type=int, default=None, help="minibatch size (default: full batch)")
+    g.add_argument("--max-steps", type=_positive("--max-steps"), default=max_steps,
+                   help="step cap (default %(default)s)")
+    g.add_argument("--batch-size", type=_positive("--batch-size"), default=None,
+                   help="minibatch size (default: full batch)")
     g.add_argument("--warmup-frac", type=float, default=0.1)
     g.add_argument("--min-lr-frac", type=float, default=0.01)
     g.add_argument("--weight-decay", type=float, default=0.0,
                    help="Adam weight decay (default 0; 1e-4 makes the trained geometry readable, see docs/mechanisms.md)")
     g.add_argument("--target-acc", type=float, default=1.0, help="stop (and count success) at this train accuracy")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps, ...")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--threads", type=_positive("--threads"), default=None, help="torch CPU threads")
 
 
 def _train_config(args, progress: bool):
@@ -42,22 +73,23 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                   description="Synthetic factual-recall models (one-layer transformer).")
     sub = synth.add_subparsers(dest="synth_command", metavar="{train,sweep,construct,bounds,...}")
     synth.synth_subparsers = sub
-    synth.set_defaults(func=lambda args: synth.print_help())
+    synth.set_defaults(func=lambda args: _missing_subcommand(synth))
 
     # ---------------------------------------------------------------- train
     p = sub.add_parser("train", help="train one model to 100%% train accuracy",
                        description="Train one model; resumes automatically when --out holds a checkpoint.")
-    p.add_argument("--subjects", "-N", type=int, default=None, help="number of subjects N")
-    p.add_argument("--relations", "-R", type=int, default=None, help="number of relations R")
-    p.add_argument("--d", type=int, required=True, help="embedding width d")
-    p.add_argument("--mlp-width", type=int, default=None, help="MLP width m (default 8d)")
+    p.add_argument("--subjects", "-N", type=_positive("--subjects"), default=None, help="number of subjects N")
+    p.add_argument("--relations", "-R", type=_positive("--relations"), default=None, help="number of relations R")
+    p.add_argument("--d", type=_positive("--d"), required=True, help="embedding width d")
+    p.add_argument("--mlp-width", type=_positive("--mlp-width"), default=None, help="MLP width m (default 8d)")
     p.add_argument("--attention", choices=["uniform", "learned"], default="uniform",
                    help="uniform causal mean (the paper's simplest case) or one learned softmax head")
     p.add_argument("--frozen-subjects", action="store_true", help="freeze subject embeddings at random init")
     p.add_argument("--frozen-unembed", action="store_true", help="also freeze the attribute unembedding")
-    p.add_argument("--hops", type=int, default=1, help="k-hop queries (s, r1..rk)")
+    p.add_argument("--hops", type=_positive("--hops"), default=1, help="k-hop queries (s, r1..rk)")
     p.add_argument("--cot", action="store_true", help="chain-of-thought: emit every intermediate entity")
-    p.add_argument("--sequences", type=int, default=None, help="k-hop: number of relation sequences (default all)")
+    p.add_argument("--sequences", type=_positive("--sequences"), default=None,
+                   help="k-hop: number of relation sequences (default all)")
     p.add_argument("--facts", default=None,
                    help="fact table: task JSON, or relation names/paths for llmprobe's loaders (comma-separated)")
     p.add_argument("--seed", type=int, default=0)
@@ -70,21 +102,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     # ---------------------------------------------------------------- sweep
     p = sub.add_parser("sweep", help="capacity sweep: threshold d* per (N, R) by bisection",
                        description="Bisection on d for every (N, R, seed, trainable/frozen); resumable.")
-    p.add_argument("--subjects", default="256,512",
+    p.add_argument("--subjects", default="256,512", type=_int_list,
                    help="comma-separated N values (default: a small grid, ~4 min of CPU; the README's full grid is "
                         "256,512,1024 x 2,4,8,16 x seeds 0,1, ~31 min on 2 cores with --workers 2)")
-    p.add_argument("--relations", default="2,4,8", help="comma-separated R values")
+    p.add_argument("--relations", default="2,4,8", type=_int_list, help="comma-separated R values")
     p.add_argument("--seeds", default="0", help="comma-separated seeds")
     p.add_argument("--frozen-subjects", action="store_true", help="only the frozen regime")
     p.add_argument("--trainable-only", action="store_true", help="only the trainable regime")
     p.add_argument("--modes", default=None,
                    help="comma-separated modes instead: trainable, frozen, frozen_all (subjects and unembedding)")
     p.add_argument("--mlp-ratio", type=float, default=8.0, help="MLP width = ratio * d (default %(default)s)")
-    p.add_argument("--mlp-width", type=int, default=None, help="fixed MLP width instead of a ratio")
+    p.add_argument("--mlp-width", type=_positive("--mlp-width"), default=None,
+                   help="fixed MLP width instead of a ratio")
     p.add_argument("--attention", choices=["uniform", "learned"], default="uniform")
-    p.add_argument("--d-min", type=int, default=2)
-    p.add_argument("--d-max", type=int, default=512)
-    p.add_argument("--workers", type=int, default=1, help="parallel worker processes")
+    p.add_argument("--d-min", type=_positive("--d-min"), default=2)
+    p.add_argument("--d-max", type=_positive("--d-max"), default=512)
+    p.add_argument("--workers", type=_positive("--workers"), default=1, help="parallel worker processes")
     p.add_argument("--img-dir", default=None,
                    help="also write the plots here as synthetic_*.png (e.g. docs/img)")
     p.add_argument("--report-only", action="store_true", help="train nothing: summarise, tabulate and plot --out")
@@ -94,8 +127,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     # ---------------------------------------------------------------- construct
     p = sub.add_parser("construct", help="explicit construction: smallest d reaching 100%% without training")
-    p.add_argument("--subjects", default="256,512,1024")
-    p.add_argument("--relations", default="2,4,8,16")
+    p.add_argument("--subjects", default="256,512,1024", type=_int_list)
+    p.add_argument("--relations", default="2,4,8,16", type=_int_list)
     p.add_argument("--codes", choices=["sphere", "binary"], default="sphere")
     p.add_argument("--variant", choices=["erase", "extract"], default="erase")
     p.add_argument("--precision-bits", type=int, default=8, help="quantise weights first (0 = float32)")
@@ -104,53 +137,35 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     # ---------------------------------------------------------------- bounds
     p = sub.add_parser("bounds", help="counting bounds: bits needed vs parameters")
-    p.add_argument("--subjects", "-N", type=int, required=True)
-    p.add_argument("--relations", "-R", type=int, required=True)
-    p.add_argument("--hops", type=int, default=1)
+    p.add_argument("--subjects", "-N", type=_positive("--subjects"), required=True)
+    p.add_argument("--relations", "-R", type=_positive("--relations"), required=True)
+    p.add_argument("--hops", type=_positive("--hops"), default=1)
     p.add_argument("--bits-per-param", type=float, default=2.0)
     p.set_defaults(func=cmd_bounds)
     return synth
 
 
 # ----------------------------------------------------------------------------- commands
+def _missing_subcommand(parser: argparse.ArgumentParser) -> int:
+    parser.print_help(sys.stderr)
+    return 2
+
+
 def _task_from_args(args):
+    from llmprobe.checks import UsageError
+
     from .tasks import load_facts, random_bijections, random_khop
 
     if args.facts:
         if args.hops > 1:
-            raise SystemExit("--facts and --hops > 1 cannot be combined")
+            raise UsageError("--facts and --hops > 1 cannot be combined")
         return load_facts(args.facts)
     if not args.subjects or not args.relations:
-        raise SystemExit("give --subjects and --relations (or --facts)")
+        raise UsageError("give --subjects and --relations (or --facts)")
     if args.hops > 1:
         return random_khop(args.subjects, args.relations, args.hops, cot=args.cot, seed=args.seed,
                            n_sequences=args.sequences)
     return random_bijections(args.subjects, args.relations, args.seed)
-
-
-def _interrupt_on_term() -> dict:
-    """SIGTERM (and SIGINT, which background shells ignore) -> KeyboardInterrupt, so train() checkpoints first.
-    Returns the previous handlers for :func:`_restore`."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    old = {}
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        old[sig] = signal.signal(sig, handler)
-    return old
-
-
-def _restore(old: dict) -> None:
-    import signal
-
-    for sig, h in old.items():
-        signal.signal(sig, h)
 
 
 def cmd_train(args) -> dict:
@@ -158,18 +173,18 @@ def cmd_train(args) -> dict:
 
     task = _task_from_args(args)
     m = args.mlp_width or 8 * args.d
-    old = _interrupt_on_term()
-    try:
-        res = train(task, args.d, config=_train_config(args, progress=not args.no_progress), out_dir=args.out,
-                    resume=not args.fresh, frozen_subjects=args.frozen_subjects,
-                    frozen_unembed=args.frozen_unembed, d_mlp=m, attention=args.attention,
-                    seed=args.seed)
-    finally:
-        _restore(old)
+    # Ctrl-C / SIGTERM raise KeyboardInterrupt (llmprobe.cli.run_command): train() checkpoints, the CLI exits 130
+    res = train(task, args.d, config=_train_config(args, progress=not args.no_progress), out_dir=args.out,
+                resume=not args.fresh, frozen_subjects=args.frozen_subjects,
+                frozen_unembed=args.frozen_unembed, d_mlp=m, attention=args.attention,
+                seed=args.seed)
     out = res.to_dict()
     out.pop("history", None)
     out.pop("train", None)
-    print(json.dumps(out, indent=1))
+    print(f"{'reached' if res.success else 'did not reach'} {args.target_acc:.0%} train accuracy: accuracy "
+          f"{res.accuracy:.4f} after {res.steps} steps ({res.wall_time_s:.1f} s); d={res.d_model}, "
+          f"m={res.d_mlp}, {res.n_trainable} trainable parameters, {res.bits_per_param:.3g} bits/param")
+    print(f"run: {os.path.join(args.out, 'run.json')}")
     return out
 
 
@@ -222,7 +237,8 @@ def cmd_bounds(args) -> dict:
     from .bounds import summary
 
     out = summary(args.subjects, args.relations, hops=args.hops, bits_per_param=args.bits_per_param)
-    print(json.dumps(out, indent=1))
+    for key, value in out.items():
+        print(f"{key:<20} {value:.6g}" if isinstance(value, float) else f"{key:<20} {value}")
     return out
 
 
@@ -233,9 +249,11 @@ def main(argv=None) -> None:
     add_parser(subs)
     args = parser.parse_args(argv)
     if not hasattr(args, "func"):
-        parser.print_help()
+        parser.print_help(sys.stderr)
         sys.exit(2)
-    args.func(args)
+    from llmprobe.cli import run_command
+
+    sys.exit(run_command(args))
 
 
 if __name__ == "__main__":

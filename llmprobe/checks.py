@@ -1,0 +1,99 @@
+"""One error type per cause, the command line's exit codes, and the checks made before any expensive work.
+
+* :class:`UsageError` (a ``ValueError``): a bad option, input or output folder -> exit status 2 (as are
+  ``DatasetError`` and ``ModelLoadError``);
+* out of memory (:func:`is_out_of_memory`: CUDA, a failed CPU allocation, ``MemoryError``) -> 3;
+* ``KeyboardInterrupt``, which SIGINT and (under the command line) SIGTERM raise -> 130.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_OUT_OF_MEMORY, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+
+class UsageError(ValueError):
+    """A bad option, input or output folder: the message says which and what is allowed."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """True for CUDA out-of-memory errors, a CPU allocator's failure ("can't allocate memory") and MemoryError."""
+    if isinstance(error, MemoryError):
+        return True
+    try:
+        import torch
+
+        if isinstance(error, getattr(torch, "OutOfMemoryError", ())):
+            return True
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    if isinstance(error, RuntimeError):
+        text = str(error).lower()
+        return any(s in text for s in ("out of memory", "can't allocate memory", "cannot allocate memory", "not enough memory",
+                                       "defaultcpuallocator", "failed to allocate"))
+    return False
+
+
+def output_folder(path: str | os.PathLike, what: str = "--out") -> Path:
+    """Create the output folder now and check that files can be written in it; raises UsageError otherwise
+    (an existing file, a read-only or unreachable folder). Returns it as a Path."""
+    if path is None or str(path) == "":
+        raise UsageError(f"{what} is empty: give an output folder")
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"{what} {str(folder)!r} is a file, not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".llmprobe-write-check.", suffix=".tmp")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as error:
+        raise UsageError(f"{what} {str(folder)!r} is not a writable folder ({error.strerror or error})") from None
+    return folder
+
+
+def positive_int(value, what: str, allow_none: bool = False) -> int | None:
+    """``value`` as an int >= 1 (None passes when ``allow_none``); raises UsageError naming the option."""
+    if value is None and allow_none:
+        return None
+    try:
+        number = int(value)
+        ok = number >= 1 and float(value) == number
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise UsageError(f"{what} must be a whole number of at least 1, got {value!r}")
+    return number
+
+
+def analysis_names(spec, valid) -> tuple[str, ...]:
+    """``"lre, ridge"`` or a sequence -> ('lre', 'ridge'); spaces and empty items ignored, unknown names listed
+    at once beside the valid ones (UsageError)."""
+    items = spec.split(",") if isinstance(spec, str) else list(spec or ())
+    names = tuple(dict.fromkeys(str(a).strip() for a in items if str(a).strip()))
+    unknown = [a for a in names if a not in valid]
+    if unknown:
+        raise UsageError(f"unknown analysis name(s) {', '.join(map(repr, unknown))}; choose from "
+                         f"{', '.join(valid)} (comma separated)")
+    return names
+
+
+def layer_spec(spec) -> None:
+    """Check the syntax of a ``--layers`` value (all | every:K with K >= 1 | comma list of integers) before the
+    model is loaded; the range is checked against the model's layer count once it is."""
+    if spec is None or spec == "all" or not isinstance(spec, str):
+        return
+    if spec.startswith("every:"):
+        step = spec.split(":", 1)[1]
+        if not step.strip().isdigit() or int(step) < 1:
+            raise UsageError(f"--layers {spec!r}: every:K needs a whole number K of at least 1")
+        return
+    items = [s.strip() for s in spec.split(",")]
+    for item in items:
+        try:
+            int(item)
+        except ValueError:
+            raise UsageError(f"bad layer {item!r} in --layers {spec!r}: use all, every:K, or integers "
+                             f"like 0,6,-1") from None
