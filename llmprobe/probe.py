@@ -170,6 +170,7 @@ def probe(
     resume: bool = False,
     lm: LoadedModel | None = None,
     on_known=None,
+    analysis_options: dict | None = None,
 ) -> dict:
     """Probe ``model`` (None = embedded default) on ``relations`` (None = all bundled); returns the report.
 
@@ -180,8 +181,9 @@ def probe(
     relations) from ``out`` when their key (model hash and settings) matches, instead of recomputing them.
     ``max_facts`` keeps the first facts of each relation (country relations list the most populous first).
     Facts whose prompt does not fit the model's context or ``max_prompt_tokens`` are skipped and listed in
-    ``errors``. ``on_known(report, known)`` is called once the known facts are checked, before the
-    analyses (``llmprobe run`` starts its controls there).
+    ``errors``. ``on_known(report, known, lm, relations)`` is called once the known facts are checked, before the
+    analyses (``llmprobe run`` starts its controls there). ``analysis_options``: fields of
+    ``llmprobe.analyses.AnalysisSettings`` (e.g. ``{"protocol": "lre"}``), checked before the model loads.
     """
     from .analyses import ANALYSES
 
@@ -190,6 +192,13 @@ def probe(
     batch_size = positive_int(batch_size, "--batch-size")
     max_facts = positive_int(max_facts, "--max-facts", allow_none=True)
     max_prompt_tokens = positive_int(max_prompt_tokens, "--max-prompt-tokens", allow_none=True)
+    if analysis_options:
+        from .analyses import settings_from
+
+        try:
+            settings_from(**analysis_options)
+        except (TypeError, ValueError) as error:
+            raise UsageError(f"analysis settings: {error}") from None
     layer_spec(layers)
     if out is not None:
         out = output_folder(out)
@@ -273,11 +282,11 @@ def probe(
         stages["known_facts"].update(done=True, resumed=bool(reused) and reused == len(known))
         save()   # checkpoint: the known facts are safe before the analyses
         if on_known is not None:
-            on_known(report, known)
+            on_known(report, known, lm, analysed)
         if analyses:
             from . import analyses as analyses_module
 
-            key = _digest(known_key, layer_ids, analyses)
+            key = _digest(known_key, layer_ids, analyses, sorted((analysis_options or {}).items()))
             stages["analyses"] = {"key": key, "done": False, "resumed": False}
             before = (previous.get("stages") or {}).get("analyses") or {}
             t = time.perf_counter()
@@ -286,7 +295,8 @@ def probe(
                 stages["analyses"]["resumed"] = True
             else:
                 report["analyses"] = analyses_module.run_analyses(lm, analysed, known, layer_ids,
-                                                                  analyses=analyses, seed=seed)
+                                                                  analyses=analyses, seed=seed,
+                                                                  **(analysis_options or {}))
             timings["analyses_s"] = round(time.perf_counter() - t, 1)
             stages["analyses"]["done"] = True
     except KeyboardInterrupt:

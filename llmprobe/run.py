@@ -24,8 +24,12 @@ def run(model: str | None = None, *, out: str | Path = "runs/main", relations: l
         device: str = "auto", dtype: str = "auto", max_facts: int | None = None, seed: int = 0,
         controls: bool = True, at_model_width: bool = True, formats=("html", "md", "csv"), gguf_file=None,
         trust_remote_code: bool = False, batch_size: int = 32, max_prompt_tokens: int | None = None,
-        resume: bool = False) -> dict:
+        resume: bool = False, analysis_options: dict | None = None) -> dict:
     """The main job; writes ``out/report.json`` (+ html/md/csv) and returns the report.
+
+    Like for like: the matched controls train on the fact table the pretrained superposition fit measures (the
+    shared-subject relations, all their facts, the subjects locatable in the neutral templates:
+    ``llmprobe.analyses.superposition_table``); without the superposition analysis, on the known-fact table.
 
     The matched controls need only the known facts, so they train in a worker process (one CPU thread) while
     this process runs the analyses, which leave part of the CPU idle. One thread sums floats in another order
@@ -49,12 +53,14 @@ def run(model: str | None = None, *, out: str | Path = "runs/main", relations: l
     previous = previous_report(out) if resume else {}
     pending: dict = {}
 
-    def start_controls(partial: dict, known: dict) -> None:
+    def start_controls(partial: dict, known: dict, lm, relations: list) -> None:
         pending["report"] = partial
-        key = _digest(partial["stages"]["known_facts"]["key"], "controls", at_model_width, seed)
+        like_for_like = "superposition" in analyses
+        key = _digest(partial["stages"]["known_facts"]["key"], "controls", at_model_width, seed, like_for_like,
+                      sorted((analysis_options or {}).items()))
         stage = partial["stages"]["controls"] = {"key": key, "done": False, "resumed": False}
         try:
-            table, dropped = known_table(partial["relations"], known)
+            table, dropped = _control_table(lm, relations, known, partial, like_for_like, analysis_options)
         except ValueError as error:
             partial["errors"].append(f"matched controls: {error}")
             stage["done"] = True          # nothing to train
@@ -77,7 +83,8 @@ def run(model: str | None = None, *, out: str | Path = "runs/main", relations: l
         report = probe(model, gguf_file=gguf_file, relations=relations, layers=layers, analyses=analyses,
                        device=device, dtype=dtype, max_facts=max_facts, seed=seed, out=out,
                        trust_remote_code=trust_remote_code, on_known=start_controls if controls else None,
-                       batch_size=batch_size, max_prompt_tokens=max_prompt_tokens, resume=resume)
+                       batch_size=batch_size, max_prompt_tokens=max_prompt_tokens, resume=resume,
+                       analysis_options=analysis_options)
         if controls and "result" in pending:
             t = time.perf_counter()
             try:
@@ -100,6 +107,18 @@ def run(model: str | None = None, *, out: str | Path = "runs/main", relations: l
     write_all(with_controls([report]), out, f"llmprobe: {report['model']['name']} and its matched synthetic controls",
               formats)
     return report
+
+
+def _control_table(lm, relations: list, known: dict, partial: dict, like_for_like: bool,
+                   analysis_options: dict | None):
+    """(FactTable, relations left out) the matched controls train on: the superposition fit's table when
+    ``like_for_like`` (nothing left out), else the known-fact table."""
+    if like_for_like:
+        from .analyses import settings_from, superposition_table
+
+        table = superposition_table(lm.tokenizer, relations, known, settings_from(**(analysis_options or {})))
+        return table.fact_table(), []
+    return known_table(partial["relations"], known)
 
 
 def _save_interrupted(out: Path, pending: dict) -> None:

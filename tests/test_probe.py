@@ -6,7 +6,7 @@ import pytest
 from llmprobe import subjects as subjects_module
 from llmprobe.cli import main
 from llmprobe.known import first_token_ids, is_known, object_token_sequences
-from llmprobe.probe import parse_layers, probe
+from llmprobe.probe import REPORT_SCHEMA_VERSION, parse_layers, probe
 from llmprobe.subjects import SubjectNotFoundError
 from tiny_models import save_tiny, tiny_tokenizer
 
@@ -31,7 +31,7 @@ def test_probe_writes_report(tiny_folder, relation_file, tmp_path):
     out = tmp_path / "run"
     report = probe(tiny_folder, relations=[relation_file], layers="0,-1", device="cpu", out=out)
     on_disk = json.loads((out / "report.json").read_text())
-    assert on_disk["schema_version"] == 1 and on_disk["layers"] == [0, 2]
+    assert on_disk["schema_version"] == REPORT_SCHEMA_VERSION and on_disk["layers"] == [0, 2]
     rel = on_disk["relations"]["capital"]
     assert rel["n_facts"] == 4 and 0 <= rel["n_known"] <= 4 and rel["known_rate"] == rel["n_known"] / 4
     assert rel["template_used"] == "The capital of {} is"
