@@ -52,6 +52,22 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true",
                         help="take finished stages from --out when model and settings match, instead of recomputing")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub (off)")
+    parser.add_argument("--allow-pickle", action="store_true",
+                        help="allow pickle weights (pytorch_model.bin, loaded with weights_only=True); default: "
+                             "safetensors only")
+    parser.add_argument("--protocol", default="strict", choices=["strict", "lre"],
+                        help="decoders: strict = zero-shot prompt, exact first token (default); lre = the LRE "
+                             "reference's protocol (in-context examples, its bias and prefix rule), to compare "
+                             "with published LRE tables")
+    parser.add_argument("--n-icl", type=positive("--n-icl"), default=5,
+                        help="in-context examples of --protocol lre (default 5)")
+
+
+def _analysis_options(args) -> dict:
+    """The analysis settings set on the command line (defaults left out, so resume keys stay as they were)."""
+    if args.protocol == "strict":
+        return {}
+    return {"protocol": args.protocol, "n_icl": args.n_icl}
 
 
 def _probe(args) -> int:
@@ -60,7 +76,8 @@ def _probe(args) -> int:
     report = probe(args.model, gguf_file=args.gguf_file, relations=args.relations, layers=args.layers,
                    analyses=args.analyses, device=args.device, dtype=args.dtype, batch_size=args.batch_size,
                    max_facts=args.max_facts, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
-                   out=args.out, trust_remote_code=args.trust_remote_code, resume=args.resume)
+                   out=args.out, trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle,
+                   resume=args.resume, analysis_options=_analysis_options(args))
     print(summary_table(report))
     for error in report["errors"]:
         print(f"warning: {error}", file=sys.stderr)
@@ -76,7 +93,8 @@ def _run(args) -> int:
                  analyses=args.analyses, device=args.device, dtype=args.dtype, batch_size=args.batch_size,
                  max_facts=args.max_facts, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
                  controls=not args.no_controls, at_model_width=not args.no_model_width, gguf_file=args.gguf_file,
-                 trust_remote_code=args.trust_remote_code, resume=args.resume)
+                 trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle, resume=args.resume,
+                 analysis_options=_analysis_options(args))
     print(summary_table(report))
     for line in _control_lines(report.get("controls")):
         print(line)

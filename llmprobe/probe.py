@@ -167,6 +167,7 @@ def probe(
     seed: int = 0,
     out: str | Path | None = None,
     trust_remote_code: bool = False,
+    allow_pickle: bool = False,
     resume: bool = False,
     lm: LoadedModel | None = None,
     on_known=None,
@@ -210,7 +211,7 @@ def probe(
         rels = [Relation(r.name, r.templates, r.neutral_templates, r.facts[:max_facts], r.properties, r.source)
                 for r in rels]
     lm = lm or load_model(model, gguf_file=gguf_file, device=device, dtype=dtype,
-                          trust_remote_code=trust_remote_code)
+                          trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
     timings = {"load_s": round(time.perf_counter() - start, 1)}
     layer_ids = parse_layers(layers, lm.adapter.n_layers)
     data_hash = dataset_hash(rels)

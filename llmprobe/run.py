@@ -23,7 +23,7 @@ def run(model: str | None = None, *, out: str | Path = "runs/main", relations: l
         layers: str = "every:3", analyses: tuple[str, ...] = ("lre", "ridge", "superposition"),
         device: str = "auto", dtype: str = "auto", max_facts: int | None = None, seed: int = 0,
         controls: bool = True, at_model_width: bool = True, formats=("html", "md", "csv"), gguf_file=None,
-        trust_remote_code: bool = False, batch_size: int = 32, max_prompt_tokens: int | None = None,
+        trust_remote_code: bool = False, allow_pickle: bool = False, batch_size: int = 32, max_prompt_tokens: int | None = None,
         resume: bool = False, analysis_options: dict | None = None) -> dict:
     """The main job; writes ``out/report.json`` (+ html/md/csv) and returns the report.
 
@@ -82,7 +82,8 @@ def run(model: str | None = None, *, out: str | Path = "runs/main", relations: l
     try:
         report = probe(model, gguf_file=gguf_file, relations=relations, layers=layers, analyses=analyses,
                        device=device, dtype=dtype, max_facts=max_facts, seed=seed, out=out,
-                       trust_remote_code=trust_remote_code, on_known=start_controls if controls else None,
+                       trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
+                       on_known=start_controls if controls else None,
                        batch_size=batch_size, max_prompt_tokens=max_prompt_tokens, resume=resume,
                        analysis_options=analysis_options)
         if controls and "result" in pending:

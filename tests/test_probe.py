@@ -94,3 +94,41 @@ def test_cli_probe_and_errors(tiny_folder, relation_file, tmp_path, capsys):
     assert main(["probe", "nobody/no-such-model", "--out", str(tmp_path / "y")]) == 2
     assert "nobody/no-such-model" in capsys.readouterr().err
     assert not (tmp_path / "y" / "report.json").exists()
+
+
+def test_cli_protocol_and_pickle_flags_reach_the_analyses_and_the_loader(tiny_folder, tmp_path, capsys):
+    """--protocol lre runs the reference protocol (recorded in the report); --allow-pickle lets probe load a
+    folder that holds only pickle weights, which it refuses without the flag."""
+    import shutil
+
+    import torch
+
+    from llmprobe.loading import load_model
+
+    rows = [{"subject": s, "object": o} for s, o in zip([f"Land{i}" for i in range(24)],
+                                                        ["Paris", "Tokyo", "Rome", "Cairo"] * 6)]
+    data = {"name": "capital", "templates": ["The capital of {} is"], "neutral_templates": ["{}"], "facts": rows}
+    rel = tmp_path / "capital.json"
+    rel.write_text(json.dumps(data))
+    import llmprobe.known as known_module
+
+    real = known_module.is_known
+    try:
+        known_module.is_known = lambda text, obj: True            # a random model knows nothing: force it
+        assert main(["probe", tiny_folder, "--relations", str(rel), "--layers", "0,1", "--device", "cpu",
+                     "--analyses", "lre", "--protocol", "lre", "--n-icl", "2", "--out", str(tmp_path / "icl")]) == 0
+    finally:
+        known_module.is_known = real
+    report = json.loads((tmp_path / "icl" / "report.json").read_text())
+    entry = report["analyses"]["relations"]["capital"]
+    assert report["analyses"]["settings"]["protocol"] == "lre" and len(entry["context_subjects"]) == 2
+    with pytest.raises(SystemExit) as stop:                      # argparse refuses an unknown protocol
+        main(["probe", tiny_folder, "--relations", str(rel), "--protocol", "icl", "--out", str(tmp_path / "z")])
+    assert stop.value.code == 2 and "invalid choice" in capsys.readouterr().err
+    folder = shutil.copytree(tiny_folder, tmp_path / "pickled")
+    state = load_model(str(folder), device="cpu").model.state_dict()
+    (folder / "model.safetensors").unlink()
+    torch.save(state, folder / "pytorch_model.bin")
+    assert main(["probe", str(folder), "--relations", str(rel), "--out", str(tmp_path / "p1")]) == 2
+    assert "allow-pickle" in capsys.readouterr().err.replace("_", "-")
+    assert main(["probe", str(folder), "--relations", str(rel), "--allow-pickle", "--out", str(tmp_path / "p2")]) == 0
