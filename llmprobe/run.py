@@ -74,9 +74,8 @@ def run(model: str | None = None, *, out: str | Path = "runs/main", relations: l
                 partial["timings"]["controls_s"] = previous["timings"]["controls_s"]
             stage.update(done=True, resumed=True)
             return
-        pending["pool"] = _worker_pool()
-        pending["result"] = pending["pool"].apply_async(
-            _timed_controls, (table, partial["model"]["d_model"]),
+        pending["worker"] = ControlsWorker(
+            (table, partial["model"]["d_model"]),
             {"seed": seed, "at_model_width": at_model_width, "progress": _controls_progress})
 
     try:
@@ -86,10 +85,10 @@ def run(model: str | None = None, *, out: str | Path = "runs/main", relations: l
                        on_known=start_controls if controls else None,
                        batch_size=batch_size, max_prompt_tokens=max_prompt_tokens, resume=resume,
                        analysis_options=analysis_options)
-        if controls and "result" in pending:
+        if controls and "worker" in pending:
             t = time.perf_counter()
             try:
-                report["controls"], report["timings"]["controls_s"] = pending["result"].get()
+                report["controls"], report["timings"]["controls_s"] = pending["worker"].get()
                 report["stages"]["controls"]["done"] = True
             except Exception as error:  # noqa: BLE001 - the probe's numbers are kept and exported
                 report["errors"].append(f"matched controls failed: {type(error).__name__}: {error}")
@@ -99,9 +98,8 @@ def run(model: str | None = None, *, out: str | Path = "runs/main", relations: l
         _save_interrupted(out, pending)
         raise
     finally:
-        if "pool" in pending:           # an interrupted run does not wait for the controls
-            pending["pool"].terminate()
-            pending["pool"].join()
+        if "worker" in pending:         # an interrupted run does not wait for the controls
+            pending["worker"].stop()
     report["versions"] = library_versions()
     report["wall_seconds"] = round(time.perf_counter() - start, 1)
     write_json(out / "report.json", report)
@@ -128,10 +126,13 @@ def _save_interrupted(out: Path, pending: dict) -> None:
     report = pending.get("report")
     if report is None:                  # interrupted before the known facts: probe wrote nothing to keep
         return
-    stage, result = report["stages"].get("controls"), pending.get("result")
-    if stage and not stage["done"] and result is not None and result.ready() and result.successful():
-        report["controls"], report["timings"]["controls_s"] = result.get()
-        stage["done"] = True
+    stage, worker = report["stages"].get("controls"), pending.get("worker")
+    if stage and not stage["done"] and worker is not None and worker.ready():
+        try:
+            report["controls"], report["timings"]["controls_s"] = worker.get()
+            stage["done"] = True
+        except RuntimeError:            # the worker failed: the stage stays unfinished
+            pass
     unfinished = [name for name, s in report["stages"].items() if not s["done"]]
     report["partial"] = bool(unfinished)
     report["errors"] = [e for e in report["errors"] if not e.startswith("interrupted during")]
@@ -141,10 +142,56 @@ def _save_interrupted(out: Path, pending: dict) -> None:
     write_json(out / "report.json", report)
 
 
-def _timed_controls(*args, **kwargs) -> tuple[list[dict], float]:
-    """``train_controls`` and its own wall seconds (run in the worker process)."""
+class ControlsWorker:
+    """``train_controls(*args, **kwargs)`` in one spawned process (one torch thread) whose result comes back
+    through a pipe. A plain process, not a Pool: ``stop`` kills it outright, so an interrupt can never wait on a
+    pool's internal locks, and the worker exits by itself when this process dies."""
+
+    def __init__(self, args: tuple, kwargs: dict):
+        import multiprocessing
+        import os
+
+        context = multiprocessing.get_context("spawn")
+        self._receive, send = context.Pipe(duplex=False)
+        self.process = context.Process(target=_worker_main, args=(send, os.getpid(), args, kwargs), daemon=True,
+                                       name="llmprobe-controls")
+        self.process.start()
+        send.close()
+
+    def ready(self) -> bool:
+        """Has the worker sent its result (or its failure)?"""
+        return self._receive.poll()
+
+    def get(self) -> tuple[dict, float]:
+        """Wait for (controls, seconds); RuntimeError naming the cause when the worker failed or died."""
+        try:
+            ok, value = self._receive.recv()
+        except EOFError:
+            self.process.join(5)
+            raise RuntimeError(f"the controls worker died (exit code {self.process.exitcode})") from None
+        self.process.join(5)
+        if not ok:
+            raise RuntimeError(value)
+        return value
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(5)
+        self._receive.close()
+
+
+def _worker_main(send, parent_pid: int, args: tuple, kwargs: dict) -> None:
+    """The worker process: set up, train and measure the controls, send (True, (controls, seconds)) or
+    (False, "Type: message")."""
+    _one_thread(parent_pid)
     start = time.perf_counter()
-    return train_controls(*args, **kwargs), round(time.perf_counter() - start, 1)
+    try:
+        result = (True, (train_controls(*args, **kwargs), round(time.perf_counter() - start, 1)))
+    except Exception as error:  # noqa: BLE001 - reported to the parent, which records it in the report's errors
+        result = (False, f"{type(error).__name__}: {error}")
+    send.send(result)
+    send.close()
 
 
 def _one_thread(parent_pid: int | None = None) -> None:
@@ -180,15 +227,6 @@ def _exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
                 sentinel = None
         time.sleep(poll_s)
     os._exit(1)
-
-
-def _worker_pool():
-    """One spawned worker process with one torch thread (spawn: safe with torch and any device); it exits when
-    this process dies."""
-    import multiprocessing
-    import os
-
-    return multiprocessing.get_context("spawn").Pool(1, initializer=_one_thread, initargs=(os.getpid(),))
 
 
 def _controls_progress(message: str) -> None:
