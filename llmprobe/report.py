@@ -80,8 +80,9 @@ def metric_rows(report: dict) -> list[dict]:
     rows = []
     for name, rel in report.get("relations", {}).items():
         rows.append(_row(source, kind, name, None, None, "known_rate", rel.get("known_rate"), n=rel.get("n_facts")))
-    for path, m in iter_metrics(report.get("analyses") or {}):
-        place = _metric_place(path)
+    analyses = report.get("analyses") or {}
+    for path, m in iter_metrics(analyses):
+        place = _metric_place(path, analyses)
         if place is None:
             continue
         relation, layer, metric = place
@@ -96,7 +97,7 @@ def metric_rows(report: dict) -> list[dict]:
     return rows
 
 
-def _metric_place(path: tuple) -> tuple[str, int, str] | None:
+def _metric_place(path: tuple, analyses: dict) -> tuple[str, int, str] | None:
     """(relation, layer, metric name) of the metric at ``path`` in a report's analyses; None for metrics that are
     not per-layer rows."""
     if len(path) == 6 and path[0] == "relations" and path[2] == "layers":             # decoders
@@ -107,8 +108,9 @@ def _metric_place(path: tuple) -> tuple[str, int, str] | None:
             return "(all)", layer, "superposition.r2"
         if len(rest) == 2 and rest[0] == "readout":
             return rest[1], layer, "superposition.readout_accuracy"
-        if len(rest) == 4 and rest[:2] == ("swap", "by_scale"):
-            return "(all)", layer, f"superposition.swap_{rest[3]}" + ("" if rest[2] == "0" else f"_scale{rest[2]}")
+        if len(rest) == 4 and rest[:2] == ("swap", "by_scale"):            # x1 = the fitted edit, then x4, x16
+            scale = analyses["superposition"]["layers"][path[2]]["swap"]["by_scale"][int(rest[2])]["scale"]
+            return "(all)", layer, f"superposition.swap_{rest[3]}" + ("" if scale == 1 else f"_x{scale:g}")
     return None
 
 
@@ -220,7 +222,7 @@ def comparison_figure(reports: list[dict]):
     relations = list(dict.fromkeys(n for _, e in sources for n in (e.get("readout") or {})))
     groups = relations + ["R^2 (all relations)"]
     height = 0.8 / len(sources)
-    figure, axis = plt.subplots(figsize=(8, max(3.0, 0.16 * len(groups) * len(sources) + 1.2)))
+    figure, axis = plt.subplots(figsize=(10, max(3.0, 0.16 * len(groups) * len(sources) + 1.2)))
     for index, (label, entry) in enumerate(sources):
         metrics = [(entry.get("readout") or {}).get(n) for n in relations] + [entry.get("r2")]
         ys = [g + (index - (len(sources) - 1) / 2) * height for g in range(len(groups))]
@@ -237,7 +239,7 @@ def comparison_figure(reports: list[dict]):
     axis.invert_yaxis()
     axis.set_xlabel("readout accuracy (per relation) / R^2 (last row)")
     axis.set_title("Pretrained vs synthetic: superposition readouts (black tick: shuffled control)", fontsize=9)
-    axis.legend(fontsize=6, loc="lower right")
+    axis.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))   # outside the bars
     return _png_data_uri(figure)
 
 
@@ -519,7 +521,8 @@ def summary_tables(reports: list[dict], rows: list[dict]) -> list[tuple[str, lis
                         "swap by edit scale: success (random dir.) / others unchanged"], superposition))
     controls = [row for report in reports for row in control_rows(report)]
     if controls:
-        tables.append(("Matched synthetic controls (trained on the known-fact table; readouts of e_s)",
+        tables.append(("Matched synthetic controls (readouts of their subject embeddings e_s; what they were trained "
+                       "on: controls.compared_with in report.json)",
                        ["control", "d", "d*", "train acc", "steps", "bits/param", "R^2", "R^2 controls",
                         "mean readout accuracy", "relation gating", "gate transplant (same relation)",
                         "gate transplant (other relation)"], controls))
@@ -549,7 +552,9 @@ def render_html(reports: list[dict], title: str, extra_images: list[tuple[str, s
         (controls_caption(reports), capacity_figure(reports)),
         ("MLP ablations of the matched controls", ablation_figure(reports))) if uri]
     for caption, uri in figures:
-        parts.append(f"<h2>{html.escape(caption)}</h2><img alt='{html.escape(caption)}' src='{uri}'>")
+        title, _, rest = caption.partition(". ")          # a long caption: its first sentence heads the figure
+        parts.append(f"<h2>{html.escape(title)}</h2>" + (f"<p>{html.escape(rest)}</p>" if rest else "") +
+                     f"<img alt='{html.escape(title)}' src='{uri}'>")
     for caption, image in extra_images:
         if not image.startswith("data:"):
             path = Path(image)
