@@ -178,8 +178,11 @@ def probe(
     Every option, the relations and the output folder are checked before the model is loaded (UsageError,
     DatasetError). Writes ``out/report.json`` and ``out/known_facts.json`` when ``out`` is given: after the
     known facts, at the end, and on an interrupt (KeyboardInterrupt; the report then says ``"partial": true``
-    and which ``stages`` are done). ``resume`` takes the finished stages (and the known facts of finished
-    relations) from ``out`` when their key (model hash and settings) matches, instead of recomputing them.
+    and which ``stages`` are done); during the analyses report.json is rewritten after each relation's decoders
+    and after the superposition analysis, so an interrupt keeps the finished ones (``analyses.partial`` true).
+    ``resume`` takes the finished stages (and the known facts of finished relations, and the finished relations
+    and superposition analysis of an interrupted analyses stage) from ``out`` when their key (model hash and
+    settings) matches, instead of recomputing them; ``stages.analyses`` says what was taken over.
     ``max_facts`` keeps the first facts of each relation (country relations list the most populous first).
     Facts whose prompt does not fit the model's context or ``max_prompt_tokens`` are skipped and listed in
     ``errors``. ``on_known(report, known, lm, relations)`` is called once the known facts are checked, before the
@@ -288,18 +291,38 @@ def probe(
             from . import analyses as analyses_module
 
             key = _digest(known_key, layer_ids, analyses, sorted((analysis_options or {}).items()))
-            stages["analyses"] = {"key": key, "done": False, "resumed": False}
+            stage = stages["analyses"] = {"key": key, "done": False, "resumed": False, "resumed_relations": [],
+                                          "resumed_superposition": False}
             before = (previous.get("stages") or {}).get("analyses") or {}
+            earlier = previous.get("analyses") if before.get("key") == key else None
+            earlier = earlier if isinstance(earlier, dict) else None
             t = time.perf_counter()
-            if before.get("key") == key and before.get("done") and isinstance(previous.get("analyses"), dict):
-                report["analyses"] = previous["analyses"]
-                stages["analyses"]["resumed"] = True
+            if earlier is not None and before.get("done"):
+                report["analyses"] = earlier
+                earlier.setdefault("partial", False)
+                stage.update(resumed=True, resumed_relations=list(earlier.get("relations") or {}),
+                             resumed_superposition="superposition" in earlier)
             else:
+                def checkpoint(partial: dict) -> None:   # the finished relations are safe from an interrupt
+                    report["analyses"] = partial
+                    save()
+
+                if earlier is not None:          # an interrupted run's finished parts (same key: same settings)
+                    report["analyses"] = {**earlier, "partial": True}   # kept should this run be interrupted too
+                    taken = earlier.get("relations") or {}
+                    decoders = bool({"lre", "ridge"} & set(analyses))
+                    stage["resumed_relations"] = [r.name for r in analysed
+                                                  if decoders and isinstance(taken.get(r.name), dict)]
+                    stage["resumed_superposition"] = ("superposition" in analyses
+                                                      and isinstance(earlier.get("superposition"), dict))
+                    stage["resumed"] = (len(stage["resumed_relations"]) == (len(analysed) if decoders else 0)
+                                        and stage["resumed_superposition"] == ("superposition" in analyses))
                 report["analyses"] = analyses_module.run_analyses(lm, analysed, known, layer_ids,
                                                                   analyses=analyses, seed=seed,
+                                                                  on_progress=checkpoint, done=earlier,
                                                                   **(analysis_options or {}))
             timings["analyses_s"] = round(time.perf_counter() - t, 1)
-            stages["analyses"]["done"] = True
+            stage["done"] = True
     except KeyboardInterrupt:
         unfinished = [name for name, stage in stages.items() if not stage["done"]]
         report["errors"].append(f"interrupted during {', '.join(unfinished) or 'the end'}: finished stages are kept "

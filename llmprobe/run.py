@@ -38,8 +38,9 @@ def run(model: str | None = None, *, out: str | Path = "runs/main", relations: l
 
     Options are checked before the model loads (see ``probe``). On an interrupt (KeyboardInterrupt; the command
     line turns SIGTERM into one) the worker is stopped and report.json keeps the finished stages
-    (``"partial": true``); ``resume`` takes finished stages (known facts, analyses, controls) from ``out`` when
-    their key (model hash and settings) matches.
+    (``"partial": true``), the analyses' finished relations included (``analyses.partial``); ``resume`` takes
+    finished stages (known facts, analyses, controls) and an interrupted analyses stage's finished relations from
+    ``out`` when their key (model hash and settings) matches, and computes only the rest.
     """
     from .checks import UsageError
     from .probe import _digest, previous_report

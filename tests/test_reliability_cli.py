@@ -18,6 +18,7 @@ import pytest
 
 from llmprobe.checks import UsageError, analysis_names, is_out_of_memory
 from llmprobe.cli import main
+from llmprobe.metric import is_metric, iter_metrics
 from llmprobe.probe import probe
 from tiny_models import save_tiny
 
@@ -181,10 +182,27 @@ def forced_known(lm, relation, **kw):      # a random model knows nothing; the c
 def analyses(*args, **kw):
     if os.environ.get("SLOW_ANALYSES"):    # hold the run inside the probe until the test's signal arrives
         time.sleep(120)
+    hold, checkpoint = int(os.environ.get("HOLD_AFTER_RELATIONS", "0")), kw.get("on_progress")
+    if hold and checkpoint is not None:    # hold it inside the analyses, once that many relations are written
+
+        def on_progress(result):
+            checkpoint(result)
+            if len(result["relations"]) >= hold:
+                time.sleep(120)
+        kw["on_progress"] = on_progress
     return real_analyses(*args, progress=False, **{**FAST, **kw})
 
 
+def logged_decoders(lm, relation, *args, **kw):    # which relations' decoders this process computes
+    if os.environ.get("DECODERS_LOG"):
+        with open(os.environ["DECODERS_LOG"], "a") as log:
+            log.write(relation.name + "\\n")
+    return real_decoders(lm, relation, *args, **kw)
+
+
+real_decoders = llmprobe.analyses.decoders_for_relation
 llmprobe.probe.known_facts, llmprobe.analyses.run_analyses = forced_known, analyses
+llmprobe.analyses.decoders_for_relation = logged_decoders
 if __name__ == "__main__":
     from llmprobe.cli import main
 
@@ -310,3 +328,130 @@ def test_sigterm_on_synth_train_checkpoints_and_exits_130(tmp_path):
     assert "Traceback" not in stderr and "interrupted" in stderr
     state = json.loads((out / "checkpoint.json").read_text())
     assert state["step"] > 0
+
+
+def _logged(path: Path) -> list[str]:
+    return path.read_text().split() if path.is_file() else []
+
+
+def _numbers(entry: dict) -> dict:
+    """A relation's decoder entry without its wall-clock seconds."""
+    if isinstance(entry, dict):
+        return {k: _numbers(v) for k, v in entry.items() if not k.endswith("seconds")}
+    return [_numbers(v) for v in entry] if isinstance(entry, list) else entry
+
+
+@pytest.mark.skipif(not POSIX_PROC, reason="signals a subprocess")
+def test_sigterm_during_the_analyses_keeps_finished_relations_and_resume_computes_only_the_rest(tmp_path):
+    """Three relations of 10 forced-known facts (enough for the decoders); the run is held after the first
+    relation's decoders are written and gets SIGTERM there. The report keeps that relation (typed metrics,
+    ``analyses.partial``); ``--resume`` takes it over and computes the other two only (the wrapper logs every
+    relation whose decoders a process computes). Then a finished relation taken out of the report is recomputed
+    alone, by itself in its process, and gives the numbers it had when computed after another one."""
+    folder = save_tiny("qwen2", tmp_path / "qwen2")
+    subjects = ["Kalomi", "Neruta", "Vozika", "Mitalo", "Rukane", "Tazimo", "Lavoni", "Suketa", "Pamiro", "Zunela"]
+    values = {"capital": ["Paris", "Tokyo", "Rome"], "continent": ["Europe", "Asia", "Africa"],
+              "language": ["Spanish", "German"]}
+    paths = [_relation(tmp_path / f"{name}.json", [(s, vals[i % len(vals)]) for i, s in enumerate(subjects)], name)
+             for name, vals in values.items()]
+    (tmp_path / "wrapper.py").write_text(WRAPPER)
+    out = tmp_path / "run"
+    args = [sys.executable, str(tmp_path / "wrapper.py"), "run", str(folder), "--relations", *paths,
+            "--analyses", "lre", "--layers", "all", "--device", "cpu", "--no-controls", "--out", str(out)]
+    logs = [tmp_path / f"decoders{i}.log" for i in range(3)]
+
+    proc = subprocess.Popen(args, env={**ENV, "HOLD_AFTER_RELATIONS": "1", "DECODERS_LOG": str(logs[0])},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline, partial = time.monotonic() + 150, None
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (out / "report.json").is_file():
+            partial = json.loads((out / "report.json").read_text()).get("analyses")
+            if partial and partial["relations"]:
+                break
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail(f"the run did not finish a relation's decoders: {proc.communicate()[1][-2000:]}")
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "Traceback" not in stderr and "interrupted by SIGTERM" in stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["partial"] is True and report["stages"]["analyses"]["done"] is False
+    assert any(e.startswith("interrupted during analyses") for e in report["errors"])
+    analyses = report["analyses"]
+    assert analyses["partial"] is True and list(analyses["relations"]) == ["capital"] == _logged(logs[0])
+    capital = analyses["relations"]["capital"]
+    assert capital["error"] is None and capital["n_used"] == 10
+    metrics = [m for _, m in iter_metrics(capital)]
+    assert metrics and all({"value", "ci", "n", "interval"} <= set(m) for m in metrics)
+    faithfulness = capital["layers"]["0"]["lre"]["faithfulness"]
+    assert is_metric(faithfulness) and faithfulness["n"] == len(capital["test_subjects"]) >= 2
+
+    done = subprocess.run(args + ["--resume"], env={**ENV, "DECODERS_LOG": str(logs[1])}, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((out / "report.json").read_text())
+    stage, analyses = report["stages"]["analyses"], report["analyses"]
+    assert report["partial"] is False and analyses["partial"] is False and stage["done"] is True
+    assert stage["resumed_relations"] == ["capital"] and stage["resumed"] is False
+    assert stage["resumed_superposition"] is False and report["stages"]["known_facts"]["resumed"]
+    assert _logged(logs[1]) == ["continent", "language"]                    # only the rest was computed
+    assert list(analyses["relations"]) == ["capital", "continent", "language"]
+    assert analyses["relations"]["capital"] == capital                       # taken over as it was
+    assert all(analyses["relations"][name]["error"] is None for name in ("continent", "language"))
+    assert not analyses["errors"] and not any(e.startswith("interrupted") for e in report["errors"])
+
+    # language was computed after continent; alone in its process it gives the same numbers
+    finished = report["analyses"]["relations"]
+    trimmed = json.loads(json.dumps(report))
+    del trimmed["analyses"]["relations"]["language"]
+    trimmed["analyses"]["partial"], trimmed["stages"]["analyses"]["done"], trimmed["partial"] = True, False, True
+    (out / "report.json").write_text(json.dumps(trimmed))
+    done = subprocess.run(args + ["--resume"], env={**ENV, "DECODERS_LOG": str(logs[2])}, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    again = json.loads((out / "report.json").read_text())
+    assert _logged(logs[2]) == ["language"]
+    assert again["stages"]["analyses"]["resumed_relations"] == ["capital", "continent"]
+    assert again["analyses"]["relations"]["continent"] == finished["continent"]
+    assert _numbers(again["analyses"]["relations"]["language"]) == _numbers(finished["language"])
+
+
+def test_run_analyses_reports_progress_and_takes_over_what_is_done(tmp_path, monkeypatch):
+    """In-process, ridge and superposition: ``on_progress`` sees each relation, then the superposition analysis,
+    with ``partial`` true until the end; ``done`` (the finished result, through JSON) is taken over whole, errors
+    re-listed, nothing recomputed."""
+    import llmprobe.analyses
+    from llmprobe.loading import load_model
+    from test_analyses import FAST, _relations
+
+    lm = load_model(str(save_tiny("llama", tmp_path / "llama")), device="cpu")
+    subjects = ["Kalomi", "Neruta", "Vozika", "Mitalo", "Rukane", "Tazimo", "Lavoni", "Suketa", "Pamiro", "Zunela",
+                "Borati", "Kimelo", "Ravuni", "Sotika", "Melura", "Dakoni"]
+    rels, known = _relations(subjects)
+    known["language"] = known["language"][:3]                          # too few: an error entry
+    seen = []
+
+    def on_progress(result):
+        seen.append((result["partial"], list(result["relations"]), "superposition" in result))
+
+    first = llmprobe.analyses.run_analyses(lm, rels, known, [0, 1, 2], analyses=("ridge", "superposition"),
+                                           progress=False, on_progress=on_progress, **FAST)
+    names = ["capital", "continent", "language"]
+    assert seen == [(True, names[:1], False), (True, names[:2], False), (True, names, False), (True, names, True)]
+    assert first["partial"] is False and first["superposition"]["error"] is None
+    assert first["relations"]["capital"]["error"] is None and "language" in first["relations"]["language"]["error"]
+
+    def recomputed(*args, **kwargs):
+        raise AssertionError("recomputed a part that was done")
+
+    monkeypatch.setattr(llmprobe.analyses, "decoders_for_relation", recomputed)
+    monkeypatch.setattr(llmprobe.analyses, "superposition", recomputed)
+    done = json.loads(json.dumps(first))
+    seen.clear()
+    again = llmprobe.analyses.run_analyses(lm, rels, known, [0, 1, 2], analyses=("ridge", "superposition"),
+                                           progress=False, on_progress=on_progress, done=done, **FAST)
+    assert again["relations"] == done["relations"] and again["superposition"] == done["superposition"]
+    assert again["errors"] == first["errors"] and len(again["errors"]) == 1 and again["partial"] is False
+    assert len(seen) == 4

@@ -37,13 +37,26 @@ def settings_from(n_splits: int = 3, seed: int = 0, max_subjects: int = 90, **op
 
 
 def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits: int = 3, seed: int = 0,
-                 max_subjects: int = 90, progress: bool = True, **options) -> dict:
+                 max_subjects: int = 90, progress: bool = True, on_progress=None, done: dict | None = None,
+                 **options) -> dict:
     """Run the requested analyses on a loaded model; returns a JSON-ready dict.
 
     ``relations``: ``llmprobe.datasets.Relation`` list; ``known``: relation name -> list of
     ``llmprobe.known.FactResult`` (LRE and ridge use the known facts only); ``layers``: layer indices;
     ``analyses``: any subset of ``ANALYSES``. ``options``: any field of :class:`AnalysisSettings`.
     A relation that cannot be analysed gets an ``error`` entry and the others go on.
+
+    Checkpoints and resuming: the result carries ``"partial": True`` while it is being built and
+    ``"partial": False`` once every requested analysis is in it (the key is always there).
+    ``on_progress(result)``, if given, is called with the result so far (the same dict, ``partial`` true) after
+    each relation's decoders (computed or taken over) and after the superposition analysis; ``llmprobe.probe``
+    writes report.json there, so an interrupt keeps the finished parts. ``done``: an earlier result, partial
+    or not, made with the same settings, model and known facts (the caller guarantees that; ``probe`` through
+    its analyses stage key). Its ``relations`` entries (those of relations in ``relations``) and its
+    ``superposition`` entry, if there is one, are taken over as they are (their error messages re-listed in
+    ``errors``) instead of recomputed; the rest is computed. Every relation's draws come from generators
+    seeded by (seed, relation name, ...) and the superposition analysis reads no decoder result, so a part
+    taken over has the numbers a fresh run would give it. ``timing`` counts this call's work only.
     """
     analyses = tuple(analyses)
     unknown = [a for a in analyses if a not in ANALYSES]
@@ -78,10 +91,25 @@ def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits
                      f"subjects ({cfg.n_boot} resamples) for R^2 and differences",
         "spread": "standard deviation over re-fits (decoders: re-drawn train/validation and Jacobian subjects on "
                   "the same test set; superposition: cross-fitting folds)"})
-    result = {"settings": settings, "relations": {}, "errors": [], "timing": {}}
+    result = {"settings": settings, "partial": True, "relations": {}, "errors": [], "timing": {}}
+    done = done or {}
+    done_relations = done.get("relations") or {}
+
+    def progress_made() -> None:
+        if on_progress is not None:
+            on_progress(result)
+
     do_lre, do_ridge = "lre" in analyses, "ridge" in analyses
     if do_lre or do_ridge:
         for relation in relations:
+            if isinstance(done_relations.get(relation.name), dict):
+                entry = done_relations[relation.name]
+                if entry.get("error"):
+                    result["errors"].append(entry["error"])
+                log(f"{relation.name}: decoders taken over from the earlier result")
+                result["relations"][relation.name] = entry
+                progress_made()
+                continue
             log(f"{relation.name}: decoders ({', '.join(a for a in analyses if a != 'superposition')})")
             try:
                 entry = decoders_for_relation(lm, relation, known.get(relation.name), layers, lre_layers,
@@ -94,17 +122,26 @@ def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits
                 result["errors"].append(message)
                 log(message)
             result["relations"][relation.name] = entry
+            progress_made()
         result["timing"]["decoders_seconds"] = round(time.perf_counter() - start, 1)
     if "superposition" in analyses:
         t = time.perf_counter()
-        try:
-            table = superposition_table(lm.tokenizer, relations, known, cfg)
-            result["superposition"] = superposition(lm, table, layers, swap_layers, cfg, log)
-        except Exception as error:  # noqa: BLE001 - reported, the decoders' results are kept
-            error = error if isinstance(error, (AnalysisError, ValueError)) else f"{type(error).__name__}: {error}"
-            result["superposition"] = {"error": str(error)}
-            result["errors"].append(f"superposition: {error}")
-            log(f"superposition: {error}")
+        if isinstance(done.get("superposition"), dict):
+            result["superposition"] = done["superposition"]
+            if result["superposition"].get("error"):
+                result["errors"].append(f"superposition: {result['superposition']['error']}")
+            log("superposition: taken over from the earlier result")
+        else:
+            try:
+                table = superposition_table(lm.tokenizer, relations, known, cfg)
+                result["superposition"] = superposition(lm, table, layers, swap_layers, cfg, log)
+            except Exception as error:  # noqa: BLE001 - reported, the decoders' results are kept
+                error = error if isinstance(error, (AnalysisError, ValueError)) else f"{type(error).__name__}: {error}"
+                result["superposition"] = {"error": str(error)}
+                result["errors"].append(f"superposition: {error}")
+                log(f"superposition: {error}")
         result["timing"]["superposition_seconds"] = round(time.perf_counter() - t, 1)
+        progress_made()
     result["timing"]["total_seconds"] = round(time.perf_counter() - start, 1)
+    result["partial"] = False
     return result
