@@ -244,13 +244,17 @@ def test_compare_labels_two_runs_of_one_model_apart(tmp_path):
 RELATION = {"name": "café_relation", "templates": ["{} is in"], "facts": [{"subject": "Café", "object": "Paris"}]}
 
 
+def _relation_text(suffix: str) -> str:
+    """The same one-fact relation with a non-ASCII subject, as a .json, .jsonl or .csv file's text."""
+    return {".json": json.dumps(RELATION, ensure_ascii=False),
+            ".jsonl": json.dumps({"subject": "Café", "object": "Paris"}, ensure_ascii=False) + "\n",
+            ".csv": "subject,object\nCafé,Paris\n"}[suffix]
+
+
 @pytest.mark.parametrize("suffix", [".json", ".jsonl", ".csv"])
 def test_latin1_file_gives_an_error_naming_the_file(tmp_path, suffix):
     path = tmp_path / f"latin{suffix}"
-    text = {".json": json.dumps(RELATION, ensure_ascii=False),
-            ".jsonl": json.dumps({"subject": "Café", "object": "Paris"}, ensure_ascii=False) + "\n",
-            ".csv": "subject,object\nCafé,Paris\n"}[suffix]
-    path.write_bytes(text.encode("latin-1"))
+    path.write_bytes(_relation_text(suffix).encode("latin-1"))
     with pytest.raises(DatasetError, match=f"latin{suffix}.*UTF-8"):
         load_relations([str(path)], templates=["{} is in"])
 
@@ -258,9 +262,6 @@ def test_latin1_file_gives_an_error_naming_the_file(tmp_path, suffix):
 @pytest.mark.parametrize("suffix", [".json", ".jsonl", ".csv"])
 def test_utf8_bom_is_accepted_in_every_format(tmp_path, suffix):
     path = tmp_path / f"bom{suffix}"
-    text = {".json": json.dumps(RELATION, ensure_ascii=False),
-            ".jsonl": json.dumps({"subject": "Café", "object": "Paris"}, ensure_ascii=False) + "\n",
-            ".csv": "subject,object\nCafé,Paris\n"}[suffix]
-    path.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    path.write_bytes(b"\xef\xbb\xbf" + _relation_text(suffix).encode("utf-8"))
     relations = load_relations([str(path)], templates=["{} is in"])
     assert relations[0].facts[0].subject == "Café"
