@@ -54,17 +54,17 @@ def output_folder(path: str | os.PathLike, what: str = "--out") -> Path:
     return folder
 
 
-def positive_int(value, what: str, allow_none: bool = False) -> int | None:
-    """``value`` as an int >= 1 (None passes when ``allow_none``); raises UsageError naming the option."""
+def positive_int(value, what: str, allow_none: bool = False, minimum: int = 1) -> int | None:
+    """``value`` as an int >= ``minimum`` (None passes when ``allow_none``); raises UsageError naming the option."""
     if value is None and allow_none:
         return None
     try:
         number = int(value)
-        ok = number >= 1 and float(value) == number
+        ok = number >= minimum and float(value) == number
     except (TypeError, ValueError):
         ok = False
     if not ok:
-        raise UsageError(f"{what} must be a whole number of at least 1, got {value!r}")
+        raise UsageError(f"{what} must be a whole number of at least {minimum}, got {value!r}")
     return number
 
 

@@ -8,14 +8,14 @@ import os
 import sys
 
 
-def _ints(text: str) -> list[int]:
-    """``"256,512"`` -> [256, 512]; every item a whole number >= 1 (UsageError otherwise)."""
+def _ints(text: str, minimum: int = 1) -> list[int]:
+    """``"256,512"`` -> [256, 512]; every item a whole number >= ``minimum`` (UsageError otherwise)."""
     from llmprobe.checks import UsageError, positive_int
 
     items = [x.strip() for x in str(text).split(",") if x.strip()]
     if not items:
         raise UsageError(f"empty list {text!r}: give comma-separated whole numbers")
-    return [positive_int(x, f"each value of {text!r}") for x in items]
+    return [positive_int(x, f"each value of {text!r}", minimum=minimum) for x in items]
 
 
 def _positive(name: str):
@@ -198,7 +198,7 @@ def cmd_sweep(args) -> dict:
         modes = ["frozen"]
     elif args.trainable_only:
         modes = ["trainable"]
-    cfg = SweepConfig(subjects=_ints(args.subjects), relations=_ints(args.relations), seeds=_ints(args.seeds),
+    cfg = SweepConfig(subjects=_ints(args.subjects), relations=_ints(args.relations), seeds=_ints(args.seeds, minimum=0),
                       modes=modes, mlp_ratio=args.mlp_ratio, d_mlp=args.mlp_width, attention=args.attention,
                       d_min=args.d_min, d_max=args.d_max, workers=args.workers, threads=args.threads or 1,
                       train=_train_config(args, progress=False))

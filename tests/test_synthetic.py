@@ -412,3 +412,16 @@ def test_cli_train_and_parsers(tmp_path, capsys):
     assert parser.parse_args(["synth", "analyze"]).func(None) == "analyzed"
     args = parser.parse_args(["synth", "bounds", "-N", "4", "-R", "3"])
     assert args.func(args)["bits_one_hop"] == pytest.approx(3 * math.log2(24))
+
+
+def test_cli_sweep_takes_seed_zero_and_exits_0(tmp_path):
+    """Seeds are whole numbers >= 0 (the default seed is 0); sizes must be >= 1."""
+    from llmprobe.cli import main
+
+    out = tmp_path / "s"
+    assert main(["synth", "sweep", "--subjects", "16", "--relations", "2", "--seeds", "0,1", "--out", str(out)]) == 0
+    seeds = {row["seed"] for row in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    assert seeds == {0, 1}
+    with pytest.raises(SystemExit) as stop:
+        main(["synth", "sweep", "--subjects", "0", "--relations", "2", "--out", str(tmp_path / "t")])
+    assert stop.value.code == 2
