@@ -243,11 +243,13 @@ def probe(
     known: dict = {}
     analysed = []   # the relations without the facts that do not fit the context (the analyses' input)
 
-    def save() -> None:
+    def save(known_changed: bool = True) -> None:
+        """Write report.json (and known_facts.json unless only the analyses moved on since the last save)."""
         report["wall_seconds"] = round(time.perf_counter() - start, 1)
         if out is not None:
-            write_json(out / "known_facts.json", {name: [r.to_dict() for r in results]
-                                                  for name, results in known.items()})
+            if known_changed:
+                write_json(out / "known_facts.json", {name: [r.to_dict() for r in results]
+                                                      for name, results in known.items()})
             write_json(out / "report.json", report)
 
     try:
@@ -305,7 +307,7 @@ def probe(
             else:
                 def checkpoint(partial: dict) -> None:   # the finished relations are safe from an interrupt
                     report["analyses"] = partial
-                    save()
+                    save(known_changed=False)     # known_facts.json was written after the known facts
 
                 if earlier is not None:          # an interrupted run's finished parts (same key: same settings)
                     report["analyses"] = {**earlier, "partial": True}   # kept should this run be interrupted too

@@ -1,8 +1,10 @@
-"""``llmprobe run``: the main job. Probe a pretrained model, train matched synthetic controls on the very facts it
-knows, measure both with the same readout code, and write one report (JSON, HTML, Markdown, CSV).
+"""``llmprobe run``: the main job. Probe a pretrained model, train matched synthetic controls on the table its
+superposition fit measures, measure both with the same readout code, and write one report (JSON, HTML, Markdown,
+CSV).
 
-Matched controls (``synthetic.controls``, imported here): the known-fact table of the probe (same subjects,
-relations and attribute sets; general maps, not only bijections) trains the paper's one-layer model with trainable
+Matched controls (``synthetic.controls``, imported here): the superposition fit's fact table (same subjects,
+relations and attribute sets, all facts; the known-fact table when the superposition analysis is not run;
+general maps, not only bijections) trains the paper's one-layer model with trainable
 and with frozen subject embeddings, as a curve over width: d* (the capacity sweep's bisection), 2 d*, 4 d*, ...
 and the model's own d_model (only d* without ``at_model_width``). Each point is measured by
 ``llmprobe.geometry.superposition_readout`` on its subject embeddings, with the shuffled-table and random-init
