@@ -34,28 +34,29 @@ class AnalysisSettings:
     test_fraction: float = 1 / 3      # of the relation's known facts: the fixed held-out test set
     val_fraction: float = 1 / 4       # of the remaining subjects, per re-fit
     min_val_per_candidate: int = 2    # a (beta, rank) grid larger than n_val / this is thinned
-    betas: tuple = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
-    ranks: tuple = (None, 128, 32)              # truncation of W for faithfulness (None = full)
-    edit_ranks: tuple = (8, 32, 128)            # rank of the pseudo-inverse used by causality edits
+    betas: tuple[float, ...] = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
+    ranks: tuple[int | None, ...] = (None, 128, 32)   # truncation of W for faithfulness (None = full)
+    edit_ranks: tuple[int, ...] = (8, 32, 128)        # rank of the pseudo-inverse used by causality edits
     max_val_pairs: int = 8                      # causality edits per re-fit used to choose the edit rank
     max_test_pairs: int = 30                    # causality edits on the fixed test subjects (drawn once)
-    ridge_alphas: tuple = tuple(10.0 ** k for k in range(-2, 6))
+    ridge_alphas: tuple[float, ...] = tuple(10.0 ** k for k in range(-2, 6))
     protocol: str = "strict"          # "strict" (zero-shot prompt, exact first token) or "lre" (the reference's)
     n_icl: int = 5                    # in-context examples of the "lre" protocol
     scoring: str = FIRST_TOKEN        # causality success: first token, or "sequence" (full-sequence log-prob)
-    lre_layers: tuple | None = None   # None: up to max_lre_layers of the layers (Jacobians cost the most)
+    lre_layers: tuple[int, ...] | None = None   # None: up to max_lre_layers of the layers (Jacobians cost the most)
     max_lre_layers: int = 3
-    causality_layers: tuple | None = None       # None: the LRE layers
+    causality_layers: tuple[int, ...] | None = None   # None: the LRE layers
     superposition_facts: str = "all"  # "all" facts of the shared-subject table, or "known" ones only
-    neutral_templates: tuple | None = None      # None: the relations' own, minus those that open with the
-                                                # subject when the tokenizer adds no leading special token
+    neutral_templates: tuple[str, ...] | None = None  # None: the relations' own, minus those that open with
+                                                      # the subject when the tokenizer adds no leading special token
     attribute_vectors: str = "first"  # "first" token's unembedding row, or "mean" over the attribute's tokens
     max_superposition_subjects: int | None = None
     folds: int = 5                    # cross-fitting folds of the superposition readouts
     random_control: bool = True       # the random-init model of the same architecture
-    swap_layers: tuple | None = None  # None: the LRE layers
+    swap_layers: tuple[int, ...] | None = None  # None: the LRE layers
     max_swap_subjects: int = 12
-    swap_scales: tuple = (1.0, 4.0, 16.0)       # swap edits also at these multiples of the fitted edit (dose-response)
+    swap_scales: tuple[float, ...] = (1.0, 4.0, 16.0)  # swap edits also at these multiples of the fitted edit
+                                                       # (dose-response)
     n_boot: int = 1000
     batch_size: int = 32
     jacobian_batch_size: int = 16
