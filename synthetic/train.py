@@ -93,6 +93,7 @@ class RunResult:
     history: list = field(default_factory=list)
     time_to_target_s: float | None = None
     cpu_time_s: float | None = None          # process CPU time of this call (robust to other load on the machine)
+    batch_models: int = 1                    # models trained together (synthetic.batched); times are shares then
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -214,15 +215,15 @@ def train(task: FactTask | KHopTask, d_model: int | None = None, *, model_config
                 if step % 10 == 0:
                     bar.set_postfix(loss=f"{loss_val:.4f}", acc=f"{acc:.4f}", refresh=False)
             if out_dir and time.perf_counter() - last_ckpt > cfg.checkpoint_every_s:
-                _save_checkpoint(out_dir, model, opt, params, step, time.perf_counter() - t0, history, acc,
-                                 loss_val, cfg)
+                _save_checkpoint(out_dir, model, adam_moments(opt, params), step, time.perf_counter() - t0,
+                                 history, acc, loss_val, cfg)
                 last_ckpt = time.perf_counter()
             if callback is not None and callback(step, loss_val, acc):
                 break
     except KeyboardInterrupt:
         if out_dir:   # keep what was done; the next call on out_dir resumes from here
-            _save_checkpoint(out_dir, model, opt, params, step, time.perf_counter() - t0, history, acc,
-                             loss_val, cfg)
+            _save_checkpoint(out_dir, model, adam_moments(opt, params), step, time.perf_counter() - t0,
+                             history, acc, loss_val, cfg)
         raise
     finally:
         if bar is not None:
@@ -247,7 +248,7 @@ def train(task: FactTask | KHopTask, d_model: int | None = None, *, model_config
         time_to_target_s=None if t_target is None else round(t_target, 3),
         cpu_time_s=round(time.process_time() - cpu0, 3))
     if out_dir:
-        _save_checkpoint(out_dir, model, opt, params, step, wall, history, acc, loss_val, cfg)
+        _save_checkpoint(out_dir, model, adam_moments(opt, params), step, wall, history, acc, loss_val, cfg)
         write_json(os.path.join(out_dir, RUN), {**result.to_dict(), "model_config": mcfg.to_dict()})
     result.model = model
     return result
@@ -316,17 +317,26 @@ def _checkpoint_state(out_dir) -> dict | None:
     return json.loads(meta["llmprobe_state"]) if "llmprobe_state" in meta else None
 
 
-def _save_checkpoint(out_dir, model, opt, params, step, elapsed, history, acc, loss, cfg) -> None:
+def adam_moments(opt, params: dict) -> dict:
+    """{name: (exp_avg, exp_avg_sq, step)} of a torch Adam over ``params`` (names without state are left out)."""
+    out = {}
+    for name, p in params.items():
+        st = opt.state.get(p, {})
+        if "exp_avg" in st:
+            out[name] = (st["exp_avg"], st["exp_avg_sq"], float(st["step"]))
+    return out
+
+
+def _save_checkpoint(out_dir, model, moments: dict, step, elapsed, history, acc, loss, cfg) -> None:
+    """Parameters, Adam ``moments`` ({name: (exp_avg, exp_avg_sq, step)}) and the training state, atomically."""
     from safetensors.torch import save
 
     tensors = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters()}
     opt_step = {}
-    for name, p in params.items():
-        st = opt.state.get(p, {})
-        if "exp_avg" in st:
-            tensors[f"opt.{name}.exp_avg"] = st["exp_avg"].detach().cpu().contiguous()
-            tensors[f"opt.{name}.exp_avg_sq"] = st["exp_avg_sq"].detach().cpu().contiguous()
-            opt_step[name] = float(st["step"])
+    for name, (exp_avg, exp_avg_sq, opt_steps) in moments.items():
+        tensors[f"opt.{name}.exp_avg"] = exp_avg.detach().cpu().contiguous()
+        tensors[f"opt.{name}.exp_avg_sq"] = exp_avg_sq.detach().cpu().contiguous()
+        opt_step[name] = float(opt_steps)
     state = {"step": step, "elapsed": elapsed, "history": history, "accuracy": acc, "loss": loss,
              "opt_step": opt_step, "train_config": cfg.to_dict(), "model_config": model.config.to_dict()}
     # one file, one atomic write: the state travels with the tensors it describes
@@ -335,7 +345,9 @@ def _save_checkpoint(out_dir, model, opt, params, step, elapsed, history, acc, l
     write_json(os.path.join(out_dir, STATE), state)
 
 
-def _load_checkpoint(out_dir, model, opt, params) -> dict:
+def read_checkpoint(out_dir, model) -> tuple[dict, dict]:
+    """Load a checkpoint's parameters into ``model`` (same config, else ValueError); returns (state, moments
+    {name: (exp_avg, exp_avg_sq, step)} on the model's device)."""
     from safetensors.torch import load_file
 
     state = _checkpoint_state(out_dir)
@@ -351,11 +363,16 @@ def _load_checkpoint(out_dir, model, opt, params) -> dict:
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(tensors[name].to(device))
+    moments = {name: (tensors[f"opt.{name}.exp_avg"].to(device), tensors[f"opt.{name}.exp_avg_sq"].to(device),
+                      state["opt_step"][name])
+               for name, _ in model.named_parameters() if f"opt.{name}.exp_avg" in tensors}
+    return state, moments
+
+
+def _load_checkpoint(out_dir, model, opt, params) -> dict:
+    state, moments = read_checkpoint(out_dir, model)
     for name, p in params.items():
-        if f"opt.{name}.exp_avg" in tensors:
-            opt.state[p] = {
-                "step": torch.tensor(state["opt_step"][name]),
-                "exp_avg": tensors[f"opt.{name}.exp_avg"].to(device),
-                "exp_avg_sq": tensors[f"opt.{name}.exp_avg_sq"].to(device),
-            }
+        if name in moments:
+            exp_avg, exp_avg_sq, steps = moments[name]
+            opt.state[p] = {"step": torch.tensor(steps), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     return state

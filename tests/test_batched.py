@@ -1,0 +1,75 @@
+"""Batched training (synthetic/batched.py): M models at once give what training each alone gives."""
+import pytest
+import torch
+
+from synthetic.batched import train_batched
+from synthetic.tasks import random_bijections
+from synthetic.train import TrainConfig, load_run, model_config_for, train
+
+
+def _alone(task, mcfg, cfg):
+    return train(task, model_config=mcfg, config=cfg)
+
+
+def _assert_same_params(a, b, atol=2e-4):
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert p.shape == q.shape, name
+        assert torch.allclose(p, q, atol=atol, rtol=1e-3), (name, float((p - q).abs().max()))
+
+
+@pytest.mark.parametrize("attention", ["uniform", "learned"])
+def test_batched_equals_one_at_a_time(attention):
+    # three models of different widths, seeds, fact tables and frozen parts, trained together for a few steps
+    cfg = TrainConfig(max_steps=12, lr=0.05, progress=False, weight_decay=1e-3)
+    tasks = [random_bijections(24, 2, seed) for seed in (0, 1, 1)]
+    mcfgs = [model_config_for(tasks[0], 3, seed=0, attention=attention),
+             model_config_for(tasks[1], 6, seed=5, d_mlp=20, frozen_subjects=True, attention=attention),
+             model_config_for(tasks[2], 4, seed=7, frozen_subjects=True, frozen_unembed=True, attention=attention)]
+    batched = train_batched(tasks, mcfgs, cfg)
+    for task, mcfg, res in zip(tasks, mcfgs, batched):
+        alone = _alone(task, mcfg, cfg)
+        assert res.steps == alone.steps == 12
+        assert res.loss == pytest.approx(alone.loss, rel=1e-4)
+        _assert_same_params(res.model, alone.model)
+        assert res.batch_models == 3
+    # frozen parts did not move
+    from synthetic.model import FactRecallModel
+    init = FactRecallModel(mcfgs[2])
+    assert torch.equal(batched[2].model.subject_embed, init.subject_embed)
+    assert torch.equal(batched[2].model.unembed_weight, init.unembed_weight)
+    assert not torch.equal(batched[2].model.W_in, init.W_in)
+
+
+def test_early_stopped_model_stops_where_it_would_alone(tmp_path):
+    # a wide model reaches 100% early and leaves the stack; a narrow one keeps training to the step cap
+    cfg = TrainConfig(max_steps=80, progress=False)
+    task = random_bijections(16, 1, 0)
+    mcfgs = [model_config_for(task, 1, seed=0), model_config_for(task, 12, seed=1)]
+    dirs = [str(tmp_path / "narrow"), str(tmp_path / "wide")]
+    narrow, wide = train_batched([task, task], mcfgs, cfg, out_dirs=dirs)
+    assert wide.success and not narrow.success
+    assert wide.steps < narrow.steps == 80
+    for mcfg, res in ((mcfgs[0], narrow), (mcfgs[1], wide)):
+        alone = _alone(task, mcfg, cfg)
+        assert (res.steps, res.success) == (alone.steps, alone.success)
+        _assert_same_params(res.model, alone.model)
+    # its checkpoint holds the model that scored 100%, and a rerun resumes it as finished
+    saved, _, info = load_run(dirs[1])
+    _assert_same_params(saved, wide.model, atol=0)
+    assert info["steps"] == wide.steps and info["batch_models"] == 2
+    again = train_batched([task], [mcfgs[1]], cfg, out_dirs=[dirs[1]])[0]
+    assert again.steps == wide.steps and again.success
+    _assert_same_params(again.model, wide.model, atol=0)
+
+
+def test_batched_rejects_what_it_cannot_stack():
+    cfg = TrainConfig(max_steps=2, progress=False)
+    a, b = random_bijections(16, 1, 0), random_bijections(20, 1, 0)
+    with pytest.raises(ValueError, match="data of one shape"):
+        train_batched([a, b], [model_config_for(a, 2), model_config_for(b, 2)], cfg)
+    with pytest.raises(ValueError, match="must share attention"):
+        train_batched([a, a], [model_config_for(a, 2), model_config_for(a, 2, attention="learned")], cfg)
+    with pytest.raises(ValueError, match="full batch only"):
+        train_batched([a], [model_config_for(a, 2)], TrainConfig(max_steps=2, batch_size=4, progress=False))
+    with pytest.raises(ValueError, match="1 tasks but 2"):
+        train_batched([a], [model_config_for(a, 2)] * 2, cfg)
