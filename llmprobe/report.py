@@ -10,6 +10,7 @@ import csv
 import html
 import io
 import json
+import math
 from pathlib import Path
 
 from .io import figure_png, write_text
@@ -19,7 +20,7 @@ ROW_FIELDS = ("source", "kind", "relation", "layer", "depth", "metric", "value",
               "control_value", "n")
 
 
-def load_report(path: str | Path) -> dict:
+def read_report(path: str | Path) -> dict:
     """Read ``DIR/report.json`` (or the JSON file itself) with a clear error when it is missing or malformed."""
     path = Path(path)
     file = path / "report.json" if path.is_dir() else path
@@ -244,19 +245,23 @@ def comparison_figure(reports: list[dict]):
 
 
 def pooled_readout(readout: dict | None) -> dict | None:
-    """Readout accuracy pooled over relations (every subject-relation fact counts once): a typed metric (JSON
-    form) with a Wilson interval on the pooled n, and the same pooling for every control all relations have."""
+    """Readout accuracy pooled over relations (every subject-relation fact counts once): see :func:`pooled`."""
+    return pooled(readout, "pooled over relations (each subject-relation fact once)")
+
+
+def pooled(metrics: dict | None, note: str) -> dict | None:
+    """Proportions pooled over relations ({relation: metric}, each item counts once): a typed metric (JSON form)
+    with a Wilson interval on the pooled n, and the same pooling for every control all relations have."""
     from .metric import Metric, wilson
 
-    entries = [m for m in (readout or {}).values() if m and m.get("value") is not None and m.get("n")]
+    entries = [m for m in (metrics or {}).values() if m and m.get("value") is not None and m.get("n")]
     if not entries:
         return None
 
     def pool(items):
         n = sum(int(m["n"]) for m in items)
         value = sum(float(m["value"]) * int(m["n"]) for m in items) / n
-        return Metric(value, wilson(min(1.0, max(0.0, value)), n), n, "wilson",
-                      note="pooled over relations (each subject-relation fact once)")
+        return Metric(value, wilson(min(1.0, max(0.0, value)), n), n, "wilson", note=note)
 
     out = pool(entries)
     names = set.intersection(*(set(m.get("controls") or {}) for m in entries))
@@ -494,6 +499,116 @@ def control_rows(report: dict) -> list[list]:
              transplant.get("same_subject")]]
 
 
+MIN_N = 10                                  # fewer test items than this: inconclusive, whatever the numbers
+NOT_NULL = ("full_patch",)                  # controls that are ceilings, not null controls
+CAPACITY_LAW = (0.177, 0.165, 0.191)        # d* = c R log2 N: c [95% CI] of the capacity sweep (docs/synthetic.md)
+VERDICT_RULE = (
+    "Verdicts (docs/measures.md, Verdicts): supported when the 95% interval lies above the control's interval "
+    "(lower end above the control's upper end); not supported when the interval reaches the control's value or "
+    "lies below it; inconclusive otherwise (it excludes the control's value but overlaps its interval) or with "
+    f"fewer than {MIN_N} test items; not measured when the report has no such number. The control is the claim's "
+    "strongest null control (the highest one; full_patch is a ceiling, not a null) unless the line names another. "
+    "Capacity: supported when d* / (R log2 N) of the trainable control is at most the upper end of the capacity "
+    f"sweep's law d* = {CAPACITY_LAW[0]} [{CAPACITY_LAW[1]}, {CAPACITY_LAW[2]}] R log2 N, not supported when it "
+    "is above it with an exact d*, inconclusive when above it and d* is only an upper bound.")
+CLAIMS = ("attributes linearly decodable", "LRE edits causal", "subject states a superposition of attribute vectors",
+          "MLP a relation-conditioned selector", "capacity O(R log N) in the matched controls")
+
+
+def verdict(metric: dict | None, control: dict | None) -> str:
+    """The summary's rule (``VERDICT_RULE``) for a typed metric (JSON form) against its control."""
+    if not metric or metric.get("value") is None:
+        return "not measured"
+    lo = (metric.get("ci") or [None])[0]
+    if not control or control.get("value") is None or lo is None or (metric.get("n") or 0) < MIN_N:
+        return "inconclusive"
+    control_hi = (control.get("ci") or [None, None])[1]
+    if lo > (control["value"] if control_hi is None else control_hi):
+        return "supported"
+    return "not supported" if lo <= control["value"] else "inconclusive"
+
+
+def _strongest_null(metric: dict | None) -> tuple[str | None, dict | None]:
+    """(name, metric) of the highest null control of a typed metric; (None, None) when it has none."""
+    nulls = {k: c for k, c in ((metric or {}).get("controls") or {}).items()
+             if k not in NOT_NULL and c and c.get("value") is not None}
+    if not nulls:
+        return None, None
+    name = max(nulls, key=lambda k: nulls[k]["value"])
+    return name, nulls[name]
+
+
+def _claim(claim: str, measure: str, metric: dict | None, control_name: str | None = None,
+           control: dict | None = None, note: str = "", result: str | None = None) -> dict:
+    """One summary line: the claim, what its number is, the number and its control (typed metrics, JSON form),
+    the verdict (``result`` overrides the rule, for the capacity line) and a note."""
+    if control is None and metric is not None:
+        control_name, control = _strongest_null(metric)
+    return {"claim": claim, "measure": measure, "metric": metric, "control_name": control_name,
+            "control": control, "verdict": result or verdict(metric, control), "note": note}
+
+
+def summary_claims(report: dict) -> list[dict]:
+    """One line per claim of the paper (``CLAIMS``) for a pretrained report, each with its verdict (``VERDICT_RULE``);
+    a claim whose data the report lacks says "not measured"."""
+    from .metric import Metric, wilson
+
+    analyses = report.get("analyses") or {}
+    superposition = (analyses.get("superposition") or {}).get("layers") or {}
+    relations = sorted({n for e in superposition.values() for n in (e.get("readout") or {})})
+    ref = _pretrained_reference(report, relations)
+    at = f"layer {ref[0]} (highest held-out R^2)" if ref else ""
+    lines = [_claim(CLAIMS[0], f"superposition readout accuracy, pooled over relations, at {at}",
+                    ref[2] if ref else None)]
+    causal = {}
+    for name, rel in (analyses.get("relations") or {}).items():
+        layer = ((rel.get("selected") or {}).get("lre") or {}).get("causality_layer")
+        if layer is not None:
+            causal[name] = (((rel.get("layers") or {}).get(str(layer)) or {}).get("lre") or {}).get("causality")
+    lines.append(_claim(CLAIMS[1], f"LRE causality (reference edit W^+ (o_t - o_s)) pooled over {len(causal)} "
+                        "relations, each at its causality layer chosen on validation",
+                        pooled(causal, "pooled over relations (each test pair once)")))
+    sources = control_sources(report.get("controls"), report.get("schema_version"))
+    trainable = [s for s in sources if not s.get("model", {}).get("frozen_subjects")]
+    d_model = report.get("model", {}).get("d_model")
+    same_width = next((s for s in trainable if s.get("model", {}).get("d_model") == d_model), None)
+    control_r2 = ((((same_width or {}).get("analyses") or {}).get("superposition") or {}).get("layers") or {}) \
+        .get("0", {}).get("r2")
+    if control_r2 and control_r2.get("value") is not None:
+        lines.append(_claim(CLAIMS[2], f"held-out R^2 of h_s ~ c + sum_r W_r u_a(s) at {at}", ref[1] if ref else None,
+                            f"matched one-layer control at the same width (d={d_model})", control_r2))
+    else:
+        lines.append(_claim(CLAIMS[2], f"held-out R^2 of h_s ~ c + sum_r W_r u_a(s) at {at}", ref[1] if ref else None))
+    at_star = next((s for s in trainable if (s.get("threshold") or {}).get("d_star") == s.get("model", {}).get(
+        "d_model")), trainable[0] if trainable else None)
+    transplant = (((at_star or {}).get("analyses") or {}).get("selector") or {}).get("gate_transplant") or {}
+    n_facts = ((at_star or {}).get("matched_to") or {}).get("n_facts")
+    if transplant.get("same_relation") is not None and transplant.get("same_subject") is not None and n_facts:
+        as_metric = lambda v: Metric(v, wilson(v, n_facts), n_facts, "wilson").to_dict()
+        lines.append(_claim(CLAIMS[3], f"matched control ({source_name(at_star)}): accuracy with another subject's "
+                            "MLP gate of the same relation (not measured in the pretrained model)",
+                            as_metric(transplant["same_relation"]), "gate of the same subject, another relation",
+                            as_metric(transplant["same_subject"])))
+    else:
+        lines.append(_claim(CLAIMS[3], "MLP gate transplant in the matched controls", None))
+    threshold = (at_star or {}).get("threshold") or {}
+    table = (at_star or {}).get("matched_to") or {}
+    n, r = table.get("n_subjects"), len(table.get("relations") or [])
+    if threshold.get("d_star") and n and n > 1 and r:
+        c = threshold["d_star"] / (r * math.log2(n))
+        law = {"value": CAPACITY_LAW[0], "ci": list(CAPACITY_LAW[1:])}
+        result = "supported" if c <= CAPACITY_LAW[2] else "not supported" if threshold.get("exact") else \
+            "inconclusive"
+        lines.append(_claim(CLAIMS[4], f"d* / (R log2 N) of the trainable control: d* = {threshold['d_star']}"
+                            f"{'' if threshold.get('exact') else ' (upper bound)'}, N = {n}, R = {r}",
+                            {"value": c, "ci": None, "n": None}, "the capacity sweep's law (docs/synthetic.md)",
+                            law, "one table: consistent with the law or not; the scaling itself is measured by "
+                            "llmprobe synth sweep", result))
+    else:
+        lines.append(_claim(CLAIMS[4], "threshold width d* of the matched controls", None))
+    return lines
+
+
 def summary_tables(reports: list[dict], rows: list[dict]) -> list[tuple[str, list[str], list[list]]]:
     """(title, header, body) tables shared by the HTML and Markdown renderers."""
     tables = []
@@ -529,50 +644,103 @@ def summary_tables(reports: list[dict], rows: list[dict]) -> list[tuple[str, lis
     return tables
 
 
+SUMMARY_HEADER = ["claim", "measure", "number [95% CI] (n)", "control", "verdict"]
+LONG_TABLE = 15          # tables with more rows than this are folded into <details> (no JavaScript needed)
+
+
+def summary_rows(reports: list[dict]) -> list[list]:
+    """The summary's lines (``SUMMARY_HEADER``) of every pretrained report, its source first when there are
+    several."""
+    pretrained = [r for r in reports if r.get("kind") != "synthetic"]
+    rows = []
+    for report in pretrained:
+        prefix = f"{source_name(report)}: " if len(pretrained) > 1 else ""
+        for line in summary_claims(report):
+            control = f"{line['control_name']}: {_with_ci(line['control'])}" if line["control_name"] else "-"
+            rows.append([prefix + line["claim"], line["measure"], _with_ci(line["metric"]), control,
+                         line["verdict"] + (f" ({line['note']})" if line["note"] else "")])
+    return rows
+
+
+def summary_html(reports: list[dict], title: str) -> str:
+    """``<section id="summary">``: the title, one line per claim with its number, control and verdict, the rule."""
+    rows = summary_rows(reports)
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in SUMMARY_HEADER)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in row[:-1]) +
+                   f"<td class='verdict {row[-1].split(' (')[0].replace(' ', '-')}'>{html.escape(row[-1])}</td></tr>"
+                   for row in rows)
+    table = f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>" if rows else \
+        "<p>No pretrained report: no claim is measured on this page.</p>"
+    return (f"<section id='summary'><h1>{html.escape(title)}</h1><h2>Summary: the paper's claims</h2>{table}"
+            f"<p class='rule'>{html.escape(VERDICT_RULE)}</p></section>")
+
+
+def report_figures(reports: list[dict], rows: list[dict], metrics: tuple[str, ...] | None = None
+                   ) -> list[tuple[str, str]]:
+    """(caption, PNG data URI) of the page's plots: per-depth curves (of ``metrics`` only, when given), then the
+    pretrained-vs-synthetic bars, the capacity curve and the ablation heatmaps where the reports have them."""
+    chosen = rows if metrics is None else [r for r in rows if r["metric"] in metrics]
+    figures = [(f"{metric} by depth", uri) for metric, uri in layer_figures(chosen)]
+    return figures + [(caption, uri) for caption, uri in (
+        ("Pretrained vs synthetic controls: readout accuracy and R^2", comparison_figure(reports)),
+        (controls_caption(reports), capacity_figure(reports)),
+        ("MLP ablations of the matched controls", ablation_figure(reports))) if uri]
+
+
+def figure_html(caption: str, uri: str) -> str:
+    title, _, rest = caption.partition(". ")          # a long caption: its first sentence heads the figure
+    return (f"<h2>{html.escape(title)}</h2>" + (f"<p>{html.escape(rest)}</p>" if rest else "") +
+            f"<img alt='{html.escape(title)}' src='{uri}'>")
+
+
 STYLE = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}
 table{border-collapse:collapse;margin:1em 0;font-size:13px}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}
 th{background:#f3f3f3}img{max-width:100%;border:1px solid #eee;margin:.5em 0}.err{color:#a00}
-h1{font-size:1.6em}h2{font-size:1.2em;margin-top:1.6em}"""
+h1{font-size:1.6em}h2{font-size:1.2em;margin-top:1.6em}summary{cursor:pointer;color:#555}
+.rule{font-size:12px;color:#555}.supported{background:#dff0d8}.not-supported{background:#f2dede}
+.inconclusive{background:#fcf8e3}.not-measured{color:#888}"""
 
 
 def render_html(reports: list[dict], title: str, extra_images: list[tuple[str, str]] = ()) -> str:
-    """A self-contained page: tables, per-depth curves with intervals and controls, and any extra images.
+    """A self-contained page, the answer first: the summary of the paper's claims (``<section id="summary">``),
+    then per-depth curves with intervals and controls and any extra images, then the tables (long ones folded
+    in ``<details>``). No JavaScript.
 
     ``extra_images``: (caption, data URI or path to a PNG) pairs, e.g. synthetic capacity plots. Every user
     string is escaped.
     """
     rows = [row for report in reports for row in metric_rows(report)]
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-             f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>"]
-    for caption, header, body in summary_tables(reports, rows):
-        parts.append(f"<h2>{html.escape(caption)}</h2>{_table_html(header, body)}")
-    figures = [(f"{metric} by depth", uri) for metric, uri in layer_figures(rows)]
-    figures += [(caption, uri) for caption, uri in (
-        ("Pretrained vs synthetic controls: readout accuracy and R^2", comparison_figure(reports)),
-        (controls_caption(reports), capacity_figure(reports)),
-        ("MLP ablations of the matched controls", ablation_figure(reports))) if uri]
-    for caption, uri in figures:
-        title, _, rest = caption.partition(". ")          # a long caption: its first sentence heads the figure
-        parts.append(f"<h2>{html.escape(title)}</h2>" + (f"<p>{html.escape(rest)}</p>" if rest else "") +
-                     f"<img alt='{html.escape(title)}' src='{uri}'>")
+             f"<style>{STYLE}</style></head><body>{summary_html(reports, title)}"]
+    parts += [figure_html(caption, uri) for caption, uri in report_figures(reports, rows)]
     for caption, image in extra_images:
         if not image.startswith("data:"):
             path = Path(image)
             if not path.is_file():
                 continue
             image = "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode("ascii")
-        parts.append(f"<h2>{html.escape(caption)}</h2><img alt='{html.escape(caption)}' src='{image}'>")
+        parts.append(figure_html(caption, image))
+    for caption, header, body in summary_tables(reports, rows):
+        table = _table_html(header, body)
+        if len(body) > LONG_TABLE:
+            table = f"<details><summary>{len(body)} rows (click to open)</summary>{table}</details>"
+        parts.append(f"<h2>{html.escape(caption)}</h2>{table}")
     errors = [e for report in reports for e in report.get("errors", [])]
     if errors:
         items = "".join(f"<li class='err'>{html.escape(str(e))}</li>" for e in errors)
-        parts.append(f"<h2>Errors and skipped facts</h2><ul>{items}</ul>")
+        parts.append(f"<h2>Errors and skipped facts</h2><details><summary>{len(errors)} messages</summary>"
+                     f"<ul>{items}</ul></details>")
     parts.append("</body></html>")
     return "".join(parts)
 
 
 def render_markdown(reports: list[dict], title: str) -> str:
+    """The Markdown report, the answer first: the summary of the claims with the verdict rule, then the tables."""
     rows = [row for report in reports for row in metric_rows(report)]
-    parts = [f"# {_md(title)}"]
+    summary = summary_rows(reports)
+    parts = [f"# {_md(title)}", "## Summary: the paper's claims\n\n" + (
+        _table_md(SUMMARY_HEADER, summary) if summary else "No pretrained report: no claim is measured here.") +
+        f"\n\n{_md(VERDICT_RULE)}"]
     for caption, header, body in summary_tables(reports, rows):
         parts.append(f"## {_md(caption)}\n\n{_table_md(header, body)}")
     errors = [e for report in reports for e in report.get("errors", [])]
@@ -584,7 +752,7 @@ def render_markdown(reports: list[dict], title: str) -> str:
 def export(report_dir: str | Path, formats: tuple[str, ...] = ("html", "md", "csv"), out: str | Path | None = None,
            extra_images: list[tuple[str, str]] = ()) -> list[Path]:
     """Write report.html / report.md / metrics.csv for the report in ``report_dir`` (into ``out`` or beside it)."""
-    report = load_report(report_dir)
+    report = read_report(report_dir)
     return write_all(with_controls([report]), Path(out or report_dir), f"llmprobe report: {source_name(report)}",
                      formats, extra_images)
 
@@ -643,7 +811,7 @@ def compare(report_dirs: list[str | Path], out: str | Path, formats: tuple[str, 
     """Side-by-side page of any number of reports, aligned on relations and normalised depth."""
     if len(report_dirs) < 1:
         raise ValueError("compare needs at least one report directory")
-    reports = label_apart(with_controls([load_report(d) for d in report_dirs]))
+    reports = label_apart(with_controls([read_report(d) for d in report_dirs]))
     names = " vs ".join(dict.fromkeys(source_name(r) for r in reports))
     return write_all(reports, Path(out), f"llmprobe comparison: {names}", formats)
 

@@ -19,7 +19,7 @@ from llmprobe.datasets import DatasetError, load_relations
 from llmprobe.io import append_jsonl, read_jsonl, write_json, write_text
 from llmprobe.loading import ModelLoadError, load_model
 from llmprobe.probe import REPORT_SCHEMA_VERSION
-from llmprobe.report import compare, load_report, metric_rows, render_markdown, write_csv
+from llmprobe.report import compare, metric_rows, read_report, render_markdown, write_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -226,7 +226,7 @@ def test_compare_refuses_unknown_schema_versions(tmp_path):
 def test_malformed_report_json_gives_a_clear_error(tmp_path, text):
     folder = _report_dir(tmp_path / "bad", text)
     with pytest.raises(ValueError, match="report.json"):
-        load_report(folder)
+        read_report(folder)
 
 
 def test_compare_labels_two_runs_of_one_model_apart(tmp_path):

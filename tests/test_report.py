@@ -4,9 +4,10 @@ import json
 
 import pytest
 
-from llmprobe.metric import Metric
+from llmprobe.metric import Metric, proportion
 from llmprobe.probe import REPORT_SCHEMA_VERSION
-from llmprobe.report import compare, export, load_report, metric_rows
+from llmprobe.report import (LONG_TABLE, compare, export, read_report, metric_rows, render_html, render_markdown,
+                             summary_claims)
 
 
 def _typed(value, controls=None, half=0.05):
@@ -32,7 +33,7 @@ def _report(tmp_path, name, relation="capital<script>", known=0.5):
 
 
 def test_metric_rows_flatten_layers_and_controls(tmp_path):
-    rows = metric_rows(load_report(_report(tmp_path, "m")))
+    rows = metric_rows(read_report(_report(tmp_path, "m")))
     layered = [r for r in rows if r["metric"] == "lre.faithfulness"]
     assert [r["layer"] for r in layered] == [0, 2, 4]
     assert [r["depth"] for r in layered] == [0.0, 0.5, 1.0]
@@ -65,13 +66,13 @@ def test_compare_aligns_sources(tmp_path):
 
 def test_bad_inputs_are_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="no report.json"):
-        load_report(tmp_path)
+        read_report(tmp_path)
     (tmp_path / "report.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
-        load_report(tmp_path)
+        read_report(tmp_path)
     (tmp_path / "report.json").write_text("{}")
     with pytest.raises(ValueError, match="schema_version"):
-        load_report(tmp_path)
+        read_report(tmp_path)
     with pytest.raises(ValueError, match="unknown report format"):
         export(_report(tmp_path, "ok"), formats=("pdf",))
 
@@ -118,3 +119,74 @@ def test_run_page_shows_selected_layers_controls_capacity_and_ablations(tmp_path
     assert selected == ["| m | capital | lre | 2 | 0.400 [0.30, 0.50] (n=10) | shuffled 0.000 | 2 | "
                         "0.300 [0.20, 0.40] (n=10) | shuffled 0.000 |"]
     assert "| synthetic trainable d=4 (d*) | 4 | 4 | 1.000 | 9 | 1.5 | 0.700 [0.60, 0.80] (n=10) |" in text
+
+
+# ---------------------------------------------------------------------------------------------- the summary
+def _prop(hits: int, n: int) -> dict:
+    """A proportion (JSON form): ``hits`` of ``n`` items, Wilson interval."""
+    return proportion([1.0] * hits + [0.0] * (n - hits)).to_dict()
+
+
+def _claims_report(causal: tuple[int, int], controls: dict[str, tuple[int, int]], superposition=True,
+                   relation="capital") -> dict:
+    """A pretrained report whose only LRE causality (``causal`` = hits, n) has the given controls."""
+    causality = Metric.from_dict(_prop(*causal)).with_controls(
+        {k: Metric.from_dict(_prop(*v)) for k, v in controls.items()}).to_dict()
+    report = {"schema_version": REPORT_SCHEMA_VERSION, "kind": "pretrained", "model": {"name": "m<i>", "n_layers": 3},
+              "relations": {relation: {"n_facts": 60, "n_known": 40, "known_rate": 2 / 3}},
+              "analyses": {"relations": {relation: {"layers": {"2": {"lre": {"causality": causality}}},
+                                                    "selected": {"lre": {"layer": 2, "causality_layer": 2}}}}},
+              "errors": []}
+    if superposition:
+        readout = Metric.from_dict(_prop(30, 40)).with_controls({"shuffled": Metric.from_dict(_prop(4, 40))})
+        r2 = Metric(0.2, (0.15, 0.25), 40, "bootstrap").with_controls({"shuffled": Metric(0.0, (-0.02, 0.02), 40,
+                                                                                           "bootstrap")})
+        report["analyses"]["superposition"] = {"layers": {"1": {"r2": r2.to_dict(),
+                                                                "readout": {relation: readout.to_dict()}}}}
+    return report
+
+
+@pytest.mark.parametrize("causal, controls, expected", [
+    ((40, 50), {"random_direction": (1, 50), "full_patch": (50, 50)}, "supported"),        # full_patch: a ceiling
+    ((40, 50), {"random_direction": (0, 50), "random_operator": (38, 50)}, "not supported"),  # the strongest null
+    ((5, 50), {"random_direction": (5, 50)}, "not supported"),
+    ((30, 50), {"random_direction": (0, 50), "random_operator": (22, 50)}, "inconclusive"),   # intervals overlap
+    ((6, 6), {"random_direction": (0, 6)}, "inconclusive"),                                    # n < MIN_N
+])
+def test_summary_verdicts_follow_the_stated_rule(causal, controls, expected):
+    line = summary_claims(_claims_report(causal, controls))[1]
+    assert line["claim"] == "LRE edits causal" and line["verdict"] == expected
+    strongest = max((k for k in controls if k != "full_patch"), key=lambda k: controls[k][0])
+    assert line["control_name"] == strongest
+    assert line["metric"]["n"] == causal[1] and line["metric"]["value"] == pytest.approx(causal[0] / causal[1])
+
+
+def test_summary_says_not_measured_where_the_report_has_no_data():
+    lines = summary_claims(_claims_report((40, 50), {"random_direction": (1, 50)}, superposition=False))
+    assert [line["verdict"] for line in lines] == ["not measured", "supported", "not measured", "not measured",
+                                                   "not measured"]
+    lines = summary_claims(_claims_report((40, 50), {"random_direction": (1, 50)}))
+    assert lines[0]["verdict"] == "supported" and lines[0]["control_name"] == "shuffled"      # 0.75 vs 0.10
+    assert lines[2]["verdict"] == "supported" and lines[2]["metric"]["value"] == 0.2
+
+
+def test_summary_comes_first_in_html_and_markdown_and_escapes_user_strings(tmp_path):
+    report = _claims_report((40, 50), {"random_direction": (1, 50)}, relation="<script>alert(1)</script>")
+    page = render_html([report], "t")
+    body = page.split("<body>", 1)[1]
+    assert body.startswith("<section id='summary'>") and body.index("</section>") < body.index("<img")
+    assert "<script>" not in page and "&lt;script&gt;" in page and "<i>" not in page
+    assert "95% interval lies above the control" in page
+    assert page.count("class='verdict supported'") == 3 and page.count("class='verdict not-measured'") == 2
+    text = render_markdown([report], "t")
+    assert text.index("## Summary: the paper's claims") < text.index("## Sources")
+    assert "| LRE edits causal |" in text and "<script>" not in text
+
+
+def test_long_tables_fold_into_details():
+    report = _claims_report((40, 50), {"random_direction": (1, 50)})
+    report["relations"] = {f"r{i}": {"n_facts": 10, "n_known": 5, "known_rate": 0.5} for i in range(LONG_TABLE + 1)}
+    page = render_html([report], "t")
+    assert f"<details><summary>{LONG_TABLE + 1} rows" in page
+    report["relations"] = {f"r{i}": {"n_facts": 10, "n_known": 5, "known_rate": 0.5} for i in range(LONG_TABLE)}
+    assert "<details><summary>" not in render_html([report], "t")
