@@ -9,6 +9,9 @@ Names (TransformerLens style, whatever the architecture underneath):
 * ``blocks.{l}.mlp_hidden`` -- MLP activations entering the down projection    [batch, seq, d_mlp]
 * ``ln_final``              -- after the final norm                            [batch, seq, d_model]
 
+TransformerLens names are accepted wherever a name is (``blocks.{l}.hook_resid_post`` etc.;
+:func:`to_lens_name` and :func:`from_lens_name` translate, ``LENS_NAMES`` is the table).
+
 Blocks are found by structure (the ``nn.ModuleList`` holding ``num_hidden_layers`` blocks), so families outside
 ``SUPPORTED_TYPES`` work when they follow the usual layout. A model that defines ``hook_points()`` (the synthetic
 model) is addressed through that dict instead.
@@ -29,6 +32,45 @@ _ATTN_NAMES = ("self_attn", "attn", "attention", "self_attention")
 _MLP_NAMES = ("mlp", "feed_forward", "ffn")
 _DOWN_NAMES = ("down_proj", "fc2", "c_proj", "dense_4h_to_h", "w2")
 _NAME = re.compile(r"^blocks\.(\d+)\.(resid_pre|resid_post|attn_out|mlp_out|mlp_hidden)$")
+# llmprobe place -> TransformerLens hook (TransformerBridge's names; HookedTransformer has all but ln_final.hook_out).
+# resid_mid exists in synthetic models only (their hook_points()).
+LENS_NAMES = {"resid_pre": "hook_resid_pre", "resid_mid": "hook_resid_mid", "resid_post": "hook_resid_post",
+              "attn_out": "hook_attn_out", "mlp_out": "hook_mlp_out", "mlp_hidden": "mlp.hook_post"}
+LENS_FINAL = "ln_final.hook_out"      # the final norm's output (hook_normalized is before the norm's weight)
+_PLACE_NAME = re.compile(r"^blocks\.(\d+)\.(" + "|".join(LENS_NAMES) + r")$")
+_LENS_NAME = re.compile(r"^blocks\.(\d+)\.(" + "|".join(re.escape(v) for v in LENS_NAMES.values()) + r")$")
+
+
+def to_lens_name(name: str) -> str:
+    """llmprobe hook name -> TransformerLens hook name: ``blocks.3.resid_post`` -> ``blocks.3.hook_resid_post``."""
+    if name == "ln_final":
+        return LENS_FINAL
+    match = _PLACE_NAME.match(name)
+    if not match:
+        raise KeyError(f"{name!r} is not an llmprobe hook name (blocks.{{l}}.<{'|'.join(LENS_NAMES)}> or ln_final), "
+                       f"so it has no TransformerLens counterpart")
+    return f"blocks.{match.group(1)}.{LENS_NAMES[match.group(2)]}"
+
+
+def from_lens_name(name: str) -> str:
+    """TransformerLens hook name -> llmprobe hook name: ``blocks.3.hook_resid_post`` -> ``blocks.3.resid_post``.
+
+    Only the places llmprobe defines translate (see ``LENS_NAMES``); others (attention patterns,
+    ``hook_mlp_in``, ...) raise a KeyError that says so."""
+    if name == LENS_FINAL:
+        return "ln_final"
+    match = _LENS_NAME.match(name)
+    if not match:
+        known = ", ".join(f"blocks.{{l}}.{v}" for v in LENS_NAMES.values())
+        raise KeyError(f"TransformerLens hook {name!r} has no llmprobe counterpart; llmprobe's places are "
+                       f"{known} and {LENS_FINAL}")
+    kind = next(k for k, v in LENS_NAMES.items() if v == match.group(2))
+    return f"blocks.{match.group(1)}.{kind}"
+
+
+def is_lens_name(name: str) -> bool:
+    """Whether ``name`` is in TransformerLens' style (a ``hook_`` part), not llmprobe's."""
+    return any(part.startswith("hook_") for part in name.split("."))
 
 
 class AdapterError(ValueError):
@@ -77,7 +119,10 @@ class ModelAdapter:
         return names + (["ln_final"] if self.final_norm is not None else [])
 
     def place(self, name: str) -> Place:
-        """The module (and side of it) that holds ``name``; a clear error for unknown names."""
+        """The module (and side of it) that holds ``name`` (llmprobe's or TransformerLens' name); a clear error for
+        unknown names."""
+        if is_lens_name(name):
+            name = from_lens_name(name)
         if self._points is not None:
             if name not in self._points:
                 raise KeyError(f"unknown hook name {name!r}; this model offers {list(self._points)}")
