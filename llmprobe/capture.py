@@ -30,6 +30,20 @@ def adapter_for(model: nn.Module | ModelAdapter) -> ModelAdapter:
     return adapter
 
 
+def module_device(module: nn.Module) -> torch.device:
+    """Where ``module`` computes: its accelerate execution device when the model is dispatched with a
+    ``device_map`` (weights offloaded to CPU or disk sit on the meta device and are loaded there for each call),
+    else the device of its first parameter or buffer; CPU for a module without either."""
+    hook = getattr(module, "_hf_hook", None)
+    device = getattr(hook, "execution_device", None)
+    if device is not None:
+        return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+    for tensor in (*module.parameters(), *module.buffers()):
+        if tensor.device.type != "meta":
+            return tensor.device
+    return torch.device("cpu")
+
+
 def _tensor_of(value):
     """The hidden-state tensor inside a module's input/output (tensor, or first item of a tuple)."""
     return value[0] if isinstance(value, (tuple, list)) else value
@@ -133,7 +147,7 @@ def forward(model: nn.Module | ModelAdapter, input_ids: torch.Tensor, attention_
     adapter = adapter_for(model)
     if adapter._points is not None:
         return adapter.model(input_ids)
-    device = adapter.embed.weight.device
+    device = module_device(adapter.embed)
     inputs = {"input_ids": input_ids.to(device), **forward_kwargs}
     if attention_mask is not None:
         inputs["attention_mask"] = attention_mask.to(device)
@@ -158,14 +172,14 @@ def patch(
         raise ValueError("patch needs exactly one of values= or delta=")
     adapter = adapter_for(model)
     change = values if values is not None else delta
-    rows = torch.arange(positions.shape[0])
 
     def edit(states):
         if states.shape[0] != positions.shape[0] or states.shape[1] <= int(positions.max()):
             return None  # e.g. later generation steps with a KV cache: nothing to patch there
-        states = states.clone()
+        states = states.clone()   # on the device of the block that produced or reads it (device maps)
         new = change.to(states.device, states.dtype)
         pos = positions.to(states.device)
+        rows = torch.arange(positions.shape[0], device=states.device)
         states[rows, pos] = new if values is not None else states[rows, pos] + new
         return states
 

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .batching import run_batched
 from .subjects import fill
 
 
@@ -37,34 +38,36 @@ def is_known(continuation: str, obj: str) -> bool:
     return bool(target) and _clean(continuation).startswith(target)
 
 
-def _batches(items: list, size: int):
-    for start in range(0, len(items), size):
-        yield items[start:start + size]
-
-
 def greedy_continuations(lm, prompts: list[str], max_new_tokens: int | list[int] = 8,
                          batch_size: int = 32) -> list[str]:
     """Greedy continuation text of each prompt (left-padded batches, no sampling).
 
     ``max_new_tokens`` may be one number per prompt: prompts are then batched by length of continuation needed,
-    and each batch generates only as many tokens as its longest need.
+    and each batch generates only as many tokens as its longest need. Batches go through
+    ``llmprobe.batching.run_batched`` (at most ``batch_size``, fewer under a memory budget or after an
+    out-of-memory error).
     """
     tok = lm.tokenizer
     budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     order = sorted(range(len(prompts)), key=lambda i: (budgets[i], len(prompts[i])))
-    texts: list[str] = [""] * len(prompts)
+
+    def generate(part: slice) -> list[str]:
+        chunk = order[part]
+        batch = tok([prompts[i] for i in chunk], return_tensors="pt", padding=True).to(lm.device)
+        with torch.no_grad():
+            out = lm.model.generate(**batch, max_new_tokens=max(budgets[i] for i in chunk), do_sample=False,
+                                    pad_token_id=tok.pad_token_id)
+        return tok.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+
     saved_side, tok.padding_side = tok.padding_side, "left"
     try:
-        for chunk in _batches(order, batch_size):
-            batch = tok([prompts[i] for i in chunk], return_tensors="pt", padding=True).to(lm.device)
-            with torch.no_grad():
-                out = lm.model.generate(**batch, max_new_tokens=max(budgets[i] for i in chunk), do_sample=False,
-                                        pad_token_id=tok.pad_token_id)
-            decoded = tok.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
-            for i, text in zip(chunk, decoded):
-                texts[i] = text
+        parts = run_batched(generate, len(order), batch_size, stage="known facts", lm=lm, prompts=prompts,
+                            new_tokens=max(budgets, default=0))
     finally:
         tok.padding_side = saved_side
+    texts: list[str] = [""] * len(prompts)
+    for i, text in zip(order, (text for part in parts for text in part)):
+        texts[i] = text
     return texts
 
 

