@@ -45,7 +45,11 @@ def run_one(method: str, model: str | None, n_prompts: int, batch_size: int, rep
     every = [f"blocks.{l}.resid_post" for l in range(n)]
     bridge = None
     if method == "transformer_lens":
-        from transformer_lens.model_bridge import TransformerBridge
+        try:
+            from transformer_lens.model_bridge import TransformerBridge
+        except ImportError:
+            raise SystemExit("the transformer_lens method needs transformer-lens: "
+                             "pip install 'llmprobe[lens]'") from None
 
         bridge = TransformerBridge.boot_transformers(lm.info["path"], hf_model=lm.model, tokenizer=lm.tokenizer,
                                                      device="cpu")
