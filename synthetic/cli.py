@@ -118,6 +118,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--d-min", type=_positive("--d-min"), default=2)
     p.add_argument("--d-max", type=_positive("--d-max"), default=512)
     p.add_argument("--workers", type=_positive("--workers"), default=1, help="parallel worker processes")
+    p.add_argument("--batched", action="store_true",
+                   help="train every (seed, mode) search of an (N, R) together, one batched model stack per round "
+                        "(synthetic/batched.py; see docs/synthetic.md for when it is faster)")
+    p.add_argument("--executor", choices=["process", "ray"], default="process",
+                   help="run sweep units in local processes (default) or as Ray tasks (retried when a worker dies)")
+    p.add_argument("--address", default=None,
+                   help="with --executor ray: the Ray cluster to join (default: start Ray on this machine)")
     p.add_argument("--img-dir", default=None,
                    help="also write the plots here as synthetic_*.png (e.g. docs/img)")
     p.add_argument("--report-only", action="store_true", help="train nothing: summarise, tabulate and plot --out")
@@ -201,7 +208,12 @@ def cmd_sweep(args) -> dict:
     cfg = SweepConfig(subjects=_ints(args.subjects), relations=_ints(args.relations), seeds=_ints(args.seeds, minimum=0),
                       modes=modes, mlp_ratio=args.mlp_ratio, d_mlp=args.mlp_width, attention=args.attention,
                       d_min=args.d_min, d_max=args.d_max, workers=args.workers, threads=args.threads or 1,
+                      batched=args.batched, executor=args.executor, address=args.address,
                       train=_train_config(args, progress=False))
+    if args.address and args.executor != "ray":
+        from llmprobe.checks import UsageError
+
+        raise UsageError("--address is for --executor ray")
     if args.report_only:
         from .sweep import summarize
 

@@ -20,6 +20,7 @@ when c moves with N (:func:`fit_trend`; a power law ``d* = a N^alpha R^beta`` in
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -51,10 +52,14 @@ class SweepConfig:
     d_max: int = 512
     workers: int = 1
     threads: int = 1                     # torch threads per worker
+    batched: bool = False                # train every (seed, mode) search of an (N, R) together (synthetic.batched)
+    executor: str = "process"            # "process" (a local pool of ``workers``) | "ray" (Ray tasks)
+    address: str | None = None           # Ray cluster address (None: start Ray on this machine)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(progress=False))
 
 
 MODES = ("trainable", "frozen", "frozen_all")
+EXECUTORS = ("process", "ray")
 
 
 def point_key(N: int, R: int, seed: int, mode: str, d: int, cfg: SweepConfig, init: int = 0) -> str:
@@ -200,10 +205,18 @@ def config_key(cfg: SweepConfig) -> str:
 
 def _run_point(N, R, seed, mode, d, cfg: SweepConfig, init: int = 0) -> dict:
     task = random_bijections(N, R, seed)
-    d_mlp = cfg.d_mlp or max(1, int(round(cfg.mlp_ratio * d)))
     res = train(task, d, config=cfg.train, frozen_subjects=mode != "trainable",
-                frozen_unembed=mode == "frozen_all", d_mlp=d_mlp, attention=cfg.attention,
+                frozen_unembed=mode == "frozen_all", d_mlp=_d_mlp(d, cfg), attention=cfg.attention,
                 seed=seed + INIT_OFFSET * init)
+    return _point_row(res, N, R, seed, mode, d, cfg, init)
+
+
+def _d_mlp(d: int, cfg: SweepConfig) -> int:
+    return cfg.d_mlp or max(1, int(round(cfg.mlp_ratio * d)))
+
+
+def _point_row(res, N, R, seed, mode, d, cfg: SweepConfig, init: int) -> dict:
+    """The results.jsonl row of one trained point (a :class:`synthetic.train.RunResult`)."""
     row = res.to_dict()
     row.pop("train", None)
     row["history"] = row["history"][-3:]
@@ -212,15 +225,33 @@ def _run_point(N, R, seed, mode, d, cfg: SweepConfig, init: int = 0) -> dict:
     return row
 
 
+def append_once(out_dir: str, row: dict) -> bool:
+    """Append ``row`` to ``out_dir/results.jsonl`` unless a row with its key is there already (checked under a
+    lock, so a retried or concurrent worker that trained the same point again does not write it twice).
+    Returns whether it was written."""
+    path = os.path.join(out_dir, RESULTS)
+    with file_lock(os.path.join(out_dir, ".locks", "results.lock")):
+        if any(r.get("key") == row["key"] for r in read_jsonl(path)):
+            return False
+        append_jsonl(path, row)
+        return True
+
+
+def _log_point(row: dict) -> None:
+    print(f"[sweep] N={row['n_subjects']} R={row['n_relations']} seed={row['seed']} {row['mode']} "
+          f"d={row['d_model']} init={row['init']}: acc={row['accuracy']:.4f} steps={row['steps']} "
+          f"{row['wall_time_s']:.0f}s" + (f" (batch of {row['batch_models']})" if row.get("batch_models", 1) > 1
+                                          else ""), flush=True)
+
+
 def _bisect_cell(N, R, seed, mode, cfg: SweepConfig, out_dir: str, cache: dict, start: int | None) -> dict:
     def train_fn(d, init):
         key = point_key(N, R, seed, mode, d, cfg, init)
         row = cache.get(key)
         if row is None:
             row = _run_point(N, R, seed, mode, d, cfg, init)
-            append_jsonl(os.path.join(out_dir, RESULTS), row)
-            print(f"[sweep] N={N} R={R} seed={seed} {mode} d={d} init={init}: "
-                  f"acc={row['accuracy']:.4f} steps={row['steps']} {row['wall_time_s']:.0f}s", flush=True)
+            append_once(out_dir, row)
+            _log_point(row)
         return bool(row["success"])
 
     found = find_threshold(train_fn, cfg.d_min, cfg.d_max, start or initial_guess(N, R, mode),
@@ -242,36 +273,92 @@ def _sweep_unit(args) -> list[dict]:
     return out
 
 
+def _batched_unit(N: int, R: int, modes: tuple, cfg: SweepConfig, out_dir: str, cache: dict) -> list[dict]:
+    """Every (seed, mode) search of one (N, R) in lockstep: each round trains the next width of every unfinished
+    search together in one :func:`synthetic.batched.train_batched` call. Each search starts from
+    :func:`initial_guess` (no seed hands its d* to the next: they run at once); d* and ``exact`` follow the same
+    rule as the one-at-a-time sweep, and the points have the same keys, so either sweep resumes the other."""
+    from .batched import train_batched
+    from .train import model_config_for
+
+    torch.set_num_threads(max(1, cfg.threads))
+    searches = {(seed, mode): Bisection(cfg.d_min, cfg.d_max, initial_guess(N, R, mode))
+                for seed in cfg.seeds for mode in modes}
+    while True:
+        wanted = {cell: nxt for cell, search in searches.items() if (nxt := search.next()) is not None}
+        if not wanted:
+            break
+        todo = [(seed, mode, d, init) for (seed, mode), (d, init) in wanted.items()
+                if point_key(N, R, seed, mode, d, cfg, init) not in cache]
+        if todo:
+            tasks = [random_bijections(N, R, seed) for seed, _, _, _ in todo]
+            configs = [model_config_for(task, d, frozen_subjects=mode != "trainable",
+                                        frozen_unembed=mode == "frozen_all", d_mlp=_d_mlp(d, cfg),
+                                        attention=cfg.attention, seed=seed + INIT_OFFSET * init)
+                       for task, (seed, mode, d, init) in zip(tasks, todo)]
+            for (seed, mode, d, init), res in zip(todo, train_batched(tasks, configs, cfg.train)):
+                row = _point_row(res, N, R, seed, mode, d, cfg, init)
+                append_once(out_dir, row)
+                _log_point(row)
+                cache[row["key"]] = row
+        for (seed, mode), (d, init) in wanted.items():
+            searches[seed, mode].record(d, bool(cache[point_key(N, R, seed, mode, d, cfg, init)]["success"]), init)
+    return [{"N": N, "R": R, "seed": seed, "mode": mode, "d_star": s.d_star, "exact": s.exact, "tried": s.tried()}
+            for (seed, mode), s in searches.items()]
+
+
 def _locked_unit(args, block: bool = True) -> list[dict] | None:
-    """:func:`_sweep_unit` holding a lock on its (N, R, mode) in ``out_dir/.locks``, with the finished points
+    """One unit of a sweep -- :func:`_sweep_unit` for one (N, R, mode), or :func:`_batched_unit` when ``mode`` is
+    a tuple of modes -- holding a lock on each of its (N, R, mode) in ``out_dir/.locks``, with the finished points
     re-read under the lock, so sweeps of one folder in several processes never train a point twice. None, at
-    once, when ``block`` is false and another process holds the lock."""
+    once, when ``block`` is false and another process holds a lock."""
     (N, R, mode, cfg, out_dir, cache) = args
-    with file_lock(os.path.join(out_dir, ".locks", f"N{N}-R{R}-{mode}.lock"), block=block) as held:
-        if not held:
-            return None
+    modes = (mode,) if isinstance(mode, str) else tuple(sorted(mode))       # one lock order: no deadlock
+    with contextlib.ExitStack() as locks:
+        for m in modes:
+            if not locks.enter_context(file_lock(os.path.join(out_dir, ".locks", f"N{N}-R{R}-{m}.lock"),
+                                                 block=block)):
+                return None
         fresh = {r["key"]: r for r in load_results(out_dir) if "key" in r}
-        return _sweep_unit((N, R, mode, cfg, out_dir, {**cache, **fresh}))
+        if isinstance(mode, str):
+            return _sweep_unit((N, R, mode, cfg, out_dir, {**cache, **fresh}))
+        return _batched_unit(N, R, modes, cfg, out_dir, {**cache, **fresh})
 
 
-def run_sweep(cfg: SweepConfig, out_dir: str) -> dict:
-    """Run (or resume) the sweep; returns :func:`summarize` of everything in ``out_dir``."""
-    os.makedirs(out_dir, exist_ok=True)
-    cache = {r["key"]: r for r in load_results(out_dir) if "key" in r}
+def sweep_jobs(cfg: SweepConfig, out_dir: str) -> list[tuple]:
+    """The units of a sweep, cheap ones first (an interrupted sweep then has whole rows of the table): one per
+    (N, R, mode), or one per (N, R) with every mode when ``cfg.batched``. Each is an argument of
+    :func:`_locked_unit`."""
     bad = [m for m in cfg.modes if m not in MODES]
     if bad:
         raise ValueError(f"unknown sweep modes {bad}; choose from {MODES}")
-    units = [(N, R, mode) for N in cfg.subjects for R in cfg.relations for mode in cfg.modes]
-    # cheap cells first: an interrupted sweep then has whole rows of the table, and a rerun finishes the rest
-    units.sort(key=lambda u: (u[0] ** 2 * u[1]) * (1 if u[2] == "trainable" else 1.5))
-    jobs = [(N, R, mode, cfg, out_dir, cache) for (N, R, mode) in units]
-    if cfg.workers > 1 and len(jobs) > 1:
-        import multiprocessing as mp
+    if cfg.batched and cfg.train.batch_size:
+        raise ValueError("a batched sweep trains full batch only: leave batch_size unset (--batch-size)")
+    if cfg.batched:
+        units = [(N, R, tuple(cfg.modes)) for N in cfg.subjects for R in cfg.relations]
+        units.sort(key=lambda u: u[0] ** 2 * u[1])
+    else:
+        units = [(N, R, mode) for N in cfg.subjects for R in cfg.relations for mode in cfg.modes]
+        units.sort(key=lambda u: (u[0] ** 2 * u[1]) * (1 if u[2] == "trainable" else 1.5))
+    return [(N, R, modes, cfg, out_dir, {}) for (N, R, modes) in units]
 
-        ctx = mp.get_context("spawn")
-        with ctx.Pool(cfg.workers) as pool:
-            for _ in pool.imap_unordered(_locked_unit, jobs):
-                pass
+
+def run_sweep(cfg: SweepConfig, out_dir: str) -> dict:
+    """Run (or resume) the sweep; returns :func:`summarize` of everything in ``out_dir``. ``cfg.executor``:
+    ``"process"`` runs units here (``workers`` > 1: a local process pool), ``"ray"`` as Ray tasks
+    (:func:`synthetic.executors.ray_map`; a unit whose worker dies is retried)."""
+    if cfg.executor not in EXECUTORS:
+        raise ValueError(f"unknown executor {cfg.executor!r}; choose from {EXECUTORS}")
+    os.makedirs(out_dir, exist_ok=True)
+    jobs = sweep_jobs(cfg, out_dir)
+    if cfg.executor == "ray":
+        from .executors import ray_map
+
+        ray_map(_locked_unit, jobs, address=cfg.address)
+    elif cfg.workers > 1 and len(jobs) > 1:
+        from .executors import process_map
+
+        process_map(_locked_unit, jobs, cfg.workers)
     else:
         busy = [job for job in jobs if _locked_unit(job, block=False) is None]  # another process's: do them last
         for job in busy:

@@ -73,3 +73,30 @@ def test_batched_rejects_what_it_cannot_stack():
         train_batched([a], [model_config_for(a, 2)], TrainConfig(max_steps=2, batch_size=4, progress=False))
     with pytest.raises(ValueError, match="1 tasks but 2"):
         train_batched([a], [model_config_for(a, 2)] * 2, cfg)
+
+
+def test_batched_sweep_finds_the_same_thresholds_and_resumes(tmp_path, monkeypatch):
+    import synthetic.batched as batched
+    from synthetic.sweep import SweepConfig, load_results, run_sweep, thresholds
+
+    found = {}
+    for mode in (False, True):
+        cfg = SweepConfig(subjects=[16], relations=[2], seeds=[0, 1], modes=["trainable", "frozen"], d_min=2,
+                          d_max=16, batched=mode, train=TrainConfig(max_steps=200, progress=False))
+        out = str(tmp_path / f"batched{mode}")
+        run_sweep(cfg, out)
+        rows = load_results(out)
+        found[mode] = {k[:4]: (t["d_star"], t["exact"]) for k, t in thresholds(rows).items()}
+    assert found[True] == found[False] and len(found[True]) == 4
+    assert any(exact for _, exact in found[True].values())
+    assert max(r["batch_models"] for r in rows) == 4            # the four searches trained together
+    assert len({r["key"] for r in rows}) == len(rows)
+
+    def boom(*a, **k):
+        raise AssertionError("resumed batched sweep retrained a finished point")
+
+    monkeypatch.setattr(batched, "train_batched", boom)
+    run_sweep(cfg, out)
+    assert len(load_results(out)) == len(rows)
+    with pytest.raises(ValueError, match="full batch only"):
+        run_sweep(SweepConfig(batched=True, train=TrainConfig(batch_size=8)), str(tmp_path / "x"))
