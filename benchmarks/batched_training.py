@@ -168,7 +168,8 @@ def compare_training(args) -> dict:
     pred = predict_h200(args.N, args.R, configs, [r.steps for r in batched], ops_alone, ops_stacked)
     print(f"H200 prediction (not measured): one at a time {pred['one_at_a_time_s']:.2f} s, batched "
           f"{pred['batched_s']:.2f} s ({pred['speedup']:.1f}x). Assumptions: a step costs max(ops x "
-          f"{OP_LAUNCH_S * 1e6:.0f} us host dispatch, FLOPs / {FLOP_EFFICIENCY:.0%} of {H200_FP32_FLOPS / 1e12:.0f} TFLOP/s FP32, bytes / "
+          f"{OP_LAUNCH_S * 1e6:.0f} us host dispatch, FLOPs / {FLOP_EFFICIENCY:.0%} of "
+          f"{H200_FP32_FLOPS / 1e12:.0f} TFLOP/s FP32, bytes / "
           f"{BANDWIDTH_EFFICIENCY:.0%} of {H200_BYTES_PER_S / 1e12:.1f} TB/s); {ops_alone} ops per step alone, "
           f"{ops_stacked} stacked (counted here); the batched steps as measured here.")
     return {"N": args.N, "R": args.R, "models": rows, "wall_alone_s": wall_alone, "wall_batched_s": wall_batched,
