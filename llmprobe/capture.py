@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from .adapters import ModelAdapter
+from .adapters import ModelAdapter, from_lens_name, is_lens_name
 
 
 class _StopForward(Exception):
@@ -91,7 +91,7 @@ def _forward_order(adapter: ModelAdapter, names: list[str]) -> list[str]:
     unknown = [n for n in names if n not in order]
     for name in unknown:
         adapter.place(name)  # raises a clear KeyError
-    return sorted(names, key=order.__getitem__)
+    return sorted(names, key=lambda name: order[from_lens_name(name) if is_lens_name(name) else name])
 
 
 def capture(

@@ -17,7 +17,8 @@ from .checks import UsageError, analysis_names, layer_spec, output_folder, posit
 from .datasets import DatasetError, Relation, load_relations
 from .io import write_json
 from .known import FactResult, known_facts
-from .loading import LoadedModel, load_model
+from .interop import as_loaded_model
+from .loading import LoadedModel
 from .subjects import fill, locate_errors
 
 REPORT_SCHEMA_VERSION = 2      # 2: typed metrics everywhere, test_subjects per relation, reference causality
@@ -153,8 +154,9 @@ def _previous_known(out: Path, previous: dict, key: str) -> dict:
 
 
 def probe(
-    model: str | None = None,
+    model=None,
     *,
+    tokenizer=None,
     gguf_file: str | None = None,
     relations: list[str] | None = None,
     layers: str | list[int] | None = "every:3",
@@ -174,6 +176,9 @@ def probe(
     analysis_options: dict | None = None,
 ) -> dict:
     """Probe ``model`` (None = embedded default) on ``relations`` (None = all bundled); returns the report.
+
+    ``model``: a name or folder, or a model object with ``tokenizer`` (a transformers model, a TransformerBridge,
+    an nnsight LanguageModel: ``llmprobe.interop.as_loaded_model``).
 
     Every option, the relations and the output folder are checked before the model is loaded (UsageError,
     DatasetError). Writes ``out/report.json`` and ``out/known_facts.json`` when ``out`` is given: after the
@@ -213,8 +218,10 @@ def probe(
     if max_facts:
         rels = [Relation(r.name, r.templates, r.neutral_templates, r.facts[:max_facts], r.properties, r.source)
                 for r in rels]
-    lm = lm or load_model(model, gguf_file=gguf_file, device=device, dtype=dtype,
-                          trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+    lm = lm or as_loaded_model(model, tokenizer, gguf_file=gguf_file, device=device, dtype=dtype,
+                               trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+    if not isinstance(model, (str, Path, type(None))):
+        model = lm.info["name"]           # a model object is recorded by its name_or_path
     timings = {"load_s": round(time.perf_counter() - start, 1)}
     layer_ids = parse_layers(layers, lm.adapter.n_layers)
     data_hash = dataset_hash(rels)

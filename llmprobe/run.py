@@ -21,13 +21,14 @@ from .io import write_json
 from .probe import library_versions, probe
 
 
-def run(model: str | None = None, *, out: str | Path = "runs/main", relations: list[str] | None = None,
+def run(model=None, *, tokenizer=None, out: str | Path = "runs/main", relations: list[str] | None = None,
         layers: str = "every:3", analyses: tuple[str, ...] = ("lre", "ridge", "superposition"),
         device: str = "auto", dtype: str = "auto", max_facts: int | None = None, seed: int = 0,
         controls: bool = True, at_model_width: bool = True, formats=("html", "md", "csv"), gguf_file=None,
         trust_remote_code: bool = False, allow_pickle: bool = False, batch_size: int = 32, max_prompt_tokens: int | None = None,
         resume: bool = False, analysis_options: dict | None = None) -> dict:
-    """The main job; writes ``out/report.json`` (+ html/md/csv) and returns the report.
+    """The main job; writes ``out/report.json`` (+ html/md/csv) and returns the report. ``model``/``tokenizer``:
+    as in ``probe`` (a name or folder, or a model object; the controls' worker gets only the fact table).
 
     Like for like: the matched controls train on the fact table the pretrained superposition fit measures (the
     shared-subject relations, all their facts, the subjects locatable in the neutral templates:
@@ -82,8 +83,8 @@ def run(model: str | None = None, *, out: str | Path = "runs/main", relations: l
             {"seed": seed, "at_model_width": at_model_width, "progress": _controls_progress})
 
     try:
-        report = probe(model, gguf_file=gguf_file, relations=relations, layers=layers, analyses=analyses,
-                       device=device, dtype=dtype, max_facts=max_facts, seed=seed, out=out,
+        report = probe(model, tokenizer=tokenizer, gguf_file=gguf_file, relations=relations, layers=layers,
+                       analyses=analyses, device=device, dtype=dtype, max_facts=max_facts, seed=seed, out=out,
                        trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
                        on_known=start_controls if controls else None,
                        batch_size=batch_size, max_prompt_tokens=max_prompt_tokens, resume=resume,

@@ -1,0 +1,198 @@
+"""Bring your own model: a transformers object, a TransformerBridge and an nnsight LanguageModel give the same
+states and the same probe report as the same weights loaded by path; hook names translate to and from
+TransformerLens'; unsupported objects and missing tokenizers fail clearly."""
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from llmprobe.adapters import ModelAdapter, from_lens_name, to_lens_name
+from llmprobe.capture import capture
+from llmprobe.interop import as_loaded_model, state_dict_hash
+from llmprobe.loading import ModelLoadError, load_model
+from llmprobe.probe import probe
+from llmprobe.run import run
+from tiny_models import save_tiny
+
+FAMILIES = ("llama", "qwen2", "phi")     # the bridge boots all three offline
+SUBJECTS = ["France", "Japan", "Brazil", "Germany", "Italy", "Spain", "Portugal", "Egypt", "Mexico", "Kenya",
+            "Korea", "Zealand", "Europe", "Asia", "Africa", "Oceania", "Americas", "Paris", "Tokyo", "Curie"]
+TEMPLATE = "The capital of {} is"
+FAST = dict(n_boot=50, max_swap_subjects=4, folds=3, max_val_pairs=4, max_test_pairs=8)
+
+
+def _own_relation(folder, path):
+    """A relation whose objects are the model's own greedy answers, so every fact is known and the decoders run."""
+    lm = load_model(str(folder), device="cpu")
+    facts = []
+    for subject in SUBJECTS:
+        ids = lm.tokenizer([TEMPLATE.format(subject)], return_tensors="pt").input_ids
+        with torch.no_grad():
+            answer = lm.tokenizer.decode([int(lm.model(ids).logits[0, -1].argmax())]).strip()
+        if answer.isalpha():
+            facts.append({"subject": subject, "object": answer})
+    path.write_text(json.dumps({"name": "own", "templates": [TEMPLATE], "neutral_templates": ["{}"],
+                                "properties": {"cardinality": "many-to-one"}, "facts": facts}))
+    return str(path)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    """(folder, relation file, the report of the model loaded by path) for one tiny random-init family."""
+    tmp = tmp_path_factory.mktemp(request.param)
+    folder = str(save_tiny(request.param, tmp / "model"))
+    relation = _own_relation(folder, tmp / "own.json")
+    return folder, relation, probe(folder, **_options(relation))
+
+
+def _options(relation):
+    return dict(relations=[relation], layers="0,-1", analyses=("lre",), device="cpu", analysis_options=FAST)
+
+
+def _numbers(report):
+    """What must not depend on how the model was handed over: known facts and every analysis number."""
+    def strip(value):
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if not (k.endswith("_s") or "seconds" in k)}
+        return [strip(v) for v in value] if isinstance(value, list) else value
+    return {"relations": report["relations"], "analyses": strip(report["analyses"])}
+
+
+def _states(lm):
+    """Every place llmprobe offers, at every token of two prompts: {name: [2, seq, d]}."""
+    batch = lm.tokenizer([TEMPLATE.format("France"), TEMPLATE.format("Kenya")], return_tensors="pt", padding=True)
+    return capture(lm.model, lm.adapter.names(), batch.input_ids, batch.attention_mask)
+
+
+def _hf(folder):
+    return AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+
+
+def _bridge(folder):
+    lens = pytest.importorskip("transformer_lens.model_bridge")
+    model, tokenizer = _hf(folder)
+    return lens.TransformerBridge.boot_transformers(folder, hf_model=model, tokenizer=tokenizer, device="cpu")
+
+
+def _nnsight(folder):
+    nnsight = pytest.importorskip("nnsight")
+    model, tokenizer = _hf(folder)
+    return nnsight.LanguageModel(model, tokenizer=tokenizer)
+
+
+def _processed_bridge(folder):
+    bridge = _bridge(folder)
+    bridge.enable_compatibility_mode(disable_warnings=True)   # folds the norms, centres the residual stream
+    return bridge
+
+
+KINDS = {"transformers": lambda folder: _hf(folder), "bridge": lambda folder: (_bridge(folder), None),
+         "processed_bridge": lambda folder: (_processed_bridge(folder), None),
+         "nnsight": lambda folder: (_nnsight(folder), None)}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_object_gives_the_states_and_report_of_its_folder(family, kind):
+    folder, relation, by_path = family
+    obj, tokenizer = KINDS[kind](folder)
+    lm = as_loaded_model(obj, tokenizer)
+    reference = load_model(folder, device="cpu")
+    ours, theirs = _states(lm), _states(reference)
+    assert list(ours) == list(theirs) and len(ours) == 5 * 3 + 1
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
+    assert lm.info["source"] == "object" and lm.info["path"] == folder
+    assert lm.info["n_params"] == reference.info["n_params"] and lm.info["weights_hash"].startswith("sha256:")
+    report = probe(obj, tokenizer=tokenizer, **_options(relation))
+    assert report["relations"]["own"]["n_known"] == report["relations"]["own"]["n_facts"] >= 8
+    assert report["analyses"]["relations"]["own"]["layers"]["0"]["lre"]["faithfulness"]["n"] > 0
+    assert _numbers(report) == _numbers(by_path)
+
+
+def test_a_bridge_leaves_its_own_model_alone_and_the_hash_names_the_weights(tmp_path):
+    folder = str(save_tiny("llama", tmp_path / "llama"))
+    bridge = _bridge(folder)
+    lm = as_loaded_model(bridge)
+    assert lm.model is not bridge.original_model and bridge.original_model.config._attn_implementation == "eager"
+    assert lm.model.config._attn_implementation == load_model(folder, device="cpu").model.config._attn_implementation
+    model, tokenizer = _hf(folder)
+    assert as_loaded_model(model, tokenizer).info["weights_hash"] == lm.info["weights_hash"]
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] += 1
+    assert state_dict_hash(model) != lm.info["weights_hash"]
+
+
+def test_run_takes_a_model_object(family, tmp_path):
+    """run() with an object (no controls here: their worker gets only the fact table, never the model)."""
+    folder, relation, _ = family
+    model, tokenizer = _hf(folder)
+    kwargs = dict(relations=[relation], layers="0", analyses=("lre",), device="cpu", controls=False,
+                  formats=("json",), analysis_options=FAST)
+    by_object = run(model, tokenizer=tokenizer, out=tmp_path / "object", **kwargs)
+    by_path = run(folder, out=tmp_path / "path", **kwargs)
+    assert by_object["model"]["source"] == "object" and _numbers(by_object) == _numbers(by_path)
+
+
+@pytest.mark.parametrize("name,lens", [("blocks.3.resid_post", "blocks.3.hook_resid_post"),
+                                       ("blocks.0.resid_pre", "blocks.0.hook_resid_pre"),
+                                       ("blocks.0.resid_mid", "blocks.0.hook_resid_mid"),
+                                       ("blocks.12.attn_out", "blocks.12.hook_attn_out"),
+                                       ("blocks.1.mlp_out", "blocks.1.hook_mlp_out"),
+                                       ("blocks.1.mlp_hidden", "blocks.1.mlp.hook_post"),
+                                       ("ln_final", "ln_final.hook_out")])
+def test_hook_names_translate_both_ways(name, lens):
+    assert to_lens_name(name) == lens and from_lens_name(lens) == name
+
+
+def test_hook_names_without_a_counterpart_are_refused():
+    with pytest.raises(KeyError, match="no TransformerLens counterpart"):
+        to_lens_name("blocks.0.attn_pattern")
+    with pytest.raises(KeyError, match="no llmprobe counterpart"):
+        from_lens_name("blocks.0.attn.hook_pattern")
+    with pytest.raises(KeyError, match="no llmprobe counterpart"):
+        from_lens_name("ln_final.hook_normalized")
+
+
+def test_lens_names_address_the_same_tensors_as_the_bridge_cache(tmp_path):
+    """capture() takes TransformerLens names, and each translated name holds what the bridge's run_with_cache
+    holds under it (the final norm given a non-unit weight, so hook_out and hook_normalized differ)."""
+    folder = str(save_tiny("llama", tmp_path / "llama"))
+    model, tokenizer = _hf(folder)
+    with torch.no_grad():
+        model.model.norm.weight.uniform_(0.5, 1.5)
+    names = ModelAdapter(model).names()
+    ids = tokenizer([TEMPLATE.format("France")], return_tensors="pt").input_ids
+    ours = capture(model, names, ids)
+    by_lens_name = capture(model, [to_lens_name(n) for n in names], ids)
+    assert all(torch.equal(ours[n], by_lens_name[to_lens_name(n)]) for n in names)
+    lens = pytest.importorskip("transformer_lens.model_bridge")
+    bridge = lens.TransformerBridge.boot_transformers(folder, hf_model=model, tokenizer=tokenizer, device="cpu")
+    _, cache = bridge.run_with_cache(ids)
+    for name in names:        # the bridge runs eager attention: equal to float32 rounding
+        torch.testing.assert_close(cache[to_lens_name(name)], ours[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_unsupported_objects_and_missing_tokenizers_are_clear_errors(tmp_path):
+    with pytest.raises(ModelLoadError, match="cannot probe a torch.nn.modules.linear.Linear"):
+        as_loaded_model(torch.nn.Linear(2, 2))
+    folder = str(save_tiny("qwen2", tmp_path / "qwen2"))
+    model, tokenizer = _hf(folder)
+    with pytest.raises(ModelLoadError, match="tokenizer= goes with a model object"):
+        as_loaded_model(folder, tokenizer)
+    orphan = AutoModelForCausalLM.from_config(model.config)
+    orphan.name_or_path = "someone/elses-model"            # no folder to read a tokenizer from
+    with pytest.raises(ModelLoadError, match="needs its tokenizer: pass tokenizer="):
+        probe(orphan, relations=[_own_relation(folder, tmp_path / "own.json")], device="cpu")
+    assert as_loaded_model(model).tokenizer.name_or_path == folder   # read from the model's folder
+    hooked = type("HookedTransformer", (), {"__module__": "transformer_lens.HookedTransformer"})()
+    with pytest.raises(ModelLoadError, match="HookedTransformer .*cannot map them back"):
+        as_loaded_model(hooked)
+
+
+def test_a_processed_bridge_without_a_folder_is_refused(tmp_path):
+    folder = str(save_tiny("llama", tmp_path / "llama"))
+    bridge = _processed_bridge(folder)
+    bridge.original_model.name_or_path = "someone/elses-model"
+    with pytest.raises(ModelLoadError, match="weights were processed"):
+        as_loaded_model(bridge)
