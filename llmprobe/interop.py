@@ -96,7 +96,7 @@ def unwrap_bridge(model: nn.Module) -> nn.Module:
         raise ModelLoadError(f"cannot unwrap the bridged {type(model).__name__}: its state dict lacks "
                              f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
     plain.load_state_dict({key: state[key] for key in wanted})
-    plain.config.name_or_path = model.name_or_path
+    plain.name_or_path = plain.config.name_or_path = model.name_or_path
     return plain.to(param.device).eval()
 
 
