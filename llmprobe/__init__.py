@@ -18,6 +18,7 @@ _EXPORTS = {
     "DatasetError": "datasets", "Fact": "datasets", "FactTable": "datasets", "Relation": "datasets",
     "load_relations": "datasets", "ModelLoadError": "loading", "load_model": "loading", "probe": "probe",
     "SubjectNotFoundError": "subjects", "encode": "subjects",
+    "as_loaded_model": "interop", "to_lens_name": "adapters", "from_lens_name": "adapters",
 }
 __all__ = [*_EXPORTS, "__version__"]
 
