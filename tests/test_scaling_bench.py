@@ -1,0 +1,87 @@
+"""The cost model's pieces (benchmarks/scaling.py): the fit, the parameter count and the FLOPs it is fitted on."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "scaling.py"
+
+
+@pytest.fixture(scope="module")
+def scaling():
+    spec = importlib.util.spec_from_file_location("scaling_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module             # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+def test_fit_recovers_planted_cost(scaling):
+    gen = torch.Generator().manual_seed(0)
+    a, b = 2.5e-11, 0.004                       # 40 GFLOP/s and 4 ms per pass
+    rows = []
+    for flops, calls in [(1e8, 3), (4e8, 30), (2e9, 10), (8e9, 70), (3e10, 20), (5e10, 40)]:
+        noise = 1 + 0.01 * float(torch.randn(1, generator=gen))
+        rows.append({"seconds": (a * flops + b * calls) * noise, "flops": flops, "calls": calls})
+    fit = scaling.fit_stage(rows)
+    assert fit["a"] == pytest.approx(a, rel=0.03)
+    assert fit["b"] == pytest.approx(b, rel=0.3)
+    assert fit["r2"] > 0.999 and fit["worst"] < 0.05
+
+
+def test_fit_drops_a_negative_overhead(scaling):
+    # time proportional to FLOPs with a little negative noise on the overhead: b is clipped to 0, a refitted
+    rows = [{"seconds": 1e-10 * f - 1e-4, "flops": f, "calls": 1} for f in (1e9, 2e9, 4e9, 8e9)]
+    fit = scaling.fit_stage(rows)
+    assert fit["b"] == 0.0 and fit["a"] == pytest.approx(1e-10, rel=0.02)
+
+
+def test_fit_refuses_too_few_measurements(scaling):
+    with pytest.raises(ValueError, match="cannot fit"):
+        scaling.fit_linear([[1.0, 1.0]], [1.0])
+
+
+def test_parameter_count_matches_transformers_and_llama3(scaling):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = scaling.Shape("tiny", 128, 3, 384, 4, 2, vocab=500, tied=False)
+    config = LlamaConfig(vocab_size=500, hidden_size=128, intermediate_size=384, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    assert shape.params == sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+    llama3_8b = next(s for s in scaling.TARGETS if s.name.startswith("8B"))
+    assert llama3_8b.params == 8_030_261_248    # Meta-Llama-3-8B's published parameter count
+
+
+def test_forward_flops_match_torch_flop_counter(scaling):
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = scaling.bench_shape(256, 2)
+    config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=shape.ff, num_hidden_layers=2,
+                         num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads)
+    model = LlamaForCausalLM(config).eval()
+    rows, tokens = 4, 12
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model.model(input_ids=torch.randint(0, 1000, (rows, tokens)))       # the blocks, no LM head
+    predicted = scaling.forward_work(shape, [(rows, tokens)], 2).flops
+    assert predicted == pytest.approx(counter.get_total_flops(), rel=0.05)   # attention scores left out: < 5%
+
+
+def test_jacobian_work_scales_with_products_and_blocks(scaling):
+    shape = scaling.bench_shape(512, 8)
+    prompts = [(5, 4), (6, 4), (5, 3)]
+    full = scaling.jacobian_work(shape, prompts, first_layer=2, products=scaling.products_for(512, None))
+    low = scaling.jacobian_work(shape, prompts, first_layer=2, products=scaling.products_for(512, 8))
+    forward = sum(len(g) * (max(p for p, _ in g) + a) * 8 for a, g in
+                  ((4, prompts[:2]), (3, prompts[2:]))) * shape.token_block_flops()
+    backward_per_product = (2 * 4 + 1 * 3) * (8 - 2) * shape.token_block_flops()
+    assert full.flops == pytest.approx(forward + 512 * backward_per_product)
+    assert low.flops == pytest.approx(forward + 33 * backward_per_product)
+    assert scaling.products_for(64, 100) == 64           # never more products than output dimensions
