@@ -44,6 +44,18 @@ def module_device(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def module_weight(module: nn.Module, name: str = "weight") -> torch.Tensor:
+    """``module``'s parameter ``name`` with its values: read from accelerate's offload (CPU or disk) when the
+    model is dispatched with a device map and the parameter sits on the meta device."""
+    tensor = getattr(module, name)
+    if tensor.device.type != "meta":
+        return tensor
+    weights = getattr(getattr(module, "_hf_hook", None), "weights_map", None)
+    if weights is None or name not in weights:
+        raise RuntimeError(f"{type(module).__name__}.{name} is on the meta device and no offload holds it")
+    return weights[name]
+
+
 def _tensor_of(value):
     """The hidden-state tensor inside a module's input/output (tensor, or first item of a tuple)."""
     return value[0] if isinstance(value, (tuple, list)) else value

@@ -63,11 +63,16 @@ def reinit_like(module: nn.Module, seed: int) -> nn.Module:
     * any other module: a copy with every sub-module's ``reset_parameters()`` called under ``seed``. A parameter
       that no ``reset_parameters`` covers would keep its trained value, so that is an error (ValueError).
 
-    The result is on the source's device and dtype, in eval mode; the global RNG state is left as it was."""
+    The result is on the source's device and dtype (a source split by a device map: the whole copy on the
+    device where its embedding computes), in eval mode; the global RNG state is left as it was."""
     import copy
     import dataclasses
 
     param = next(module.parameters(), None)
+    device = None
+    if param is not None:
+        embed = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
+        device = module_device(embed if isinstance(embed, nn.Module) else module)
     config = getattr(module, "config", None)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -89,7 +94,7 @@ def reinit_like(module: nn.Module, seed: int) -> nn.Module:
                 raise ValueError(f"cannot re-initialise {type(module).__name__}: no reset_parameters() covers "
                                  f"{kept[:5]}{' ...' if len(kept) > 5 else ''} (they would keep their trained values)")
     if param is not None:
-        model.to(param.device, param.dtype)
+        model.to(device, param.dtype)
     return model.eval()
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..capture import module_weight
 from ..geometry import SuperpositionFit, kfold_indices, random_direction_like, superposition_readout
 from ..lre import layer_sequences, next_token_predictions, random_like, subject_states
 from ..metric import proportion
@@ -121,7 +122,7 @@ def _unembedding(lm) -> torch.Tensor:
         head = lm.model.get_output_embeddings()
     if head is None or not hasattr(head, "weight"):
         raise AnalysisError("superposition: the model has no LM head weight to take attribute vectors from")
-    return head.weight.detach().float().cpu()
+    return module_weight(head).detach().float().cpu()     # (offloaded weights: read from the offload)
 
 
 def attribute_vectors(lm, attributes: list[list[str]], how: str) -> tuple[list[torch.Tensor], list[int]]:
@@ -147,11 +148,11 @@ def superposition(lm, table: SuperpositionTable, layers: list[int], swap_layers:
     subjects, A, names = table.subjects, table.A, table.names
     U, collisions = attribute_vectors(lm, table.attributes, cfg.attribute_vectors)
     log(f"superposition: {len(subjects)} subjects x {len(names)} relations, states at {len(layers)} layers")
-    H = subject_states(lm, table.neutral, subjects, layers, batch_size=cfg.batch_size * 2)
+    H = subject_states(lm, table.neutral, subjects, layers, batch_size=cfg.batch_size)
     controls_H, U_c = None, None
     if cfg.random_control:
         rlm = random_like(lm, seed=cfg.seed + 12345)
-        controls_H = subject_states(rlm, table.neutral, subjects, layers, batch_size=cfg.batch_size * 2)
+        controls_H = subject_states(rlm, table.neutral, subjects, layers, batch_size=cfg.batch_size)
         U_c, _ = attribute_vectors(rlm, table.attributes, cfg.attribute_vectors)
         del rlm
     out = {
