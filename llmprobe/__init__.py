@@ -19,6 +19,7 @@ _EXPORTS = {
     "load_relations": "datasets", "ModelLoadError": "loading", "load_model": "loading", "probe": "probe",
     "SubjectNotFoundError": "subjects", "encode": "subjects",
     "as_loaded_model": "interop", "to_lens_name": "adapters", "from_lens_name": "adapters",
+    "load_report": "notebook", "load_decoder": "notebook", "Report": "notebook",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

@@ -248,6 +248,7 @@ def probe(
     stages["known_facts"] = {"key": known_key, "done": False, "resumed": False}
     previous_known = _previous_known(out, previous, known_key) if previous else {}
     known: dict = {}
+    fitted: dict = {}   # relation -> decoder -> the fit at its chosen layer (decoders.safetensors)
     analysed = []   # the relations without the facts that do not fit the context (the analyses' input)
 
     def save(known_changed: bool = True) -> None:
@@ -305,6 +306,10 @@ def probe(
             before = (previous.get("stages") or {}).get("analyses") or {}
             earlier = previous.get("analyses") if before.get("key") == key else None
             earlier = earlier if isinstance(earlier, dict) else None
+            if earlier is not None and out is not None:   # the decoders of the relations taken over
+                from .notebook import read_fits
+
+                fitted.update(read_fits(out))
             t = time.perf_counter()
             if earlier is not None and before.get("done"):
                 report["analyses"] = earlier
@@ -328,7 +333,7 @@ def probe(
                                         and stage["resumed_superposition"] == ("superposition" in analyses))
                 report["analyses"] = analyses_module.run_analyses(lm, analysed, known, layer_ids,
                                                                   analyses=analyses, seed=seed,
-                                                                  on_progress=checkpoint, done=earlier,
+                                                                  on_progress=checkpoint, done=earlier, fitted=fitted,
                                                                   **(analysis_options or {}))
             timings["analyses_s"] = round(time.perf_counter() - t, 1)
             stage["done"] = True
@@ -336,11 +341,21 @@ def probe(
         unfinished = [name for name, stage in stages.items() if not stage["done"]]
         report["errors"].append(f"interrupted during {', '.join(unfinished) or 'the end'}: finished stages are kept "
                                 f"in this report; rerun with --resume to finish the rest")
+        _write_decoders(out, fitted, lm)
         save()
         raise
     report["partial"] = False
+    _write_decoders(out, fitted, lm)
     save()
     return report
+
+
+def _write_decoders(out: Path | None, fitted: dict, lm: LoadedModel) -> None:
+    """The fitted decoders beside report.json: decoders.safetensors + decoders.json (``llmprobe.notebook``)."""
+    if out is not None and fitted:
+        from .notebook import save_decoders
+
+        save_decoders(out, fitted, {**model_identity(lm.info), "name": lm.info.get("name")})
 
 
 def summary_table(report: dict) -> str:

@@ -38,7 +38,7 @@ def settings_from(n_splits: int = 3, seed: int = 0, max_subjects: int = 90, **op
 
 def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits: int = 3, seed: int = 0,
                  max_subjects: int = 90, progress: bool = True, on_progress=None, done: dict | None = None,
-                 **options) -> dict:
+                 fitted: dict | None = None, **options) -> dict:
     """Run the requested analyses on a loaded model; returns a JSON-ready dict.
 
     ``relations``: ``llmprobe.datasets.Relation`` list; ``known``: relation name -> list of
@@ -57,6 +57,8 @@ def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits
     ``errors``) instead of recomputed; the rest is computed. Every relation's draws come from generators
     seeded by (seed, relation name, ...) and the superposition analysis reads no decoder result, so a part
     taken over has the numbers a fresh run would give it. ``timing`` counts this call's work only.
+    ``fitted``, if given, receives the fitted decoders of the relations computed here (not those taken over), see
+    ``decoders.decoders_for_relation``.
     """
     analyses = tuple(analyses)
     unknown = [a for a in analyses if a not in ANALYSES]
@@ -113,7 +115,7 @@ def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits
             log(f"{relation.name}: decoders ({', '.join(a for a in analyses if a != 'superposition')})")
             try:
                 entry = decoders_for_relation(lm, relation, known.get(relation.name), layers, lre_layers,
-                                              causal_layers, do_lre, do_ridge, cfg, log)
+                                              causal_layers, do_lre, do_ridge, cfg, log, fitted)
             except Exception as error:  # noqa: BLE001 - one relation's failure must not stop the others
                 text = str(error) if isinstance(error, (AnalysisError, ValueError)) else \
                     f"{type(error).__name__}: {error}"

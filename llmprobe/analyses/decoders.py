@@ -147,7 +147,7 @@ def lre_layer(lm, data: RelationData, layer: int, J: torch.Tensor, jac_rows: dic
     to_logits = logits_fn(lm)
     test, (ts, tt) = split.test, split.test_pairs
     faith, majority, edit, rdir, rop = [], [], [], [], []
-    chosen, val_f, val_c = [], [], []
+    chosen, val_f, val_c, fits = [], [], [], []
     for k, refit in enumerate(split.refits):
         rows = [jac_rows[i] for i in refit.jacobian.tolist()]
         Jk = J[rows].double()
@@ -186,9 +186,12 @@ def lre_layer(lm, data: RelationData, layer: int, J: torch.Tensor, jac_rows: dic
             record.update({"edit_rank": edit_rank, "val_causality": rates[r_best] if rates else None,
                            "edit_norm_ratio": float((delta.norm(dim=1) / H[ts].norm(dim=1)).mean())})
         chosen.append(record)
+        fits.append({"W": dec.operator_.W, "b": dec.operator_.b, "J": svd.W if rank is not None else None,
+                     "beta": beta, "rank": rank, "edit_rank": record.get("edit_rank"), "refit": k,
+                     "val_faithfulness": val_f[-1]})
     entry = {"faithfulness": _summary(faith).with_controls({"majority": _summary(majority)}).to_dict(),
              "chosen": chosen}
-    scores = {"faithfulness": sum(val_f) / len(val_f)}
+    scores = {"faithfulness": sum(val_f) / len(val_f), "fit": max(fits, key=lambda f: f["val_faithfulness"])}
     if edit:
         full = causality_hits(lm, data, layer, [H[tt] - H[ts]], ts, tt, cfg)[0]
         entry["causality"] = _summary(edit).with_controls(
@@ -207,7 +210,7 @@ def ridge_layer(lm, data: RelationData, layer: int, split: RelationSplit, causal
     to_logits = logits_fn(lm)
     test, (ts, tt) = split.test, split.test_pairs
     faith, shuffled, majority, edit, rdir = [], [], [], [], []
-    chosen, val_f = [], []
+    chosen, val_f, fits = [], [], []
     for k, refit in enumerate(split.refits):
         train, val = refit.train, refit.val
         decs = [RidgeDecoder(alpha=a).fit(H[train], O[train]) for a in cfg.ridge_alphas]
@@ -227,18 +230,27 @@ def ridge_layer(lm, data: RelationData, layer: int, split: RelationSplit, causal
             edit.append(got[0])
             rdir.append(got[1])
         chosen.append({"alpha": alpha, "val_faithfulness": float(val_hits[best])})
+        fits.append({"W": dec.operator_.W, "b": dec.operator_.b, "beta": 1.0, "rank": None, "alpha": alpha,
+                     "refit": k, "val_faithfulness": val_f[-1]})
     entry = {"faithfulness": _summary(faith).with_controls({"shuffled": _summary(shuffled),
                                                            "majority": _summary(majority)}).to_dict(),
              "chosen": chosen}
     if edit:
         entry["causality"] = _summary(edit, note="full-rank pseudo-inverse of the ridge W").with_controls(
             {"random_direction": _summary(rdir)}).to_dict()
-    return entry, {"faithfulness": sum(val_f) / len(val_f)}
+    return entry, {"faithfulness": sum(val_f) / len(val_f), "fit": max(fits, key=lambda f: f["val_faithfulness"])}
 
 
 def decoders_for_relation(lm, relation, results, layers: list[int], lre_layers: list[int], causal_layers: list[int],
-                          do_lre: bool, do_ridge: bool, cfg: AnalysisSettings, log: Log) -> dict:
-    """Both decoders at every layer for one relation, with the layers chosen on validation."""
+                          do_lre: bool, do_ridge: bool, cfg: AnalysisSettings, log: Log, fitted: dict | None = None
+                          ) -> dict:
+    """Both decoders at every layer for one relation, with the layers chosen on validation.
+
+    ``fitted``, if given, receives ``{relation: {decoder: fit}}``: the decoder at its chosen layer, of the re-fit
+    with the best validation faithfulness (ties: the first): W [d_out, d_in] and b [d_out] as applied (o = beta W
+    h + b), J [d_out, d_in] the untruncated mean Jacobian whose rank-``edit_rank`` pseudo-inverse makes the edits
+    (LRE with a truncated W only), beta, rank, edit_rank, alpha (ridge), refit, layer (``llmprobe.notebook``
+    saves them)."""
     t0 = time.perf_counter()
     facts = known_facts_of(relation, results, cfg)
     subjects = [f.subject for f in facts]
@@ -300,5 +312,7 @@ def decoders_for_relation(lm, relation, results, layers: list[int], lre_layers: 
         if causal_scores:
             sel["causality_layer"] = max(causal_scores, key=lambda l: (causal_scores[l], -l))
         out["selected"][method] = sel
+        if fitted is not None:
+            fitted.setdefault(relation.name, {})[method] = {**scores[sel["layer"]]["fit"], "layer": sel["layer"]}
     out["seconds"] = round(time.perf_counter() - t0, 1)
     return out
