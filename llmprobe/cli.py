@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
 from contextlib import contextmanager
 
-from .checks import (EXIT_INTERRUPTED, EXIT_OK, EXIT_OUT_OF_MEMORY, EXIT_USAGE, UsageError,
+from .checks import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUT_OF_MEMORY, EXIT_USAGE, UsageError,
                      is_out_of_memory, layer_spec, output_folder, positive_int)
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -39,15 +40,15 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gguf-file", help="GGUF file inside the MODEL folder or hub repo")
     parser.add_argument("--relations", nargs="+", metavar="NAME_OR_PATH",
                         help="bundled relation names, files (our JSON, LRE JSON, CSV), folders or hf:DATASET")
-    parser.add_argument("--layers", default="every:3", type=_arg(_layers),
-                        help="all | every:K | comma list like 0,6,12 | -1")
-    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--batch-size", type=positive("--batch-size"), default=32)
+    parser.add_argument("--layers", type=_arg(_layers), help="all | every:K | comma list like 0,6,12 | -1 "
+                                                                "(default every:3)")
+    parser.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto)")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="(default auto)")
+    parser.add_argument("--batch-size", type=positive("--batch-size"), help="(default 32)")
     parser.add_argument("--max-facts", type=positive("--max-facts"), help="keep the first N facts of each relation")
     parser.add_argument("--max-prompt-tokens", type=positive("--max-prompt-tokens"),
                         help="skip (and list in errors) facts whose prompt is longer (default: the model's context)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, help="(default 0)")
     parser.add_argument("--threads", type=positive("--threads"), help="torch CPU threads")
     parser.add_argument("--resume", action="store_true",
                         help="take finished stages from --out when model and settings match, instead of recomputing")
@@ -55,29 +56,62 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-pickle", action="store_true",
                         help="allow pickle weights (pytorch_model.bin, loaded with weights_only=True); default: "
                              "safetensors only")
-    parser.add_argument("--protocol", default="strict", choices=["strict", "lre"],
+    parser.add_argument("--protocol", choices=["strict", "lre"],
                         help="decoders: strict = zero-shot prompt, exact first token (default); lre = the LRE "
                              "reference's protocol (in-context examples, its bias and prefix rule), to compare "
                              "with published LRE tables")
-    parser.add_argument("--n-icl", type=positive("--n-icl"), default=5,
-                        help="in-context examples of --protocol lre (default 5)")
+    parser.add_argument("--n-icl", type=positive("--n-icl"), help="in-context examples of --protocol lre (default 5)")
+    parser.add_argument("--jacobian-rank", type=_jacobian_rank, metavar="auto|full|K",
+                        help="LRE Jacobians: full (exact, d_model backward passes per prompt), K (low-rank estimate "
+                             "of rank K, about 3(K+10) products per prompt and layer) or auto (default: rank 32 "
+                             "where that is cheaper than exact, docs/analyses.md)")
+    _add_settings_args(parser)
 
 
-def _analysis_options(args) -> dict:
-    """The analysis settings set on the command line (defaults left out, so resume keys stay as they were)."""
-    if args.protocol == "strict":
-        return {}
-    return {"protocol": args.protocol, "n_icl": args.n_icl}
+def _jacobian_rank(text: str) -> int | str:
+    if text in ("auto", "full"):
+        return text
+    try:
+        return positive_int(text, "--jacobian-rank")
+    except UsageError as error:
+        raise argparse.ArgumentTypeError(f"{error} (or auto, full)") from None
+
+
+def _add_settings_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE.toml",
+                        help="settings file with [run], [analysis] and [controls] tables (docs/config.md lists every "
+                             "key); --set and the flags above override it")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="sets",
+                        help="one setting, e.g. --set analysis.n_splits=5 or --set 'analysis.ridge_alphas=[0.1, 1]' "
+                             "(a TOML value; repeatable); flags override it")
+
+
+# argparse dest -> the setting it sets (llmprobe.config); None (not given) leaves the setting to --config/--set
+FLAG_SETTINGS = {"model": "run.model", "gguf_file": "run.gguf_file", "relations": "run.relations",
+                 "layers": "run.layers", "analyses": "run.analyses", "device": "run.device", "dtype": "run.dtype",
+                 "batch_size": "run.batch_size", "max_facts": "run.max_facts",
+                 "max_prompt_tokens": "run.max_prompt_tokens", "seed": "run.seed", "protocol": "analysis.protocol",
+                 "n_icl": "analysis.n_icl", "jacobian_rank": "analysis.jacobian_rank"}
+SWITCH_SETTINGS = {"no_controls": "controls.enabled", "no_model_width": "controls.at_model_width"}  # set false
+
+
+def _settings(args) -> dict:
+    """The resolved settings: defaults <- --config <- --set <- the flags given (llmprobe.config.resolve)."""
+    from .config import resolve
+
+    flags = {key: getattr(args, dest) for dest, key in FLAG_SETTINGS.items() if getattr(args, dest, None) is not None}
+    if "run.analyses" in flags:
+        flags["run.analyses"] = [a.strip() for a in flags["run.analyses"].split(",") if a.strip()]
+    flags.update({key: False for dest, key in SWITCH_SETTINGS.items() if getattr(args, dest, False)})
+    return resolve(args.config, args.sets, flags)
 
 
 def _probe(args) -> int:
+    from .config import probe_arguments
     from .probe import probe, summary_table
 
-    report = probe(args.model, gguf_file=args.gguf_file, relations=args.relations, layers=args.layers,
-                   analyses=args.analyses, device=args.device, dtype=args.dtype, batch_size=args.batch_size,
-                   max_facts=args.max_facts, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
-                   out=args.out, trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle,
-                   resume=args.resume, analysis_options=_analysis_options(args))
+    report = probe(**probe_arguments(_settings(args), "probe"), out=args.out,
+                   trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle, resume=args.resume)
     print(summary_table(report))
     for error in report["errors"]:
         print(f"warning: {error}", file=sys.stderr)
@@ -89,12 +123,10 @@ def _run(args) -> int:
     from .probe import summary_table
     from .run import run
 
-    report = run(args.model, out=args.out, relations=args.relations, layers=args.layers,
-                 analyses=args.analyses, device=args.device, dtype=args.dtype, batch_size=args.batch_size,
-                 max_facts=args.max_facts, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
-                 controls=not args.no_controls, at_model_width=not args.no_model_width, gguf_file=args.gguf_file,
-                 trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle, resume=args.resume,
-                 analysis_options=_analysis_options(args))
+    from .config import probe_arguments
+
+    report = run(**probe_arguments(_settings(args), "run"), out=args.out, trust_remote_code=args.trust_remote_code,
+                 allow_pickle=args.allow_pickle, resume=args.resume)
     print(summary_table(report))
     for line in _control_lines(report.get("controls")):
         print(line)
@@ -102,6 +134,34 @@ def _run(args) -> int:
         print(f"warning: {error}", file=sys.stderr)
     print(f"report: {os.path.join(args.out, 'report.html')} (and report.json, report.md, metrics.csv; "
           f"{report['wall_seconds']} s)")
+    return 0
+
+
+def _rerun(args) -> int:
+    from .config import rerun
+
+    result = rerun(args.dir, args.out, allow_different_weights=args.allow_different_weights,
+                   trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle)
+    comparison = result["comparison"]
+    print(f"reran {result['command']} of {args.dir} into {result['out']} (weights: {result['weights']})")
+    for path, old, new in comparison["differences"][:20]:
+        print(f"  differs: {path}: {old} -> {new}")
+    print(f"numbers {'match' if comparison['match'] else 'differ'}: {comparison['n_numbers']} compared, "
+          f"{len(comparison['differences'])} differ, largest difference {comparison['max_abs_difference']:.3g}")
+    return EXIT_OK if comparison["match"] else EXIT_FAILURE
+
+
+def _models(args) -> int:
+    from .families import embedded, families, models_text
+
+    print(json.dumps({"default": embedded(), "families": families()}, indent=1) if args.json else models_text())
+    return 0
+
+
+def _config(args) -> int:
+    from .config import settings_toml
+
+    print(settings_toml(_settings(args)), end="")
     return 0
 
 
@@ -157,12 +217,12 @@ def build_parser(synth: bool = True) -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     probe = commands.add_parser("probe", help="known facts (and analyses) of a pretrained model -> report.json")
     _add_model_args(probe)
-    probe.add_argument("--analyses", default="", help="comma list of lre,ridge,superposition (default: none)")
+    probe.add_argument("--analyses", help="comma list of lre,ridge,superposition (default: none)")
     probe.add_argument("--out", default="runs/probe", help="output folder")
     probe.set_defaults(func=_probe)
     run = commands.add_parser("run", help="the main job: probe + matched synthetic controls -> one report")
     _add_model_args(run)
-    run.add_argument("--analyses", default="lre,ridge,superposition", help="comma list (default: all three)")
+    run.add_argument("--analyses", help="comma list of lre,ridge,superposition (default: all three)")
     run.add_argument("--no-controls", action="store_true", help="skip the matched synthetic controls")
     run.add_argument("--no-model-width", action="store_true",
                      help="train controls only at the threshold d*, not also at the model's d_model")
@@ -180,6 +240,23 @@ def build_parser(synth: bool = True) -> argparse.ArgumentParser:
                         help="comma list of html, md, json, csv")
     report.add_argument("--out", help="output folder (default: the report folder)")
     report.set_defaults(func=_report)
+    rerun = commands.add_parser("rerun", help="repeat the probe or run of a report folder with its recorded settings "
+                                              "and say whether the numbers match (exit 1 when they differ)")
+    rerun.add_argument("dir", help="report folder (with report.json)")
+    rerun.add_argument("--out", help="output folder (default: DIR-rerun)")
+    rerun.add_argument("--allow-different-weights", action="store_true",
+                       help="rerun even when the model's weights hash differs from the recorded one")
+    rerun.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub (off)")
+    rerun.add_argument("--allow-pickle", action="store_true", help="allow pickle weights (off)")
+    rerun.set_defaults(func=_rerun)
+    models = commands.add_parser("models", help="supported model families, their hook places and what the tests "
+                                                "check for each")
+    models.add_argument("--json", action="store_true", help="JSON instead of text")
+    models.set_defaults(func=_models)
+    config = commands.add_parser("config", help="print the settings probe and run would use (defaults <- --config "
+                                                "<- --set) as a TOML file")
+    _add_settings_args(config)
+    config.set_defaults(func=_config)
 
     if not synth:
         commands.add_parser("synth", help="synthetic factual recall: train, sweep, construct, bounds, analyze, "

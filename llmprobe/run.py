@@ -26,7 +26,8 @@ def run(model=None, *, tokenizer=None, out: str | Path = "runs/main", relations:
         device: str = "auto", dtype: str = "auto", max_facts: int | None = None, seed: int = 0,
         controls: bool = True, at_model_width: bool = True, formats=("html", "md", "csv"), gguf_file=None,
         trust_remote_code: bool = False, allow_pickle: bool = False, batch_size: int = 32, max_prompt_tokens: int | None = None,
-        resume: bool = False, analysis_options: dict | None = None) -> dict:
+        resume: bool = False, analysis_options: dict | None = None, control_options: dict | None = None,
+        lm=None) -> dict:
     """The main job; writes ``out/report.json`` (+ html/md/csv) and returns the report. ``model``/``tokenizer``:
     as in ``probe`` (a name or folder, or a model object; the controls' worker gets only the fact table).
 
@@ -44,6 +45,9 @@ def run(model=None, *, tokenizer=None, out: str | Path = "runs/main", relations:
     (``"partial": true``), the analyses' finished relations included (``analyses.partial``); ``resume`` takes
     finished stages (known facts, analyses, controls) and an interrupted analyses stage's finished relations from
     ``out`` when their key (model hash and settings) matches, and computes only the rest.
+
+    ``control_options``: more arguments of ``train_controls`` (``max_steps``, ``d_max``, ``n_boot``, ``modes``);
+    ``lm``: an already loaded model (``model`` is then only recorded).
     """
     from .checks import UsageError
     from .probe import _digest, previous_report
@@ -53,6 +57,10 @@ def run(model=None, *, tokenizer=None, out: str | Path = "runs/main", relations:
     unknown = sorted(set(formats) - {"html", "md", "json", "csv"})
     if unknown:
         raise UsageError(f"unknown report format(s) {unknown}; choose from html, md, json, csv")
+    control_options = dict(control_options or {})
+    bad = sorted(set(control_options) - {"max_steps", "d_max", "n_boot", "modes"})
+    if bad:
+        raise UsageError(f"unknown control settings {bad}; choose from max_steps, d_max, n_boot, modes")
     out = Path(out)
     previous = previous_report(out) if resume else {}
     pending: dict = {}
@@ -61,7 +69,8 @@ def run(model=None, *, tokenizer=None, out: str | Path = "runs/main", relations:
         pending["report"] = partial
         like_for_like = "superposition" in analyses
         key = _digest(partial["stages"]["known_facts"]["key"], "controls", at_model_width, seed, like_for_like,
-                      sorted((analysis_options or {}).items()))
+                      sorted((analysis_options or {}).items()),
+                      *([sorted(control_options.items())] if control_options else []))
         stage = partial["stages"]["controls"] = {"key": key, "done": False, "resumed": False}
         try:
             table, dropped = _control_table(lm, relations, known, partial, like_for_like, analysis_options)
@@ -80,7 +89,7 @@ def run(model=None, *, tokenizer=None, out: str | Path = "runs/main", relations:
             return
         pending["worker"] = ControlsWorker(
             (table, partial["model"]["d_model"]),
-            {"seed": seed, "at_model_width": at_model_width, "progress": _controls_progress})
+            {"seed": seed, "at_model_width": at_model_width, "progress": _controls_progress, **control_options})
 
     try:
         report = probe(model, tokenizer=tokenizer, gguf_file=gguf_file, relations=relations, layers=layers,
@@ -88,7 +97,8 @@ def run(model=None, *, tokenizer=None, out: str | Path = "runs/main", relations:
                        trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
                        on_known=start_controls if controls else None,
                        batch_size=batch_size, max_prompt_tokens=max_prompt_tokens, resume=resume,
-                       analysis_options=analysis_options)
+                       analysis_options=analysis_options, lm=lm,
+                       controls_settings={"enabled": controls, "at_model_width": at_model_width, **control_options})
         if controls and "worker" in pending:
             t = time.perf_counter()
             try:

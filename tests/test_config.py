@@ -1,0 +1,352 @@
+"""Settings: defaults <- --config FILE.toml <- --set <- flags, recorded in report.json; rerun; models; the doc.
+
+The end-to-end tests use a tiny random-init Llama whose facts are forced known (a random model knows nothing).
+"""
+import dataclasses
+import inspect
+import json
+import random
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import llmprobe.probe
+from llmprobe import config
+from llmprobe.analyses import AnalysisSettings
+from llmprobe.cli import build_parser, main
+from llmprobe.families import ALL, FAMILIES, TESTED, families
+from test_analyses import _relations
+from tiny_models import CONFIGS, save_tiny
+
+ROOT = Path(__file__).resolve().parents[1]
+# a valid value other than the default for every analysis setting; a new AnalysisSettings field must get one here
+NOT_DEFAULT = {
+    "n_splits": 2, "max_subjects": 40, "min_known": 4, "n_jacobian": 2, "test_fraction": 0.3, "val_fraction": 0.3,
+    "min_val_per_candidate": 1, "betas": (1.0, 2.0), "ranks": (None, 8), "edit_ranks": (4, 8), "max_val_pairs": 3,
+    "max_test_pairs": 5, "ridge_alphas": (0.1, 10.0), "protocol": "lre", "n_icl": 2, "scoring": "sequence",
+    "lre_layers": (1,), "max_lre_layers": 2, "causality_layers": (1,), "superposition_facts": "known",
+    "neutral_templates": ("Tell me about {}.",), "attribute_vectors": "mean", "max_superposition_subjects": 20,
+    "folds": 3, "random_control": False, "swap_layers": (1,), "max_swap_subjects": 3, "swap_scales": (1.0, 2.0),
+    "n_boot": 50, "batch_size": 8, "jacobian_batch_size": 4, "jacobian_chunk": 16, "jacobian_rank": 8,
+    "jacobian_oversample": 5,
+}
+NOT_DEFAULT = {k: v for k, v in NOT_DEFAULT.items() if k in AnalysisSettings.__dataclass_fields__}
+FAST = {"n_splits": 1, "n_boot": 50, "folds": 3, "max_val_pairs": 3, "max_test_pairs": 5, "max_swap_subjects": 3,
+        "random_control": False, "lre_layers": (1,), "ridge_alphas": (0.1, 10.0)}
+
+
+def toml_value(value) -> str:
+    return config._toml_value(value)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Llama folder and three relation files over 28 made-up countries."""
+    root = tmp_path_factory.mktemp("config")
+    folder = str(save_tiny("llama", root / "llama"))
+    rnd = random.Random(1)
+    syllables = ["ka", "lo", "mi", "ne", "ru", "ta", "vo", "zi"]
+    subjects = sorted({"".join(rnd.choice(syllables) for _ in range(3)).capitalize() for _ in range(60)})[:28]
+    paths = []
+    for rel in _relations(subjects)[0]:
+        path = root / f"{rel.name}.json"
+        path.write_text(json.dumps({"name": rel.name, "templates": rel.templates,
+                                    "neutral_templates": rel.neutral_templates, "properties": rel.properties,
+                                    "facts": [{"subject": f.subject, "object": f.object} for f in rel.facts]}))
+        paths.append(str(path))
+    return folder, paths
+
+
+@pytest.fixture
+def all_known(monkeypatch):
+    real = llmprobe.probe.known_facts
+    monkeypatch.setattr(llmprobe.probe, "known_facts", lambda lm, relation, **kw: [
+        dataclasses.replace(r, known=True) for r in real(lm, relation, **kw)])
+
+
+def write_toml(path: Path, sections: dict) -> str:
+    lines = []
+    for section, table in sections.items():
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {toml_value(value)}" for key, value in table.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def settings_of(argv: list[str]) -> dict:
+    from llmprobe.cli import _settings
+
+    return _settings(build_parser(synth=False).parse_args(argv))
+
+
+# ------------------------------------------------------------------------------------- every setting
+def test_every_analysis_setting_has_a_test_value_and_every_field_a_known_type():
+    fields = {f.name for f in dataclasses.fields(AnalysisSettings)} - {"seed"}
+    assert set(NOT_DEFAULT) == fields, f"give NOT_DEFAULT a value for {sorted(fields - set(NOT_DEFAULT))}"
+    for section in config.SECTIONS:
+        for key, value in config.defaults()[section].items():
+            assert config.coerce(key, value, config.field_types(section)[key]) == value   # defaults type-check
+    for key, value in NOT_DEFAULT.items():
+        assert value != getattr(AnalysisSettings(), key), key
+
+
+def test_every_analysis_setting_from_toml_and_from_set(tmp_path):
+    from_file = config.resolve(write_toml(tmp_path / "s.toml", {"analysis": NOT_DEFAULT}))
+    assert from_file["analysis"] == NOT_DEFAULT
+    sets = [f"analysis.{key}={toml_value(value)}" for key, value in NOT_DEFAULT.items()]
+    assert config.resolve(sets=sets)["analysis"] == NOT_DEFAULT
+    assert config.changed(from_file, "analysis") == NOT_DEFAULT
+    assert config.changed(config.resolve(), "analysis") == {}
+
+
+def test_settings_from_a_file_reach_the_analyses_and_land_in_report_json(tiny, tmp_path, all_known):
+    """Every analysis setting from --config reaches run_analyses (its own record, analyses.settings, says what it
+    used) and settings.analysis; n_splits=2 shows in the LRE's re-fits."""
+    folder, relations = tiny
+    chosen = {**NOT_DEFAULT, **{k: v for k, v in FAST.items() if k != "n_splits"}, "protocol": "strict"}
+    path = write_toml(tmp_path / "s.toml", {"run": {"seed": 3}, "analysis": chosen})
+    out = tmp_path / "out"
+    assert main(["probe", folder, "--relations", *relations, "--layers", "all", "--device", "cpu",
+                 "--analyses", "lre,superposition", "--config", path, "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    recorded, used = report["settings"]["analysis"], report["analyses"]["settings"]
+    assert report["settings"]["command"] == "probe" and report["settings"]["controls"] is None
+    assert report["settings"]["run"]["seed"] == 3 and used["seed"] == 3 and report["seed"] == 3
+    for key, value in chosen.items():
+        expected = list(value) if isinstance(value, tuple) else value
+        assert recorded[key] == expected, key
+        assert used[key] == expected, key
+    lre = report["analyses"]["relations"]["capital"]["layers"]["1"]["lre"]
+    assert len(lre["faithfulness"]["spread"]["values"]) == 2          # n_splits re-fits
+    assert report["analyses"]["superposition"]["facts"] == "known"
+
+
+def test_flags_override_set_which_overrides_the_file(tmp_path):
+    path = write_toml(tmp_path / "s.toml", {"run": {"layers": "0", "batch_size": 4, "seed": 1},
+                                            "analysis": {"n_splits": 2, "protocol": "lre", "n_icl": 3},
+                                            "controls": {"max_steps": 7, "at_model_width": True}})
+    values = settings_of(["run", "--config", path, "--set", "analysis.n_splits=4", "--set", "run.layers=2",
+                          "--set", "analysis.n_icl=4", "--layers", "-1", "--n-icl", "6", "--no-model-width"])
+    assert values["run"]["layers"] == "-1" and values["run"]["batch_size"] == 4 and values["run"]["seed"] == 1
+    assert values["analysis"]["n_splits"] == 4 and values["analysis"]["protocol"] == "lre"
+    assert values["analysis"]["n_icl"] == 6
+    assert values["controls"]["max_steps"] == 7 and values["controls"]["at_model_width"] is False
+    arguments = config.probe_arguments(values, "run")
+    assert arguments["layers"] == "-1" and arguments["analyses"] == ("lre", "ridge", "superposition")
+    assert arguments["analysis_options"] == {"n_splits": 4, "protocol": "lre", "n_icl": 6}
+    assert arguments["control_options"] == {"max_steps": 7} and arguments["at_model_width"] is False
+    assert config.probe_arguments(settings_of(["probe"]), "probe")["analyses"] == ()
+    assert settings_of(["probe", "--set", "run.analyses=['ridge']"])["run"]["analyses"] == ("ridge",)
+    values = settings_of(["probe", "--set", "run.max_facts=none", "--set", "run.device=cpu", "--set", "run.layers=2"])
+    assert values["run"]["device"] == "cpu" and values["run"]["layers"] == "2" and values["run"]["max_facts"] is None
+
+
+def test_cli_flags_over_a_file_land_in_report_json(tiny, tmp_path):
+    folder, relations = tiny
+    path = write_toml(tmp_path / "s.toml", {"run": {"layers": "0", "max_facts": 3, "batch_size": 2},
+                                            "analysis": {"protocol": "lre"}})
+    out = tmp_path / "out"
+    assert main(["probe", folder, "--relations", relations[0], "--device", "cpu", "--config", path,
+                 "--set", "run.max_facts=5", "--layers", "-1", "--protocol", "strict", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    run = report["settings"]["run"]
+    assert run["layers"] == "-1" and report["layers"] == [2]
+    assert run["max_facts"] == 5 and report["relations"]["capital"]["n_facts"] == 5 and run["batch_size"] == 2
+    assert run["model"] == str(Path(folder).resolve()) and run["relations"] == [str(Path(relations[0]).resolve())]
+    assert report["settings"]["analysis"]["protocol"] == "strict"
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[analysis]\nridge_alpha = [1.0]\n", r"unknown setting analysis\.ridge_alpha \(did you mean analysis\.ridge_alphas"),
+    ("[analysis]\nn_splits = \"3\"\n", r"analysis\.n_splits: expected int, got \"3\""),
+    ("[analysis]\nbetas = [1.0, \"x\"]\n", r"analysis\.betas\[1\]: expected float"),
+    ("[analysis]\nrandom_control = 1\n", r"analysis\.random_control: expected true/false"),
+    ("[analysis]\nn_splits = 2\nbetas = [1.0,\nfolds = 3\n", r"not valid TOML: .*line 4"),
+    ("[analysis]\nseed = 4\n", r"analysis\.seed is set as run\.seed"),
+    ("seed = 4\n", r"seed is outside the sections"),
+    ("[model]\nname = \"x\"\n", r"unknown section 'model'"),
+    ("[controls]\nmodes = [\"frozen_all\"]\n", r"controls\.modes must be a non-empty list of trainable, frozen"),
+    ("[analysis]\nprotocol = \"reference\"\n", r"protocol must be one of"),
+])
+def test_a_bad_settings_file_is_refused_naming_the_key(content, message, tmp_path, capsys):
+    path = tmp_path / "bad.toml"
+    path.write_text(content)
+    # the model does not exist: the settings are checked before anything is loaded
+    assert main(["probe", str(tmp_path / "no-model"), "--config", str(path), "--out", str(tmp_path / "o")]) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("analysis.n_splits", r"use --set SECTION\.KEY=VALUE"),
+    ("n_splits=3", r"use --set SECTION\.KEY=VALUE"),
+    ("analysis.n_splits=three", r"analysis\.n_splits: expected int, got \"three\""),
+    ("analysis.ranks=[none, 8]", r"analysis\.ranks: expected list of \(int or none"),
+    ("controls.max_steps=0", r"controls\.max_steps must be at least 1"),
+])
+def test_a_bad_set_is_refused_naming_the_key(text, message, tmp_path, capsys):
+    assert main(["run", str(tmp_path / "no-model"), "--set", text, "--out", str(tmp_path / "o")]) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_a_missing_settings_file_is_a_usage_error(tmp_path, capsys):
+    assert main(["probe", "--config", str(tmp_path / "none.toml"), "--out", str(tmp_path / "o")]) == 2
+    assert "none.toml" in capsys.readouterr().err
+
+
+def test_control_settings_reach_the_controls_worker(tiny, tmp_path, all_known, monkeypatch):
+    """controls.* from --set reach train_controls' arguments and settings.controls (the worker is replaced by a
+    recorder: training itself is tested in test_controls.py)."""
+    import llmprobe.run
+
+    seen = {}
+
+    class Recorder:
+        def __init__(self, args, kwargs):
+            seen.update(kwargs)
+
+        def get(self):
+            return {"modes": {}}, 0.0
+
+        def ready(self):
+            return True
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(llmprobe.run, "ControlsWorker", Recorder)
+    folder, relations = tiny
+    out = tmp_path / "out"
+    assert main(["run", folder, "--relations", *relations, "--analyses", "", "--layers", "-1", "--device", "cpu",
+                 "--set", "controls.max_steps=7", "--set", "controls.modes=['frozen']", "--set", "controls.d_max=9",
+                 "--set", "controls.n_boot=11", "--no-model-width", "--seed", "2", "--out", str(out)]) == 0
+    assert seen["max_steps"] == 7 and seen["modes"] == ("frozen",) and seen["d_max"] == 9 and seen["n_boot"] == 11
+    assert seen["at_model_width"] is False and seen["seed"] == 2
+    recorded = json.loads((out / "report.json").read_text())["settings"]
+    assert recorded["command"] == "run" and recorded["controls"] == {
+        "enabled": True, "at_model_width": False, "max_steps": 7, "d_max": 9, "n_boot": 11, "modes": ["frozen"]}
+
+
+# ---------------------------------------------------------------------------------------------- rerun
+def test_rerun_reproduces_the_numbers_and_refuses_other_weights(tiny, tmp_path, all_known, capsys):
+    folder, relations = tiny
+    out = tmp_path / "first"
+    fast = [f"--set=analysis.{k}={toml_value(v)}" for k, v in FAST.items()]
+    assert main(["probe", folder, "--relations", *relations, "--layers", "all", "--device", "cpu",
+                 "--analyses", "lre,ridge,superposition", *fast, "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["rerun", str(out), "--out", str(tmp_path / "again")]) == 0
+    printed = capsys.readouterr().out
+    first, again = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("first", "again"))
+    assert again["settings"] == first["settings"] and again["analyses"]["settings"] == first["analyses"]["settings"]
+    comparison = config.compare_numbers(first, again)
+    assert comparison["match"] and comparison["n_numbers"] > 500, comparison["n_numbers"]
+    assert "weights: same" in printed and "numbers match" in printed
+    # the comparison is not vacuous: one changed number is found
+    changed = json.loads(json.dumps(again))
+    changed["analyses"]["relations"]["capital"]["layers"]["1"]["lre"]["faithfulness"]["value"] += 0.01
+    assert [d[0] for d in config.compare_numbers(first, changed)["differences"]] == [
+        "analyses.relations.capital.layers.1.lre.faithfulness.value"]
+    # other weights in the model folder: refused, unless asked for
+    save_tiny("llama", Path(folder), seed=1)
+    try:
+        assert main(["rerun", str(out), "--out", str(tmp_path / "other")]) == 2
+        assert "differ from the report's" in capsys.readouterr().err
+        assert main(["rerun", str(out), "--out", str(out)]) == 2
+        assert "own folder" in capsys.readouterr().err
+    finally:
+        save_tiny("llama", Path(folder), seed=0)
+
+
+def test_rerun_needs_recorded_settings(tmp_path, capsys):
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "report.json").write_text(json.dumps({"schema_version": 2, "model": {}}))
+    assert main(["rerun", str(tmp_path / "old")]) == 2
+    assert "no recorded settings" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------- defaults
+def test_defaults_agree_with_probe_run_and_the_controls():
+    from synthetic import controls
+    from llmprobe.run import run
+
+    signature = {**inspect.signature(run).parameters, **inspect.signature(llmprobe.probe.probe).parameters}
+    for key, value in config.defaults()["run"].items():
+        if key != "analyses":
+            assert signature[key].default == value, key
+    trained = inspect.signature(controls.train_controls).parameters
+    block = config.defaults()["controls"]
+    assert block["max_steps"] == trained["max_steps"].default and block["n_boot"] == trained["n_boot"].default
+    assert block["d_max"] == trained["d_max"].default and block["modes"] == trained["modes"].default
+    assert block["at_model_width"] == signature["at_model_width"].default and config.CONTROL_MODES == controls.MODES
+
+
+def test_the_doc_lists_every_setting_with_its_default():
+    doc = (ROOT / "docs" / "config.md").read_text(encoding="utf-8")
+    example = config.settings_toml()
+    assert example in doc, "docs/config.md is out of date: paste `llmprobe config` output into it"
+    values = config.update(config.defaults(), tomllib.loads(example), "docs/config.md")
+    assert values == config.defaults()
+    for section in config.SECTIONS:
+        for key in config.field_types(section):
+            assert re.search(rf"^{key} = ", example, re.M), f"{section}.{key}"
+
+
+def test_config_command_prints_resolved_settings_that_read_back(tmp_path, capsys):
+    assert main(["config", "--set", "analysis.betas=[2.0]", "--set", "run.layers=all"]) == 0
+    text = capsys.readouterr().out
+    path = tmp_path / "printed.toml"
+    path.write_text(text)
+    values = config.resolve(path)
+    assert values["analysis"]["betas"] == (2.0,) and values["run"]["layers"] == "all"
+    assert values["analysis"]["ridge_alphas"] == AnalysisSettings().ridge_alphas
+
+
+# --------------------------------------------------------------------------------------------- models
+def test_models_lists_every_family_with_its_checks(capsys):
+    assert main(["models"]) == 0
+    text = capsys.readouterr().out
+    for family in CONFIGS:
+        assert re.search(rf"^{family} \(", text, re.M), family
+    assert "SmolLM2-135M-Instruct" in text
+    assert main(["models", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    rows = {row["model_type"]: row for row in listed["families"]}
+    assert set(CONFIGS) <= set(rows) and listed["default"]["model_type"] == "llama"
+    assert {t["check"] for t in rows["gpt2"]["tested"]} >= {"Jacobians equal central finite differences (float64)"}
+    assert not any("finite differences" in t["check"] for t in rows["qwen2"]["tested"])
+
+
+def test_the_family_table_matches_the_tiny_models_and_the_tests():
+    """Places: the adapter of each tiny model resolves every name to the listed module; tests: every named test
+    exists, and builds the families it is said to (its file parametrizes over FAMILIES, or names the family)."""
+    from transformers import AutoModelForCausalLM
+
+    from llmprobe.adapters import ModelAdapter
+
+    assert set(FAMILIES) == set(CONFIGS)
+    for family, (architecture, places) in FAMILIES.items():
+        model = AutoModelForCausalLM.from_config(CONFIGS[family](64))
+        adapter = ModelAdapter(model)
+        names = {id(module): name for name, module in model.named_modules()}
+        assert type(model).__name__ == architecture
+        for place, module in places.items():
+            found = adapter.place(place.replace("{l}", "1"))
+            side = "input" if found.read_input else "output"
+            assert module.replace("{l}", "1") == f"{names[id(found.module)]} ({side})", (family, place)
+    for check, test, which in TESTED + tuple((c, t, ("llama",)) for c, t in config_embedded()):
+        path, name = test.split("::")
+        source = (ROOT / path).read_text(encoding="utf-8")
+        assert re.search(rf"^def {name}\(", source, re.M), test
+        if which == ALL:
+            assert "params=FAMILIES" in source, test
+        else:
+            assert all(f'"{family}"' in source or path.endswith("test_embedded.py") for family in which), test
+    assert all(row["tested"] for row in families() if row["model_type"] in FAMILIES)
+
+
+def config_embedded():
+    from llmprobe.families import EMBEDDED
+
+    return EMBEDDED[2]
