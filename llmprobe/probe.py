@@ -14,6 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .checks import UsageError, analysis_names, layer_spec, output_folder, positive_int
+from .config import settings_record
 from .datasets import DatasetError, Relation, load_relations
 from .io import write_json
 from .known import FactResult, known_facts
@@ -174,6 +175,7 @@ def probe(
     lm: LoadedModel | None = None,
     on_known=None,
     analysis_options: dict | None = None,
+    controls_settings: dict | None = None,
 ) -> dict:
     """Probe ``model`` (None = embedded default) on ``relations`` (None = all bundled); returns the report.
 
@@ -193,6 +195,8 @@ def probe(
     ``errors``. ``on_known(report, known, lm, relations)`` is called once the known facts are checked, before the
     analyses (``llmprobe run`` starts its controls there). ``analysis_options``: fields of
     ``llmprobe.analyses.AnalysisSettings`` (e.g. ``{"protocol": "lre"}``), checked before the model loads.
+    ``report["settings"]`` records every setting (``llmprobe.config.settings_record``; ``controls_settings``, the
+    matched controls' settings, is given by ``llmprobe run``), from which ``llmprobe rerun`` repeats the run.
     """
     from .analyses import ANALYSES
 
@@ -238,6 +242,11 @@ def probe(
         "layers": layer_ids,
         "versions": library_versions(),
         "seed": seed,
+        "settings": settings_record("run" if controls_settings is not None else "probe", {
+            "model": model if model is not None or lm.info.get("source") == "embedded" else lm.info.get("name"),
+            "gguf_file": gguf_file, "relations": relations, "layers": layers, "analyses": analyses,
+            "device": device, "dtype": dtype, "batch_size": batch_size, "max_facts": max_facts,
+            "max_prompt_tokens": max_prompt_tokens, "seed": seed}, analysis_options, controls_settings),
         "timings": timings,
         "errors": [],
         "partial": True,
