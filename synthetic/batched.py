@@ -144,16 +144,15 @@ class ModelStack:
             else:
                 attn = x.cumsum(dim=2)[:, :, positions] / (positions + 1).to(x.dtype)[None, None, :, None]
         else:
-            q = x[:, :, positions] @ P["W_Q"][:, None]
-            k = x @ P["W_K"][:, None]
-            v = x @ P["W_V"][:, None]
+            q = _per_model(x[:, :, positions], P["W_Q"])
+            k, v = _per_model(x, P["W_K"]), _per_model(x, P["W_V"])
             scale = torch.tensor([math.sqrt(cfg.d_model) for cfg in self.configs], device=x.device)
             scores = q @ k.transpose(-1, -2) / scale[:, None, None, None]
             mask = torch.arange(t, device=x.device)[None, :] > positions.to(x.device)[:, None]
-            attn = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1) @ v @ P["W_O"][:, None]
+            attn = _per_model(torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1) @ v, P["W_O"])
         mid = x[:, :, positions] + attn
-        hidden = torch.relu(mid @ P["W_in"][:, None] + P["b_in"][:, None, None])
-        return mid + hidden @ P["W_out"][:, None] + P["b_out"][:, None, None]
+        hidden = torch.relu(_per_model(mid, P["W_in"]) + P["b_in"][:, None, None])
+        return mid + _per_model(hidden, P["W_out"]) + P["b_out"][:, None, None]
 
     def loss(self, input_ids, positions, targets, chunk=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-model mean cross-entropy [M] and number of correct predictions [M] (strict argmax) for targets
@@ -186,6 +185,12 @@ class ModelStack:
             denom = (self.exp_avg_sq[name].sqrt() / bc2_sqrt.view(shape)).add_(cfg.eps)
             p.sub_(self.exp_avg[name] / denom * step_size.view(shape))
             p.grad = None
+
+
+def _per_model(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, b, k, p] times model i's own weight [M, p, q] -> [M, b, k, q] (one bmm, not b * k small ones)."""
+    M, b, k, p = x.shape
+    return torch.bmm(x.reshape(M, b * k, p), weight).reshape(M, b, k, weight.shape[2])
 
 
 class _StackedSoftmaxCE(torch.autograd.Function):
