@@ -179,9 +179,18 @@ def jacobian_work(shape: Shape, prompts: list[tuple[int, int]], first_layer: int
     return w
 
 
-def products_for(d: int, rank: int | None) -> int:
-    """Vector-Jacobian products per prompt: d_model for the full Jacobian, about 2 (rank + 8) + 1 low-rank."""
-    return d if rank is None else min(d, 2 * (rank + 8) + 1)
+def products_for(d: int, rank: int | None, n_layers: int = 1, oversample: int = 10) -> int:
+    """Vector-Jacobian (and Jacobian-vector) products per prompt: d_model for the exact Jacobian; for the
+    low-rank estimator ``llmprobe.lre.lowrank_products`` (k = rank + oversample VJPs shared by the layers, then k
+    JVPs and k VJPs per layer), or exact when k >= d (what ``subject_jacobians`` does then)."""
+    k = None if rank is None else rank + oversample
+    if k is None or k >= d:
+        return d
+    try:
+        from llmprobe.lre import lowrank_products
+    except ImportError:                    # an llmprobe without low-rank Jacobians: the same count
+        return k * (1 + 2 * n_layers)
+    return lowrank_products(rank, n_layers, oversample)
 
 
 # ---------------------------------------------------------------------------------------- measuring (child)
@@ -318,7 +327,8 @@ def measure_config(d: int, layers: int, device: str, n_facts: int, n_jacobian: i
         jac_subjects = subjects[:n_jacobian]
         stage("jacobians", lambda: subject_jacobians(lm, template, jac_subjects, [jac_layer], batch_size=16,
                                                      chunk=96, **kwargs),
-              jacobian_work(shape, jacobian_prompts(tok, template, jac_subjects), jac_layer, products_for(d, rank)))
+              jacobian_work(shape, jacobian_prompts(tok, template, jac_subjects), jac_layer,
+                            products_for(d, rank, 1)))
     _, seconds = timed(lambda: random_like(lm, seed=1), device)
     stages["random_init"] = {"seconds": seconds, "flops": float(shape.params), "calls": 1,
                              "peak_bytes": peak_memory(device)}
@@ -503,7 +513,8 @@ def predict(shape: Shape, work: dict, model_cost, width_fits: dict, load_s: floa
 
     fwd = sum_work(forward_work(shape, b, blocks) for b, blocks in work["forward"])
     edits = sum_work(forward_work(shape, b, blocks, head=True) for b, blocks in work["edits"])
-    jac = sum_work(jacobian_work(shape, p, first, products_for(shape.d, rank)) for p, first in work["jacobian"])
+    jac = sum_work(jacobian_work(shape, p, first, products_for(shape.d, rank, len(work["lre_layers"])))
+                   for p, first in work["jacobian"])
     heads = Work(work["head_rows"] * shape.head_flops(), 0)
     states = forward_work(shape, work["states"], shape.layers)
     out = {"load": load_s, "known_facts": model_cost("known_facts", known_work(shape, work["known"]), shape),

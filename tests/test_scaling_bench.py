@@ -78,10 +78,10 @@ def test_jacobian_work_scales_with_products_and_blocks(scaling):
     shape = scaling.bench_shape(512, 8)
     prompts = [(5, 4), (6, 4), (5, 3)]
     full = scaling.jacobian_work(shape, prompts, first_layer=2, products=scaling.products_for(512, None))
-    low = scaling.jacobian_work(shape, prompts, first_layer=2, products=scaling.products_for(512, 8))
+    low = scaling.jacobian_work(shape, prompts, first_layer=2, products=scaling.products_for(512, 8, n_layers=3))
     forward = sum(len(g) * (max(p for p, _ in g) + a) * 8 for a, g in
                   ((4, prompts[:2]), (3, prompts[2:]))) * shape.token_block_flops()
     backward_per_product = (2 * 4 + 1 * 3) * (8 - 2) * shape.token_block_flops()
     assert full.flops == pytest.approx(forward + 512 * backward_per_product)
-    assert low.flops == pytest.approx(forward + 33 * backward_per_product)
-    assert scaling.products_for(64, 100) == 64           # never more products than output dimensions
+    assert low.flops == pytest.approx(forward + 18 * 7 * backward_per_product)   # k = 8 + 10; k VJPs, then k JVPs
+    assert scaling.products_for(64, 100) == 64           # and k VJPs per layer; never more than d (exact)
