@@ -698,7 +698,8 @@ table{border-collapse:collapse;margin:1em 0;font-size:13px}td,th{border:1px soli
 th{background:#f3f3f3}img{max-width:100%;border:1px solid #eee;margin:.5em 0}.err{color:#a00}
 h1{font-size:1.6em}h2{font-size:1.2em;margin-top:1.6em}summary{cursor:pointer;color:#555}
 .rule{font-size:12px;color:#555}.supported{background:#dff0d8}.not-supported{background:#f2dede}
-.inconclusive{background:#fcf8e3}.not-measured{color:#888}"""
+.inconclusive{background:#fcf8e3}.not-measured{color:#888}
+#summary td:nth-child(3){white-space:nowrap}"""
 
 
 def render_html(reports: list[dict], title: str, extra_images: list[tuple[str, str]] = ()) -> str:
