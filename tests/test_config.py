@@ -226,6 +226,11 @@ def test_control_settings_reach_the_controls_worker(tiny, tmp_path, all_known, m
     recorded = json.loads((out / "report.json").read_text())["settings"]
     assert recorded["command"] == "run" and recorded["controls"] == {
         "enabled": True, "at_model_width": False, "max_steps": 7, "d_max": 9, "n_boot": 11, "modes": ["frozen"]}
+    # rerun repeats run (not probe) with the same control settings
+    seen.clear()
+    assert main(["rerun", str(out), "--out", str(tmp_path / "again")]) == 0
+    assert seen["max_steps"] == 7 and seen["modes"] == ("frozen",) and seen["at_model_width"] is False
+    assert json.loads((tmp_path / "again" / "report.json").read_text())["settings"] == recorded
 
 
 # ---------------------------------------------------------------------------------------------- rerun
