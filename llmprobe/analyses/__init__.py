@@ -33,6 +33,9 @@ def settings_from(n_splits: int = 3, seed: int = 0, max_subjects: int = 90, **op
         raise ValueError(f"protocol must be one of {PROTOCOLS}, got {cfg.protocol!r}")
     if cfg.n_splits < 1:
         raise ValueError("n_splits must be >= 1")
+    rank = cfg.jacobian_rank
+    if not (rank in ("auto", "full") or (isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1)):
+        raise ValueError(f"jacobian_rank must be a positive integer, 'auto' or 'full' (exact), got {rank!r}")
     return cfg
 
 

@@ -23,24 +23,30 @@ from dataclasses import dataclass, field
 import torch
 
 from ..geometry import LinearRelationDecoder, RidgeDecoder, random_direction_like, random_spectrum_like
-from ..lre import layer_sequences, logits_fn, next_token_predictions, relation_states, subject_jacobians
+from ..lre import (JacobianResult, layer_sequences, logits_fn, next_token_predictions, relation_states,
+                   subject_jacobians)
 from ..metric import Metric, proportion
 from ..scoring import FIRST_TOKEN, SEQUENCE, first_token_collisions, first_token_targets, sequence_logprobs
-from .settings import AnalysisError, AnalysisSettings, Log
+from .settings import AnalysisError, AnalysisSettings, Log, jacobian_rank_for
 from .splits import RelationSplit, candidate_grid, generator, relation_split
 
 
 class SVD:
-    """One SVD of W [d_out, d_in] serving every truncation rank and pseudo-inverse rank."""
+    """One SVD of W [d_out, d_in] serving every truncation rank and pseudo-inverse rank; from W, or from its
+    factors U [d_out, r], S [r], Vh [r, d_in] (then W = U diag(S) Vh, e.g. a low-rank Jacobian's)."""
 
-    def __init__(self, W: torch.Tensor):
-        self.W = W.double()
-        self.U, self.S, self.Vh = torch.linalg.svd(self.W, full_matrices=False)
+    def __init__(self, W: torch.Tensor | None = None, S: torch.Tensor | None = None, Vh: torch.Tensor | None = None):
+        if S is None:
+            self.W = W.double()
+            self.U, self.S, self.Vh = torch.linalg.svd(self.W, full_matrices=False)
+        else:
+            self.U, self.S, self.Vh = W.double(), S.double(), Vh.double()
+            self.W = (self.U * self.S) @ self.Vh
         tol = self.S.max().clamp_min(0) * max(W.shape) * torch.finfo(torch.float64).eps if self.S.numel() else 0.0
         self.keep = int((self.S > tol).sum())
 
     def truncated(self, rank: int | None) -> torch.Tensor:
-        if rank is None or rank >= min(self.W.shape):
+        if rank is None or rank >= len(self.S):
             return self.W
         return (self.U[:, :rank] * self.S[:rank]) @ self.Vh[:rank]
 
@@ -138,11 +144,11 @@ def _majority_hits(data: RelationData, train: torch.Tensor, test: torch.Tensor) 
     return data.scorer.hits(torch.full((len(test),), mode), test)
 
 
-def lre_layer(lm, data: RelationData, layer: int, J: torch.Tensor, jac_rows: dict[int, int], split: RelationSplit,
-              causal: bool, cfg: AnalysisSettings) -> tuple[dict, dict]:
+def lre_layer(lm, data: RelationData, layer: int, jac: JacobianResult, jac_rows: dict[int, int],
+              split: RelationSplit, causal: bool, cfg: AnalysisSettings) -> tuple[dict, dict]:
     """LRE at one layer: (entry {faithfulness, causality: Metric dicts, chosen: per re-fit}, validation scores).
 
-    J [m, d_out, d_in]: the Jacobians of the subjects in ``jac_rows`` (subject index -> row of J)."""
+    ``jac``: the Jacobians (exact or low-rank) of the subjects in ``jac_rows`` (subject index -> its row)."""
     H, O = data.H[layer].double(), data.O.double()
     to_logits = logits_fn(lm)
     test, (ts, tt) = split.test, split.test_pairs
@@ -150,14 +156,13 @@ def lre_layer(lm, data: RelationData, layer: int, J: torch.Tensor, jac_rows: dic
     chosen, val_f, val_c, fits = [], [], [], []
     for k, refit in enumerate(split.refits):
         rows = [jac_rows[i] for i in refit.jacobian.tolist()]
-        Jk = J[rows].double()
-        svd = SVD(Jk.mean(0))
+        svd = SVD(*jac.svd(rows))
         grid = candidate_grid(cfg, len(refit.val))
         decs = []
         for beta, rank in grid:
             dec = LinearRelationDecoder(beta=beta).fit(H[refit.train], O[refit.train], svd.truncated(rank))
             if cfg.protocol == "lre":      # the reference's bias: the mean of the per-prompt biases o_i - J_i h_i
-                dec.operator_.b = (O[refit.jacobian] - torch.einsum("noi,ni->no", Jk, H[refit.jacobian])).mean(0)
+                dec.operator_.b = (O[refit.jacobian] - jac.apply(rows, H[refit.jacobian])).mean(0)
             decs.append(dec)
         preds = to_logits(torch.cat([d.predict(H[refit.val]) for d in decs])).argmax(-1)
         val_hits = data.scorer.hits(preds, refit.val.repeat(len(decs))).view(len(decs), -1).double().mean(1)
@@ -285,8 +290,11 @@ def decoders_for_relation(lm, relation, results, layers: list[int], lre_layers: 
         tj = time.perf_counter()
         union = split.jacobian_union().tolist()
         jac_rows = {i: row for row, i in enumerate(union)}
+        rank = jacobian_rank_for(cfg, lm.adapter.d_model, len(lre_layers))
         jac = subject_jacobians(lm, template, [subjects[i] for i in union], lre_layers,
-                                batch_size=cfg.jacobian_batch_size, chunk=cfg.jacobian_chunk)
+                                batch_size=cfg.jacobian_batch_size, chunk=cfg.jacobian_chunk, rank=rank,
+                                oversample=cfg.jacobian_oversample, seed=cfg.seed)
+        out["jacobian_rank"] = rank
         out["jacobian_seconds"] = round(time.perf_counter() - tj, 1)
         log(f"{relation.name}: Jacobians of {len(union)} prompts at layers {lre_layers} in "
             f"{out['jacobian_seconds']}s")
@@ -297,7 +305,7 @@ def decoders_for_relation(lm, relation, results, layers: list[int], lre_layers: 
             if causal and cfg.scoring == FIRST_TOKEN else {}
         entry = {}
         if do_lre and layer in jac:
-            entry["lre"], val_scores["lre"][layer] = lre_layer(lm, data, layer, jac[layer].J, jac_rows, split,
+            entry["lre"], val_scores["lre"][layer] = lre_layer(lm, data, layer, jac[layer], jac_rows, split,
                                                                causal, cfg)
         if do_ridge:
             entry["ridge"], val_scores["ridge"][layer] = ridge_layer(lm, data, layer, split, causal, cfg)

@@ -61,6 +61,26 @@ class AnalysisSettings:
     batch_size: int = 32
     jacobian_batch_size: int = 16
     jacobian_chunk: int = 96           # output dims per batched backward
+    jacobian_rank: int | str = "auto"  # "full": exact; K: low-rank estimate of rank K; "auto": jacobian_rank_for
+    jacobian_oversample: int = 10      # extra columns of the low-rank estimator (k = K + this)
+
+
+AUTO_JACOBIAN_RANK = 32              # chosen from the measurement in docs/analyses.md ("Low-rank Jacobians")
+
+
+def jacobian_rank_for(cfg: AnalysisSettings, d_model: int | None, n_layers: int) -> int | None:
+    """The Jacobian rank to use (None: exact): ``cfg.jacobian_rank`` K as given, None for "full", or for "auto" the rank
+    ``AUTO_JACOBIAN_RANK`` when its products per prompt (``llmprobe.lre.lowrank_products``) are fewer than the
+    exact Jacobian's d_model, else None (exact is then cheaper)."""
+    from ..lre import lowrank_products
+
+    rank = cfg.jacobian_rank
+    if rank in ("full", None):
+        return None
+    if rank != "auto":
+        return int(rank)
+    cheaper = d_model is not None and lowrank_products(AUTO_JACOBIAN_RANK, n_layers, cfg.jacobian_oversample) < d_model
+    return AUTO_JACOBIAN_RANK if cheaper else None
 
 
 def pick_layers(layers: list[int], k: int, n_layers: int) -> list[int]:
