@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from synthetic.batched import ModelStack, train_batched  # noqa: E402
-from synthetic.model import FactRecallModel  # noqa: E402
+from synthetic.model import FactRecallModel, auto_chunk  # noqa: E402
 from synthetic.sweep import INIT_OFFSET, SweepConfig, load_results, run_sweep, thresholds  # noqa: E402
 from synthetic.tasks import random_bijections  # noqa: E402
 from synthetic.train import TrainConfig, lr_at, model_config_for, train  # noqa: E402
@@ -59,15 +59,17 @@ def count_ops(fn) -> int:
     return Counter.n
 
 
-def step_ops(tasks, configs, cfg) -> tuple[int, int]:
-    """Aten ops of one full-batch training step: (one model alone, all models stacked)."""
+def step_ops(tasks, configs, cfg, device="cuda") -> tuple[int, int]:
+    """Aten ops of one full-batch training step: (one model alone, all models stacked), counted on the CPU with the
+    softmax chunks that ``device`` would use (one chunk on a GPU at these sizes)."""
     task, mcfg = tasks[0], configs[0]
+    n = mcfg.n_outputs
     model = FactRecallModel(mcfg)
     data = task.data()
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, betas=cfg.betas)
 
     def alone():
-        loss, correct = model.loss(data.input_ids, data.target_pos, data.targets)
+        loss, correct = model.loss(data.input_ids, data.target_pos, data.targets, chunk=auto_chunk(n, device))
         int(correct)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -79,8 +81,9 @@ def step_ops(tasks, configs, cfg) -> tuple[int, int]:
     def stacked():
         ids = torch.stack([d.input_ids for d in datas])
         targets = torch.stack([d.targets for d in datas])
-        loss, correct = stack.loss(ids, data.target_pos, targets)
-        [int(c) for c in correct]
+        chunk = max(1, auto_chunk(n, device) // len(configs))
+        loss, correct = stack.loss(ids, data.target_pos, targets, chunk=chunk)
+        loss.tolist(), correct.tolist()
         loss.sum().backward()
         stack.adam_step([lr_at(0, cfg)] * len(configs), cfg)
 

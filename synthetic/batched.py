@@ -328,9 +328,10 @@ def train_batched(tasks: list[FactTask | KHopTask], model_configs: list[ModelCon
             loss, correct = stack.loss(ids, positions, targets, chunk=cfg.chunk)
             n_pred = targets[0].numel()
             leave = []
+            step_losses, step_correct = loss.detach().tolist(), correct.tolist()     # one copy each, not M
             for j, i in enumerate(active):
-                losses[i] = float(loss[j].detach())
-                accs[i] = int(correct[j]) / n_pred          # accuracy before the update, as in train()
+                losses[i] = step_losses[j]
+                accs[i] = step_correct[j] / n_pred          # accuracy before the update, as in train()
                 if accs[i] >= cfg.target_acc:
                     accs[i] = evaluate(stack.model(j), datas[i])   # confirm with a plain argmax pass
                     if accs[i] >= cfg.target_acc:
