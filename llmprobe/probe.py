@@ -164,6 +164,10 @@ def probe(
     analyses: tuple[str, ...] | str = (),
     device: str = "auto",
     dtype: str = "auto",
+    device_map: str | dict | None = None,
+    max_memory: str | dict | list | None = None,
+    offload_folder: str | Path | None = None,
+    quantize: str | None = None,
     batch_size: int = 32,
     max_facts: int | None = None,
     max_prompt_tokens: int | None = None,
@@ -223,7 +227,8 @@ def probe(
         rels = [Relation(r.name, r.templates, r.neutral_templates, r.facts[:max_facts], r.properties, r.source)
                 for r in rels]
     lm = lm or as_loaded_model(model, tokenizer, gguf_file=gguf_file, device=device, dtype=dtype,
-                               trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+                               device_map=device_map, max_memory=max_memory, offload_folder=offload_folder,
+                               quantize=quantize, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
     if not isinstance(model, (str, Path, type(None))):
         model = lm.info["name"]           # a model object is recorded by its name_or_path
     timings = {"load_s": round(time.perf_counter() - start, 1)}
@@ -343,7 +348,7 @@ def probe(
                 report["analyses"] = analyses_module.run_analyses(lm, analysed, known, layer_ids,
                                                                   analyses=analyses, seed=seed,
                                                                   on_progress=checkpoint, done=earlier, fitted=fitted,
-                                                                  **(analysis_options or {}))
+                                                                  **batch_options(batch_size, analysis_options))
             timings["analyses_s"] = round(time.perf_counter() - t, 1)
             stage["done"] = True
     except KeyboardInterrupt:
@@ -365,6 +370,15 @@ def _write_decoders(out: Path | None, fitted: dict, lm: LoadedModel) -> None:
         from .notebook import save_decoders
 
         save_decoders(out, fitted, {**model_identity(lm.info), "name": lm.info.get("name")})
+
+
+def batch_options(batch_size: int, analysis_options: dict | None) -> dict:
+    """The analysis options with ``batch_size`` (``--batch-size``) as every analysis stage's batch size (at most
+    the default 16 for the Jacobians), unless the options set their own."""
+    from .analyses import AnalysisSettings
+
+    return {"batch_size": batch_size, "jacobian_batch_size": min(AnalysisSettings.jacobian_batch_size, batch_size),
+            **(analysis_options or {})}
 
 
 def summary_table(report: dict) -> str:

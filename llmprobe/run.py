@@ -23,7 +23,9 @@ from .probe import library_versions, probe
 
 def run(model=None, *, tokenizer=None, out: str | Path = "runs/main", relations: list[str] | None = None,
         layers: str = "every:3", analyses: tuple[str, ...] = ("lre", "ridge", "superposition"),
-        device: str = "auto", dtype: str = "auto", max_facts: int | None = None, seed: int = 0,
+        device: str = "auto", dtype: str = "auto", device_map: str | dict | None = None,
+        max_memory: str | dict | list | None = None, offload_folder: str | Path | None = None,
+        quantize: str | None = None, max_facts: int | None = None, seed: int = 0,
         controls: bool = True, at_model_width: bool = True, formats=("html", "md", "csv"), gguf_file=None,
         trust_remote_code: bool = False, allow_pickle: bool = False, batch_size: int = 32, max_prompt_tokens: int | None = None,
         resume: bool = False, analysis_options: dict | None = None, control_options: dict | None = None,
@@ -40,6 +42,8 @@ def run(model=None, *, tokenizer=None, out: str | Path = "runs/main", relations:
     than two, so their numbers can differ slightly from ``train_controls`` called in a two-thread process
     (SmolLM2's frozen d* control: R^2 0.094 here, 0.103 there).
 
+    ``batch_size`` is every batched stage's largest micro-batch (known facts and analyses); ``device_map``,
+    ``max_memory``, ``offload_folder``, ``quantize`` place the model (``llmprobe.load_model``).
     Options are checked before the model loads (see ``probe``). On an interrupt (KeyboardInterrupt; the command
     line turns SIGTERM into one) the worker is stopped and report.json keeps the finished stages
     (``"partial": true``), the analyses' finished relations included (``analyses.partial``); ``resume`` takes
@@ -93,7 +97,8 @@ def run(model=None, *, tokenizer=None, out: str | Path = "runs/main", relations:
 
     try:
         report = probe(model, tokenizer=tokenizer, gguf_file=gguf_file, relations=relations, layers=layers,
-                       analyses=analyses, device=device, dtype=dtype, max_facts=max_facts, seed=seed, out=out,
+                       analyses=analyses, device=device, dtype=dtype, device_map=device_map, max_memory=max_memory,
+                       offload_folder=offload_folder, quantize=quantize, max_facts=max_facts, seed=seed, out=out,
                        trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
                        on_known=start_controls if controls else None,
                        batch_size=batch_size, max_prompt_tokens=max_prompt_tokens, resume=resume,
