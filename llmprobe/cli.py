@@ -34,6 +34,34 @@ def _layers(text: str) -> str:
     return text
 
 
+def _max_memory(text: str) -> str:
+    from .loading import parse_max_memory
+
+    try:
+        parse_max_memory(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def _add_device_args(parser: argparse.ArgumentParser) -> None:
+    """Where the model's weights go (accelerate) and how they are stored; docs/devices.md."""
+    parser.add_argument("--device-map", choices=["auto", "balanced", "balanced_low_0", "sequential"],
+                        help="spread the model's blocks over GPUs, CPU and disk through accelerate (replaces --device)")
+    parser.add_argument("--max-memory", action="append", type=_max_memory, metavar="DEVICE=SIZE",
+                        help="memory per device for --device-map, e.g. cpu=2GiB or 0=70GiB,cpu=8GiB (repeatable)")
+    parser.add_argument("--offload-folder", metavar="DIR",
+                        help="folder for the weights that fit in no device's --max-memory (read at each pass)")
+    parser.add_argument("--quantize", choices=["4bit", "8bit"],
+                        help="load the weights quantised by bitsandbytes (needs the package and CUDA)")
+
+
+def _device_options(args) -> dict:
+    """The placement flags that were given, as keyword arguments of probe/run."""
+    return {key: getattr(args, key) for key in ("device_map", "max_memory", "offload_folder", "quantize")
+            if getattr(args, key, None) is not None}
+
+
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None,
                         help="hub name, local folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
@@ -66,6 +94,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                              "of rank K, about 3(K+10) products per prompt and layer) or auto (default: rank 32 "
                              "where that is cheaper than exact, docs/analyses.md)")
     _add_settings_args(parser)
+    _add_device_args(parser)
 
 
 def _jacobian_rank(text: str) -> int | str:
@@ -110,7 +139,7 @@ def _probe(args) -> int:
     from .config import probe_arguments
     from .probe import probe, summary_table
 
-    report = probe(**probe_arguments(_settings(args), "probe"), out=args.out,
+    report = probe(**probe_arguments(_settings(args), "probe"), **_device_options(args), out=args.out,
                    trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle, resume=args.resume)
     print(summary_table(report))
     for error in report["errors"]:
@@ -125,7 +154,7 @@ def _run(args) -> int:
 
     from .config import probe_arguments
 
-    report = run(**probe_arguments(_settings(args), "run"), out=args.out, trust_remote_code=args.trust_remote_code,
+    report = run(**probe_arguments(_settings(args), "run"), **_device_options(args), out=args.out, trust_remote_code=args.trust_remote_code,
                  allow_pickle=args.allow_pickle, resume=args.resume)
     print(summary_table(report))
     for line in _control_lines(report.get("controls")):
