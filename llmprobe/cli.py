@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 from contextlib import contextmanager
@@ -56,15 +57,10 @@ def _add_device_args(parser: argparse.ArgumentParser) -> None:
                         help="load the weights quantised by bitsandbytes (needs the package and CUDA)")
 
 
-def _device_options(args) -> dict:
-    """The placement flags that were given, as keyword arguments of probe/run."""
-    return {key: getattr(args, key) for key in ("device_map", "max_memory", "offload_folder", "quantize")
-            if getattr(args, key, None) is not None}
-
-
-def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None,
-                        help="hub name, local folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+def _add_model_args(parser: argparse.ArgumentParser, many: bool = False) -> None:
+    parser.add_argument("model", nargs="*" if many else "?", default=None,
+                        help="hub name, local folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)"
+                             + ("; several: one report each and their compare page" if many else ""))
     parser.add_argument("--gguf-file", help="GGUF file inside the MODEL folder or hub repo")
     parser.add_argument("--relations", nargs="+", metavar="NAME_OR_PATH",
                         help="bundled relation names, files (our JSON, LRE JSON, CSV), folders or hf:DATASET")
@@ -120,7 +116,8 @@ FLAG_SETTINGS = {"model": "run.model", "gguf_file": "run.gguf_file", "relations"
                  "layers": "run.layers", "analyses": "run.analyses", "device": "run.device", "dtype": "run.dtype",
                  "batch_size": "run.batch_size", "max_facts": "run.max_facts",
                  "max_prompt_tokens": "run.max_prompt_tokens", "seed": "run.seed", "protocol": "analysis.protocol",
-                 "n_icl": "analysis.n_icl", "jacobian_rank": "analysis.jacobian_rank"}
+                 "n_icl": "analysis.n_icl", "jacobian_rank": "analysis.jacobian_rank", "device_map": "run.device_map",
+                 "max_memory": "run.max_memory", "offload_folder": "run.offload_folder", "quantize": "run.quantize"}
 SWITCH_SETTINGS = {"no_controls": "controls.enabled", "no_model_width": "controls.at_model_width"}  # set false
 
 
@@ -139,7 +136,7 @@ def _probe(args) -> int:
     from .config import probe_arguments
     from .probe import probe, summary_table
 
-    report = probe(**probe_arguments(_settings(args), "probe"), **_device_options(args), out=args.out,
+    report = probe(**probe_arguments(_settings(args), "probe"), out=args.out,
                    trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle, resume=args.resume)
     print(summary_table(report))
     for error in report["errors"]:
@@ -152,9 +149,14 @@ def _run(args) -> int:
     from .probe import summary_table
     from .run import run
 
+    models = args.model if isinstance(args.model, list) else [args.model]
+    if len(models) > 1 or getattr(args, "executor", "process") == "ray":
+        return _run_models(args, models or [None])
+    args.model = models[0] if models else None
+
     from .config import probe_arguments
 
-    report = run(**probe_arguments(_settings(args), "run"), **_device_options(args), out=args.out, trust_remote_code=args.trust_remote_code,
+    report = run(**probe_arguments(_settings(args), "run"), out=args.out, trust_remote_code=args.trust_remote_code,
                  allow_pickle=args.allow_pickle, resume=args.resume)
     print(summary_table(report))
     for line in _control_lines(report.get("controls")):
@@ -163,6 +165,38 @@ def _run(args) -> int:
         print(f"warning: {error}", file=sys.stderr)
     print(f"report: {os.path.join(args.out, 'report.html')} (and report.json, report.md, metrics.csv; "
           f"{report['wall_seconds']} s)")
+    return 0
+
+
+def _run_one(args) -> str:
+    """One model of ``llmprobe run A B ...`` into its own ``args.out`` (a Ray task, or a plain call)."""
+    _run(args)
+    return args.out
+
+
+def _run_models(args, models: list) -> int:
+    """``llmprobe run A B ... [--executor ray]``: one report per model in OUT/<model>, run here one after the other
+    or as Ray tasks (synthetic.executors.ray_map), then their compare page in OUT/compare."""
+    from .report import compare
+
+    jobs, names = [], []
+    for model in models:
+        text = str(model or "embedded").rstrip("/\\")
+        text = os.path.basename(text) if os.path.exists(text) else text      # a local folder or file: its name
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "--", text).strip("-.") or "model"
+        name = name if name not in names else f"{name}-{len(names)}"
+        names.append(name)
+        jobs.append(argparse.Namespace(**{**vars(args), "model": model, "executor": "process",
+                                          "out": os.path.join(args.out, name)}))
+    if args.executor == "ray":
+        from synthetic.executors import ray_map
+
+        ray_map(_run_one, jobs, address=args.address)
+    else:
+        for job in jobs:
+            _run_one(job)
+    for path in compare([job.out for job in jobs], os.path.join(args.out, "compare")):
+        print(path)
     return 0
 
 
@@ -250,12 +284,16 @@ def build_parser(synth: bool = True) -> argparse.ArgumentParser:
     probe.add_argument("--out", default="runs/probe", help="output folder")
     probe.set_defaults(func=_probe)
     run = commands.add_parser("run", help="the main job: probe + matched synthetic controls -> one report")
-    _add_model_args(run)
+    _add_model_args(run, many=True)
     run.add_argument("--analyses", help="comma list of lre,ridge,superposition (default: all three)")
     run.add_argument("--no-controls", action="store_true", help="skip the matched synthetic controls")
     run.add_argument("--no-model-width", action="store_true",
                      help="train controls only at the threshold d*, not also at the model's d_model")
-    run.add_argument("--out", default="runs/main", help="output folder")
+    run.add_argument("--out", default="runs/main", help="output folder (with several models: one folder each in it, "
+                                                        "and compare/)")
+    run.add_argument("--executor", choices=["process", "ray"], default="process",
+                     help="several models: one after the other here (default) or one Ray task each")
+    run.add_argument("--address", help="with --executor ray: the Ray cluster to join (default: Ray on this machine)")
     run.set_defaults(func=_run)
     compare = commands.add_parser("compare", help="side-by-side page of several report folders")
     compare.add_argument("dirs", nargs="+", help="report folders (each with report.json)")

@@ -65,3 +65,25 @@ def test_append_once_writes_a_key_once(tmp_path):
     assert append_once(str(tmp_path), row) and not append_once(str(tmp_path), dict(row, success=False))
     assert append_once(str(tmp_path), {"key": "other"})
     assert [r["key"] for r in read_jsonl(tmp_path / "results.jsonl")] == ["abc", "other"]
+
+
+def test_run_over_two_models_as_ray_tasks(local_ray, tmp_path):
+    import json
+
+    from llmprobe.cli import main
+    from tiny_models import save_tiny
+
+    folders = [str(save_tiny(family, tmp_path / family)) for family in ("qwen2", "gpt2")]
+    relation = tmp_path / "capital.json"
+    relation.write_text(json.dumps({"name": "capital", "templates": ["The capital of {} is"],
+                                    "neutral_templates": ["{}"],
+                                    "facts": [{"subject": "France", "object": "Paris"},
+                                              {"subject": "Japan", "object": "Tokyo"}]}))
+    out = tmp_path / "runs"
+    assert main(["run", *folders, "--relations", str(relation), "--analyses", "", "--layers", "-1", "--no-controls",
+                 "--device", "cpu", "--executor", "ray", "--out", str(out)]) == 0
+    for family in ("qwen2", "gpt2"):                      # one report per model, each in its own folder
+        report = json.loads((out / family / "report.json").read_text())
+        assert report["relations"]["capital"]["n_facts"] == 2
+    page = (out / "compare" / "report.html").read_text()
+    assert "qwen2" in page and "gpt2" in page
