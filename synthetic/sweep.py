@@ -16,10 +16,12 @@ config); a rerun of the same sweep reads the file first and skips every key alre
 sweep resumes where it stopped; each key is written once (:func:`append_once` checks under a lock), so a unit
 rerun after its worker died adds nothing twice. Units run here, in a local process pool (``workers``) or as Ray
 tasks (``executor="ray"``, :mod:`synthetic.executors`); with ``batched`` one unit is an (N, R) whose seed and mode
-searches advance in lockstep, each round's widths trained together (:mod:`synthetic.batched`). :func:`summarize` fits ``d* = c * R * log2 N`` by least squares through the origin
-with a bootstrap interval over cells, the same c per N and ``d* = c R (log2 N)^p`` with p free, and flags drift
-when c moves with N (:func:`fit_trend`; a power law ``d* = a N^alpha R^beta`` in log space beside it), and
-:func:`plot` draws accuracy against d and d* against R log2 N.
+searches advance in lockstep, each round's widths trained together (:mod:`synthetic.batched`).
+
+:func:`summarize` fits ``d* = c * R * log2 N`` by least squares through the origin with a bootstrap interval over
+cells, the same c per N and ``d* = c R (log2 N)^p`` with p free, and flags drift when c moves with N
+(:func:`fit_trend`; a power law ``d* = a N^alpha R^beta`` in log space beside it), and :func:`plot` draws accuracy
+against d and d* against R log2 N.
 """
 from __future__ import annotations
 
