@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import math
 import os
 import shutil
 import sys
@@ -28,7 +26,7 @@ import torch  # noqa: E402
 
 from synthetic.batched import ModelStack, train_batched  # noqa: E402
 from synthetic.model import FactRecallModel, auto_chunk  # noqa: E402
-from synthetic.sweep import INIT_OFFSET, SweepConfig, load_results, run_sweep, thresholds  # noqa: E402
+from synthetic.sweep import SweepConfig, load_results, run_sweep, thresholds  # noqa: E402
 from synthetic.tasks import random_bijections  # noqa: E402
 from synthetic.train import TrainConfig, lr_at, model_config_for, train  # noqa: E402
 
@@ -124,7 +122,7 @@ def compare_training(args) -> dict:
     cfg = TrainConfig(max_steps=args.max_steps, progress=False, device=args.device)
     points = list(itertools.product(modes, widths, seeds))
     tasks = [random_bijections(args.N, args.R, seed) for _, _, seed in points]
-    configs = [model_config_for(task, d, seed=seed + INIT_OFFSET * 0, frozen_subjects=mode != "trainable",
+    configs = [model_config_for(task, d, seed=seed, frozen_subjects=mode != "trainable",
                                 frozen_unembed=mode == "frozen_all", d_mlp=8 * d)
                for task, (mode, d, seed) in zip(tasks, points)]
     print(f"N={args.N} R={args.R}: {len(points)} models ({', '.join(modes)} x d {widths} x seeds {seeds}), "
