@@ -61,11 +61,11 @@ class Report:
 
     def _repr_html_(self) -> str:
         """The summary section and the key per-depth plots (``KEY_MEASURES``), every user string escaped."""
-        from .report import figure_html, report_figures, source_name, summary_html
+        from .report import figure_html, layer_figures, source_name, summary_html
 
-        figures = report_figures([self.data], self.rows, KEY_MEASURES)[:len(KEY_MEASURES)]
+        figures = layer_figures([row for row in self.rows if row["metric"] in KEY_MEASURES])
         return "<div>" + summary_html(self.sources, f"llmprobe report: {source_name(self.data)}") + "".join(
-            figure_html(caption, uri) for caption, uri in figures) + "</div>"
+            figure_html(f"{measure} by depth", uri) for measure, uri in figures) + "</div>"
 
     def to_frame(self):
         """Tidy pandas DataFrame, one row per number (``FRAME_COLUMNS``): each measure's value with its interval
@@ -84,36 +84,14 @@ class Report:
         return frame.astype({"layer": "Int64", "n": "Int64", "value": float, "lo": float, "hi": float})
 
     def plot(self, measure: str):
-        """A matplotlib figure of ``measure`` by layer: one line per (source, relation), its 95% interval as a band
-        and its primary control dashed. Raises ValueError naming the measures there are."""
-        from .report import _pyplot
+        """A matplotlib figure of ``measure`` by layer: a line per (source, relation), its 95% interval as a band,
+        its primary control dashed (``llmprobe.report.measure_figure``). Raises ValueError naming the measures."""
+        from .report import measure_figure
 
-        rows = [r for r in self.rows if r["metric"] == measure and r["layer"] is not None]
-        if not rows:
-            measures = sorted({r["metric"] for r in self.rows if r["layer"] is not None})
+        measures = sorted({r["metric"] for r in self.rows if r["layer"] is not None})
+        if measure not in measures:
             raise ValueError(f"no measure {measure!r} by layer in this report; measures: {', '.join(measures)}")
-        plt = _pyplot()
-        figure, axis = plt.subplots(figsize=(7, 3.6))
-        series = sorted({(r["source"], r["relation"]) for r in rows}, key=str)
-        for index, (source, relation) in enumerate(series):
-            points = {}
-            for r in rows:
-                if (r["source"], r["relation"]) == (source, relation):
-                    points.setdefault(r["layer"], r)            # the first row of a metric: its primary control
-            layers = sorted(points)
-            color = f"C{index % 10}"
-            label = relation if len({s for s, _ in series}) == 1 else f"{source}: {relation}"
-            axis.plot(layers, [points[l]["value"] for l in layers], marker="o", ms=3, color=color, label=label)
-            if all(points[l]["lo"] is not None and points[l]["hi"] is not None for l in layers):
-                axis.fill_between(layers, [points[l]["lo"] for l in layers], [points[l]["hi"] for l in layers],
-                                  color=color, alpha=0.15)
-            if all(points[l]["control_value"] is not None for l in layers):
-                axis.plot(layers, [points[l]["control_value"] for l in layers], ls="--", lw=1, color=color)
-        axis.set_xlabel("layer")
-        axis.set_ylabel(measure)
-        axis.set_title(f"{measure} by layer (band: 95% interval; dashed: control)")
-        axis.legend(fontsize=6, ncol=2)
-        return figure
+        return measure_figure(self.rows, measure, x="layer")
 
 
 def load_report(path: str | Path) -> Report:

@@ -165,35 +165,38 @@ def _png_data_uri(figure) -> str:
 
 
 def layer_figures(rows: list[dict]) -> list[tuple[str, str]]:
-    """One plot per metric: value against normalised depth per (source, relation), CI band, control dashed."""
-    plt = _pyplot()
-    figures = []
+    """One plot per metric (:func:`measure_figure` against normalised depth), as (metric, PNG data URI)."""
     metrics = sorted({r["metric"] for r in rows if r["layer"] is not None})
-    for metric in metrics:
-        chosen = [r for r in rows if r["metric"] == metric and r["layer"] is not None]
-        figure, axis = plt.subplots(figsize=(7, 3.6))
-        series = sorted({(r["source"], r["relation"]) for r in chosen}, key=str)
-        for index, (source, relation) in enumerate(series[:12]):
-            points = {}
-            for r in chosen:
-                if (r["source"], r["relation"]) == (source, relation):
-                    points.setdefault(r["depth"], r)
-            depths = sorted(points)
-            color = f"C{index % 10}"
-            label = relation if len({s for s, _ in series}) == 1 else f"{source}: {relation}"
-            axis.plot(depths, [points[d]["value"] for d in depths], marker="o", ms=3, color=color, label=label)
-            if all(points[d]["lo"] is not None for d in depths):
-                axis.fill_between(depths, [points[d]["lo"] for d in depths], [points[d]["hi"] for d in depths],
-                                  color=color, alpha=0.15)
-            controls = [points[d]["control_value"] for d in depths]
-            if all(c is not None for c in controls):
-                axis.plot(depths, controls, ls="--", lw=1, color=color)
-        axis.set_xlabel("normalised depth (layer / last layer)")
-        axis.set_ylabel(metric)
-        axis.set_title(f"{metric} by depth (dashed: control)")
-        axis.legend(fontsize=6, ncol=2)
-        figures.append((metric, _png_data_uri(figure)))
-    return figures
+    return [(metric, _png_data_uri(measure_figure(rows, metric))) for metric in metrics]
+
+
+def measure_figure(rows: list[dict], metric: str, x: str = "depth"):
+    """A matplotlib figure of one metric against ``x`` (``depth``: normalised depth, or ``layer``): a line per
+    (source, relation) (the first 12), its 95% interval as a band, its primary control dashed."""
+    plt = _pyplot()
+    chosen = [r for r in rows if r["metric"] == metric and r["layer"] is not None]
+    figure, axis = plt.subplots(figsize=(7, 3.6))
+    series = sorted({(r["source"], r["relation"]) for r in chosen}, key=str)
+    for index, (source, relation) in enumerate(series[:12]):
+        points = {}
+        for r in chosen:
+            if (r["source"], r["relation"]) == (source, relation):
+                points.setdefault(r[x], r)                  # the first row of a metric: its primary control
+        xs = sorted(points)
+        color = f"C{index % 10}"
+        label = relation if len({s for s, _ in series}) == 1 else f"{source}: {relation}"
+        axis.plot(xs, [points[d]["value"] for d in xs], marker="o", ms=3, color=color, label=label)
+        if all(points[d]["lo"] is not None and points[d]["hi"] is not None for d in xs):
+            axis.fill_between(xs, [points[d]["lo"] for d in xs], [points[d]["hi"] for d in xs], color=color,
+                              alpha=0.15)
+        controls = [points[d]["control_value"] for d in xs]
+        if all(c is not None for c in controls):
+            axis.plot(xs, controls, ls="--", lw=1, color=color)
+    axis.set_xlabel("normalised depth (layer / last layer)" if x == "depth" else x)
+    axis.set_ylabel(metric)
+    axis.set_title(f"{metric} by {x} (band: 95% interval; dashed: control)")
+    axis.legend(fontsize=6, ncol=2)
+    return figure
 
 
 def _superposition_at(report: dict) -> tuple[str, dict] | None:
@@ -675,12 +678,10 @@ def summary_html(reports: list[dict], title: str) -> str:
             f"<p class='rule'>{html.escape(VERDICT_RULE)}</p></section>")
 
 
-def report_figures(reports: list[dict], rows: list[dict], metrics: tuple[str, ...] | None = None
-                   ) -> list[tuple[str, str]]:
-    """(caption, PNG data URI) of the page's plots: per-depth curves (of ``metrics`` only, when given), then the
-    pretrained-vs-synthetic bars, the capacity curve and the ablation heatmaps where the reports have them."""
-    chosen = rows if metrics is None else [r for r in rows if r["metric"] in metrics]
-    figures = [(f"{metric} by depth", uri) for metric, uri in layer_figures(chosen)]
+def report_figures(reports: list[dict], rows: list[dict]) -> list[tuple[str, str]]:
+    """(caption, PNG data URI) of the page's plots: per-depth curves, then the pretrained-vs-synthetic bars, the
+    capacity curve and the ablation heatmaps where the reports have them."""
+    figures = [(f"{metric} by depth", uri) for metric, uri in layer_figures(rows)]
     return figures + [(caption, uri) for caption, uri in (
         ("Pretrained vs synthetic controls: readout accuracy and R^2", comparison_figure(reports)),
         (controls_caption(reports), capacity_figure(reports)),
