@@ -125,7 +125,8 @@ def _settings(args) -> dict:
     """The resolved settings: defaults <- --config <- --set <- the flags given (llmprobe.config.resolve)."""
     from .config import resolve
 
-    flags = {key: getattr(args, dest) for dest, key in FLAG_SETTINGS.items() if getattr(args, dest, None) is not None}
+    flags = {key: getattr(args, dest) for dest, key in FLAG_SETTINGS.items()
+             if getattr(args, dest, None) not in (None, [])}     # [] : run's MODEL... left out
     if "run.analyses" in flags:
         flags["run.analyses"] = [a.strip() for a in flags["run.analyses"].split(",") if a.strip()]
     flags.update({key: False for dest, key in SWITCH_SETTINGS.items() if getattr(args, dest, False)})

@@ -47,6 +47,11 @@ class RunSettings:
                                                 # (probe: no analyses; run: all three)
     device: str = "auto"                    # auto | cpu | cuda | cuda:N
     dtype: str = "auto"                     # auto | float32 | bfloat16 | float16
+    device_map: str | None = None           # auto | balanced | balanced_low_0 | sequential: blocks spread over
+                                            # GPUs, CPU and disk by accelerate (replaces device); docs/devices.md
+    max_memory: tuple[str, ...] | None = None   # memory per device for device_map, e.g. ["0=70GiB", "cpu=8GiB"]
+    offload_folder: str | None = None       # folder for the weights that fit in no device's max_memory
+    quantize: str | None = None             # 4bit | 8bit: weights quantised by bitsandbytes (needs CUDA)
     batch_size: int = 32                    # prompts per forward pass of the known-fact check
     max_facts: int | None = None            # keep the first N facts of each relation; none = all
     max_prompt_tokens: int | None = None    # skip facts with longer prompts; none = the model's context
@@ -69,6 +74,9 @@ SECTIONS = {"run": RunSettings, "analysis": AnalysisSettings, "controls": Contro
 SHARED = {"analysis": ("seed",)}            # fields set through another section (analysis.seed is run.seed)
 COMMAND_ANALYSES = {"probe": (), "run": ("lre", "ridge", "superposition")}   # run.analyses = none
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+QUANTIZE = ("4bit", "8bit")
+PLACEMENT = ("device_map", "max_memory", "offload_folder", "quantize")     # run settings that place the model
 
 
 def field_types(section: str) -> dict:
@@ -214,9 +222,16 @@ def check(values: dict) -> None:
     """Checks beyond the types: choices and ranges (UsageError naming the setting)."""
     from .analyses import settings_from
 
+    from .loading import parse_max_memory
+
     run, controls = values["run"], values["controls"]
-    if run["dtype"] not in DTYPES:
-        raise UsageError(f"run.dtype must be one of {', '.join(DTYPES)}, got {run['dtype']!r}")
+    for key, choices in (("dtype", DTYPES), ("device_map", DEVICE_MAPS), ("quantize", QUANTIZE)):
+        if run[key] is not None and run[key] not in choices:
+            raise UsageError(f"run.{key} must be one of {', '.join(choices)}, got {run[key]!r}")
+    try:
+        parse_max_memory(None if run["max_memory"] is None else list(run["max_memory"]))
+    except ValueError as error:
+        raise UsageError(f"run.max_memory: {error}") from None
     for key in ("batch_size", "max_facts", "max_prompt_tokens"):
         if run[key] is not None and run[key] < 1:
             raise UsageError(f"run.{key} must be at least 1, got {run[key]}")
@@ -244,7 +259,9 @@ def probe_arguments(values: dict, command: str) -> dict:
     """Keyword arguments of ``llmprobe.probe.probe`` (``command="probe"``) or ``llmprobe.run.run`` (``"run"``)."""
     run = values["run"]
     arguments = {k: run[k] for k in ("model", "gguf_file", "layers", "device", "dtype", "batch_size", "max_facts",
-                                      "max_prompt_tokens", "seed")}
+                                      "max_prompt_tokens", "seed", "offload_folder")}
+    arguments.update(device_map=run["device_map"], quantize=run["quantize"],
+                     max_memory=None if run["max_memory"] is None else list(run["max_memory"]))
     arguments["relations"] = list(run["relations"]) if run["relations"] is not None else None
     arguments["analyses"] = run["analyses"] if run["analyses"] is not None else COMMAND_ANALYSES[command]
     arguments["analysis_options"] = changed(values, "analysis")
@@ -274,6 +291,11 @@ def settings_record(command: str, run: dict, analysis_options: dict | None,
     """The ``settings`` block of report.json: {"command", "run", "analysis", "controls"} with every setting of
     each section (defaults filled in; local paths made absolute; ``controls`` null for ``probe``)."""
     run = {**defaults()["run"], **run}
+    if isinstance(run["max_memory"], (str, dict)):   # the Python API takes "0=70GiB,cpu=8GiB" and dicts too
+        items = run["max_memory"].items() if isinstance(run["max_memory"], dict) else [(run["max_memory"], None)]
+        run["max_memory"] = [f"{k}={v}" if v is not None else str(k) for k, v in items]
+    if run["offload_folder"] is not None:
+        run["offload_folder"] = str(Path(run["offload_folder"]).expanduser().resolve())
     if not isinstance(run["layers"], str):          # the Python API takes a list of layers too
         run["layers"] = "all" if run["layers"] is None else ",".join(str(int(l)) for l in run["layers"])
     run["model"], run["relations"] = _absolute(run["model"]), (None if run["relations"] is None else
@@ -365,7 +387,8 @@ def rerun(folder: str | Path, out: str | Path | None = None, allow_different_wei
     output_folder(out)
     arguments = probe_arguments(values, command)
     lm = load_model(arguments["model"], gguf_file=arguments["gguf_file"], device=arguments["device"],
-                    dtype=arguments["dtype"], trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+                    dtype=arguments["dtype"], **{k: arguments[k] for k in PLACEMENT},
+                    trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
     recorded, loaded = (old.get("model") or {}).get("weights_hash"), lm.info.get("weights_hash")
     weights = "not recorded" if recorded is None else "same" if recorded == loaded else "different"
     if weights == "different" and not allow_different_weights:

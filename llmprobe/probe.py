@@ -250,8 +250,10 @@ def probe(
         "settings": settings_record("run" if controls_settings is not None else "probe", {
             "model": model if model is not None or lm.info.get("source") == "embedded" else lm.info.get("name"),
             "gguf_file": gguf_file, "relations": relations, "layers": layers, "analyses": analyses,
-            "device": device, "dtype": dtype, "batch_size": batch_size, "max_facts": max_facts,
-            "max_prompt_tokens": max_prompt_tokens, "seed": seed}, analysis_options, controls_settings),
+            "device": device, "dtype": dtype, "device_map": device_map, "max_memory": max_memory,
+            "offload_folder": offload_folder, "quantize": quantize, "batch_size": batch_size,
+            "max_facts": max_facts, "max_prompt_tokens": max_prompt_tokens, "seed": seed},
+            analysis_options, controls_settings),
         "timings": timings,
         "errors": [],
         "partial": True,

@@ -139,6 +139,11 @@ def test_flags_override_set_which_overrides_the_file(tmp_path):
     assert arguments["control_options"] == {"max_steps": 7} and arguments["at_model_width"] is False
     assert config.probe_arguments(settings_of(["probe"]), "probe")["analyses"] == ()
     assert settings_of(["probe", "--set", "run.analyses=['ridge']"])["run"]["analyses"] == ("ridge",)
+    placed = config.probe_arguments(settings_of(
+        ["probe", "--set", "run.max_memory=['cpu=1GiB']", "--max-memory", "0=2GiB,cpu=3GiB", "--device-map", "auto",
+         "--set", "run.quantize=8bit", "--set", "run.offload_folder=/tmp/x"]), "probe")
+    assert {k: placed[k] for k in config.PLACEMENT} == {"device_map": "auto", "max_memory": ["0=2GiB,cpu=3GiB"],
+                                                        "offload_folder": "/tmp/x", "quantize": "8bit"}
     values = settings_of(["probe", "--set", "run.max_facts=none", "--set", "run.device=cpu", "--set", "run.layers=2"])
     assert values["run"]["device"] == "cpu" and values["run"]["layers"] == "2" and values["run"]["max_facts"] is None
 
@@ -169,6 +174,9 @@ def test_cli_flags_over_a_file_land_in_report_json(tiny, tmp_path):
     ("[model]\nname = \"x\"\n", r"unknown section 'model'"),
     ("[controls]\nmodes = [\"frozen_all\"]\n", r"controls\.modes must be a non-empty list of trainable, frozen"),
     ("[analysis]\nprotocol = \"reference\"\n", r"protocol must be one of"),
+    ("[run]\ndevice_map = \"everywhere\"\n", r"run\.device_map must be one of auto, balanced"),
+    ("[run]\nmax_memory = [\"cpu=lots\"]\n", r"run\.max_memory: .*lots"),
+    ("[run]\nquantize = 4\n", r"run\.quantize: expected text or none"),
 ])
 def test_a_bad_settings_file_is_refused_naming_the_key(content, message, tmp_path, capsys):
     path = tmp_path / "bad.toml"
