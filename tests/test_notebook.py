@@ -1,6 +1,7 @@
 """The notebook API on a real (tiny-model) probe: load_report's summary, tidy frame and plots; the fitted
 decoders saved beside report.json and loaded back in a fresh process with the very same predictions and edits."""
 import json
+import os
 import subprocess
 import sys
 
@@ -22,7 +23,8 @@ OPTIONS = dict(n_splits=2, n_boot=50, folds=3, max_val_pairs=3, max_test_pairs=5
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """probe on a tiny Llama with every fact forced known; returns (folder, the fits the analyses kept)."""
+    """probe on a tiny Llama with every fact forced known; returns (folder, the fits the analyses kept, a function
+    that runs the same probe into another folder)."""
     tmp = tmp_path_factory.mktemp("notebook")
     rows = [{"subject": s, "object": o} for s, o in zip([f"Land{i}" for i in range(24)],
                                                         ["Paris", "Tokyo", "Rome", "Cairo"] * 6)]
@@ -35,16 +37,21 @@ def run(tmp_path_factory):
         seen["fitted"] = kwargs["fitted"]
         return real_run(*args, progress=False, **kwargs)
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(known_module, "is_known", lambda text, obj: True)      # a random model knows nothing
-        mp.setattr(llmprobe.analyses, "run_analyses", spy)
-        probe(str(save_tiny("llama", tmp / "llama")), relations=[str(rel)], layers="0,1,2", device="cpu",
-              analyses="lre,ridge,superposition", out=tmp / "run", analysis_options=OPTIONS)
-    return tmp / "run", seen["fitted"]
+    model = str(save_tiny("llama", tmp / "llama"))
+
+    def again(out, **kwargs):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(known_module, "is_known", lambda text, obj: True)      # a random model knows nothing
+            mp.setattr(llmprobe.analyses, "run_analyses", spy)
+            probe(model, relations=[str(rel)], layers="0,1,2", device="cpu", analyses="lre,ridge,superposition",
+                  out=out, analysis_options=OPTIONS, **kwargs)
+
+    again(tmp / "run")
+    return tmp / "run", seen["fitted"], again
 
 
 def test_decoders_are_saved_at_the_chosen_layers(run):
-    folder, fitted = run
+    folder, fitted, _ = run
     report = json.loads((folder / "report.json").read_text())
     index = json.loads((folder / "decoders.json").read_text())
     selected = report["analyses"]["relations"]["capital<b>"]["selected"]
@@ -60,7 +67,7 @@ def test_decoders_are_saved_at_the_chosen_layers(run):
 def test_decoders_load_in_a_fresh_process_with_the_same_predictions_and_edits(run, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    folder, fitted = run
+    folder, fitted, _ = run
     g = torch.Generator().manual_seed(0)
     h, o_s, o_t = (torch.randn(5, D, generator=g, dtype=torch.float64) for _ in range(3))
     save_file({"h": h, "o_s": o_s, "o_t": o_t}, str(tmp_path / "inputs.safetensors"))   # cloned on load: aligned
@@ -87,7 +94,7 @@ def test_decoders_load_in_a_fresh_process_with_the_same_predictions_and_edits(ru
 
 
 def test_load_decoder_errors_name_the_problem(run, tmp_path):
-    folder, _ = run
+    folder, _, _ = run
     with pytest.raises(KeyError, match=r"no lre decoder of relation 'capital'.*it has: capital<b> \(lre\)"):
         llmprobe.load_decoder(folder, "capital")
     with pytest.raises(FileNotFoundError, match="no saved decoders"):
@@ -95,7 +102,7 @@ def test_load_decoder_errors_name_the_problem(run, tmp_path):
 
 
 def test_load_report_shows_the_summary_a_tidy_frame_and_plots(run):
-    folder, _ = run
+    folder, _, _ = run
     report = llmprobe.load_report(folder)
     page = report._repr_html_()
     assert page.startswith("<div><section id='summary'>") and page.count("data:image/png;base64,") == 3
@@ -113,3 +120,17 @@ def test_load_report_shows_the_summary_a_tidy_frame_and_plots(run):
     assert [line.get_xdata().tolist() for line in figure.axes[0].lines][0] == [0, 1, 2]
     with pytest.raises(ValueError, match="no measure 'nope'.*lre.faithfulness"):
         report.plot("nope")
+
+
+def test_resume_keeps_the_decoders_of_the_analyses_it_takes_over(run, tmp_path):
+    import shutil
+
+    folder, _, again = run
+    shutil.copytree(folder, tmp_path / "run")
+    os.utime(tmp_path / "run" / "decoders.json", ns=(0, 0))
+    again(tmp_path / "run", resume=True)
+    assert (tmp_path / "run" / "decoders.json").stat().st_mtime_ns > 0                  # written again
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["stages"]["analyses"]["resumed"] is True
+    assert (tmp_path / "run" / "decoders.json").read_text() == (folder / "decoders.json").read_text()
+    assert (tmp_path / "run" / "decoders.safetensors").read_bytes() == (folder / "decoders.safetensors").read_bytes()
