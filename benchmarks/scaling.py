@@ -548,13 +548,13 @@ def control_params(d: int, width_fits: dict) -> float:
 
 def memory(shape: Shape, work: dict, bytes_per_param: int, rank: int | None) -> dict:
     """Peak bytes: on the model's device the model and its random-init twin (superposition); on the host the
-    twin's float32 construction (``from_config``) and one relation's Jacobians (float32, every LRE layer) with the
-    float64 copies and SVDs of one fit."""
+    twin's construction (``from_config`` builds it on the CPU in the config's dtype, then it moves) and one
+    relation's Jacobians (float32, every LRE layer) with the float64 copies and SVDs of one fit."""
     weights = shape.params * bytes_per_param
     d = shape.d
     jac_prompts = max((len(p) for p, _ in work["jacobian"]), default=0)
     jacobians = jac_prompts * len(work["lre_layers"]) * d * d * 4 + (3 + 2 * 4) * d * d * 8
-    return {"weights": weights, "device": 2 * weights, "host_init": shape.params * 4, "host_jacobians": jacobians}
+    return {"weights": weights, "device": 2 * weights, "host_init": weights, "host_jacobians": jacobians}
 
 
 # ------------------------------------------------------------------------------------------------- driver
@@ -721,10 +721,11 @@ def print_measured(measured: list[dict], widths: list[dict], fits: dict, width_f
     print(f"{'d':>6}" + "".join(f"{n:>17}" for n in widths[0]["stages"]))
     for w in widths:
         print(f"{w['d']:>6}" + "".join(f"{st['seconds']:>17.4f}" for st in w["stages"].values()))
-    print("\nfits: seconds = a * FLOPs + b * passes (1/a = effective FLOP/s; CPU fits: a per operation)")
-    print(f"{'stage':<16}{'1/a':>14}{'b (ms/pass)':>13}{'R^2':>8}{'worst residual':>16}{'n':>4}")
+    print("\nfits: seconds = a * work + b * passes; 1/a = work per second (model stages: FLOP/s; load: bytes/s; "
+          "random_init: parameters/s; CPU stages: the operation count of the table above)")
+    print(f"{'stage':<16}{'1/a':>12}{'b (ms/pass)':>13}{'R^2':>8}{'worst residual':>16}{'n':>4}")
     for name, f in {**fits, **{k: v for k, v in width_fits.items() if isinstance(v, dict)}}.items():
-        rate = f"{1 / f['a'] / 1e9:10.2f} G/s" if f["a"] > 0 else f"{'-':>14}"
+        rate = f"{1 / f['a']:12.3g}" if f["a"] > 0 else f"{'-':>12}"
         print(f"{name:<16}{rate}{f['b'] * 1e3:>13.2f}{f['r2']:>8.3f}{f['worst']:>15.0%}{f['n']:>4}")
 
 
@@ -746,8 +747,8 @@ def print_predictions(predictions: dict) -> None:
     if smol:
         stages_s = ", ".join(f"{s} {SMOLLM2_RUN[s]:.0f} s / {smol['cpu_full'][s]:.0f} s" for s in stages)
         print(f"\ncheck on SmolLM2-135M, measured `llmprobe run` (2 idle cores) / predicted here (one thread): {stages_s}")
-    print("\npredicted peak memory (GiB): model device = model + its random-init twin; host = the twin's float32 "
-          "construction, one relation's Jacobians")
+    print("\npredicted peak memory (GiB): model device = model + its random-init twin; host = the twin's "
+          "construction on the CPU (bf16 for the H200 run), one relation's Jacobians")
     print(f"{'model':<22}{'CPU fp32 device':>16}{'H200 bf16 device':>18}{'fits one H200':>15}{'host init':>11}"
           f"{'host Jacobians':>16}")
     for name, p in predictions.items():
