@@ -253,7 +253,7 @@ def probe(
             "device": device, "dtype": dtype, "device_map": device_map, "max_memory": max_memory,
             "offload_folder": offload_folder, "quantize": quantize, "batch_size": batch_size,
             "max_facts": max_facts, "max_prompt_tokens": max_prompt_tokens, "seed": seed},
-            analysis_options, controls_settings),
+            batch_options(batch_size, analysis_options), controls_settings),
         "timings": timings,
         "errors": [],
         "partial": True,

@@ -161,6 +161,8 @@ def test_cli_flags_over_a_file_land_in_report_json(tiny, tmp_path):
     assert run["max_facts"] == 5 and report["relations"]["capital"]["n_facts"] == 5 and run["batch_size"] == 2
     assert run["model"] == str(Path(folder).resolve()) and run["relations"] == [str(Path(relations[0]).resolve())]
     assert report["settings"]["analysis"]["protocol"] == "strict"
+    # --batch-size is the analyses' batch size too (Jacobians: at most 16) unless set: the record says so
+    assert report["settings"]["analysis"]["batch_size"] == 2 and report["settings"]["analysis"]["jacobian_batch_size"] == 2
 
 
 @pytest.mark.parametrize("content, message", [
