@@ -7,10 +7,12 @@
 * a transformers ``PreTrainedModel``, with its tokenizer (or a local folder in ``model.name_or_path`` to read one
   from);
 * a TransformerLens ``TransformerBridge``: the Hugging Face model it wraps, rebuilt unwrapped with the default
-  attention implementation (the bridge switches the model to eager attention, which sums in another order), so
-  the numbers equal a load of the same weights by path. A bridge whose weights were processed
-  (``enable_compatibility_mode()`` folds norms and centres the residual stream, which changes every state) is
-  reloaded from its local folder; with no folder it is an error;
+  attention implementation (the bridge switches the model to eager attention, which sums in another order), and
+  the tokenizer from the model's folder (the bridge's own is a copy made to prepend BOS, which shifts every
+  position; it is used, and noted, only without a folder or ``tokenizer=``), so the numbers equal a load of the
+  same weights by path. A bridge whose weights were processed (``enable_compatibility_mode()`` folds norms and
+  centres the residual stream, which changes every state) is reloaded from its local folder; with no folder it
+  is an error;
 * an nnsight ``LanguageModel``: the module it wraps (dispatched first if its weights are not loaded yet).
 
 transformer_lens and nnsight objects are recognised by their class's module, so neither package is imported
@@ -50,6 +52,7 @@ def as_loaded_model(obj, tokenizer=None, **load_options) -> LoadedModel:
     start = time.perf_counter()
     cls = type(obj)
     object_class = f"{cls.__module__}.{cls.__qualname__}"
+    note = None
     if cls.__module__.startswith("transformer_lens"):
         if cls.__name__ == "HookedTransformer":
             raise ModelLoadError(
@@ -59,10 +62,11 @@ def as_loaded_model(obj, tokenizer=None, **load_options) -> LoadedModel:
                 "enable_compatibility_mode()")
         if not hasattr(obj, "original_model"):
             raise ModelLoadError(f"cannot probe a {object_class}: expected {ACCEPTED}")
-        tokenizer = tokenizer or obj.tokenizer
         if getattr(obj, "_weights_processed", False):
             return _reload_processed(obj, tokenizer, object_class, start)
         model = unwrap_bridge(obj.original_model)
+        if tokenizer is None:
+            tokenizer, note = _bridge_tokenizer(obj, model)
     elif cls.__module__.startswith("nnsight"):
         if not hasattr(obj, "_module"):
             raise ModelLoadError(f"cannot probe a {object_class}: expected {ACCEPTED}")
@@ -76,7 +80,7 @@ def as_loaded_model(obj, tokenizer=None, **load_options) -> LoadedModel:
         raise ModelLoadError(f"cannot probe a {object_class}: expected {ACCEPTED}")
     if not _is_transformers_model(model):
         raise ModelLoadError(f"{object_class} wraps a {type(model).__name__}, not a transformers PreTrainedModel")
-    return _loaded(model, tokenizer or _folder_tokenizer(model), object_class, start)
+    return _loaded(model, tokenizer or _folder_tokenizer(model), object_class, start, note)
 
 
 def unwrap_bridge(model: nn.Module) -> nn.Module:
@@ -113,6 +117,16 @@ def state_dict_hash(model: nn.Module) -> str:
 def _is_bridged(model: nn.Module) -> bool:
     """Whether a TransformerBridge has wrapped this model's modules (it does so in place)."""
     return any(type(module).__module__.startswith("transformer_lens") for module in model.modules())
+
+
+def _bridge_tokenizer(bridge, model: nn.Module) -> tuple[object, str | None]:
+    """(tokenizer, note) for a bridge passed without one: the model's own tokenizer, read from its folder.
+    TransformerLens gives the bridge a copy that prepends BOS, which shifts every position against a path load;
+    it is used (and noted) only when there is no folder."""
+    if Path(getattr(model, "name_or_path", "") or "").is_dir():
+        return _folder_tokenizer(model), None
+    return bridge.tokenizer, ("the bridge's tokenizer (TransformerLens makes it prepend BOS); pass tokenizer= for "
+                              "the model's own")
 
 
 def _reload_processed(bridge, tokenizer, object_class: str, start: float) -> LoadedModel:
