@@ -320,11 +320,14 @@ def train_batched(tasks: list[FactTask | KHopTask], model_configs: list[ModelCon
     if leave and active:
         stack.keep([j for j in range(len(stack)) if j not in leave])
     positions = datas[0].target_pos
+
+    def stacked_data() -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.stack([datas[i].input_ids for i in active]), torch.stack([datas[i].targets for i in active]))
+
+    ids, targets = stacked_data() if active else (None, None)     # [M, F, L], [M, F, T] of the stack's models
     try:
         while active:
             wall0, cpu0 = time.perf_counter(), time.process_time()
-            ids = torch.stack([datas[i].input_ids for i in active])
-            targets = torch.stack([datas[i].targets for i in active])
             loss, correct = stack.loss(ids, positions, targets, chunk=cfg.chunk)
             n_pred = targets[0].numel()
             leave = []
@@ -365,6 +368,7 @@ def train_batched(tasks: list[FactTask | KHopTask], model_configs: list[ModelCon
                 active = [active[j] for j in keep]
                 if keep:
                     stack.keep(keep)
+                    ids, targets = stacked_data()
             if any(out_dirs) and active and time.perf_counter() - last_ckpt > cfg.checkpoint_every_s:
                 save_all()
                 last_ckpt = time.perf_counter()
