@@ -117,7 +117,7 @@ OFFLOAD = "cpu=150000"   # bytes: the embedding and block 0 in memory, blocks 1-
 def test_offloaded_model_gives_the_numbers_of_the_model_in_one_piece(tiny_folder, tiny_lm, relation_files,
                                                                      everything_known, tmp_path):
     from llmprobe.capture import capture, patch
-    from llmprobe.lre import subject_jacobians
+    from llmprobe.lre import layer_sequences, next_token_predictions, subject_jacobians
     from llmprobe.probe import probe
     from llmprobe.subjects import encode
 
@@ -127,26 +127,38 @@ def test_offloaded_model_gives_the_numbers_of_the_model_in_one_piece(tiny_folder
     assert placed["model.layers.0"] == "cpu" and placed["model.layers.1"] == "disk" and placed["lm_head"] == "disk"
     assert split.model.model.layers[1].mlp.down_proj.weight.device.type == "meta"     # really not in memory
     assert split.info["placement"] == {"cpu": 2, "disk": 5}
+    on_disk = load_model(tiny_folder, device="cpu", device_map="auto", max_memory="cpu=1000",
+                         offload_folder=tmp_path / "offload-all")                   # every weight, embedding too
+    assert on_disk.info["placement"] == {"disk": 1} and on_disk.adapter.embed.weight.device.type == "meta"
     names = ["blocks.0.resid_post", "blocks.1.attn_out", "blocks.2.mlp_hidden", "blocks.2.resid_post", "ln_final",
              "logits"]
-    enc = encode(tiny_lm.tokenizer, "The capital of {} is", ["Land1", "Land12", "Land3"], padding_side="left")
+    template, subjects = "The capital of {} is", ["Land1", "Land12", "Land3"]
+    enc = encode(tiny_lm.tokenizer, template, subjects, padding_side="left")
     delta = torch.randn(3, 32, generator=torch.Generator().manual_seed(0))
-    for lm in (tiny_lm, split):
+    for lm in (tiny_lm, split, on_disk):
+        lm.resumed = [next_token_predictions(lm, template, subjects, layer, delta, return_logits=True,
+                                             resume=layer_sequences(lm, template, subjects, layer))
+                      for layer in (0, 1)]                    # blocks up to 0 (in memory) or 1 (on disk) skipped
         with patch(lm.model, "blocks.0.resid_post", enc.subject_last, delta=delta):   # block 0 in memory ...
             lm.got = capture(lm.model, names, enc.input_ids, enc.attention_mask)     # ... block 1 from disk
-        lm.J = subject_jacobians(lm, "The capital of {} is", ["Land1", "Land12", "Land3"], [0, 1])
-    for name in names:
-        assert torch.allclose(tiny_lm.got[name], split.got[name], atol=1e-5), name
-    for layer in (0, 1):
-        assert torch.allclose(tiny_lm.J[layer].W, split.J[layer].W, atol=1e-5)
-    options = dict(relations=relation_files, layers="0,1", analyses="lre,ridge,superposition", device="cpu")
+        lm.J = subject_jacobians(lm, template, subjects, [0, 1])
+    # the skipped blocks got accelerate's dispatch wrapper back (it moves inputs between GPUs; on CPU nothing shows it)
+    assert all("forward" in block.__dict__ for block in split.adapter.blocks[:2])
+    for lm in (split, on_disk):
+        for name in names:
+            assert torch.allclose(tiny_lm.got[name], lm.got[name], atol=1e-5), name
+        for layer in (0, 1):
+            assert torch.allclose(tiny_lm.J[layer].W, lm.J[layer].W, atol=1e-5)
+        for clean, split_resumed in zip(tiny_lm.resumed, lm.resumed):
+            assert torch.allclose(clean, split_resumed, atol=1e-5)
+    options = dict(relations=relation_files, layers="1", analyses="lre,ridge,superposition", device="cpu")
     whole = probe(tiny_folder, **options, out=tmp_path / "whole")
     offloaded = probe(tiny_folder, **options, device_map="auto", max_memory=OFFLOAD,
                       offload_folder=tmp_path / "offload2", out=tmp_path / "offloaded")
     assert offloaded["model"]["placement"] == {"cpu": 2, "disk": 5}
     assert whole["errors"] == offloaded["errors"] == [] and whole["analyses"]["errors"] == []
     ours, theirs = (_metrics({"relations": r["relations"], "analyses": r["analyses"]}) for r in (whole, offloaded))
-    assert len(ours) > 500 and ours.keys() == theirs.keys()
+    assert len(ours) > 300 and ours.keys() == theirs.keys()
     assert any(".superposition.layers.1.r2.value" in key for key in ours)
     assert all(abs(ours[k] - theirs[k]) <= 1e-5 * max(1.0, abs(ours[k])) for k in ours), \
         [k for k in ours if abs(ours[k] - theirs[k]) > 1e-5 * max(1.0, abs(ours[k]))][:5]
@@ -176,7 +188,7 @@ def test_bfloat16_model_matches_float32_within_the_stated_tolerance(tiny_folder,
         Ja = subject_jacobians(tiny_lm, "The capital of {} is", subjects, layer)
         Jb = subject_jacobians(half, "The capital of {} is", subjects, layer)
         assert Jb.J.dtype == torch.float32 and (Ja.W - Jb.W).norm() / Ja.W.norm() < BF16_STATE_TOLERANCE
-    options = dict(relations=relation_files, layers="0,1", analyses="lre,ridge,superposition", device="cpu")
+    options = dict(relations=relation_files, layers="1", analyses="lre,ridge,superposition", device="cpu")
     full = probe(tiny_folder, **options, out=tmp_path / "f32")
     bf16 = probe(tiny_folder, **options, dtype="bfloat16", out=tmp_path / "bf16")
     assert bf16["model"]["dtype"] == "bfloat16" and bf16["errors"] == [] and bf16["analyses"]["errors"] == []
@@ -197,7 +209,7 @@ def test_bfloat16_model_matches_float32_within_the_stated_tolerance(tiny_folder,
                 compare(x, y, f"{path}[{i}]")
 
     compare(full["analyses"], bf16["analyses"], "analyses")
-    assert checked > 50
+    assert checked > 30
 
 
 # --------------------------------------------------------------------------------------------- quantised weights
