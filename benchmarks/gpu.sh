@@ -48,6 +48,7 @@ EOF
 
 # 2. the scaling benchmark on the GPU (the model stages on CUDA in bf16; the width-only stages on the CPU)
 left=$(( 460 - ($(date +%s) - start) ))
+left=$(( left < 120 ? 120 : left ))
 echo "== benchmarks/scaling.py --device cuda (limit ${left} s)"
 timeout "$left" python benchmarks/scaling.py --device cuda --threads 8 --json "$OUT_DIR/scaling.json" \
     2>&1 | tee "$OUT_DIR/scaling.txt" | grep -v -e "Writing model shards" -e "Loading weights" || true

@@ -5,7 +5,8 @@
    ``torch.cuda.max_memory_allocated`` on CUDA). Each stage of the run is timed with the project's own functions
    on a small fixed workload: load (``load_model`` of a saved safetensors folder), known facts (``known_facts``),
    capture (``relation_states``), edits (``layer_sequences`` + resumed ``next_token_predictions``), Jacobians
-   (``subject_jacobians``; ``rank=`` when the installed llmprobe has it), random-init control (``random_like``).
+   (``subject_jacobians``, exact up to d = 1024, and low-rank ``rank=8`` at every width when the installed
+   llmprobe has it), random-init control (``random_like``).
    Width-only CPU work is timed once per width: LRE fits (``SVD`` of W and of ``random_spectrum_like(W)``), ridge
    fits (``RidgeDecoder``), superposition readouts (``superposition_readout`` on the real 193 x 6 table) and the
    matched controls (``train_at`` steps, ``measure_control``).
@@ -263,7 +264,14 @@ def jacobian_prompts(tok, template: str, subjects: list[str]) -> list[tuple[int,
     return out
 
 
-def measure_config(d: int, layers: int, device: str, n_facts: int, n_jacobian: int, rank: int | None) -> dict:
+def has_low_rank() -> bool:
+    """Does the installed llmprobe's ``subject_jacobians`` take ``rank=``?"""
+    from llmprobe.lre import subject_jacobians
+
+    return "rank" in inspect.signature(subject_jacobians).parameters
+
+
+def measure_config(d: int, layers: int, device: str, n_facts: int, n_jacobian: int) -> dict:
     """Every model-dependent stage on one random-init Llama model; a dict of stage -> {seconds, flops, calls,
     peak_bytes}."""
     import torch
@@ -321,14 +329,16 @@ def measure_config(d: int, layers: int, device: str, n_facts: int, n_jacobian: i
                                                   resume=layer_sequences(lm, template, subjects, mid, batch_size=32)),
           edit)
     del seqs
-    if rank is not None or d <= 1024:
-        jac_layer = max(0, layers - 3)           # two blocks of backward per product: seconds, not minutes
-        kwargs = {"rank": rank} if rank is not None else {}
-        jac_subjects = subjects[:n_jacobian]
-        stage("jacobians", lambda: subject_jacobians(lm, template, jac_subjects, [jac_layer], batch_size=16,
-                                                     chunk=96, **kwargs),
-              jacobian_work(shape, jacobian_prompts(tok, template, jac_subjects), jac_layer,
-                            products_for(d, rank, 1)))
+    jac_layer = max(0, layers - 3)               # two blocks of backward per product: seconds, not minutes
+    jac_subjects = subjects[:n_jacobian]
+    jac_prompts = jacobian_prompts(tok, template, jac_subjects)
+    for name, rank in (("jacobians", None), ("jacobians_lowrank", LOW_RANK)):
+        if (rank is None and d > 1024) or (rank is not None and not has_low_rank()):
+            continue
+        kwargs = {} if rank is None else {"rank": rank}
+        stage(name, lambda: subject_jacobians(lm, template, jac_subjects, [jac_layer], batch_size=16, chunk=96,
+                                              **kwargs),
+              jacobian_work(shape, jac_prompts, jac_layer, products_for(d, rank, 1)))
     _, seconds = timed(lambda: random_like(lm, seed=1), device)
     stages["random_init"] = {"seconds": seconds, "flops": float(shape.params), "calls": 1,
                              "peak_bytes": peak_memory(device)}
@@ -480,9 +490,10 @@ H200 = {"peak_flops": 989e12,        # bf16 dense tensor-core peak (NVIDIA H200 
 
 
 def cpu_model_cost(fits: dict):
-    """The fitted cost of model work on this machine: seconds = a FLOPs + b passes."""
+    """The fitted cost of model work on this machine: seconds = a FLOPs + b passes (low-rank Jacobians by the
+    exact ones' fit when they were not measured)."""
     def cost(stage: str, wk: Work, shape: Shape) -> float:
-        f = fits[stage]
+        f = fits.get(stage) or fits[stage.replace("_lowrank", "")]
         return f["a"] * wk.flops + f["b"] * wk.passes
     return cost
 
@@ -518,7 +529,7 @@ def predict(shape: Shape, work: dict, model_cost, width_fits: dict, load_s: floa
     heads = Work(work["head_rows"] * shape.head_flops(), 0)
     states = forward_work(shape, work["states"], shape.layers)
     out = {"load": load_s, "known_facts": model_cost("known_facts", known_work(shape, work["known"]), shape),
-           "jacobians": model_cost("jacobians", jac, shape)}
+           "jacobians": model_cost("jacobians" if rank is None else "jacobians_lowrank", jac, shape)}
     out["decoders_other"] = (model_cost("capture", fwd, shape) + model_cost("edits", edits, shape)
                              + model_cost("capture", heads, shape)
                              + width_cost("lre_fit", float(shape.d) ** 3, work["lre_fits"])
@@ -546,7 +557,7 @@ def control_params(d: int, width_fits: dict) -> float:
     return p2 * d * d + p1 * d + p0
 
 
-def memory(shape: Shape, work: dict, bytes_per_param: int, rank: int | None) -> dict:
+def memory(shape: Shape, work: dict, bytes_per_param: int) -> dict:
     """Peak bytes: on the model's device the model and its random-init twin (superposition); on the host the
     twin's construction (``from_config`` builds it on the CPU in the config's dtype, then it moves) and one
     relation's Jacobians (float32, every LRE layer) with the float64 copies and SVDs of one fit."""
@@ -566,7 +577,7 @@ def run_child(args) -> None:
         result = measure_width(args.child_width, args.quick)
     else:
         d, layers = (int(x) for x in args.child.split(","))
-        result = measure_config(d, layers, args.device, args.facts, args.jacobian_prompts, args.rank)
+        result = measure_config(d, layers, args.device, args.facts, args.jacobian_prompts)
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -575,8 +586,6 @@ def spawn(extra: list[str], args) -> dict:
            "--facts", str(args.facts), "--jacobian-prompts", str(args.jacobian_prompts)] + extra
     if args.quick:
         cmd.append("--quick")
-    if args.rank is not None:
-        cmd += ["--rank", str(args.rank)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     for line in proc.stdout.splitlines():
@@ -592,8 +601,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per measurement")
     parser.add_argument("--facts", type=int, default=None, help="prompts per stage (default 32; quick 8)")
     parser.add_argument("--jacobian-prompts", type=int, default=1)
-    parser.add_argument("--rank", type=int, default=None,
-                        help="measure low-rank Jacobians (subject_jacobians(rank=K), if this llmprobe has it)")
     parser.add_argument("--json", default=None, help="also write the measurements and predictions here")
     parser.add_argument("--measured", default=None,
                         help="take the measurements from an earlier --json file instead of measuring (refit, predict)")
@@ -607,11 +614,6 @@ def main(argv=None) -> dict:
 
         if not torch.cuda.is_available():
             parser.error("--device cuda: torch sees no CUDA device")
-    if args.rank is not None:
-        from llmprobe.lre import subject_jacobians
-
-        if "rank" not in inspect.signature(subject_jacobians).parameters:
-            parser.error("--rank: this llmprobe's subject_jacobians has no rank= (low-rank Jacobians not installed)")
     if args.child or args.child_width:
         run_child(args)
         return {}
@@ -631,7 +633,8 @@ def benchmark(args) -> dict:
     print(f"llmprobe cost model: {len(configs)} random-init Llama models on {args.device}, {args.threads} thread(s), "
           f"torch {torch.__version__}, {platform.processor() or platform.machine()}; {args.facts} prompts per stage, "
           f"{args.jacobian_prompts} Jacobian prompt(s)"
-          + (f", low-rank Jacobians rank {args.rank}" if args.rank is not None else ", full Jacobians"), flush=True)
+          + (f"; Jacobians exact (d <= 1024) and low-rank (rank {LOW_RANK})" if has_low_rank() else
+             "; exact Jacobians (d <= 1024; this llmprobe has no low-rank ones)"), flush=True)
     measured = []
     for d, layers in configs:
         result = spawn(["--child", f"{d},{layers}"], args)
@@ -653,8 +656,8 @@ def fit_and_predict(measured: list[dict], measured_widths: list[dict], args, t0:
     from transformers import AutoTokenizer
 
     widths = [m["d"] for m in measured_widths]
-    fits = {name: fit_stage([m["stages"][name] for m in measured if name in m["stages"]])
-            for name in measured[0]["stages"]}
+    names = list(dict.fromkeys(n for m in measured for n in m["stages"]))
+    fits = {name: fit_stage([m["stages"][name] for m in measured if name in m["stages"]]) for name in names}
     width_fits = {name: fit_stage([m["stages"][name] for m in measured_widths])
                   for name in measured_widths[0]["stages"]}
     width_fits["control_params"] = fit_linear([[d * d, d, 1] for d in widths],
@@ -672,8 +675,8 @@ def fit_and_predict(measured: list[dict], measured_widths: list[dict], args, t0:
         for rank, label in ((None, "full"), (LOW_RANK, "low_rank")):
             entry[f"cpu_{label}"] = predict(shape, work, cpu_cost, width_fits, load_cpu, init_cpu, rank)
             entry[f"h200_{label}"] = predict(shape, work, h200_model_cost, width_fits, load_gpu, init_cpu, rank)
-        entry["memory_cpu"] = memory(shape, work, 4, None)
-        entry["memory_h200"] = memory(shape, work, H200["bytes_per_param"], None)
+        entry["memory_cpu"] = memory(shape, work, 4)
+        entry["memory_h200"] = memory(shape, work, H200["bytes_per_param"])
         predictions[shape.name] = entry
     print_predictions(predictions)
     print(f"benchmark wall time {time.perf_counter() - t0:.0f} s; load average {os.getloadavg()[0]:.1f} at the end")
@@ -701,7 +704,7 @@ def duration(seconds: float) -> str:
 def print_measured(measured: list[dict], widths: list[dict], fits: dict, width_fits: dict) -> None:
     """Measured seconds per stage and config (x: ratio to the first, smallest config, measured in this run), the
     width-only CPU stages, and each stage's fit."""
-    names = list(measured[0]["stages"])
+    names = list(dict.fromkeys(n for m in measured for n in m["stages"]))
     base = measured[0]["stages"]
     print("\nmeasured (seconds: CPU seconds of one thread, wall seconds on CUDA; in brackets the ratio to the first, "
           "smallest config measured in this run)")
