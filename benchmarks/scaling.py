@@ -20,9 +20,12 @@
    SmolLM2-135M (checked against its measured run), 0.5B, 1.5B, 8B and 70B shapes: on this machine (from the fit)
    and on one H200 (a roofline with stated assumptions), with the full and the low-rank Jacobians.
 
-    python benchmarks/scaling.py --quick                 # smoke run, 1-2 minutes
-    python benchmarks/scaling.py --threads 1             # the full benchmark (~10 minutes on one thread)
+    python benchmarks/scaling.py --quick                 # smoke run (small models): 2-4 minutes
+    python benchmarks/scaling.py --threads 1 --json F    # the full benchmark (13 minutes here, shared machine)
+    python benchmarks/scaling.py --measured F            # refit and predict from F's measurements
     python benchmarks/scaling.py --device cuda           # on a GPU
+
+docs/scaling.md has the measured tables, the predictions and every assumption.
 """
 from __future__ import annotations
 
@@ -135,7 +138,7 @@ def fit_stage(rows: list[dict]) -> dict:
 # ------------------------------------------------------------------------------------- workload in FLOPs
 @dataclass
 class Work:
-    """One stage's work: FLOPs (model, on the device), passes (forward or backward calls), head rows."""
+    """One stage's work: FLOPs (model, on the device) and passes (forward or backward calls)."""
 
     flops: float = 0.0
     passes: int = 0
@@ -320,7 +323,6 @@ def measure_config(d: int, layers: int, device: str, n_facts: int, n_jacobian: i
     stage("capture", lambda: relation_states(lm, template, subjects, probe_layers, batch_size=32),
           forward_work(shape, padded_batches(tok, prompts, 32), layers))
     mid = layers // 2
-    seqs = layer_sequences(lm, template, subjects, mid, batch_size=32)
     delta = torch.randn(len(subjects), d) * 0.1
     edit = forward_work(shape, padded_batches(tok, prompts, 32), layers - 1 - mid, head=True)
     edit.flops += forward_work(shape, padded_batches(tok, prompts, 32), mid + 1).flops
@@ -328,7 +330,6 @@ def measure_config(d: int, layers: int, device: str, n_facts: int, n_jacobian: i
     stage("edits", lambda: next_token_predictions(lm, template, subjects, mid, delta, batch_size=32,
                                                   resume=layer_sequences(lm, template, subjects, mid, batch_size=32)),
           edit)
-    del seqs
     jac_layer = max(0, layers - 3)               # two blocks of backward per product: seconds, not minutes
     jac_subjects = subjects[:n_jacobian]
     jac_prompts = jacobian_prompts(tok, template, jac_subjects)
@@ -640,7 +641,8 @@ def benchmark(args) -> dict:
         result = spawn(["--child", f"{d},{layers}"], args)
         measured.append(result)
         s = result["stages"]
-        print(f"  d={d:5d} L={layers:3d} params {result['params'] / 1e6:7.1f}M peak {result['peak_bytes'] / 2**30:5.2f} GiB: "
+        print(f"  d={d:5d} L={layers:3d} params {result['params'] / 1e6:7.1f}M "
+              f"peak {result['peak_bytes'] / 2**30:5.2f} GiB: "
               + ", ".join(f"{k} {v['seconds']:.2f}s" for k, v in s.items()), flush=True)
     measured_widths = []
     for d in sorted({d for d, _ in configs if d <= MAX_CPU_WIDTH}):
@@ -714,8 +716,12 @@ def print_measured(measured: list[dict], widths: list[dict], fits: dict, width_f
         cells = []
         for n in names:
             st = m["stages"].get(n)
-            cells.append(f"{'-':>20}" if st is None else f"{st['seconds']:>9.2f} (x{st['seconds'] / base[n]['seconds']:>6.1f}) "
-                         if n in base else f"{st['seconds']:>19.2f} ")
+            if st is None:
+                cells.append(f"{'-':>20}")
+            elif n in base:
+                cells.append(f"{st['seconds']:>9.2f} (x{st['seconds'] / base[n]['seconds']:>6.1f}) ")
+            else:
+                cells.append(f"{st['seconds']:>19.2f} ")
         print(f"{'d' + str(m['d']) + ' L' + str(m['layers']):<14}{m['params'] / 1e6:>8.1f}M{gib(m['peak_bytes']):>9}"
               f"{gib(2 * m['weight_bytes'] + base_rss):>10}" + "".join(cells))
     print("(model GiB: the memory model, the weights twice (the model and its random-init twin) plus the first "
@@ -749,7 +755,8 @@ def print_predictions(predictions: dict) -> None:
     smol = predictions.get("SmolLM2-135M")
     if smol:
         stages_s = ", ".join(f"{s} {SMOLLM2_RUN[s]:.0f} s / {smol['cpu_full'][s]:.0f} s" for s in stages)
-        print(f"\ncheck on SmolLM2-135M, measured `llmprobe run` (2 idle cores) / predicted here (one thread): {stages_s}")
+        print(f"\ncheck on SmolLM2-135M, measured `llmprobe run` (2 idle cores) / predicted here (one thread): "
+              f"{stages_s}")
     print("\npredicted peak memory (GiB): model device = model + its random-init twin; host = the twin's "
           "construction on the CPU (bf16 for the H200 run), one relation's Jacobians")
     print(f"{'model':<22}{'CPU fp32 device':>16}{'H200 bf16 device':>18}{'fits one H200':>15}{'host init':>11}"
