@@ -345,6 +345,7 @@ def measure_config(d: int, layers: int, device: str, n_facts: int, n_jacobian: i
                              "peak_bytes": peak_memory(device)}
     out["peak_bytes"] = peak_memory(device)
     out["weight_bytes"] = weight_bytes
+    out["model_bytes"] = sum(p.numel() * p.element_size() for p in lm.model.parameters())   # as loaded (bf16 on CUDA)
     return out
 
 
@@ -711,7 +712,9 @@ def print_measured(measured: list[dict], widths: list[dict], fits: dict, width_f
     print("\nmeasured (seconds: CPU seconds of one thread, wall seconds on CUDA; in brackets the ratio to the first, "
           "smallest config measured in this run)")
     print(f"{'config':<14}{'params':>9}{'peak GiB':>9}{'model GiB':>10}" + "".join(f"{n:>20}" for n in names))
-    base_rss = measured[0]["peak_bytes"] - 2 * measured[0]["weight_bytes"]
+    def model_bytes(m: dict) -> int:
+        return m.get("model_bytes", m["weight_bytes"])
+    base_rss = measured[0]["peak_bytes"] - 2 * model_bytes(measured[0])
     for m in measured:
         cells = []
         for n in names:
@@ -723,7 +726,7 @@ def print_measured(measured: list[dict], widths: list[dict], fits: dict, width_f
             else:
                 cells.append(f"{st['seconds']:>19.2f} ")
         print(f"{'d' + str(m['d']) + ' L' + str(m['layers']):<14}{m['params'] / 1e6:>8.1f}M{gib(m['peak_bytes']):>9}"
-              f"{gib(2 * m['weight_bytes'] + base_rss):>10}" + "".join(cells))
+              f"{gib(2 * model_bytes(m) + base_rss):>10}" + "".join(cells))
     print("(model GiB: the memory model, the weights twice (the model and its random-init twin) plus the first "
           "config's remainder (Python, torch, tokenizer))")
     print("\nwidth-only CPU work (seconds per unit)")
