@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .batching import run_batched
 from .capture import forward, patch
 from .known import first_token_ids, object_split
 from .subjects import encode
@@ -83,9 +84,9 @@ def sequence_logprobs(lm, templates: str | Sequence[str], subjects: Sequence[str
         if int(located.subject_last[i]) >= cut:
             raise ValueError(f"subject {subjects[i]!r} is not before the object in {prompts[i]!r}")
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    scores = []
-    for start in range(0, len(seqs), batch_size):
-        chunk = seqs[start:start + batch_size]
+
+    def score(part: slice) -> list[torch.Tensor]:
+        chunk = seqs[part]
         width = max(len(ids) for ids, _ in chunk)
         ids = torch.full((len(chunk), width), pad, dtype=torch.long)
         mask = torch.zeros(len(chunk), width, dtype=torch.long)
@@ -93,13 +94,17 @@ def sequence_logprobs(lm, templates: str | Sequence[str], subjects: Sequence[str
             ids[row, :len(full)] = torch.tensor(full)
             mask[row, :len(full)] = 1
         edit = contextlib.nullcontext() if delta is None else patch(
-            lm.model, f"blocks.{layer}.resid_post", located.subject_last[start:start + len(chunk)],
-            delta=delta[start:start + len(chunk)])
+            lm.model, f"blocks.{layer}.resid_post", located.subject_last[part], delta=delta[part])
         with torch.no_grad(), edit:
             logits = forward(lm.model, ids, mask).logits.float().cpu()
         logp = torch.log_softmax(logits, -1)
+        scores = []
         for row, (full, cut) in enumerate(chunk):
             targets = torch.tensor(full[cut:])
             picked = logp[row, torch.arange(cut - 1, len(full) - 1), targets]
             scores.append(picked.mean() if normalize else picked.sum())
-    return torch.stack(scores)
+        return scores
+
+    parts = run_batched(score, len(seqs), batch_size, stage="sequence scores", lm=lm, prompts=prompts,
+                        new_tokens=max((len(full) - cut for full, cut in seqs), default=0))
+    return torch.stack([s for part in parts for s in part])
