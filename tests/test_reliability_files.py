@@ -127,7 +127,7 @@ SWEEP_CHILD = textwrap.dedent("""
     while not os.path.exists(go):       # start both sweeps together
         time.sleep(0.01)
     cfg = SweepConfig(subjects=[16], relations=[1, 2], seeds=[0], modes=["trainable"], d_min=2, d_max=12,
-                      train=TrainConfig(max_steps=150, progress=False))
+                      batched=False, train=TrainConfig(max_steps=150, progress=False))
     run_sweep(cfg, sys.argv[1])
 """)
 
