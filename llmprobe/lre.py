@@ -367,12 +367,13 @@ def _exact_rows(o: torch.Tensor, zs: list[torch.Tensor], chunk: int) -> list[tor
     return Js
 
 
-def _lowrank_rows(o: torch.Tensor, zs: list[torch.Tensor], k: int, chunk: int, gen: torch.Generator
+def _lowrank_rows(o: torch.Tensor, zs: list[torch.Tensor], k: int, chunk: int, seed: int
                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Randomised range finder with one half power step, per row and per z (Halko et al. 2011, alg. 4.3 with
     q = 1/2): P = orth(J^T G) (k VJPs, shared by every z), Q = orth(J P) (k JVPs), J ~ Q (Q^T J) (k VJPs).
     Returns for each z (U [B, d_out, k] = Q, Vt [B, k, d_x] = Q^T J) on the CPU."""
     B, d_out = o.shape
+    gen = torch.Generator().manual_seed(seed)          # the same G for every row and micro-batch
     G = torch.randn(k, 1, d_out, generator=gen, dtype=torch.float64).expand(k, B, d_out)
     rows = _vjps(o, zs, G.to(o.device, o.dtype).contiguous(), chunk)        # [k, B, d_x] per z: J^T G
     out = []
@@ -503,38 +504,44 @@ def subject_jacobians(lm, template: str | Sequence[str], subjects: Sequence[str]
     n = len(subjects)
     if n == 0:
         raise ValueError("subject_jacobians needs at least one subject")
-    k = None
-    if rank is not None:  # a model of unknown width: decided again after the first pass
-        k = _columns(rank, oversample, adapter.d_model or rank + oversample + 1)
-    gen = torch.Generator().manual_seed(seed)
-    out: dict[int, dict[str, torch.Tensor]] = {}
-    for part in _batches(n, batch_size):
+    # columns of the low-rank estimator (None: exact); a model of unknown width settles it at its first pass
+    columns = {"k": None if rank is None else _columns(rank, oversample, adapter.d_model or rank + oversample + 1)}
+
+    def one(part: slice) -> list[tuple[torch.Tensor, list[dict]]]:
+        """(rows of ``subjects``, per layer {name: tensor}) for each group of one micro-batch."""
         enc = encode(tok, templates[part], subjects[part], padding_side="left")
         after = enc.prompt_last - enc.subject_last
         groups = [torch.nonzero(after == a).flatten() for a in after.unique()] if use_cache \
             else [torch.arange(len(after))]
+        done = []
         for rows in groups:
             ids, mask = enc.input_ids[rows], enc.attention_mask[rows]
             keep = mask.bool().any(0)  # drop columns that are padding in every row of the group
             first = int(torch.nonzero(keep)[0])
             ids, mask = ids[:, first:], mask[:, first:]
-            with _jacobian_context(k is not None):
+            with _jacobian_context(columns["k"] is not None):
                 o, zs, clean = _group_graph(lm, ids, mask, enc.subject_last[rows] - first,
                                             enc.prompt_last[rows] - first, layers, use_cache)
-                got = {"O": _cpu(o)}
-                if k is not None and adapter.d_model is None:
-                    k = _columns(rank, oversample, o.shape[1])
-                if k is None:
+                if columns["k"] is not None and adapter.d_model is None:
+                    columns["k"] = _columns(rank, oversample, o.shape[1])
+                if columns["k"] is None:
                     factors = [{"J": J} for J in _exact_rows(o, zs, chunk)]
                 else:
-                    factors = [{"U": U, "Vt": Vt} for U, Vt in _lowrank_rows(o, zs, k, chunk, gen)]
-            index = torch.arange(part.start, part.stop)[rows]
-            for l, parts in zip(layers, factors):
-                parts = {**parts, "H": clean[l], "O": got["O"]}
+                    factors = [{"U": U, "Vt": Vt} for U, Vt in _lowrank_rows(o, zs, columns["k"], chunk, seed)]
+            O = _cpu(o)
+            done.append((torch.arange(part.start, part.stop)[rows],
+                         [{**f, "H": clean[l], "O": O} for l, f in zip(layers, factors)]))
+        return done
+
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for done in run_batched(one, n, batch_size, stage="Jacobians"):
+        for index, per_layer in done:
+            for l, parts in zip(layers, per_layer):
                 store = out.setdefault(l, {name: torch.empty(n, *t.shape[1:], dtype=t.dtype)
                                            for name, t in parts.items()})
                 for name, t in parts.items():
                     store[name][index] = t
+    k = columns["k"]
     results = {l: JacobianResult(rank=None if k is None else rank, **out[l]) for l in layers}
     return results[layers[0]] if single else results
 

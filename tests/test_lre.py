@@ -368,3 +368,26 @@ def test_lowrank_jacobian_through_a_real_architecture(llama64):
 def test_lowrank_jacobian_rejects_a_bad_rank(llama64):
     with pytest.raises(ValueError, match="rank must be a positive integer"):
         subject_jacobians(llama64, TEMPLATES, SUBJECTS, 1, rank=0)
+
+
+def test_jacobians_halve_their_batch_on_out_of_memory(llama64, monkeypatch, capsys):
+    """An out-of-memory error in a micro-batch of more than 2 prompts: the batch halves, the same prompts are
+    retried, the Jacobians equal an un-failed run's (exact and low-rank) and the halving is said once."""
+    from llmprobe import batching, lre
+
+    clean = {r: subject_jacobians(llama64, TEMPLATES, SUBJECTS, 1, batch_size=4, rank=r, oversample=4)
+             for r in (None, 8)}
+    real = lre._group_graph
+
+    def failing(lm, ids, *args):
+        if ids.shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(lm, ids, *args)
+    monkeypatch.setattr(lre, "_group_graph", failing)
+    monkeypatch.setattr(batching, "_stage_size", {})
+    monkeypatch.setattr(batching, "_warned", set())
+    for rank, expected in clean.items():
+        got = subject_jacobians(llama64, TEMPLATES, SUBJECTS, 1, batch_size=4, rank=rank, oversample=4,
+                                use_cache=False)
+        torch.testing.assert_close(got.W, expected.W, atol=1e-10, rtol=1e-8)
+    assert capsys.readouterr().err.count("Jacobians: out of memory; micro-batch size halved") == 1

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..geometry import LinearRelationDecoder, RidgeDecoder, random_direction_like, random_spectrum_like
+from ..geometry import LinearRelationDecoder, RidgeDecoder, random_direction_like, random_spectrum_factors
 from ..lre import (JacobianResult, layer_sequences, logits_fn, next_token_predictions, relation_states,
                    subject_jacobians)
 from ..metric import Metric, proportion
@@ -183,7 +183,7 @@ def lre_layer(lm, data: RelationData, layer: int, jac: JacobianResult, jac_rows:
             edit_rank = cfg.edit_ranks[r_best]
             gen = generator(cfg, data.name, layer, k, "lre controls")
             delta = (O[tt] - O[ts]) @ svd.pinv(edit_rank).T
-            random_op = (O[tt] - O[ts]) @ SVD(random_spectrum_like(svd.W, gen)).pinv(edit_rank).T
+            random_op = (O[tt] - O[ts]) @ SVD(*random_spectrum_factors(svd.S, svd.W.shape, gen)).pinv(edit_rank).T
             got = causality_hits(lm, data, layer, [delta, random_direction_like(delta, gen), random_op], ts, tt, cfg)
             for store, hits in zip((edit, rdir, rop), got):
                 store.append(hits)

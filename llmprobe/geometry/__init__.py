@@ -5,13 +5,14 @@ or reports). Estimators are scikit-learn shaped: ``fit`` returns self, learned a
 returns one float.
 """
 from .decoders import (LinearRelationDecoder, LinearRelationOperator, RidgeDecoder, random_direction_like,
-                       random_spectrum_like, topk_hits)
+                       random_spectrum_factors, random_spectrum_like, topk_hits)
 from .readouts import RelationReadout, SuperpositionFit, SuperpositionReport, superposition_readout
 from .stats import (ALPHA_GRID, cross_val_score, kfold_indices, pinv_rank, r2_score,
                     ridge_fit, ridge_fit_cv, shuffle_table, train_test_split, truncate_rank)
 
 __all__ = [
     "LinearRelationOperator", "LinearRelationDecoder", "RidgeDecoder", "random_direction_like", "random_spectrum_like",
+    "random_spectrum_factors",
     "topk_hits",
     "RelationReadout", "SuperpositionFit", "SuperpositionReport", "superposition_readout",
     "ALPHA_GRID", "cross_val_score", "kfold_indices", "pinv_rank", "r2_score",

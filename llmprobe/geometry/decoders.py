@@ -17,7 +17,7 @@ from sklearn.base import BaseEstimator
 from .stats import as_float, as_tensor, check_rows, fit_ridge, pinv_rank, truncate_rank
 
 __all__ = ["LinearRelationOperator", "LinearRelationDecoder", "RidgeDecoder", "topk_hits", "random_direction_like",
-           "random_spectrum_like"]
+           "random_spectrum_like", "random_spectrum_factors"]
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -49,11 +49,18 @@ def _random_orthonormal(rows: int, cols: int, generator: torch.Generator) -> tor
 def random_spectrum_like(W: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """The random-operator control: a matrix with W's singular values and random (Haar) singular vectors,
     W [m, n] -> [m, n] float64. An edit built from it has W's scale but none of its directions."""
-    S = torch.linalg.svdvals(W.double())
+    U, S, Vh = random_spectrum_factors(torch.linalg.svdvals(W.double()), W.shape, generator)
+    return (U * S) @ Vh
+
+
+def random_spectrum_factors(S: torch.Tensor, shape: tuple[int, int], generator: torch.Generator
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`random_spectrum_like` as its SVD, from the singular values S [k] of an [m, n] matrix: (U [m, k],
+    S, Vh [k, n]) with Haar-random orthonormal U and V (no m x n decomposition; O((m + n) k^2))."""
     k = S.numel()
-    U = _random_orthonormal(W.shape[0], k, generator)
-    V = _random_orthonormal(W.shape[1], k, generator)
-    return (U * S) @ V.T
+    U = _random_orthonormal(shape[0], k, generator)
+    V = _random_orthonormal(shape[1], k, generator)
+    return U, S.double(), V.T
 
 
 def _as_2d(h: Any, name: str, d: int) -> tuple[torch.Tensor, bool]:
