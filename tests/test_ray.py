@@ -8,11 +8,10 @@ from synthetic.sweep import (SweepConfig, _locked_unit, append_once, load_result
                              thresholds)
 from synthetic.train import TrainConfig
 
-ray = pytest.importorskip("ray")
-
 
 @pytest.fixture(scope="module")
 def local_ray():
+    ray = pytest.importorskip("ray")          # only the Ray tests need it (an optional extra)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
@@ -65,6 +64,15 @@ def test_append_once_writes_a_key_once(tmp_path):
     assert append_once(str(tmp_path), row) and not append_once(str(tmp_path), dict(row, success=False))
     assert append_once(str(tmp_path), {"key": "other"})
     assert [r["key"] for r in read_jsonl(tmp_path / "results.jsonl")] == ["abc", "other"]
+    # a unit rerun that did not see the first attempt's rows (stale cache, no lock re-read) trains its points
+    # again, and still writes none of them twice
+    from synthetic.sweep import _sweep_unit
+
+    out = str(tmp_path / "stale")
+    job = (16, 1, "trainable", _cfg(batched=False), out, {})
+    first = _sweep_unit(job)
+    keys = _keys(out)
+    assert _sweep_unit(job) == first and _keys(out) == keys and len(keys) == len(set(keys))
 
 
 def test_run_over_two_models_as_ray_tasks(local_ray, tmp_path):
