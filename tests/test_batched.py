@@ -100,3 +100,17 @@ def test_batched_sweep_finds_the_same_thresholds_and_resumes(tmp_path, monkeypat
     assert len(load_results(out)) == len(rows)
     with pytest.raises(ValueError, match="full batch only"):
         run_sweep(SweepConfig(batched=True, train=TrainConfig(batch_size=8)), str(tmp_path / "x"))
+
+
+def test_batched_equals_one_at_a_time_on_chain_of_thought():
+    # k-hop sequences with positional embeddings and several target positions (the cumsum attention path)
+    from synthetic.tasks import random_khop
+
+    cfg = TrainConfig(max_steps=8, lr=0.05, progress=False)
+    tasks = [random_khop(12, 2, 2, cot=True, seed=seed) for seed in (0, 1)]
+    mcfgs = [model_config_for(tasks[0], 4, seed=0), model_config_for(tasks[1], 7, seed=3)]
+    assert mcfgs[0].pos_embed and tasks[0].data().target_pos.numel() == 2
+    for task, mcfg, res in zip(tasks, mcfgs, train_batched(tasks, mcfgs, cfg)):
+        alone = _alone(task, mcfg, cfg)
+        assert res.steps == alone.steps == 8
+        _assert_same_params(res.model, alone.model)
