@@ -240,7 +240,7 @@ def _check_quantized_folder(folder: Path) -> None:
     except (OSError, ValueError):
         return
     method = (config.get("quantization_config") or {}).get("quant_method") if isinstance(config, dict) else None
-    if method is None:
+    if method in (None, "gguf"):     # "gguf": weights dequantised from a GGUF file and saved (the embedded cache)
         return
     if method != "bitsandbytes":
         raise ModelLoadError(f"{folder} holds {method}-quantised weights, which llmprobe does not support; use the "

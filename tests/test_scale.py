@@ -231,6 +231,10 @@ def test_quantization_without_bitsandbytes_or_cuda_is_refused(tiny_folder, tmp_p
     (folder / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gptq"}}))
     with pytest.raises(ModelLoadError, match="gptq-quantised weights, which llmprobe does not support"):
         load_model(str(folder), device="cpu")
+    dequantised = shutil.copytree(tiny_folder, tmp_path / "from_gguf")   # saved after dequantising a GGUF file
+    (dequantised / "config.json").write_text(json.dumps({**config, "quantization_config": {
+        "quant_method": "gguf", "gguf_file": "model.Q4_1.gguf", "dequantize": False}}))
+    assert load_model(str(dequantised), device="cpu").adapter.d_model == config["hidden_size"]
 
 
 # ---------------------------------------------------------------------------------------------- command line
