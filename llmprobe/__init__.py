@@ -17,11 +17,26 @@ _EXPORTS = {
     "capture": "capture", "forward": "capture", "patch": "capture",
     "DatasetError": "datasets", "Fact": "datasets", "FactTable": "datasets", "Relation": "datasets",
     "load_relations": "datasets", "ModelLoadError": "loading", "load_model": "loading", "probe": "probe",
+    "run": "run",
     "SubjectNotFoundError": "subjects", "encode": "subjects",
     "as_loaded_model": "interop", "to_lens_name": "adapters", "from_lens_name": "adapters",
     "load_report": "notebook", "load_decoder": "notebook", "Report": "notebook",
 }
 __all__ = [*_EXPORTS, "__version__"]
+
+
+def callable_module(module_name: str, function) -> None:
+    """Make module ``module_name`` call ``function``: importing a submodule binds its name in this package to the
+    module, so ``llmprobe.probe(...)`` and ``llmprobe.run(...)`` must work whether the name holds the function
+    or its module."""
+    import sys
+    import types
+
+    class CallableModule(types.ModuleType):
+        def __call__(self, *args, **kwargs):
+            return function(*args, **kwargs)
+
+    sys.modules[module_name].__class__ = CallableModule
 
 
 def __getattr__(name):

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from . import callable_module
 from .checks import UsageError, analysis_names, layer_spec, output_folder, positive_int
 from .config import settings_record
 from .datasets import DatasetError, Relation, load_relations
@@ -392,3 +393,5 @@ def summary_table(report: dict) -> str:
 
 
 __all__ = ["probe", "parse_layers", "library_versions", "summary_table", "DatasetError"]
+
+callable_module(__name__, probe)   # llmprobe.probe(...) calls the function even once the module is imported

@@ -198,3 +198,17 @@ def test_a_processed_bridge_without_a_folder_is_refused(tmp_path):
     bridge.original_model.name_or_path = "someone/elses-model"
     with pytest.raises(ModelLoadError, match="weights were processed"):
         as_loaded_model(bridge)
+
+
+def test_llmprobe_probe_and_run_are_callable_after_their_modules_are_imported(tmp_path):
+    """``import llmprobe.probe`` binds the name to the module; ``llmprobe.probe(...)`` still calls the function
+    (its argument check answers), and so does ``llmprobe.run(...)``."""
+    import llmprobe
+    import llmprobe.probe
+    import llmprobe.run
+    from llmprobe.checks import UsageError
+
+    for function in (llmprobe.probe, llmprobe.run):
+        with pytest.raises(UsageError, match="bad layer 'nonsense'"):
+            function("any-model", layers="nonsense", out=str(tmp_path / "out"))
+    assert llmprobe.probe.probe.__name__ == "probe" and llmprobe.run.run.__name__ == "run"
