@@ -415,7 +415,8 @@ SMOLLM2_RUN = {"load": 4.4, "known_facts": 77.1, "jacobians": 540.9, "decoders_o
 CONTROL_D_STAR = {"trainable": 4, "frozen": 8}   # SmolLM2's table (measured); the table is the same for any model
 CONTROL_STEPS = 112     # mean training steps of SmolLM2's matched-control points at d >= 64 (measured, both modes)
 CONTROL_SEARCH_S = 122.0  # the two d* bisections on SmolLM2's table (widths 3-8, measured; model-independent)
-LOW_RANK = 8            # rank of the low-rank Jacobian estimate in the prediction
+LOW_RANK = 8            # rank of the low-rank Jacobian estimate timed (its cost per product is what is fitted)
+PREDICT_RANK = 32       # rank in the prediction: llmprobe.analyses.settings.AUTO_JACOBIAN_RANK, the default
 
 
 def run_workload(tok, n_layers: int, known_counts: dict | None) -> dict:
@@ -675,7 +676,7 @@ def fit_and_predict(measured: list[dict], measured_widths: list[dict], args, t0:
         init_cpu = fits["random_init"]["a"] * shape.params + fits["random_init"]["b"]
         load_gpu = shape.params * H200["bytes_per_param"] / H200["disk_bytes_per_s"]
         entry = {"params": shape.params, "lre_layers": work["lre_layers"]}
-        for rank, label in ((None, "full"), (LOW_RANK, "low_rank")):
+        for rank, label in ((None, "full"), (PREDICT_RANK, "low_rank")):
             entry[f"cpu_{label}"] = predict(shape, work, cpu_cost, width_fits, load_cpu, init_cpu, rank)
             entry[f"h200_{label}"] = predict(shape, work, h200_model_cost, width_fits, load_gpu, init_cpu, rank)
         entry["memory_cpu"] = memory(shape, work, 4)
@@ -749,7 +750,7 @@ def print_predictions(predictions: dict) -> None:
                  f"{H200['hbm_bytes_per_s'] / 1e12:.1f} TB/s, {H200['launch_s_per_block'] * 1e3:.1f} ms/block/pass; "
                  "CPU-side fits and controls at this machine's one-thread speed)")
         for label in ("full", "low_rank"):
-            print(f"\npredicted `llmprobe run`, {title}, {'full' if label == 'full' else f'low-rank (K={LOW_RANK})'}"
+            print(f"\npredicted `llmprobe run`, {title}, {'full' if label == 'full' else f'low-rank (K={PREDICT_RANK})'}"
                   " Jacobians")
             print(f"{'model':<22}{'params':>8}" + "".join(f"{s:>15}" for s in stages))
             for name, p in predictions.items():
