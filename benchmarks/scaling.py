@@ -416,7 +416,7 @@ CONTROL_D_STAR = {"trainable": 4, "frozen": 8}   # SmolLM2's table (measured); t
 CONTROL_STEPS = 112     # mean training steps of SmolLM2's matched-control points at d >= 64 (measured, both modes)
 CONTROL_SEARCH_S = 122.0  # the two d* bisections on SmolLM2's table (widths 3-8, measured; model-independent)
 LOW_RANK = 8            # rank of the low-rank Jacobian estimate timed (its cost per product is what is fitted)
-PREDICT_RANK = 32       # rank in the prediction: llmprobe.analyses.settings.AUTO_JACOBIAN_RANK, the default
+PREDICT_RANK = 128      # rank in the prediction: llmprobe.analyses.settings.AUTO_JACOBIAN_RANK, the default
 
 
 def run_workload(tok, n_layers: int, known_counts: dict | None) -> dict:
