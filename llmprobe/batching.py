@@ -11,8 +11,8 @@ runs through.
 * On an out-of-memory error (:func:`llmprobe.checks.is_out_of_memory`: CUDA's ``torch.OutOfMemoryError``, a
   failed CPU allocation) the micro-batch size halves and the same micro-batch is run again; the rest of the
   stage keeps the smaller size, and later calls with the same ``stage`` name start from it. The halving is
-  printed once per stage (stderr). At size 1 the error is raised again as ``torch.OutOfMemoryError`` whose
-  message names the stage and says what to try.
+  printed once per stage (stderr). At size 1 the error is raised again as :class:`OutOfMemoryAtOne` (a
+  ``torch.OutOfMemoryError``) whose message names the stage and says what to try.
 
 ``fn`` must be a pure function of its slice (no state carried between calls), so a retried micro-batch gives
 what an un-failed run gives.
@@ -29,6 +29,11 @@ from .checks import is_out_of_memory
 
 T = TypeVar("T")
 MEMORY_FRACTION = 0.5          # of the free device memory that one micro-batch's activations may take
+
+class OutOfMemoryAtOne(torch.OutOfMemoryError):
+    """Out of memory with a micro-batch of one item: a smaller ``--batch-size`` cannot help (the message says
+    what can)."""
+
 
 _stage_size: dict[str, int] = {}    # stage -> micro-batch size that worked after a halving (this process)
 _warned: set[str] = set()
@@ -58,7 +63,7 @@ def run_batched(fn: Callable[[slice], T], n: int, batch_size: int, *, stage: str
             continue
         _free_cache()
         if size == 1:
-            raise torch.OutOfMemoryError(
+            raise OutOfMemoryAtOne(
                 f"{stage}: out of memory with a micro-batch of 1 ({failed}). A single item does not fit: spread or "
                 f"offload the model (--device-map auto --max-memory ... --offload-folder DIR), load it in half "
                 f"precision (--dtype bfloat16), or shorten the prompts (--max-prompt-tokens); --batch-size cannot "

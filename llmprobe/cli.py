@@ -406,6 +406,11 @@ def run_command(args) -> int:
             return EXIT_USAGE
         if not is_out_of_memory(error):
             raise
+        from .batching import OutOfMemoryAtOne
+
+        if isinstance(error, OutOfMemoryAtOne):   # the batches already went down to one item: its message says why
+            print(f"llmprobe: error: {error} Results already written are kept.", file=sys.stderr)
+            return EXIT_OUT_OF_MEMORY
         print(f"llmprobe: error: out of memory ({str(error).splitlines()[0][:300]}). Try a smaller --batch-size, "
               f"--max-prompt-tokens, --dtype bfloat16, fewer --layers, or --device cpu. Results already written "
               f"are kept.", file=sys.stderr)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from llmprobe.checks import UsageError, analysis_names, is_out_of_memory
 from llmprobe.cli import main
@@ -164,6 +165,22 @@ def test_a_cpu_allocation_failure_is_out_of_memory(models, capital, tmp_path, mo
     monkeypatch.setattr("llmprobe.probe.probe", allocate)
     assert main(["probe", models["qwen2"], "--relations", capital, "--out", str(tmp_path / "oom")]) == 3
     assert "out of memory" in capsys.readouterr().err
+
+
+def test_out_of_memory_at_a_batch_of_one_does_not_advise_a_smaller_batch(models, capital, tmp_path, monkeypatch,
+                                                                        capsys):
+    from llmprobe.batching import run_batched
+
+    def allocate(*args, **kwargs):
+        def fail(part):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return run_batched(fail, 4, 1, stage="known facts")
+
+    monkeypatch.setattr("llmprobe.probe.probe", allocate)
+    assert main(["probe", models["qwen2"], "--relations", capital, "--out", str(tmp_path / "oom1")]) == 3
+    err = capsys.readouterr().err
+    assert "known facts: out of memory with a micro-batch of 1" in err and "--device-map auto" in err
+    assert "smaller --batch-size" not in err
 
 
 # ------------------------------------------------------------------------- row 4: interrupts and resume
