@@ -129,7 +129,9 @@ class SavedDecoder:
 
 def save_decoders(out: str | Path, fitted: dict, model: dict) -> list[Path]:
     """Write ``fitted`` ({relation: {kind: fit}}, from ``run_analyses(fitted=...)``) to ``out/decoders.safetensors``
-    (float64 tensors) and ``out/decoders.json`` (the entries, ``model``: the model's identity), atomically."""
+    (float64 tensors) and ``out/decoders.json`` (the entries, ``model``: the model's identity), atomically. A
+    low-rank W or J whose factors (``W_factors``: U [d_out, r], S [r], Vh [r, d_in]) take less room is saved as
+    them (its ``tensors`` entry lists three keys), e.g. with low-rank Jacobians: ~r x 2d instead of d x d."""
     from safetensors.torch import save
 
     from .analyses.settings import H_PLACE, O_PLACE
@@ -138,9 +140,18 @@ def save_decoders(out: str | Path, fitted: dict, model: dict) -> list[Path]:
     for relation, kinds in fitted.items():
         for kind, fit in kinds.items():
             prefix = f"decoder{len(entries)}"
-            keys = {name: f"{prefix}.{name}" for name in ("W", "b", "J") if fit.get(name) is not None}
-            for name, key in keys.items():
-                tensors[key] = fit[name].detach().to("cpu", torch.float64).contiguous()
+            keys = {}
+            for name in ("W", "b", "J"):
+                if fit.get(name) is None:
+                    continue
+                factors = fit.get(f"{name}_factors")
+                if factors is not None and factors[1].numel() * sum(fit[name].shape) < fit[name].numel():
+                    keys[name] = [f"{prefix}.{name}.{part}" for part in ("U", "S", "Vh")]   # low rank: U S Vh
+                    parts = factors
+                else:
+                    keys[name], parts = f"{prefix}.{name}", [fit[name]]
+                for key, t in zip([keys[name]] if isinstance(keys[name], str) else keys[name], parts):
+                    tensors[key] = t.detach().to("cpu", torch.float64).contiguous().clone()   # no storage shared
             entries.append({"relation": relation, "kind": kind, "layer": fit["layer"], "beta": fit["beta"],
                             "rank": fit.get("rank"), "edit_rank": fit.get("edit_rank"), "alpha": fit.get("alpha"),
                             "refit": fit.get("refit"), "val_faithfulness": fit.get("val_faithfulness"),
@@ -148,7 +159,7 @@ def save_decoders(out: str | Path, fitted: dict, model: dict) -> list[Path]:
                             "d_in": int(fit["W"].shape[1]), "d_out": int(fit["W"].shape[0]), "tensors": keys})
     out = Path(out)
     return [write_bytes(out / DECODERS_TENSORS, save(tensors)),
-            write_json(out / DECODERS_JSON, {"format": 1, "model": model, "decoders": entries})]
+            write_json(out / DECODERS_JSON, {"format": 2, "model": model, "decoders": entries})]
 
 
 def read_fits(path: str | Path) -> dict:
@@ -196,7 +207,19 @@ def _read_decoders(folder: Path, missing_ok: bool = False) -> tuple[dict | None,
 
 
 def _fit(entry: dict, tensors: dict) -> dict:
-    missing = [key for key in entry["tensors"].values() if key not in tensors]
+    """The entry with its tensors; a matrix saved as factors (a list of keys U, S, Vh: format 2) is multiplied
+    out as the analyses did, (U * S) @ Vh, so it is the very matrix they used."""
+    keys = [k for key in entry["tensors"].values() for k in ([key] if isinstance(key, str) else key)]
+    missing = [key for key in keys if key not in tensors]
     if missing:
         raise ValueError(f"{DECODERS_TENSORS} lacks tensors {missing} named in {DECODERS_JSON}")
-    return {**entry, **{name: tensors[key] for name, key in entry["tensors"].items()}}
+
+    def matrix(key):
+        if isinstance(key, str):
+            return tensors[key]
+        U, S, Vh = (tensors[k] for k in key)
+        return (U * S) @ Vh
+    fit = {**entry, **{name: matrix(key) for name, key in entry["tensors"].items()}}
+    fit.update({f"{name}_factors": tuple(tensors[k] for k in key) for name, key in entry["tensors"].items()
+                if not isinstance(key, str)})     # kept, so that a resumed run writes the same bytes again
+    return fit

@@ -134,3 +134,35 @@ def test_resume_keeps_the_decoders_of_the_analyses_it_takes_over(run, tmp_path):
     assert report["stages"]["analyses"]["resumed"] is True
     assert (tmp_path / "run" / "decoders.json").read_text() == (folder / "decoders.json").read_text()
     assert (tmp_path / "run" / "decoders.safetensors").read_bytes() == (folder / "decoders.safetensors").read_bytes()
+
+
+
+def test_low_rank_decoders_are_saved_as_factors_and_load_as_the_same_matrices(run, tmp_path):
+    """With low-rank Jacobians (rank 4 at d = 32) W and J are stored as U, S, Vh (smaller than d x d) and load back
+    as the very matrices the analyses used (bit for bit); resuming writes the same bytes."""
+    folder, _, _ = run
+    tmp = folder.parent
+    real_run, seen = llmprobe.analyses.run_analyses, {}
+
+    def spy(*args, **kwargs):
+        seen["fitted"] = kwargs["fitted"]
+        return real_run(*args, progress=False, **kwargs)
+
+    def lowrank(out, **kwargs):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(known_module, "is_known", lambda text, obj: True)
+            mp.setattr(llmprobe.analyses, "run_analyses", spy)
+            probe(str(tmp / "llama"), relations=[str(tmp / "capital.json")], layers="0,1,2", device="cpu",
+                  analyses="lre", out=out, analysis_options={**OPTIONS, "jacobian_rank": 4}, **kwargs)
+
+    lowrank(tmp_path / "lr")
+    index = json.loads((tmp_path / "lr" / "decoders.json").read_text())
+    entry = next(e for e in index["decoders"] if e["kind"] == "lre")
+    assert index["format"] == 2 and isinstance(entry["tensors"]["W"], list) and isinstance(entry["tensors"]["J"], list)
+    fit = seen["fitted"]["capital<b>"]["lre"]
+    loaded = llmprobe.load_decoder(tmp_path / "lr", "capital<b>")
+    assert torch.equal(loaded.operator.W, fit["W"]) and torch.equal(loaded.J, fit["J"])
+    assert torch.linalg.matrix_rank(fit["J"]) == 4
+    before = (tmp_path / "lr" / "decoders.safetensors").read_bytes()
+    lowrank(tmp_path / "lr", resume=True)
+    assert (tmp_path / "lr" / "decoders.safetensors").read_bytes() == before

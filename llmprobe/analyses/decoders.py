@@ -36,6 +36,7 @@ class SVD:
     factors U [d_out, r], S [r], Vh [r, d_in] (then W = U diag(S) Vh, e.g. a low-rank Jacobian's)."""
 
     def __init__(self, W: torch.Tensor | None = None, S: torch.Tensor | None = None, Vh: torch.Tensor | None = None):
+        self.factored = S is not None          # W is the product of its factors (then they reproduce it exactly)
         if S is None:
             self.W = W.double()
             self.U, self.S, self.Vh = torch.linalg.svd(self.W, full_matrices=False)
@@ -49,6 +50,13 @@ class SVD:
         if rank is None or rank >= len(self.S):
             return self.W
         return (self.U[:, :rank] * self.S[:rank]) @ self.Vh[:rank]
+
+    def factors(self, rank: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(U, S, Vh) whose product is exactly ``truncated(rank)`` (same arithmetic), or None where that matrix is
+        not such a product (the untruncated W of an SVD computed from W)."""
+        if rank is not None and rank < len(self.S):
+            return self.U[:, :rank], self.S[:rank], self.Vh[:rank]
+        return (self.U, self.S, self.Vh) if self.factored else None
 
     def pinv(self, rank: int | None) -> torch.Tensor:
         """Rank-``rank`` pseudo-inverse [d_in, d_out] (None: every singular value above tolerance)."""
@@ -192,6 +200,7 @@ def lre_layer(lm, data: RelationData, layer: int, jac: JacobianResult, jac_rows:
                            "edit_norm_ratio": float((delta.norm(dim=1) / H[ts].norm(dim=1)).mean())})
         chosen.append(record)
         fits.append({"W": dec.operator_.W, "b": dec.operator_.b, "J": svd.W if rank is not None else None,
+                     "W_factors": svd.factors(rank), "J_factors": svd.factors(None) if rank is not None else None,
                      "beta": beta, "rank": rank, "edit_rank": record.get("edit_rank"), "refit": k,
                      "val_faithfulness": val_f[-1]})
     entry = {"faithfulness": _summary(faith).with_controls({"majority": _summary(majority)}).to_dict(),
