@@ -646,6 +646,20 @@ def table_markdown(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+
+CAPACITY_REFERENCES = ((2.0, "--", "Allen-Zhu & Li 2024"), (3.6, ":", "Morris et al. 2025"))
+
+
+def capacity_reference(cells: list[dict], bits_per_param: float, mlp_ratio: float = 8.0) -> dict:
+    """The width at which the trainable model's parameters hold the facts' bits at ``bits_per_param``
+    (``synthetic.bounds.min_d``), for every (N, R) of ``cells``: {N: [(R log2 N, d), ...] sorted by R}."""
+    from .bounds import min_d
+
+    out: dict = {}
+    for N, R in sorted({(c["N"], c["R"]) for c in cells}):
+        out.setdefault(N, []).append((R * math.log2(N), min_d(N, R, bits_per_param, mlp_ratio=mlp_ratio)))
+    return out
+
 def plot(out_dir: str, summary: dict | None = None, img_dir: str | None = None, prefix: str = "") -> list[str]:
     """``{prefix}accuracy_vs_d.png`` and ``{prefix}dstar_vs_RlogN.png`` in ``img_dir`` (default ``out_dir``),
     written atomically."""
@@ -709,6 +723,11 @@ def plot(out_dir: str, summary: dict | None = None, img_dir: str | None = None, 
             label = mode if pw.get("alpha") is None else \
                 f"{mode}: d* ~ N^{pw['alpha']:.2f} R^{pw['beta']:.2f} (no linear fit)"
             ax.scatter([], [], color=color, s=18, label=label)
+    ratio = (summary.get("config") or {}).get("mlp_ratio") or 8.0
+    for bits, style, source in CAPACITY_REFERENCES:
+        for i, (N, points) in enumerate(capacity_reference(summary["cells"], bits, ratio).items()):
+            ax.plot(*zip(*points), color="black", ls=style, lw=0.8, alpha=0.7,
+                    label=f"{bits} bits/param ({source}), trainable, per N" if i == 0 else None)
     for N, m in markers.items():
         ax.scatter([], [], color="gray", marker=m, s=18, label=f"N={N}")
     ax.set_xlabel("R log2 N")

@@ -425,3 +425,21 @@ def test_cli_sweep_takes_seed_zero_and_exits_0(tmp_path):
     with pytest.raises(SystemExit) as stop:
         main(["synth", "sweep", "--subjects", "0", "--relations", "2", "--out", str(tmp_path / "t")])
     assert stop.value.code == 2
+
+
+def test_capacity_reference_lines_hold_the_facts_bits_at_their_rate():
+    """The 2 and 3.6 bits/param lines of the d* plot: at each (N, R) the smallest width whose trainable parameters
+    times the rate cover the facts' bits (one less does not), lower at the higher rate."""
+    from synthetic.bounds import bits_needed, trainable_params
+    from synthetic.sweep import capacity_reference
+
+    cells = [{"N": N, "R": R} for N in (256, 1024) for R in (2, 8)]
+    lines = {b: capacity_reference(cells, b) for b in (2.0, 3.6)}
+    for b, line in lines.items():
+        assert sorted(line) == [256, 1024]
+        for N, points in line.items():
+            for (x, d), R in zip(points, (2, 8)):
+                assert x == pytest.approx(R * math.log2(N))
+                assert trainable_params(N, R, d, 8 * d) * b >= bits_needed(N, R)
+                assert trainable_params(N, R, d - 1, 8 * (d - 1)) * b < bits_needed(N, R)
+    assert all(d36 < d2 for N in (256, 1024) for (_, d2), (_, d36) in zip(lines[2.0][N], lines[3.6][N]))
