@@ -59,9 +59,10 @@ def _cpu(x: torch.Tensor) -> torch.Tensor:
     return x.detach().to("cpu", torch.float64 if x.dtype == torch.float64 else torch.float32)
 
 
-def _batches(n: int, size: int) -> Iterator[slice]:
-    for start in range(0, n, max(1, size)):
-        yield slice(start, min(n, start + max(1, size)))
+def _filled(template: str | Sequence[str], subjects: list[str]) -> tuple[list[str], list[str]]:
+    """(one template per subject, the filled prompts) for ``template``: one template or one per subject."""
+    templates = [template] * len(subjects) if isinstance(template, str) else list(template)
+    return templates, [t.replace("{}", s, 1) for t, s in zip(templates, subjects)]
 
 
 # --------------------------------------------------------------------------------------------------- states
@@ -87,11 +88,10 @@ def relation_states(lm, template: str | Sequence[str], subjects: Sequence[str], 
     model, tok = lm.model, lm.tokenizer
     adapter = adapter_for(model)
     subjects = list(subjects)
-    templates = [template] * len(subjects) if isinstance(template, str) else list(template)
+    templates, prompts = _filled(template, subjects)
     layers = [adapter.layer_index(l) for l in layers]
     out = output_name(model)
     names = list(dict.fromkeys([state_name(l) for l in layers] + [out]))
-    prompts = [t.replace("{}", s, 1) for t, s in zip(templates, subjects)]
 
     def states(part: slice) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
         enc = encode(tok, templates[part], subjects[part], padding_side="left")
@@ -120,7 +120,7 @@ def subject_states(lm, templates: Sequence[str], subjects: Sequence[str], layers
             return {l: _cpu(got[state_name(l)][:, 0]) for l in layers}
 
         parts = run_batched(states, len(subjects), batch_size, stage="subject states", lm=lm,
-                            prompts=[template.replace("{}", s, 1) for s in subjects])
+                            prompts=_filled(template, subjects)[1])
         for l in layers:
             sums[l] = sums[l] + torch.cat([got[l] for got in parts])
     return {l: sums[l] / len(templates) for l in layers}
@@ -151,7 +151,7 @@ def next_token_predictions(lm, template: str | Sequence[str], subjects: Sequence
     model, tok = lm.model, lm.tokenizer
     adapter = adapter_for(model)
     subjects = list(subjects)
-    templates = [template] * len(subjects) if isinstance(template, str) else list(template)
+    templates, prompts = _filled(template, subjects)
     out = output_name(model)
     to_logits = logits_fn(lm)
     if resume is not None and (delta is None or adapter.blocks is None):
@@ -171,7 +171,7 @@ def next_token_predictions(lm, template: str | Sequence[str], subjects: Sequence
         return logits if return_logits else logits.argmax(-1)
 
     return torch.cat(run_batched(predict, len(subjects), batch_size, stage="next-token predictions", lm=lm,
-                                 prompts=[t.replace("{}", s, 1) for t, s in zip(templates, subjects)]))
+                                 prompts=prompts))
 
 
 def layer_sequences(lm, template: str | Sequence[str], subjects: Sequence[str], layer: int,
@@ -180,7 +180,7 @@ def layer_sequences(lm, template: str | Sequence[str], subjects: Sequence[str], 
     per prompt (what :func:`next_token_predictions` resumes from)."""
     model, tok = lm.model, lm.tokenizer
     subjects = list(subjects)
-    templates = [template] * len(subjects) if isinstance(template, str) else list(template)
+    templates, prompts = _filled(template, subjects)
     name = state_name(adapter_for(model).layer_index(layer))
 
     def sequences(part: slice) -> list[torch.Tensor]:
@@ -188,8 +188,7 @@ def layer_sequences(lm, template: str | Sequence[str], subjects: Sequence[str], 
         states = capture(model, [name], enc.input_ids, enc.attention_mask, to_cpu=False)[name]
         return [states[row][enc.attention_mask[row].bool().to(states.device)] for row in range(states.shape[0])]
 
-    parts = run_batched(sequences, len(subjects), batch_size, stage="layer sequences", lm=lm,
-                        prompts=[t.replace("{}", s, 1) for t, s in zip(templates, subjects)])
+    parts = run_batched(sequences, len(subjects), batch_size, stage="layer sequences", lm=lm, prompts=prompts)
     return [seq for part in parts for seq in part]
 
 
@@ -258,10 +257,6 @@ class JacobianResult:
     def __post_init__(self):
         if self.J is None and (self.U is None or self.Vt is None):
             raise ValueError("a JacobianResult needs J, or the factors U and Vt")
-
-    def dense(self) -> torch.Tensor:
-        """Per-prompt Jacobians [n, d_out, d_in] (the low-rank ones multiplied out)."""
-        return self.J if self.J is not None else self.U @ self.Vt
 
     def svd(self, rows=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """SVD (U [d_out, r], S [r], Vh [r, d_in], float64) of the mean Jacobian over ``rows`` (default: all):
@@ -498,7 +493,7 @@ def subject_jacobians(lm, template: str | Sequence[str], subjects: Sequence[str]
     if rank is not None and (not isinstance(rank, int) or rank < 1):
         raise ValueError(f"the Jacobian rank must be a positive integer or None, got {rank!r}")
     subjects = list(subjects)
-    templates = [template] * len(subjects) if isinstance(template, str) else list(template)
+    templates = _filled(template, subjects)[0]
     if adapter._points is not None:  # synthetic models: no KV cache API
         use_cache = False
     n = len(subjects)
@@ -554,7 +549,7 @@ def per_prompt_jacobians(lm, template: str | Sequence[str], subjects: Sequence[s
     adapter = adapter_for(model)
     layer = adapter.layer_index(layer)
     subjects = list(subjects)
-    templates = [template] * len(subjects) if isinstance(template, str) else list(template)
+    templates = _filled(template, subjects)[0]
     final = output_name(model)
     device = module_device(adapter.embed if adapter.embed is not None else model)   # not meta under offload
     Js, Hs, Os = [], [], []
