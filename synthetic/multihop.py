@@ -59,9 +59,13 @@ class MultihopConfig:
         return asdict(self)
 
 
-def _key(cfg: MultihopConfig, hops: int, cot: bool, d: int, d_mlp: int, seed: int) -> str:
-    spec = {"N": cfg.subjects, "R": cfg.relations, "k": hops, "cot": cot, "d": d, "m": d_mlp, "seed": seed,
-            "task_seed": cfg.seed, "attention": cfg.attention, "lr": cfg.lr, "steps": cfg.max_steps}
+def _key(cfg, hops: int, cot: bool, d: int, d_mlp: int, seed: int, relations: int | None = None,
+         task_seed: int | None = None) -> str:
+    """Point id from the settings that change its training (``cfg``: a :class:`MultihopConfig` or
+    :class:`SeedsConfig`; ``relations`` / ``task_seed`` default to ``cfg.relations`` / ``cfg.seed``)."""
+    spec = {"N": cfg.subjects, "R": cfg.relations if relations is None else relations, "k": hops, "cot": cot,
+            "d": d, "m": d_mlp, "seed": seed, "task_seed": cfg.seed if task_seed is None else task_seed,
+            "attention": cfg.attention, "lr": cfg.lr, "steps": cfg.max_steps}
     return hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -101,26 +105,28 @@ class _Runner:
         return row
 
 
-def smallest_on_grid(ok, grid, start: int | None = None) -> tuple[int | None, list[int]]:
-    """Smallest grid value v with ok(v) True, assuming monotone success: walk up from ``start`` (default the
-    first value) until ok, then bisect down to the last failure (walking down first if ``start`` succeeds).
-    Returns (value or None, values tried)."""
+def search_grid(grid, start: int | None = None):
+    """The width search as a generator: yields the next grid value to try and receives whether it succeeded
+    (``success = yield value``); returns (smallest succeeding value or None, values tried). Assumes monotone
+    success: walk up from ``start`` (default the first value) until one succeeds, then bisect down to the last
+    failure (walking down with growing steps first if ``start`` succeeds). Several searches can so be stepped in
+    lockstep (one batched training per round, :func:`run_seeds`)."""
     grid = sorted(grid)
     tried, cache = [], {}
 
     def test(i):
         if i not in cache:
-            cache[i] = bool(ok(grid[i]))
+            cache[i] = bool((yield grid[i]))
             tried.append(grid[i])
         return cache[i]
 
     i = 0 if start is None else min(range(len(grid)), key=lambda j: abs(grid[j] - start))
-    if test(i):
+    if (yield from test(i)):
         hi, lo = i, -1
         step = 1
         while hi > 0:                      # walk down with growing steps until a failure
             j = max(0, hi - step)
-            if test(j):
+            if (yield from test(j)):
                 hi = j
                 if j == 0:
                     break
@@ -132,7 +138,7 @@ def smallest_on_grid(ok, grid, start: int | None = None) -> tuple[int | None, li
         lo, hi, step = i, None, 1
         while hi is None:
             j = min(len(grid) - 1, lo + step)
-            if test(j):
+            if (yield from test(j)):
                 hi = j
             elif j == len(grid) - 1:
                 return None, tried
@@ -141,11 +147,23 @@ def smallest_on_grid(ok, grid, start: int | None = None) -> tuple[int | None, li
                 step *= 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if test(mid):
+        if (yield from test(mid)):
             hi = mid
         else:
             lo = mid
     return grid[hi], tried
+
+
+def smallest_on_grid(ok, grid, start: int | None = None) -> tuple[int | None, list[int]]:
+    """Smallest grid value v with ok(v) True (:func:`search_grid` driven by ``ok``). Returns (value or None,
+    values tried)."""
+    search = search_grid(grid, start)
+    try:
+        value = next(search)
+        while True:
+            value = search.send(bool(ok(value)))
+    except StopIteration as stop:
+        return stop.value
 
 
 def run_multihop(cfg: MultihopConfig, out_dir: str | None = None, log=print) -> dict:
@@ -192,14 +210,15 @@ def run_multihop(cfg: MultihopConfig, out_dir: str | None = None, log=print) -> 
 
 def _violations(points: list[dict], mlp_ratio: float) -> list[dict]:
     """Failed points although a smaller width succeeded: along d (points on the d_mlp = ratio * d rule) or along
-    d_mlp (same d), for the same k, CoT and seed. Non-empty means the search's monotonicity assumption was hurt."""
+    d_mlp (same d), for the same k, CoT, seed (and R where rows carry it). Non-empty means the search's monotonicity assumption was hurt."""
     on_rule = lambda p: p["d_mlp"] == max(1, round(mlp_ratio * p["d"]))  # noqa: E731
     out = []
     for p in points:
         if p["success"]:
             continue
         for q in points:
-            if not q["success"] or (q["hops"], q["cot"], q["seed"]) != (p["hops"], p["cot"], p["seed"]):
+            if not q["success"] or (q["hops"], q["cot"], q["seed"], q.get("R")) != (p["hops"], p["cot"], p["seed"],
+                                                                                   p.get("R")):
                 continue
             if (q["d"] == p["d"] and q["d_mlp"] < p["d_mlp"]) or (on_rule(p) and on_rule(q) and q["d"] < p["d"]):
                 out.append({"hops": p["hops"], "cot": p["cot"], "d": p["d"], "d_mlp": p["d_mlp"],
@@ -281,6 +300,267 @@ def plot(summary: dict, path: str) -> str:
     return path
 
 
+# ------------------------------------------------------------------------------------------ seeds x R grid
+SEEDS_FILE = "seeds.json"
+
+
+@dataclass
+class SeedsConfig:
+    """The grid k x CoT x R x seed of :func:`run_seeds`; seed s draws the permutations (task seed s) *and* the
+    initialisation (model seed s). Training recipe as :class:`MultihopConfig` (one model per point)."""
+
+    subjects: int = 16
+    relations: list[int] = field(default_factory=lambda: [2, 4, 8])
+    hops: list[int] = field(default_factory=lambda: [1, 2, 3])
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    attention: str = "learned"
+    mlp_ratio: float = 4.0
+    d_grid: list[int] = field(default_factory=lambda: list(D_GRID))
+    lr: float = 0.03
+    max_steps: int = 2000
+    threads: int | None = None
+    n_boot: int = 2000
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _train_points(cfg: SeedsConfig, R: int, hops: int, cot: bool, todo: list[tuple[int, int]]) -> list[dict]:
+    """Train the points ``todo`` [(seed, d)] of one (R, k, CoT) cell at once (:func:`synthetic.batched.
+    train_batched`: same data shape, models stacked and padded to the widest); one row per point, in order."""
+    from .batched import train_batched
+    from .train import model_config_for
+
+    tasks = [random_khop(cfg.subjects, R, hops, cot=cot, seed=s) for s, _ in todo]
+    mcfgs = [model_config_for(t, d, attention=cfg.attention, d_mlp=max(1, round(cfg.mlp_ratio * d)), seed=s)
+             for t, (s, d) in zip(tasks, todo)]
+    tcfg = TrainConfig(lr=cfg.lr, max_steps=cfg.max_steps, progress=False, threads=cfg.threads)
+    rows = []
+    for task, mc, (s, d), res in zip(tasks, mcfgs, todo, train_batched(tasks, mcfgs, tcfg)):
+        rows.append({"key": _key(cfg, hops, cot, d, mc.d_mlp, s, relations=R, task_seed=s), "N": cfg.subjects,
+                     "R": R, "hops": hops, "cot": cot, "d": d, "d_mlp": mc.d_mlp, "seed": s,
+                     "accuracy": round(res.accuracy, 5), "success": bool(res.success), "steps": res.steps,
+                     "wall_s": res.wall_time_s, "cpu_s": res.cpu_time_s, "batch_models": res.batch_models,
+                     "n_sequences": len(task.data()), "n_trainable": res.n_trainable, "bits": res.bits})
+    return rows
+
+
+def _start(d_star: dict, cfg: SeedsConfig, hops: int, cot: bool, R: int) -> int | None:
+    """First width tried in a cell: the previous R's d* (geometric mean over seeds) times the growth expected
+    from it (2^(k/2) per doubling of R without CoT, the one-hop growth with CoT), else the previous k's d*
+    (times sqrt(R) without CoT); None (the grid's bottom) for the first cell. Only the search's cost depends
+    on it."""
+    def gmean(k, c, r):
+        ds = [d_star[(k, c, r, s)]["d_star"] for s in cfg.seeds if (k, c, r, s) in d_star]
+        ds = [d for d in ds if d]
+        return math.exp(sum(map(math.log, ds)) / len(ds)) if ds else None
+
+    prev_r = max([r for r in cfg.relations if r < R], default=None)
+    if prev_r and gmean(hops, cot, prev_r):
+        one_hop = (gmean(1, False, R) or 0) / (gmean(1, False, prev_r) or 1)
+        grow = (R / prev_r) ** (hops / 2) if not cot else max(1.0, one_hop)
+        return round(gmean(hops, cot, prev_r) * grow)
+    if gmean(hops - 1, cot if hops > 2 else False, R):
+        return round(gmean(hops - 1, cot if hops > 2 else False, R) * (1.0 if cot else math.sqrt(R)))
+    return None
+
+
+def run_seeds(cfg: SeedsConfig, out_dir: str | None = None, log=print) -> dict:
+    """d* (smallest width on ``cfg.d_grid`` reaching 100% train accuracy, d_mlp = ratio * d) for every k, CoT,
+    R and seed. The seeds of a cell are searched in lockstep (:func:`search_grid`), each round's points trained
+    together; every point goes to ``points.jsonl`` (resumable), the summary with the fits to ``seeds.json``.
+    One-hop with CoT is the same data as without: its d* is copied."""
+    t0 = time.perf_counter()
+    path = os.path.join(out_dir, POINTS) if out_dir else None
+    done = {row["key"]: row for row in read_jsonl(path)} if path else {}
+    m_of = lambda d: max(1, round(cfg.mlp_ratio * d))  # noqa: E731
+    d_star = {}
+    for R in sorted(cfg.relations):
+        for cot in (False, True):
+            for k in cfg.hops:
+                if cot and k == 1:
+                    for s in cfg.seeds:
+                        d_star[(k, True, R, s)] = dict(d_star[(k, False, R, s)], copied_from="no CoT")
+                    continue
+                start = _start(d_star, cfg, k, cot, R)
+                log(f"R={R} k={k} {'with' if cot else 'without'} CoT: seeds {cfg.seeds}, start d={start}")
+                searches = {s: search_grid(cfg.d_grid, start) for s in cfg.seeds}
+                pending = {s: next(g) for s, g in searches.items()}
+                while pending:
+                    todo = [(s, d) for s, d in pending.items()
+                            if _key(cfg, k, cot, d, m_of(d), s, relations=R, task_seed=s) not in done]
+                    for row in (_train_points(cfg, R, k, cot, todo) if todo else []):
+                        done[row["key"]] = row
+                        if path:
+                            append_jsonl(path, row)
+                        log(f"  R={R} k={k} cot={int(cot)} seed={row['seed']} d={row['d']:4d}: "
+                            f"acc={row['accuracy']:.4f} steps={row['steps']} ({row['cpu_s']:.0f} s cpu)")
+                    nxt = {}
+                    for s, d in pending.items():
+                        ok = done[_key(cfg, k, cot, d, m_of(d), s, relations=R, task_seed=s)]["success"]
+                        try:
+                            nxt[s] = searches[s].send(ok)
+                        except StopIteration as stop:
+                            value, tried = stop.value
+                            below = [v for v in tried if value is None or v < value]
+                            d_star[(k, cot, R, s)] = {"d_star": value, "d_fail": max(below, default=None),
+                                                      "tried": tried}
+                    pending = nxt
+    rows = [{"hops": k, "cot": c, "R": R, "seed": s, **v} for (k, c, R, s), v in sorted(d_star.items())]
+    points = sorted((p for p in done.values() if p.get("N") == cfg.subjects),
+                    key=lambda r: (r["R"], r["hops"], r["cot"], r["seed"], r["d"]))
+    summary = summarize_seeds(cfg, rows, points)
+    summary["wall_s"] = round(time.perf_counter() - t0, 1)
+    if out_dir:
+        write_json(os.path.join(out_dir, SEEDS_FILE), summary)
+    return summary
+
+
+def resample_within(strata, rng):
+    """Bootstrap indices [n] that draw, for every distinct value of ``strata`` [n], as many items of that value
+    (with replacement) as it has: resampling seeds within each R."""
+    import numpy as np
+
+    strata = np.asarray(strata)
+    return np.concatenate([rng.choice(np.flatnonzero(strata == v), int((strata == v).sum()))
+                           for v in np.unique(strata)])
+
+
+def fit_growth(points: list[tuple[float, float]], n_boot: int = 2000, seed: int = 0, level: float = 0.95):
+    """log d = a + b log R by least squares over points (R, d) (one per seed; d None = not reached, dropped):
+    a :class:`llmprobe.metric.Metric` for b whose interval is a percentile bootstrap that resamples the points
+    *within each R* (the R values stay fixed); ``note`` carries "a=<log d at R = 1> R2=<the fit's R^2>"."""
+    import numpy as np
+
+    from llmprobe.metric import Metric, nan_metric
+
+    pts = np.asarray([(R, d) for R, d in points if d], dtype=np.float64).reshape(-1, 2)
+    if len(pts) == 0 or len(set(pts[:, 0])) < 2:
+        return nan_metric("bootstrap (seeds within R)", "needs d at two or more R")
+    x, y = np.log(pts[:, 0]), np.log(pts[:, 1])
+
+    def slope(i):
+        xc = x[i] - x[i].mean()
+        return float((xc * (y[i] - y[i].mean())).sum() / (xc ** 2).sum())
+
+    everything = np.arange(len(pts))
+    b = slope(everything)
+    a = float(y.mean() - b * x.mean())
+    ss_tot = float(((y - y.mean()) ** 2).sum())
+    r2 = 1 - float(((y - a - b * x) ** 2).sum()) / ss_tot if ss_tot else float("nan")
+    rng = np.random.default_rng(seed)
+    boots = np.array([slope(resample_within(pts[:, 0], rng)) for _ in range(n_boot)])
+    lo, hi = (float(q) for q in np.quantile(boots, [(1 - level) / 2, (1 + level) / 2]))
+    return Metric(b, (min(lo, b), max(hi, b)), len(pts), "bootstrap (seeds within R)",
+                  note=f"a={a:.4f} R2={r2:.3f}")
+
+
+def summarize_seeds(cfg: SeedsConfig, rows: list[dict], points: list[dict]) -> dict:
+    """Per (k, CoT): d* per R (mean, min, max over seeds), the exponent b of d* ~ R^b (:func:`fit_growth`) with
+    its distance to k and k/2, the same fit on the largest failing width (d* is only known to lie in
+    (d_fail, d*]) and on the trainable parameter count at d*, to be compared with k."""
+    cells = {}
+    for k in cfg.hops:
+        for cot in (False, True):
+            mine = [r for r in rows if r["hops"] == k and r["cot"] == cot]
+            if not mine:
+                continue
+            by_r = {}
+            for R in sorted({r["R"] for r in mine}):
+                ds = [r["d_star"] for r in mine if r["R"] == R]
+                got = [d for d in ds if d]
+                by_r[str(R)] = {"d_star": ds, "d_fail": [r["d_fail"] for r in mine if r["R"] == R],
+                                "mean": sum(got) / len(got) if got else None, "min": min(got, default=None),
+                                "max": max(got, default=None), "not_reached": len(ds) - len(got)}
+            params = {(p["R"], p["seed"], p["d"]): p["n_trainable"] for p in points
+                      if p["hops"] == k and p["cot"] == (cot and k > 1)}
+            b = fit_growth([(r["R"], r["d_star"]) for r in mine], cfg.n_boot)
+            b_lo = fit_growth([(r["R"], r["d_fail"] if r["d_star"] else None) for r in mine], cfg.n_boot)
+            b_par = fit_growth([(r["R"], params.get((r["R"], r["seed"], r["d_star"]))) for r in mine], cfg.n_boot)
+            cells[f"k{k}_{'cot' if cot else 'direct'}"] = {
+                "hops": k, "cot": cot, "by_R": by_r, "b": b.to_dict(), "b_on_d_fail": b_lo.to_dict(),
+                "b_params": b_par.to_dict(),
+                "b_d2": {"value": 2 * b.value, "ci": [2 * b.ci[0], 2 * b.ci[1]]},
+                "k_in_ci": bool(b.ci[0] <= k <= b.ci[1]), "half_k_in_ci": bool(b.ci[0] <= k / 2 <= b.ci[1])}
+    return {"config": cfg.to_dict(), "cells": cells, "d_star": rows, "points": points, "n_points": len(points),
+            "train_cpu_s": round(sum(p.get("cpu_s") or 0 for p in points), 1),
+            "monotone_violations": _violations(points, cfg.mlp_ratio)}
+
+
+def seeds_markdown(summary: dict) -> str:
+    """The d* table (mean [min, max] over seeds) and the fits, as markdown."""
+    cfg = summary["config"]
+    Rs = sorted({int(R) for c in summary["cells"].values() for R in c["by_R"]})
+    fmt = lambda v: "-" if v is None else f"{v:.3g}"  # noqa: E731
+    lines = [f"N = {cfg['subjects']}, seeds {cfg['seeds']} (table + init), {cfg['attention']} attention, d_mlp = "
+             f"{cfg['mlp_ratio']:g} d, {cfg['max_steps']} steps at lr {cfg['lr']:g}; d* = smallest width on the "
+             f"grid reaching 100% train accuracy, mean [min, max] over seeds.", "",
+             "| k | CoT | " + " | ".join(f"d* at R={R}" for R in Rs) + " | b (d* ~ R^b) [95% CI] | b on d_fail | "
+             "b of params at d* | 2b (d*^2) |", "|---|---|" + "---|" * (len(Rs) + 4)]
+    for c in summary["cells"].values():
+        cols = []
+        for R in Rs:
+            v = c["by_R"].get(str(R))
+            cols.append("-" if not v or v["mean"] is None else
+                        f"{v['mean']:.3g} [{v['min']}, {v['max']}]" + (f" ({v['not_reached']} >grid)"
+                                                                        if v["not_reached"] else ""))
+        b, bl, bp, b2 = c["b"], c["b_on_d_fail"], c["b_params"], c["b_d2"]
+        ci = lambda m: f"{fmt(m['value'])} [{fmt(m['ci'][0])}, {fmt(m['ci'][1])}]"  # noqa: E731
+        lines.append(f"| {c['hops']} | {'yes' if c['cot'] else 'no'} | " + " | ".join(cols) +
+                     f" | {ci(b)} | {ci(bl)} | {ci(bp)} | {ci(b2)} |")
+    bad = summary.get("monotone_violations") or []
+    lines += ["", f"{summary['n_points']} trained points ({summary['train_cpu_s']} CPU s of training); {len(bad)} "
+              f"failed although a smaller width succeeded (listed in {SEEDS_FILE})."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_seeds(summary: dict, path: str) -> str:
+    """d* against R (log-log), one panel per k: per-seed points, the mean over seeds and the fitted line d* =
+    e^a R^b, with and without CoT, and R^k, R^(k/2) references through the no-CoT mean at the smallest R."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    cells = summary["cells"]
+    ks = sorted({c["hops"] for c in cells.values()})
+    fig, axes = plt.subplots(1, len(ks), figsize=(4.2 * len(ks), 3.8), squeeze=False)
+    for ax, k in zip(axes[0], ks):
+        for cot, color, marker in ((False, "C0", "o"), (True, "C1", "s")):
+            c = cells.get(f"k{k}_{'cot' if cot else 'direct'}")
+            if not c:
+                continue
+            Rs = sorted(int(R) for R in c["by_R"])
+            shift = 1.04 if cot else 0.96
+            for R in Rs:
+                ds = [d for d in c["by_R"][str(R)]["d_star"] if d]
+                ax.scatter([R * shift] * len(ds), ds, s=14, color=color, alpha=0.45, marker=marker)
+            means = [c["by_R"][str(R)]["mean"] for R in Rs]
+            b = c["b"]
+            label = f"{'with' if cot else 'without'} CoT: b={b['value']:.2f} [{b['ci'][0]:.2f}, {b['ci'][1]:.2f}]"
+            ax.plot(Rs, means, marker=marker, color=color, linestyle="none", label=label)
+            if b["value"] is not None and b.get("note", "").startswith("a="):
+                a = float(b["note"].split()[0][2:])
+                ax.plot(Rs, [math.exp(a) * R ** b["value"] for R in Rs], "-", color=color, lw=1)
+            if not cot and means[0]:
+                ax.plot(Rs, [means[0] * (R / Rs[0]) ** k for R in Rs], ":", color="gray", label="∝ R^k")
+                ax.plot(Rs, [means[0] * (R / Rs[0]) ** (k / 2) for R in Rs], "--", color="lightgray",
+                        label="∝ R^(k/2)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        for axis in (ax.xaxis, ax.yaxis):
+            axis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.set_xlabel("relations R")
+        ax.set_ylabel("d* (smallest d reaching 100%)")
+        ax.set_title(f"k = {k}, N = {summary['config']['subjects']}, {len(summary['config']['seeds'])} seeds")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    write_figure(path, fig)
+    return path
+
+
+
 # -------------------------------------------------------------------------------------------------------- CLI
 def _ints(text: str) -> list[int]:
     return [int(x) for x in str(text).split(",") if x.strip()]
@@ -309,6 +589,26 @@ def add_multihop_parser(synth_subparsers) -> None:
     p.add_argument("--out", required=True, help="output folder (points.jsonl, summary.json, table.md, plot)")
     p.set_defaults(func=cmd_multihop)
 
+    p = synth_subparsers.add_parser(
+        "multihop-seeds", help="k-hop: d* per k, CoT, R and seed, with the growth fit d* ~ R^b",
+        description="d* (smallest d reaching 100%%) for every k x CoT x R x seed (seed = fact table + init; the "
+                    "seeds of a cell trained together), then log d* = a + b log R per k with a bootstrap interval "
+                    "over seeds within R. Resumable (points.jsonl in --out); writes seeds.json, seeds.md and the "
+                    "figure.")
+    p.add_argument("--subjects", "-N", type=int, default=16)
+    p.add_argument("--relations", "-R", default="2,4,8", help="comma list of R (default %(default)s)")
+    p.add_argument("--hops", default="1,2,3", help="comma list of k (default %(default)s)")
+    p.add_argument("--seeds", default="0,1,2", help="comma list of seeds (default %(default)s)")
+    p.add_argument("--d-grid", default=",".join(map(str, D_GRID)))
+    p.add_argument("--mlp-ratio", type=float, default=4.0, help="d_mlp = ratio * d")
+    p.add_argument("--attention", choices=["uniform", "learned"], default="learned")
+    p.add_argument("--lr", type=float, default=0.03)
+    p.add_argument("--max-steps", type=int, default=2000)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--img", default=None, help="also write the figure to this path")
+    p.add_argument("--out", required=True, help="output folder (points.jsonl, seeds.json, seeds.md, seeds.png)")
+    p.set_defaults(func=cmd_multihop_seeds)
+
 
 def cmd_multihop(args) -> dict:
     cfg = MultihopConfig(subjects=args.subjects, relations=args.relations, hops=_ints(args.hops), seed=args.seed,
@@ -325,3 +625,18 @@ def cmd_multihop(args) -> dict:
     print(table_markdown(summary))
     print(f"summary: {os.path.join(args.out, 'summary.json')} ({summary['wall_s']} s)")
     return summary
+
+
+def cmd_multihop_seeds(args) -> dict:
+    cfg = SeedsConfig(subjects=args.subjects, relations=_ints(args.relations), hops=_ints(args.hops),
+                      seeds=_ints(args.seeds), attention=args.attention, mlp_ratio=args.mlp_ratio,
+                      d_grid=_ints(args.d_grid), lr=args.lr, max_steps=args.max_steps, threads=args.threads)
+    summary = run_seeds(cfg, args.out)
+    write_text(os.path.join(args.out, "seeds.md"), seeds_markdown(summary))
+    plot_seeds(summary, os.path.join(args.out, "seeds.png"))
+    if args.img:
+        plot_seeds(summary, args.img)
+    print(seeds_markdown(summary))
+    print(f"summary: {os.path.join(args.out, SEEDS_FILE)} ({summary['wall_s']} s)")
+    return summary
+
