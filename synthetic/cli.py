@@ -122,6 +122,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="train every (seed, mode) search of an (N, R) together, one batched model stack per round "
                         "(default; 1.85x faster on this CPU, docs/synthetic.md); --no-batched: one model at a time, "
                         "each later seed starting from the previous seed's d* (how the published grid was run)")
+    p.add_argument("--per-round", type=_positive("--per-round"), default=1,
+                   help="batched: widths each search trains per bisection round (default 1; more: fewer rounds, "
+                        "more points -- pays where a round's models cost little more than one, e.g. a GPU)")
+    p.add_argument("--extrapolate", action="store_true",
+                   help="batched: start each (N, R, mode) search from d* extrapolated linearly in log2 N from the "
+                        "smaller N already in --out (fewer points at large N; the search still confirms d*)")
     p.add_argument("--executor", choices=["process", "ray"], default="process",
                    help="run sweep units in local processes (default) or as Ray tasks (retried when a worker dies)")
     p.add_argument("--address", default=None,
@@ -210,7 +216,7 @@ def cmd_sweep(args) -> dict:
                       modes=modes, mlp_ratio=args.mlp_ratio, d_mlp=args.mlp_width, attention=args.attention,
                       d_min=args.d_min, d_max=args.d_max, workers=args.workers, threads=args.threads or 1,
                       batched=args.batched, executor=args.executor, address=args.address,
-                      train=_train_config(args, progress=False))
+                      per_round=args.per_round, extrapolate=args.extrapolate, train=_train_config(args, progress=False))
     if args.address and args.executor != "ray":
         from llmprobe.checks import UsageError
 

@@ -16,7 +16,8 @@ config); a rerun of the same sweep reads the file first and skips every key alre
 sweep resumes where it stopped; each key is written once (:func:`append_once` checks under a lock), so a unit
 rerun after its worker died adds nothing twice. Units run here, in a local process pool (``workers``) or as Ray
 tasks (``executor="ray"``, :mod:`synthetic.executors`); with ``batched`` one unit is an (N, R) whose seed and mode
-searches advance in lockstep, each round's widths trained together (:mod:`synthetic.batched`).
+searches advance in lockstep, each round's widths (``per_round`` per search) trained together
+(:mod:`synthetic.batched`).
 
 :func:`summarize` fits ``d* = c * R * log2 N`` by least squares through the origin with a bootstrap interval over
 cells, the same c per N and ``d* = c R (log2 N)^p`` with p free, and flags drift when c moves with N
@@ -61,6 +62,9 @@ class SweepConfig:
                                          # 1.85x faster on 2 CPU cores, docs/synthetic.md); False: one at a time
     executor: str = "process"            # "process" (a local pool of ``workers``) | "ray" (Ray tasks)
     address: str | None = None           # Ray cluster address (None: start Ray on this machine)
+    per_round: int = 1                   # batched: widths each search trains per round (Bisection.next_round)
+    extrapolate: bool = False            # batched: start each search from d* extrapolated from smaller N
+                                         # (:func:`extrapolated_guess`) instead of :func:`initial_guess`
     train: TrainConfig = field(default_factory=lambda: TrainConfig(progress=False))
 
 
@@ -106,6 +110,22 @@ def initial_guess(N: int, R: int, mode: str, bits_per_subject: float | None = No
     return max(2, int(round(0.2 * bits_per_subject * (1.5 if mode == "frozen" else 1.0))))
 
 
+def extrapolated_guess(rows: list[dict], N: int, R: int, mode: str, config: str | None = None,
+                       confirm: int = 2) -> int | None:
+    """Starting width for (N, R, mode) from the exact d* already measured at smaller N (same R, mode and, when
+    given, training config ``config``) in ``rows``: the least-squares line d* = a + b log2 N over those cells,
+    evaluated at N and rounded. None when fewer than two smaller N have an exact d*. Only a start: the search
+    still brackets and confirms its own d*."""
+    rows = [r for r in rows if config is None or r.get("config") == config]
+    pts = [(math.log2(n), t["d_star"]) for (n, r, _, m, _), t in thresholds(rows, confirm).items()
+           if r == R and m == mode and n < N and t["exact"]]
+    if len({x for x, _ in pts}) < 2:
+        return None
+    mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
+    b = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+    return max(2, int(round(my + b * (math.log2(N) - mx))))
+
+
 CONFIRM = 2          # initialisations that must fail at d*-1 before d* is called exact
 INIT_OFFSET = 1000   # model seed of initialisation i: seed + i * INIT_OFFSET (the fact table keeps its seed)
 
@@ -131,6 +151,7 @@ class Bisection:
         self.start = min(max(int(start if start is not None else lo), self.lo), self.hi)
         self.results: dict[int, dict[int, bool]] = {}        # d -> {init: success}
         self.order: list[tuple[int, int, bool]] = []
+        self.side = {True: None, False: None}               # next_round's side steps: {going up: below, down: above}
 
     def record(self, d: int, success: bool, init: int = 0) -> None:
         self.results.setdefault(int(d), {})[int(init)] = bool(success)
@@ -161,7 +182,9 @@ class Bisection:
             return worst, next(i for i in range(len(tried) + 1) if i not in tried)
         going_up = best is None
         streak = 0                                  # consecutive moves in the current direction
-        for _, _, ok in reversed(self.order):
+        for d, _, ok in reversed(self.order):
+            if d == self.side[going_up]:            # next_round's side step away from this direction: no move
+                continue
             if ok == (not going_up):
                 streak += 1
             else:
@@ -172,6 +195,36 @@ class Bisection:
         if going_up:
             return None if worst >= self.hi else (min(self.hi, worst + step), 0)
         return None if best <= self.lo else (max(self.lo, best - step), 0)
+
+    def next_round(self, k: int = 1) -> list[tuple[int, int]]:
+        """Up to ``k`` (width, initialisation) to train together in one round (``[]`` when d* is settled): the
+        start with one walk step on either side of it; while walking, the walk's next ``k`` widths as if each
+        failed (going up) or succeeded (going down); while bisecting, ``k`` widths splitting the bracket into
+        ``k + 1`` near-equal parts; a confirmation (another initialisation of d*-1) alone. ``k`` = 1 is
+        :meth:`next`. The results of a round may be recorded in any order; d* and :attr:`exact` follow the same
+        rule, so with success monotone in d every ``k`` ends at the same d*, in fewer rounds."""
+        nxt = self.next()
+        if nxt is None or k <= 1 or nxt[1] > 0:
+            return [] if nxt is None else [nxt]
+        best, worst = self._bracket()
+        if best is not None and worst is not None:
+            gap = best - worst
+            return [(d, 0) for d in sorted({worst + round(gap * j / (k + 1)) for j in range(1, k + 1)})
+                    if worst < d < best][:k]
+        if best is None and worst is None:                # the start: one step on either side of it too
+            step = 1 if self.prior else max(1, int(round(0.12 * self.start)))
+            around = [self.start, max(self.lo, self.start - step), min(self.hi, self.start + step)][:k]
+            self.side = {True: around[1] if around[1] < self.start else None,
+                         False: around[2] if k > 2 and around[2] > self.start else None}
+            return [(d, 0) for d in dict.fromkeys(around)]
+        sim = Bisection(self.lo, self.hi, self.start, confirm=self.confirm, prior=self.prior)
+        sim.results = {d: dict(r) for d, r in self.results.items()}
+        sim.order, sim.side = list(self.order), dict(self.side)
+        out = []
+        while len(out) < k and (nxt := sim.next()) is not None and nxt[1] == 0 and nxt not in out:
+            out.append(nxt)
+            sim.record(nxt[0], best is not None)          # walking down: as if it succeeded; up: as if it failed
+        return out
 
     @property
     def d_star(self) -> int | None:
@@ -189,19 +242,22 @@ class Bisection:
 
 
 def find_threshold(train_fn, lo: int, hi: int, start: int | None = None, *, confirm: int = CONFIRM,
-                   prior: bool = False) -> dict:
+                   prior: bool = False, per_round: int = 1) -> dict:
     """Run a :class:`Bisection` with ``train_fn(d, init) -> success`` (a bool, or a (bool, anything) pair whose
     second part is kept). Returns {"d_star", "exact", "tried": [{"d", "init", "success"}] in training order,
-    "results": {(d, init): the second part}}; d_star is None when no width up to ``hi`` succeeded."""
+    "results": {(d, init): the second part}, "rounds"}; d_star is None when no width up to ``hi`` succeeded.
+    ``per_round``: widths per round (:meth:`Bisection.next_round`; a batched trainer trains a round at once)."""
     search = Bisection(lo, hi, start, confirm=confirm, prior=prior)
-    kept = {}
-    while (nxt := search.next()) is not None:
-        d, init = nxt
-        out = train_fn(d, init)
-        ok, payload = (out if isinstance(out, tuple) else (out, None))
-        kept[(d, init)] = payload
-        search.record(d, bool(ok), init)
-    return {"d_star": search.d_star, "exact": search.exact, "tried": search.tried(), "results": kept}
+    kept, rounds = {}, 0
+    while todo := search.next_round(per_round):
+        rounds += 1
+        for d, init in todo:
+            out = train_fn(d, init)
+            ok, payload = (out if isinstance(out, tuple) else (out, None))
+            kept[(d, init)] = payload
+            search.record(d, bool(ok), init)
+    return {"d_star": search.d_star, "exact": search.exact, "tried": search.tried(), "results": kept,
+            "rounds": rounds}
 
 
 def config_key(cfg: SweepConfig) -> str:
@@ -288,13 +344,16 @@ def _batched_unit(N: int, R: int, modes: tuple, cfg: SweepConfig, out_dir: str, 
     from .train import model_config_for
 
     torch.set_num_threads(max(1, cfg.threads))
-    searches = {(seed, mode): Bisection(cfg.d_min, cfg.d_max, initial_guess(N, R, mode))
-                for seed in cfg.seeds for mode in modes}
+    def start(mode):
+        guess = extrapolated_guess(list(cache.values()), N, R, mode, config_key(cfg)) if cfg.extrapolate else None
+        return guess or initial_guess(N, R, mode)
+
+    searches = {(seed, mode): Bisection(cfg.d_min, cfg.d_max, start(mode)) for seed in cfg.seeds for mode in modes}
     while True:
-        wanted = {cell: nxt for cell, search in searches.items() if (nxt := search.next()) is not None}
+        wanted = [(cell, point) for cell, search in searches.items() for point in search.next_round(cfg.per_round)]
         if not wanted:
             break
-        todo = [(seed, mode, d, init) for (seed, mode), (d, init) in wanted.items()
+        todo = [(seed, mode, d, init) for (seed, mode), (d, init) in wanted
                 if point_key(N, R, seed, mode, d, cfg, init) not in cache]
         if todo:
             tasks = [random_bijections(N, R, seed) for seed, _, _, _ in todo]
@@ -307,7 +366,7 @@ def _batched_unit(N: int, R: int, modes: tuple, cfg: SweepConfig, out_dir: str, 
                 append_once(out_dir, row)
                 _log_point(row)
                 cache[row["key"]] = row
-        for (seed, mode), (d, init) in wanted.items():
+        for (seed, mode), (d, init) in wanted:
             searches[seed, mode].record(d, bool(cache[point_key(N, R, seed, mode, d, cfg, init)]["success"]), init)
     return [{"N": N, "R": R, "seed": seed, "mode": mode, "d_star": s.d_star, "exact": s.exact, "tried": s.tried()}
             for (seed, mode), s in searches.items()]

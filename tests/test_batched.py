@@ -114,3 +114,64 @@ def test_batched_equals_one_at_a_time_on_chain_of_thought():
         alone = _alone(task, mcfg, cfg)
         assert res.steps == alone.steps == 8
         _assert_same_params(res.model, alone.model)
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_widths_per_round_find_the_same_threshold_in_fewer_rounds(k):
+    # planted monotone thresholds: k widths a round end at the same exact d* as one, in fewer rounds overall
+    from synthetic.sweep import Bisection, find_threshold
+
+    rounds = {1: 0, k: 0}
+    for t in range(3, 70):
+        for start in (2, 5, t - 2, t, t + 3, 60):
+            for per in (1, k):
+                found = find_threshold(lambda d, i: d >= t, 2, 512, max(2, start), per_round=per)
+                assert (found["d_star"], found["exact"]) == (t, True), (t, start, per, found["tried"])
+                rounds[per] += found["rounds"]
+    assert rounds[k] < 0.8 * rounds[1]
+    search = Bisection(2, 512, 20)
+    assert search.next_round(3) == [(20, 0), (18, 0), (22, 0)]      # the start and a step on either side
+    for d, ok in ((18, False), (20, False), (22, False)):
+        search.record(d, ok)
+    assert search.next_round(3) == [(28, 0), (40, 0), (80, 0)]      # the walk up as if each failed (22, then 28:
+    for d, ok in ((28, False), (40, True), (80, True)):             # the steps of the one-at-a-time walk)
+        search.record(d, ok)
+    assert search.next_round(3) == [(31, 0), (34, 0), (37, 0)]      # the bracket (28, 40) split into 4 parts
+    for d, ok in ((31, False), (34, True), (37, True)):
+        search.record(d, ok)
+    assert search.next_round(3) == [(32, 0), (33, 0)]
+    search.record(32, False)
+    search.record(33, True)
+    assert search.next_round(3) == [(32, 1)]                        # confirmation: alone
+    search.record(32, False, 1)
+    assert search.next_round(3) == [] and search.d_star == 33 and search.exact
+
+
+def test_batched_sweep_with_three_widths_per_round_finds_the_same_thresholds(tmp_path):
+    from synthetic.sweep import SweepConfig, load_results, run_sweep, thresholds
+
+    found, n_rows = {}, {}
+    for per in (1, 3):
+        cfg = SweepConfig(subjects=[32], relations=[2], seeds=[0, 1], modes=["trainable", "frozen"], d_min=2,
+                          d_max=32, per_round=per, train=TrainConfig(max_steps=200, progress=False))
+        out = str(tmp_path / f"per{per}")
+        run_sweep(cfg, out)
+        rows = load_results(out)
+        found[per] = {k[:4]: (t["d_star"], t["exact"]) for k, t in thresholds(rows).items()}
+        n_rows[per] = (len(rows), max(r["batch_models"] for r in rows))
+    assert found[3] == found[1] and len(found[1]) == 4 and all(exact for _, exact in found[1].values())
+    assert n_rows[3][1] > 4                 # more than one width per search trained in one stack
+
+
+def test_extrapolated_guess_follows_the_smaller_n():
+    from synthetic.sweep import extrapolated_guess
+
+    def rows(N, d_star, mode="trainable"):         # d*-1 failed twice, d* succeeded: an exact cell
+        return [{"n_subjects": N, "n_relations": 4, "seed": 0, "mode": mode, "config": "c", "d_model": d,
+                 "init": i, "success": d >= d_star} for d, i in ((d_star - 1, 0), (d_star - 1, 1), (d_star, 0))]
+
+    table = rows(256, 7) + rows(512, 8) + rows(1024, 9) + rows(1024, 20, "frozen")
+    assert extrapolated_guess(table, 4096, 4, "trainable", "c") == 11           # 7 + (log2 N - 8)
+    assert extrapolated_guess(table, 4096, 4, "trainable", "other config") is None
+    assert extrapolated_guess(table, 4096, 4, "frozen", "c") is None           # one N only
+    assert extrapolated_guess(table, 4096, 2, "trainable", "c") is None        # no cell of that R
