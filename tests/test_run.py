@@ -45,3 +45,45 @@ def test_run_end_to_end_on_tiny_model_and_compare(tmp_path):
     assert main(["report", str(out), "--format", "json", "--out", str(tmp_path / "exp")]) == 0
     assert json.loads((tmp_path / "exp" / "metrics.json").read_text())
     assert main(["compare", str(tmp_path / "nothing-here"), "--out", str(tmp_path / "c2")]) == 2
+
+
+def test_controls_worker_leaves_its_core_while_it_runs_and_gives_it_back(monkeypatch):
+    """The parent runs with at most usable CPUs - 1 torch threads while the worker trains; once the worker has
+    sent its result, the original count comes back (checked at the parent's checkpoints)."""
+    import os
+
+    import torch
+
+    from llmprobe.run import ControlsWorker
+
+    class Process:
+        alive = True
+
+        def is_alive(self):
+            return self.alive
+
+    class Pipe:
+        sent = False
+
+        def poll(self):
+            return self.sent
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    before = torch.get_num_threads()
+    worker = object.__new__(ControlsWorker)
+    worker.process, worker._receive, worker._threads = Process(), Pipe(), None
+    try:
+        torch.set_num_threads(4)
+        worker.share_cores()
+        assert torch.get_num_threads() == 3             # 4 usable CPUs: 3 for the parent, 1 for the worker
+        worker.share_cores()                            # a second checkpoint changes nothing
+        assert torch.get_num_threads() == 3
+        worker._receive.sent = True                     # the result is waiting in the pipe: the worker is done
+        worker.share_cores()
+        assert torch.get_num_threads() == 4
+        torch.set_num_threads(1)                        # one thread already: nothing to give
+        worker._receive.sent = False
+        worker.share_cores()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
