@@ -5,8 +5,8 @@
    ``torch.cuda.max_memory_allocated`` on CUDA). Each stage of the run is timed with the project's own functions
    on a small fixed workload: load (``load_model`` of a saved safetensors folder), known facts (``known_facts``),
    capture (``relation_states``), edits (``layer_sequences`` + resumed ``next_token_predictions``), Jacobians
-   (``subject_jacobians``, exact up to d = 1024, and low-rank ``rank=8`` at every width when the installed
-   llmprobe has it), random-init control (``random_like``).
+   (``subject_jacobians``, exact up to d = 1024 at one layer, and low-rank ``rank=64`` at three layers at every
+   width when the installed llmprobe has it), random-init control (``random_like``).
    Width-only CPU work is timed once per width: LRE fits (``SVD`` of W and of ``random_spectrum_like(W)``), ridge
    fits (``RidgeDecoder``), superposition readouts (``superposition_readout`` on the real 193 x 6 table) and the
    matched controls (``train_at`` steps, ``measure_control``).
@@ -166,35 +166,29 @@ def forward_work(shape: Shape, batches: list[tuple[int, int]], blocks: int, head
     return w
 
 
-def jacobian_work(shape: Shape, prompts: list[tuple[int, int]], first_layer: int, products: int,
-                  batch_size: int = 16, chunk: int = 96) -> Work:
-    """subject_jacobians of prompts (tokens before the subject's last, tokens from it to the end), rows grouped
-    by the second number: prefix forward without grad, forward with grad, ``products`` VJPs through the blocks
-    after ``first_layer`` (``chunk`` per batched backward)."""
+def jacobian_work(shape: Shape, prompts: list[tuple[int, int]], layers: list[int], rank: int | None = None,
+                  oversample: int = 10, batch_size: int = 16, chunk: int = 96) -> Work:
+    """subject_jacobians of prompts (tokens before the subject's last, tokens from it to the end) at the subject
+    states of ``layers``, rows grouped by the second number: a prefix forward without grad, a forward with grad,
+    then the products, each through the blocks after the layer it reaches (``chunk`` per batched backward).
+
+    Exact (``rank`` None, or k = rank + oversample >= d): d VJPs from o, through the blocks after min(layers)
+    (one backward reaches every layer). Low-rank (``llmprobe.lre._lowrank_rows``): k VJPs through the blocks
+    after min(layers) (shared by the layers), then per layer l k JVPs and k VJPs through the blocks after l."""
+    k = None if rank is None or rank + oversample >= shape.d else rank + oversample
+    first = min(layers)
+    terms = [(shape.d, first)] if k is None else [(k, first)] + [(2 * k, l) for l in layers]
     w = Work()
     for start in range(0, len(prompts), batch_size):
         part = prompts[start:start + batch_size]
         for after in sorted({a for _, a in part}):
             group = [p for p in part if p[1] == after]
             rows, prefix = len(group), max(p for p, _ in group)
-            blocks_back = shape.layers - 1 - first_layer + 1
             w.add(rows * (prefix + after) * shape.layers * shape.token_block_flops(), 2)
-            w.add(products * rows * after * blocks_back * shape.token_block_flops(), math.ceil(products / chunk))
+            for products, layer in terms:
+                w.add(products * rows * after * (shape.layers - layer) * shape.token_block_flops(),
+                      math.ceil(products / chunk))
     return w
-
-
-def products_for(d: int, rank: int | None, n_layers: int = 1, oversample: int = 10) -> int:
-    """Vector-Jacobian (and Jacobian-vector) products per prompt: d_model for the exact Jacobian; for the
-    low-rank estimator ``llmprobe.lre.lowrank_products`` (k = rank + oversample VJPs shared by the layers, then k
-    JVPs and k VJPs per layer), or exact when k >= d (what ``subject_jacobians`` does then)."""
-    k = None if rank is None else rank + oversample
-    if k is None or k >= d:
-        return d
-    try:
-        from llmprobe.lre import lowrank_products
-    except ImportError:                    # an llmprobe without low-rank Jacobians: the same count
-        return k * (1 + 2 * n_layers)
-    return lowrank_products(rank, n_layers, oversample)
 
 
 # ---------------------------------------------------------------------------------------- measuring (child)
@@ -330,16 +324,18 @@ def measure_config(d: int, layers: int, device: str, n_facts: int, n_jacobian: i
     stage("edits", lambda: next_token_predictions(lm, template, subjects, mid, delta, batch_size=32,
                                                   resume=layer_sequences(lm, template, subjects, mid, batch_size=32)),
           edit)
-    jac_layer = max(0, layers - 3)               # two blocks of backward per product: seconds, not minutes
+    # three blocks of backward at most per product (seconds, not minutes); exact: one layer; low-rank: three
+    # layers, as the run's 3 LRE layers (its JVPs and VJPs per layer reach fewer blocks than the shared ones)
+    jac_layers = {"jacobians": [max(0, layers - 3)], "jacobians_lowrank": sorted({max(0, layers - i) for i in (3, 2, 1)})}
     jac_subjects = subjects[:n_jacobian]
     jac_prompts = jacobian_prompts(tok, template, jac_subjects)
     for name, rank in (("jacobians", None), ("jacobians_lowrank", LOW_RANK)):
         if (rank is None and d > 1024) or (rank is not None and not has_low_rank()):
             continue
         kwargs = {} if rank is None else {"rank": rank}
-        stage(name, lambda: subject_jacobians(lm, template, jac_subjects, [jac_layer], batch_size=16, chunk=96,
+        stage(name, lambda: subject_jacobians(lm, template, jac_subjects, jac_layers[name], batch_size=16, chunk=96,
                                               **kwargs),
-              jacobian_work(shape, jac_prompts, jac_layer, products_for(d, rank, 1)))
+              jacobian_work(shape, jac_prompts, jac_layers[name], rank))
     _, seconds = timed(lambda: random_like(lm, seed=1), device)
     stages["random_init"] = {"seconds": seconds, "flops": float(shape.params), "calls": 1,
                              "peak_bytes": peak_memory(device)}
@@ -415,8 +411,11 @@ SMOLLM2_RUN = {"load": 4.4, "known_facts": 77.1, "jacobians": 540.9, "decoders_o
 CONTROL_D_STAR = {"trainable": 4, "frozen": 8}   # SmolLM2's table (measured); the table is the same for any model
 CONTROL_STEPS = 112     # mean training steps of SmolLM2's matched-control points at d >= 64 (measured, both modes)
 CONTROL_SEARCH_S = 122.0  # the two d* bisections on SmolLM2's table (widths 3-8, measured; model-independent)
-LOW_RANK = 8            # rank of the low-rank Jacobian estimate timed (its cost per product is what is fitted)
+LOW_RANK = 64           # rank of the low-rank Jacobian estimate timed (k = 74 < d at every benchmark width)
 PREDICT_RANK = 128      # rank in the prediction: llmprobe.analyses.settings.AUTO_JACOBIAN_RANK, the default
+# SmolLM2's measured low-rank speed-ups (CPU seconds, exact / rank K; `benchmarks/jacobian_rank.py --timing-only
+# --measured 32,64,128 --timing-relations 2`: the first 9 subjects of the first 2 bundled relations, layers 6/15/24)
+SMOLLM2_LOWRANK_SPEEDUP = {32: 3.50, 64: 1.84, 128: 0.98}
 
 
 def run_workload(tok, n_layers: int, known_counts: dict | None) -> dict:
@@ -449,7 +448,7 @@ def run_workload(tok, n_layers: int, known_counts: dict | None) -> dict:
         batches = padded_batches(tok, prompts[:n], cfg.batch_size)
         w["forward"].append((batches, n_layers))                                  # relation_states
         union = split.jacobian_union().tolist()
-        w["jacobian"].append((jacobian_prompts(tok, template, [subjects[i] for i in union]), min(lre_layers)))
+        w["jacobian"].append(jacobian_prompts(tok, template, [subjects[i] for i in union]))
         n_test_pairs = len(split.test_pairs[0])
         for layer in layers:
             for refit in split.refits:
@@ -527,8 +526,7 @@ def predict(shape: Shape, work: dict, model_cost, width_fits: dict, load_s: floa
 
     fwd = sum_work(forward_work(shape, b, blocks) for b, blocks in work["forward"])
     edits = sum_work(forward_work(shape, b, blocks, head=True) for b, blocks in work["edits"])
-    jac = sum_work(jacobian_work(shape, p, first, products_for(shape.d, rank, len(work["lre_layers"])))
-                   for p, first in work["jacobian"])
+    jac = sum_work(jacobian_work(shape, p, work["lre_layers"], rank) for p in work["jacobian"])
     heads = Work(work["head_rows"] * shape.head_flops(), 0)
     states = forward_work(shape, work["states"], shape.layers)
     out = {"load": load_s, "known_facts": model_cost("known_facts", known_work(shape, work["known"]), shape),
@@ -566,7 +564,7 @@ def memory(shape: Shape, work: dict, bytes_per_param: int) -> dict:
     relation's Jacobians (float32, every LRE layer) with the float64 copies and SVDs of one fit."""
     weights = shape.params * bytes_per_param
     d = shape.d
-    jac_prompts = max((len(p) for p, _ in work["jacobian"]), default=0)
+    jac_prompts = max((len(p) for p in work["jacobian"]), default=0)
     jacobians = jac_prompts * len(work["lre_layers"]) * d * d * 4 + (3 + 2 * 4) * d * d * 8
     return {"weights": weights, "device": 2 * weights, "host_init": weights, "host_jacobians": jacobians}
 
@@ -683,14 +681,36 @@ def fit_and_predict(measured: list[dict], measured_widths: list[dict], args, t0:
         entry["memory_h200"] = memory(shape, work, H200["bytes_per_param"])
         predictions[shape.name] = entry
     print_predictions(predictions)
+    lowrank = lowrank_check(tok, fits) if "jacobians_lowrank" in fits else {}
     print(f"benchmark wall time {time.perf_counter() - t0:.0f} s; load average {os.getloadavg()[0]:.1f} at the end")
     result = {"measured": measured, "widths": measured_widths, "fits": fits, "width_fits": width_fits,
-              "predictions": predictions, "device": args.device, "threads": args.threads, "h200": H200}
+              "predictions": predictions, "lowrank_check": lowrank, "device": args.device, "threads": args.threads, "h200": H200}
     if args.json:
         from llmprobe.io import write_json
 
         write_json(args.json, result)
     return result
+
+
+def lowrank_check(tok, fits: dict) -> dict:
+    """Out-of-sample check of the Jacobian fits: the predicted speed-up of rank-K over exact Jacobians on
+    SmolLM2's shape and prompts (``SMOLLM2_LOWRANK_SPEEDUP``'s workload) against the measured one."""
+    from llmprobe.datasets import load_relations
+
+    shape = TARGETS[0]
+    layers = [6, 15, 24]
+    prompts = [jacobian_prompts(tok, rel.templates[0], [f.subject for f in rel.facts[:9]])
+               for rel in load_relations(None)[:2]]
+    cost = cpu_model_cost(fits)
+    exact = sum(cost("jacobians", jacobian_work(shape, p, layers), shape) for p in prompts)
+    out = {}
+    for rank, measured in SMOLLM2_LOWRANK_SPEEDUP.items():
+        low = sum(cost("jacobians_lowrank", jacobian_work(shape, p, layers, rank), shape) for p in prompts)
+        out[rank] = {"measured": measured, "predicted": round(exact / low, 2)}
+    print("\nlow-rank Jacobians on SmolLM2 (layers 6/15/24, 2 relations x 9 prompts), speed-up over exact, "
+          "measured / predicted: " + ", ".join(f"K={k} {v['measured']:.2f}x / {v['predicted']:.2f}x"
+                                                for k, v in out.items()))
+    return out
 
 
 def gib(x: float) -> str:

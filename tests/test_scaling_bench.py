@@ -74,14 +74,16 @@ def test_forward_flops_match_torch_flop_counter(scaling):
     assert predicted == pytest.approx(counter.get_total_flops(), rel=0.05)   # attention scores left out: < 5%
 
 
-def test_jacobian_work_scales_with_products_and_blocks(scaling):
+def test_jacobian_work_counts_each_product_through_the_blocks_it_reaches(scaling):
     shape = scaling.bench_shape(512, 8)
     prompts = [(5, 4), (6, 4), (5, 3)]
-    full = scaling.jacobian_work(shape, prompts, first_layer=2, products=scaling.products_for(512, None))
-    low = scaling.jacobian_work(shape, prompts, first_layer=2, products=scaling.products_for(512, 8, n_layers=3))
+    full = scaling.jacobian_work(shape, prompts, [2, 4, 6])
+    low = scaling.jacobian_work(shape, prompts, [2, 4, 6], rank=8)
     forward = sum(len(g) * (max(p for p, _ in g) + a) * 8 for a, g in
                   ((4, prompts[:2]), (3, prompts[2:]))) * shape.token_block_flops()
-    backward_per_product = (2 * 4 + 1 * 3) * (8 - 2) * shape.token_block_flops()
-    assert full.flops == pytest.approx(forward + 512 * backward_per_product)
-    assert low.flops == pytest.approx(forward + 18 * 7 * backward_per_product)   # k = 8 + 10; k VJPs, then k JVPs
-    assert scaling.products_for(64, 100) == 64           # and k VJPs per layer; never more than d (exact)
+    tokens_after = 2 * 4 + 1 * 3
+    back = tokens_after * shape.token_block_flops()        # one product through one block, all prompts
+    assert full.flops == pytest.approx(forward + 512 * (8 - 2) * back)   # d VJPs from o reach every layer
+    k = 8 + 10                        # k shared VJPs to layer 2, then k JVPs + k VJPs to each layer's own state
+    assert low.flops == pytest.approx(forward + k * (8 - 2) * back + 2 * k * ((8 - 2) + (8 - 4) + (8 - 6)) * back)
+    assert scaling.jacobian_work(shape, prompts, [2, 4, 6], rank=600).flops == full.flops   # k >= d: exact
