@@ -350,6 +350,29 @@ def add_analyze_parser(synth_subparsers) -> None:
                    help="stop at 100%% train accuracy instead of training all --max-steps")
     p.set_defaults(func=cmd_analyze)
 
+    q = synth_subparsers.add_parser(
+        "swap-sweep", help="freeze-and-swap over d/d*, seeds, encoders and training settings",
+        description="Train one-hop models at d = ratio * d* (d* from docs/synthetic.md), freeze them and swap in "
+                    "subject embeddings of new random bijections (encoders: least-squares fit, the construction's "
+                    "rule, random re-init; plus the construction's own model). Resumable: OUT/results.jsonl; "
+                    "OUT/summary.json; --img draws the figure.")
+    q.add_argument("out", metavar="OUT")
+    q.add_argument("--subjects", "-N", default="256", help="comma list (default %(default)s)")
+    q.add_argument("--relations", "-R", default="4", help="comma list (default %(default)s)")
+    q.add_argument("--ratios", default="1,2,4,8", help="d/d* values (default %(default)s)")
+    q.add_argument("--seeds", default="0,1,2", help="table and init seeds (default %(default)s)")
+    q.add_argument("--modes", default="trainable,frozen", help="trainable,frozen,frozen_unembed")
+    q.add_argument("--weight-decay", type=float, default=DEFAULT_TRAIN["weight_decay"])
+    q.add_argument("--max-steps", type=int, default=DEFAULT_TRAIN["max_steps"])
+    q.add_argument("--stop-at-100", action="store_true")
+    q.add_argument("--steps", default="0,10,25,50,100,300", help="embedding-training steps to report")
+    q.add_argument("--swap-lr", type=float, default=0.03)
+    q.add_argument("--no-control", action="store_true", help="skip the construction positive control")
+    q.add_argument("--img", default=None, help="write the figure here (e.g. docs/img/mech_swap_ratio.png)")
+    q.add_argument("--plot-only", action="store_true", help="only redraw the figure from OUT/summary.json")
+    q.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    q.set_defaults(func=cmd_swap_sweep)
+
     from .multihop import add_multihop_parser
 
     add_multihop_parser(synth_subparsers)
@@ -374,6 +397,30 @@ def cmd_analyze(args) -> dict:
     print(result["table_md"])
     print(f"analysis: {os.path.join(args.run_dir, ANALYSIS)} ({result['wall_s']} s)")
     return result
+
+
+def cmd_swap_sweep(args) -> dict:
+    import json
+
+    from .swap import plot_swap_sweep, sweep_points, swap_sweep
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ints = lambda text: [int(x) for x in text.split(",") if x]
+    if args.plot_only:
+        with open(os.path.join(args.out, "summary.json"), encoding="utf-8") as f:
+            summary = json.load(f)
+    else:
+        pts = sweep_points(ints(args.subjects), ints(args.relations), [float(x) for x in args.ratios.split(",") if x],
+                           ints(args.seeds), [m for m in args.modes.split(",") if m], args.weight_decay,
+                           args.max_steps, args.stop_at_100)
+        summary = swap_sweep(args.out, pts, steps=tuple(ints(args.steps)), lr=args.swap_lr,
+                             control_seeds=() if args.no_control else tuple(ints(args.seeds)))
+    if args.img:
+        plot_swap_sweep(summary, args.img)
+        print(f"figure: {args.img}")
+    print(f"summary: {os.path.join(args.out, 'summary.json')} ({summary['n_rows']} rows)")
+    return summary
 
 
 def main(argv=None) -> int:

@@ -10,7 +10,19 @@ fact table across subjects: for bijections, new random bijections onto the same 
   :func:`synthetic.mechanisms.untrained_like` (the re-initialisation baseline). ``random_matched``: random
   directions with the norms of the ``swap`` embeddings (:func:`llmprobe.geometry.random_direction_like`, the
   random-direction control of every edit).
-* ``old_table``: the same fit applied to the *trained* table (sanity: the fit reproduces the original facts).
+* ``construction``: the explicit construction's encoding rule (:mod:`synthetic.construction`: e_s = sum_q P_q c_{a_q(s)},
+  one code per relation, where relation q's read-out row for attribute a *is* the code P_q c_a) applied to the
+  trained model's own read-out. Once r is fixed the model is linear in e (docs/mechanisms.md section 3), so its
+  centred logits over r's attributes are z_r(e) ~ M_r e + k_r (M_r = U_r A_r, ridge fit of the final state on the
+  trained e_s: :func:`readout_maps`); the code of (q, a) is the read-out row M_q[a], and e'_s = c + beta sum_q
+  M_q[a'_q(s)] (c, beta: mean and mean norm of the trained e_s). ``construction_inverse``: the same rule with
+  decoupled codes: e'_s solves z_r(e) = m (onehot(a'_r(s)) - 1/n_r) for all r at once in least squares (each
+  relation reads its own attribute, the others ignore it). Both: :func:`construction_embeddings`; no training.
+* ``old_table``, ``construction_old``, ``construction_inverse_old``: those encoders applied to the *trained* table
+  (sanity: do they reproduce the original facts?).
+
+The construction's own model with the codes of a new table swapped in (the positive control, exact by design) is
+:func:`construction_control`; :func:`swap_sweep` runs all of this over d/d*, seeds and training settings.
 
 Each condition reports zero-shot accuracy on the new table, then the accuracy after a few steps of training the
 subject embeddings alone (Adam, constant learning rate; the rest of the model frozen) and the first step count at
@@ -30,7 +42,9 @@ from .model import FactRecallModel
 from .tasks import FactTask
 
 DEFAULT_STEPS = (0, 10, 25, 50, 100)
-CONDITIONS = ("swap", "random_init", "random_matched", "old_table")
+CONDITIONS = ("swap", "construction", "construction_inverse", "random_init", "random_matched", "old_table",
+              "construction_old", "construction_inverse_old")
+ZERO_ONLY = ("old_table", "construction_old", "construction_inverse_old")
 
 
 def new_table(task: FactTask, seed: int = 1) -> FactTask:
@@ -51,6 +65,70 @@ def fit_superposition(model: FactRecallModel, task: FactTask, alpha=ALPHA_GRID) 
 def swapped_embeddings(fit: SuperpositionFit, task: FactTask) -> torch.Tensor:
     """e'_s = c + sum_r W_r u_{a_r(s)} for the table of ``task`` [N, d]."""
     return fit.predict(local_table(task)).float()
+
+
+def readout_maps(model: FactRecallModel, task: FactTask, alpha: float = 1e-3) -> tuple[list, list]:
+    """Per relation r, the linear read-out of the subject embedding: centred logits over r's attributes
+    z_r(e) ~ M_r e + k_r, from a ridge fit of the final state h(s, r) on the trained e_s (float64).
+    Returns (M list of R [n_r, d], k list of R [n_r])."""
+    from llmprobe.geometry import ridge_fit
+
+    data = task.data()
+    s, r, _ = task.facts()
+    with torch.no_grad():
+        h = model.final_states(data.input_ids, data.target_pos)[:, 0].double()       # [F, d]
+    H = model.subject_embeddings().double()
+    W = model.attribute_vectors().double()
+    bias = model.unembed_bias.detach().double() if model.unembed_bias is not None else None
+    Ms, ks = [], []
+    for q in range(task.n_relations):
+        rows = r == q
+        A, b = ridge_fit(H[s[rows]], h[rows], alpha)                                  # h ~ A e + b
+        ids = task.relation_attributes(q)
+        M, k = W[ids] @ A, W[ids] @ b + (bias[ids] if bias is not None else 0.0)
+        Ms.append(M - M.mean(0))
+        ks.append(k - k.mean())
+    return Ms, ks
+
+
+def construction_embeddings(model: FactRecallModel, task: FactTask, fresh: FactTask, rule: str = "filter",
+                            ridge: float = 1e-6) -> torch.Tensor:
+    """The construction's encoding rule on the trained model's read-out maps (conditions ``construction`` and
+    ``construction_inverse``; module docstring) for the table of ``fresh`` [N, d].
+
+    ``filter``: e'_s = c + beta sum_q M_q[a'_q(s)] -- the code of (q, a) is the direction relation q's read-out
+    scores as a (as in the construction, where that row is the code P_q c_a itself); c = mean trained e_s, beta
+    matches the mean norm of the trained e_s - c. ``inverse``: e'_s = argmin_e sum_r ||M_r e + k_r -
+    m (onehot(a'_r(s)) - 1/n_r)||^2 + lam ||e||^2 (every relation decodes its own attribute with the trained mean
+    right-answer logit m and the others ignore it), lam = ``ridge`` * tr(G)/d, G = sum_r M_r^T M_r."""
+    Ms, ks = readout_maps(model, task)
+    A_old, A_new = local_table(task), local_table(fresh)
+    H = model.subject_embeddings().double()
+    d = H.shape[1]
+    if rule == "filter":
+        c = H.mean(0)
+        S = torch.zeros(A_new.shape[0], d, dtype=torch.float64)
+        for q, M in enumerate(Ms):
+            ok = A_new[:, q] >= 0
+            S[ok] += M[A_new[ok, q]]
+        beta = (H - c).norm(dim=1).mean() / S.norm(dim=1).mean().clamp_min(1e-12)
+        return (c + beta * S).float()
+    if rule != "inverse":
+        raise ValueError("rule must be 'filter' or 'inverse'")
+    margins = []
+    for q, (M, k) in enumerate(zip(Ms, ks)):                                            # trained right-answer logit
+        ok = A_old[:, q] >= 0
+        margins.append((H[ok] @ M.T + k).gather(1, A_old[ok, q][:, None]))
+    m = float(torch.cat(margins).mean())
+    G = sum(M.T @ M for M in Ms)
+    G = G + ridge * float(G.trace()) / d * torch.eye(d, dtype=G.dtype)
+    rhs = torch.zeros(A_new.shape[0], d, dtype=torch.float64)
+    for q, (M, k) in enumerate(zip(Ms, ks)):
+        ok = A_new[:, q] >= 0
+        T = torch.full((int(ok.sum()), M.shape[0]), -m / M.shape[0], dtype=torch.float64)
+        T.scatter_(1, A_new[ok, q][:, None], m - m / M.shape[0])
+        rhs[ok] += (T - k) @ M
+    return torch.linalg.solve(G, rhs.T).T.float()
 
 
 def with_subjects(model: FactRecallModel, embeddings: torch.Tensor) -> FactRecallModel:
@@ -105,6 +183,10 @@ def freeze_and_swap(model: FactRecallModel, task: FactTask, seed: int = 1, steps
     E_match = random_direction_like(E_swap, torch.Generator().manual_seed(seed + 101))
     built = {
         "swap": lambda: (E_swap, fresh),
+        "construction": lambda: (construction_embeddings(model, task, fresh), fresh),
+        "construction_inverse": lambda: (construction_embeddings(model, task, fresh, "inverse"), fresh),
+        "construction_old": lambda: (construction_embeddings(model, task, task), task),
+        "construction_inverse_old": lambda: (construction_embeddings(model, task, task, "inverse"), task),
         "random_init": lambda: (E_rand, fresh),
         "random_matched": lambda: (E_match, fresh),
         "old_table": lambda: (swapped_embeddings(fit, task), task),
@@ -112,7 +194,7 @@ def freeze_and_swap(model: FactRecallModel, task: FactTask, seed: int = 1, steps
     curves, to_100 = {}, {}
     for name in conditions:
         E, t = built[name]()
-        res = train_subjects(with_subjects(model, E), t, steps=steps if name != "old_table" else (0,), lr=lr)
+        res = train_subjects(with_subjects(model, E), t, steps=(0,) if name in ZERO_ONLY else steps, lr=lr)
         curves[name] = res["accuracy"]
         to_100[name] = res["steps_to_100"]
     chance = 1.0 / max(1, min(int(task.relation_attributes(r).numel()) for r in range(task.n_relations)))
@@ -126,3 +208,243 @@ def freeze_and_swap(model: FactRecallModel, task: FactTask, seed: int = 1, steps
     out = _round(out)
     out["wall_s"] = round(time.perf_counter() - t0, 2)
     return out
+
+
+# ------------------------------------------------------------------------------------ construction positive control
+def construction_control(task: FactTask, seed: int = 1, b: int | None = None, steps=DEFAULT_STEPS,
+                         lr: float = 0.03) -> dict:
+    """The explicit construction for ``task`` (float32 sphere codes, smallest working block size b unless given)
+    with the construction's own codes of a new table swapped in (``native``: exact by design, every other weight
+    of :func:`build_construction` is independent of the table), beside the encoders of :func:`freeze_and_swap`
+    applied to the same built model."""
+    from .construction import build_construction, construction_accuracy, smallest_construction
+
+    b = b or smallest_construction(task=task, precision_bits=None)["b"]
+    model = build_construction(task, b).float().eval()
+    fresh = new_table(task, seed)
+    native = build_construction(fresh, b).float()
+    out = freeze_and_swap(model, task, seed=seed, steps=steps, lr=lr,
+                          conditions=("swap", "construction", "random_init", "old_table"))
+    res = train_subjects(with_subjects(model, native.subject_embeddings()), fresh, steps=steps, lr=lr)
+    out["zero_shot"]["native"] = res["accuracy"][0]
+    out["curves"]["native"] = {str(k): v for k, v in res["accuracy"].items()}
+    out["steps_to_100"]["native"] = res["steps_to_100"]
+    out.update(b=b, d_model=model.config.d_model, trained_table_accuracy=construction_accuracy(model, task),
+               native_check=construction_accuracy(native, fresh))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ the sweep
+# d* per (N, R) and mode from docs/synthetic.md (capacity sweep, seed 0; Adam lr 0.03, no weight decay, stop at 100%)
+DSTAR = {(256, 2): {"trainable": 4, "frozen": 7}, (256, 4): {"trainable": 7, "frozen": 11},
+         (512, 2): {"trainable": 4, "frozen": 8}, (512, 4): {"trainable": 8, "frozen": 14},
+         (1024, 4): {"trainable": 9, "frozen": 18}}
+MODES = {"trainable": {}, "frozen": {"frozen_subjects": True}, "frozen_unembed": {"frozen_unembed": True}}
+SWEEP_STEPS = (0, 10, 25, 50, 100, 300)
+
+
+def sweep_points(subjects, relations, ratios=(1, 2, 4, 8), seeds=(0, 1, 2), modes=("trainable", "frozen"),
+                 weight_decay: float = 1e-4, max_steps: int = 1000, stop_at_100: bool = False) -> list[dict]:
+    """One dict per trained model: N, R, mode, ratio d/d*, d, seed (table and init) and the training recipe.
+    ``frozen_unembed`` (subject embeddings learned, unembedding frozen) uses the trainable d*."""
+    pts = []
+    for N in subjects:
+        for R in relations:
+            for mode in modes:
+                dstar = DSTAR[(N, R)]["frozen" if mode == "frozen" else "trainable"]
+                for ratio in ratios:
+                    for seed in seeds:
+                        p = {"N": N, "R": R, "mode": mode, "ratio": ratio, "dstar": dstar,
+                             "d": max(1, round(ratio * dstar)), "seed": seed, "weight_decay": weight_decay,
+                             "max_steps": max_steps, "stop_at_100": stop_at_100}
+                        p["key"] = (f"N{N}_R{R}_{mode}_x{ratio:g}_s{seed}_wd{weight_decay:g}_t{max_steps}"
+                                    + ("_stop" if stop_at_100 else ""))
+                        pts.append(p)
+    return pts
+
+
+def run_point(p: dict, steps=SWEEP_STEPS, lr: float = 0.03) -> dict:
+    """Train the model of sweep point ``p`` on random_bijections(N, R, seed) and run :func:`freeze_and_swap`
+    (new table seed = seed + 1000)."""
+    from .tasks import random_bijections
+    from .train import TrainConfig, model_config_for, train
+
+    task = random_bijections(p["N"], p["R"], p["seed"])
+    cfg = model_config_for(task, p["d"], seed=p["seed"], **MODES[p["mode"]])
+    tc = TrainConfig(lr=0.03, max_steps=p["max_steps"], weight_decay=p["weight_decay"],
+                     target_acc=1.0 if p["stop_at_100"] else 1.01, progress=False)
+    t0 = time.process_time()
+    res = train(task, model_config=cfg, config=tc)
+    info = res.to_dict()
+    out = freeze_and_swap(res.model.eval(), task, seed=p["seed"] + 1000, steps=steps, lr=lr)
+    out["swap_steps"] = out.pop("max_steps")
+    return {**out, **p, "train_accuracy": info["accuracy"], "train_steps": info["steps"],
+            "cpu_s": round(time.process_time() - t0, 1)}
+
+
+def swap_sweep(out_dir: str, points: list[dict], steps=SWEEP_STEPS, lr: float = 0.03,
+               control_seeds=(0, 1, 2), progress: bool = True) -> dict:
+    """Run every point not yet in ``out_dir/results.jsonl`` (resumable), plus the construction control per (N, R)
+    and seed in ``control_seeds``; write ``out_dir/summary.json`` (:func:`summarize_sweep`) and return it."""
+    import os
+
+    from llmprobe.io import append_jsonl, read_jsonl, write_json
+    from .tasks import random_bijections
+
+    path = os.path.join(out_dir, "results.jsonl")
+    done = {r["key"] for r in read_jsonl(path)}
+    todo = [p for p in points if p["key"] not in done]
+    for N, R in sorted({(p["N"], p["R"]) for p in points}):
+        for seed in control_seeds:
+            key = f"N{N}_R{R}_construction_s{seed}"
+            if key not in done:
+                todo.append({"key": key, "N": N, "R": R, "mode": "construction", "seed": seed})
+    for i, p in enumerate(todo):
+        if p["mode"] == "construction":
+            t0 = time.process_time()
+            out = construction_control(random_bijections(p["N"], p["R"], p["seed"]), seed=p["seed"] + 1000,
+                                       steps=steps, lr=lr)
+            out["swap_steps"] = out.pop("max_steps")
+            row = {**out, **p, "dstar": DSTAR[(p["N"], p["R"])]["trainable"],
+                   "cpu_s": round(time.process_time() - t0, 1)}
+            row["ratio"] = round(row["d_model"] / row["dstar"], 3)
+        else:
+            row = run_point(p, steps, lr)
+        append_jsonl(path, row)
+        if progress:
+            print(f"[{i + 1}/{len(todo)}] {p['key']}: zero-shot "
+                  + " ".join(f"{k} {v:.3f}" for k, v in row["zero_shot"].items()) + f" ({row['cpu_s']} s)",
+                  flush=True)
+    summary = summarize_sweep(read_jsonl(path))
+    write_json(os.path.join(out_dir, "summary.json"), summary)
+    return summary
+
+
+def _mean_ci(values: list[float], level: float = 0.95) -> dict:
+    """Mean with a Student-t interval over ``values`` (seeds); the interval is None for a single value."""
+    import math
+
+    from scipy.stats import t as student_t
+
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return {"mean": round(mean, 4), "ci": None, "n": n}
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = float(student_t.ppf(0.5 + level / 2, n - 1)) * sd / math.sqrt(n)
+    return {"mean": round(mean, 4), "ci": [round(mean - half, 4), round(mean + half, 4)], "n": n}
+
+
+def summarize_sweep(rows: list[dict]) -> dict:
+    """Group rows by setting (N, R, mode, ratio, training recipe); per condition the zero-shot accuracy and the
+    accuracy at each step as mean [95% t interval over seeds], the Wilson interval of the pooled facts
+    (n = seeds x N x R), steps to 100%, and the chance level 1/|A|; plus the train accuracy of the models."""
+    from llmprobe.metric import wilson
+
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        setting = r["key"].rsplit("_s", 1)[0] if r["mode"] == "construction" else \
+            r["key"].replace(f"_s{r['seed']}_", "_")
+        groups.setdefault(setting, []).append(r)
+    out = {}
+    for setting, rs in sorted(groups.items()):
+        first = rs[0]
+        n_facts = first["N"] * first["R"]
+        g = {k: first.get(k) for k in ("N", "R", "mode", "ratio", "dstar", "d", "weight_decay", "max_steps",
+                                       "stop_at_100", "chance")}
+        g["d"] = first.get("d", first.get("d_model"))
+        g["seeds"] = sorted(r["seed"] for r in rs)
+        g["train_accuracy"] = _mean_ci([r.get("train_accuracy", r.get("trained_table_accuracy", 1.0)) for r in rs])
+        conds = {}
+        for c in first["curves"]:
+            zs = [r["zero_shot"][c] for r in rs]
+            pooled = sum(zs) / len(zs)
+            conds[c] = {"zero_shot": _mean_ci(zs),
+                        "zero_shot_pooled_wilson": [round(x, 4) for x in wilson(pooled, n_facts * len(zs))],
+                        "curve": {k: _mean_ci([r["curves"][c][k] for r in rs]) for k in first["curves"][c]},
+                        "steps_to_100": [r["steps_to_100"].get(c) for r in rs]}
+        g["conditions"] = conds
+        out[setting] = g
+    return {"settings": out, "n_rows": len(rows)}
+
+
+def plot_swap_sweep(summary: dict, path: str, N: int = 256, R: int = 4, weight_decay: float = 1e-4,
+                    max_steps: int = 1000) -> None:
+    """Figure of a sweep summary, default training recipe only: (1) zero-shot accuracy vs d/d* at (N, R) per encoder
+    and mode, 95% t intervals over seeds, chance line, the construction control; (2) the ``swap`` encoder at every
+    (N, R) in the summary; (3) few-step curves at (N, R), trainable mode. Written atomically to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from llmprobe.io import write_figure
+
+    sets = list(summary["settings"].values())
+    base = [g for g in sets if g["mode"] != "construction" and g["weight_decay"] == weight_decay
+            and g["max_steps"] == max_steps and not g["stop_at_100"]]
+
+    def series(cells, mode, cond):
+        cells = sorted((g for g in cells if g["mode"] == mode and cond in g["conditions"]), key=lambda g: g["ratio"])
+        x = [g["ratio"] for g in cells]
+        z = [g["conditions"][cond]["zero_shot"] for g in cells]
+        y = [v["mean"] for v in z]
+        err = [[v["mean"] - (v["ci"] or [v["mean"]] * 2)[0] for v in z], [(v["ci"] or [v["mean"]] * 2)[1] - v["mean"]
+                                                                          for v in z]]
+        return x, y, err
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    ax = axes[0]
+    here = [g for g in base if g["N"] == N and g["R"] == R]
+    colors = {"swap": "C0", "construction": "C1", "random_init": "C7"}
+    labels = {"swap": "(a) least-squares fit", "construction": "(b) construction rule", "random_init": "(c) random re-init"}
+    styles = {"trainable": ("-", "o"), "frozen": ("--", "s"), "frozen_unembed": (":", "^")}
+    for mode, (ls, mk) in styles.items():
+        for cond, col in colors.items():
+            x, y, err = series(here, mode, cond)
+            if x:
+                ax.errorbar(x, y, yerr=err, color=col, ls=ls, marker=mk, capsize=3, label=f"{labels[cond]}, {mode}")
+    ctrl = [g for g in sets if g["mode"] == "construction" and g["N"] == N and g["R"] == R]
+    for g in ctrl:
+        ax.plot([g["ratio"]], [g["conditions"]["native"]["zero_shot"]["mean"]], "k*", ms=13,
+                label=f"construction's own model, new codes (d={g['d']})")
+    if here:
+        ax.axhline(here[0]["chance"], color="k", lw=0.8, ls=":", label=f"chance 1/{N}")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(-0.02, 1.05)
+    ax.set_xlabel("d / d*")
+    ax.set_ylabel("zero-shot accuracy on new bijections")
+    ax.set_title(f"freeze-and-swap, N={N}, R={R} (mean, 95% t CI over seeds)")
+    ax.legend(fontsize=6.5, loc="upper left")
+
+    ax = axes[1]
+    for i, (n, r) in enumerate(sorted({(g["N"], g["R"]) for g in base})):
+        for mode in ("trainable", "frozen"):
+            x, y, err = series([g for g in base if g["N"] == n and g["R"] == r], mode, "swap")
+            if x:
+                ax.errorbar(x, y, yerr=err, color=f"C{i}", ls=styles[mode][0], marker=styles[mode][1], capsize=3,
+                            label=f"N={n}, R={r}, {mode}")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(-0.02, 1.05)
+    ax.set_xlabel("d / d*")
+    ax.set_title("(a) least-squares encoder at each (N, R)")
+    ax.legend(fontsize=7)
+
+    ax = axes[2]
+    tr = sorted((g for g in here if g["mode"] == "trainable"), key=lambda g: g["ratio"])
+    for i, g in enumerate(tr):
+        for cond, ls in (("swap", "-"), ("random_init", ":")):
+            c = g["conditions"][cond]["curve"]
+            ks = sorted(c, key=int)
+            ax.plot([max(int(k), 1) for k in ks], [c[k]["mean"] for k in ks], color=f"C{i}", ls=ls, marker=".",
+                    label=f"d/d*={g['ratio']:g}, {'(a) fit' if cond == 'swap' else '(c) re-init'}")
+    if here:
+        ax.axhline(here[0]["chance"], color="k", lw=0.8, ls=":")
+    ax.set_xscale("log")
+    ax.set_ylim(-0.02, 1.05)
+    ax.set_xlabel("steps of training the new embeddings alone (Adam lr 0.03; 0 plotted at 1)")
+    ax.set_ylabel("accuracy on new bijections")
+    ax.set_title(f"few-step curves, N={N}, R={R}, trainable")
+    ax.legend(fontsize=6.5)
+    fig.tight_layout()
+    write_figure(path, fig)
