@@ -352,7 +352,8 @@ def measure_width(d: int, quick: bool = False) -> dict:
     from llmprobe.analyses import AnalysisSettings, superposition_table
     from llmprobe.analyses.decoders import SVD
     from llmprobe.datasets import load_relations
-    from llmprobe.geometry import RidgeDecoder, random_spectrum_like, superposition_readout
+    from llmprobe.geometry import RidgeDecoder, random_spectrum_factors, random_spectrum_like, superposition_readout
+    from llmprobe.lre import JacobianResult
     from synthetic.controls import measure_control, train_at
     from synthetic.sweep import SweepConfig
     from synthetic.tasks import from_fact_table
@@ -371,6 +372,16 @@ def measure_width(d: int, quick: bool = False) -> dict:
         return [s.pinv(r) for s in (svd, rand) for r in cfg.edit_ranks]
     _, seconds = timed(lre_fit, "cpu")
     out["stages"]["lre_fit"] = {"seconds": seconds, "flops": float(d) ** 3, "calls": 1}
+    k = min(PREDICT_RANK + 10, d - 1)          # the same fit from a low-rank Jacobian's factors (3 prompts)
+    jac = JacobianResult(H=torch.zeros(3, d), O=torch.zeros(3, d), U=torch.randn(3, d, k, generator=gen),
+                         Vt=torch.randn(3, k, d, generator=gen) / d ** 0.5, rank=min(PREDICT_RANK, k))
+
+    def lre_fit_lowrank():
+        svd = SVD(*jac.svd())
+        rand = SVD(*random_spectrum_factors(svd.S, svd.W.shape, gen))
+        return [s.pinv(r) for s in (svd, rand) for r in cfg.edit_ranks]
+    _, seconds = timed(lre_fit_lowrank, "cpu")
+    out["stages"]["lre_fit_lowrank"] = {"seconds": seconds, "flops": float(d) ** 2 * jac.rank, "calls": 1}
     n_train = 45                                              # the largest relation's training subjects
     H, O = torch.randn(n_train, d, generator=gen), torch.randn(n_train, d, generator=gen)
     _, seconds = timed(lambda: [RidgeDecoder(alpha=a).fit(H.double(), O.double()) for a in cfg.ridge_alphas], "cpu")
@@ -527,13 +538,16 @@ def predict(shape: Shape, work: dict, model_cost, width_fits: dict, load_s: floa
     fwd = sum_work(forward_work(shape, b, blocks) for b, blocks in work["forward"])
     edits = sum_work(forward_work(shape, b, blocks, head=True) for b, blocks in work["edits"])
     jac = sum_work(jacobian_work(shape, p, work["lre_layers"], rank) for p in work["jacobian"])
+    low_rank = None if rank is None or rank + 10 >= shape.d else rank       # what subject_jacobians does
     heads = Work(work["head_rows"] * shape.head_flops(), 0)
     states = forward_work(shape, work["states"], shape.layers)
     out = {"load": load_s, "known_facts": model_cost("known_facts", known_work(shape, work["known"]), shape),
            "jacobians": model_cost("jacobians" if rank is None else "jacobians_lowrank", jac, shape)}
     out["decoders_other"] = (model_cost("capture", fwd, shape) + model_cost("edits", edits, shape)
                              + model_cost("capture", heads, shape)
-                             + width_cost("lre_fit", float(shape.d) ** 3, work["lre_fits"])
+                             + (width_cost("lre_fit", float(shape.d) ** 3, work["lre_fits"]) if low_rank is None or
+                                "lre_fit_lowrank" not in width_fits else
+                                width_cost("lre_fit_lowrank", float(shape.d) ** 2 * rank, work["lre_fits"]))
                              + width_cost("ridge_fit", 45.0 * shape.d ** 2, work["ridge_fits"]))
     out["superposition"] = (model_cost("capture", states, shape) + init_s
                             + width_cost("readout", float(work["n_subjects"]) ** 2 * shape.d, work["readouts"]))

@@ -36,7 +36,7 @@ from .capture import adapter_for, capture, hooks, module_device, patch
 from .subjects import EncodedPrompts, encode
 
 __all__ = ["RelationStates", "JacobianResult", "output_name", "state_name", "relation_states", "subject_states",
-           "subject_jacobians", "lowrank_products", "per_prompt_jacobians", "logits_fn", "next_token_predictions",
+           "subject_jacobians", "jacobian_cost", "per_prompt_jacobians", "logits_fn", "next_token_predictions",
            "layer_sequences", "random_like"]
 
 
@@ -457,10 +457,18 @@ def _group_graph(lm, input_ids, mask, subj_pos: torch.Tensor, last_pos: torch.Te
     return seen["o"], [zs[l] for l in layers], clean
 
 
-def lowrank_products(rank: int, n_layers: int, oversample: int = 10) -> int:
-    """Products per prompt of the low-rank estimator at ``n_layers`` layers: k VJPs shared by the layers, then
-    k JVPs and k VJPs per layer (k = rank + oversample); the exact Jacobian takes d_out VJPs for all layers."""
-    return (rank + oversample) * (1 + 2 * n_layers)
+def jacobian_cost(d_out: int, layers: Sequence[int], n_blocks: int, rank: int | None = None,
+                  oversample: int = 10) -> int:
+    """Cost per prompt of :func:`subject_jacobians` at ``layers`` of an ``n_blocks``-block model, in products
+    times the blocks each runs through (a product from o to layer l crosses blocks l+1 .. n_blocks-1).
+    Exact (``rank`` None, or k = rank + oversample >= d_out): d_out VJPs reach every layer at once. Low-rank: k
+    VJPs to the first layer (shared), then k JVPs and k VJPs to each layer. On SmolLM2 this predicts the
+    measured speed-ups of K = 32, 64, 128 over exact (3.3x, 1.9x, 1.0x; measured 3.5x, 1.8x, 1.0x)."""
+    first = n_blocks - 1 - min(layers)
+    k = None if rank is None else rank + oversample
+    if k is None or k >= d_out:
+        return d_out * first
+    return k * (first + 2 * sum(n_blocks - 1 - l for l in layers))
 
 
 def _columns(rank: int, oversample: int, d: int) -> int | None:
@@ -480,8 +488,8 @@ def subject_jacobians(lm, template: str | Sequence[str], subjects: Sequence[str]
     backward; ``use_cache`` reuses the tokens before the subject through the KV cache (rows are grouped by the
     number of tokens after the subject so that they share one position).
 
-    ``rank`` K: low-rank estimator (:func:`_lowrank_rows`, k = K + ``oversample`` columns; products per prompt
-    in :func:`lowrank_products`; random test vectors from ``seed``), exact when k >= d_model. Whether it is
+    ``rank`` K: low-rank estimator (:func:`_lowrank_rows`, k = K + ``oversample`` columns; its cost against the
+    exact one in :func:`jacobian_cost`; random test vectors from ``seed``), exact when k >= d_model. Whether it is
     cheaper than the exact Jacobian is the caller's choice (``llmprobe.analyses.settings.jacobian_rank_for``).
     """
     model, tok = lm.model, lm.tokenizer

@@ -391,3 +391,22 @@ def test_jacobians_halve_their_batch_on_out_of_memory(llama64, monkeypatch, caps
                                 use_cache=False)
         torch.testing.assert_close(got.W, expected.W, atol=1e-10, rtol=1e-8)
     assert capsys.readouterr().err.count("Jacobians: out of memory; micro-batch size halved") == 1
+
+
+def test_auto_jacobian_rank_is_low_rank_only_where_it_costs_less():
+    from llmprobe.analyses import AnalysisSettings
+    from llmprobe.analyses.settings import AUTO_JACOBIAN_RANK, jacobian_rank_for
+    from llmprobe.lre import jacobian_cost
+
+    # exact: d VJPs through the blocks after the first layer; low-rank: k to the first layer, 2k to each layer
+    assert jacobian_cost(576, [6, 15, 24], 30) == 576 * 23
+    assert jacobian_cost(576, [6, 15, 24], 30, rank=128) == 138 * (23 + 2 * (23 + 14 + 5))
+    assert jacobian_cost(100, [6, 15, 24], 30, rank=128) == jacobian_cost(100, [6, 15, 24], 30)   # k >= d: exact
+    auto = AnalysisSettings()
+    assert jacobian_rank_for(auto, 576, [6, 15, 24], 30) is None             # SmolLM2: exact costs less
+    assert jacobian_rank_for(auto, 640, [6, 15, 24], 30) is None             # 640 x 23 = 14720 < 138 x 107
+    assert jacobian_rank_for(auto, 700, [6, 15, 24], 30) == AUTO_JACOBIAN_RANK   # 700 x 23 = 16100 > 14766
+    assert jacobian_rank_for(auto, 576, [6], 30) == AUTO_JACOBIAN_RANK       # one layer: 3 x 138 products < 576
+    assert jacobian_rank_for(auto, None, [6], 30) is None                    # unknown width: exact
+    assert jacobian_rank_for(AnalysisSettings(jacobian_rank="full"), 8192, [6], 80) is None
+    assert jacobian_rank_for(AnalysisSettings(jacobian_rank=64), 576, [6], 30) == 64

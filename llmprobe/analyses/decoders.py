@@ -299,7 +299,7 @@ def decoders_for_relation(lm, relation, results, layers: list[int], lre_layers: 
         tj = time.perf_counter()
         union = split.jacobian_union().tolist()
         jac_rows = {i: row for row, i in enumerate(union)}
-        rank = jacobian_rank_for(cfg, lm.adapter.d_model, len(lre_layers))
+        rank = jacobian_rank_for(cfg, lm.adapter.d_model, lre_layers, lm.adapter.n_layers)
         jac = subject_jacobians(lm, template, [subjects[i] for i in union], lre_layers,
                                 batch_size=cfg.jacobian_batch_size, chunk=cfg.jacobian_chunk, rank=rank,
                                 oversample=cfg.jacobian_oversample, seed=cfg.seed)

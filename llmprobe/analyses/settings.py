@@ -68,18 +68,19 @@ class AnalysisSettings:
 AUTO_JACOBIAN_RANK = 128             # the smallest rank whose numbers matched exact ones on SmolLM2 (docs/analyses.md)
 
 
-def jacobian_rank_for(cfg: AnalysisSettings, d_model: int | None, n_layers: int) -> int | None:
-    """The Jacobian rank to use (None: exact): ``cfg.jacobian_rank`` K as given, None for "full", or for "auto" the rank
-    ``AUTO_JACOBIAN_RANK`` when its products per prompt (``llmprobe.lre.lowrank_products``) are fewer than the
-    exact Jacobian's d_model, else None (exact is then cheaper)."""
-    from ..lre import lowrank_products
+def jacobian_rank_for(cfg: AnalysisSettings, d_model: int | None, layers: list[int], n_blocks: int) -> int | None:
+    """The Jacobian rank to use (None: exact): ``cfg.jacobian_rank`` K as given, None for "full", or for "auto" the
+    rank ``AUTO_JACOBIAN_RANK`` when it costs less than the exact Jacobian at these LRE ``layers`` of an
+    ``n_blocks``-block model (``llmprobe.lre.jacobian_cost``: products x blocks crossed), else None."""
+    from ..lre import jacobian_cost
 
     rank = cfg.jacobian_rank
     if rank in ("full", None):
         return None
     if rank != "auto":
         return int(rank)
-    cheaper = d_model is not None and lowrank_products(AUTO_JACOBIAN_RANK, n_layers, cfg.jacobian_oversample) < d_model
+    cheaper = d_model is not None and (jacobian_cost(d_model, layers, n_blocks, AUTO_JACOBIAN_RANK,
+                                                     cfg.jacobian_oversample) < jacobian_cost(d_model, layers, n_blocks))
     return AUTO_JACOBIAN_RANK if cheaper else None
 
 
