@@ -87,9 +87,9 @@ def _add_model_args(parser: argparse.ArgumentParser, many: bool = False) -> None
     parser.add_argument("--n-icl", type=positive("--n-icl"), help="in-context examples of --protocol lre (default 5)")
     parser.add_argument("--jacobian-rank", type=_jacobian_rank, metavar="auto|full|K",
                         help="LRE Jacobians: full (exact, d_model backward passes per prompt), K (low-rank estimate "
-                             "of rank K, about 3(K+10) products per prompt and layer) or auto (default: rank 128 "
-                             "where that takes fewer products than exact, i.e. d_model > 966 with 3 LRE layers; "
-                             "docs/analyses.md)")
+                             "of rank K: K+10 products per prompt, then 2(K+10) per layer) or auto (default: "
+                             "rank 128 where that costs less than exact, counting each product's blocks: exact "
+                             "on SmolLM2, low-rank from d_model ~ 650 with 3 spread LRE layers; docs/analyses.md)")
     _add_settings_args(parser)
     _add_device_args(parser)
 
