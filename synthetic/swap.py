@@ -353,7 +353,8 @@ def swap_sweep(out_dir: str, points: list[dict], steps=SWEEP_STEPS, lr: float = 
 
 
 def _mean_ci(values: list[float], level: float = 0.95) -> dict:
-    """Mean with a Student-t interval over ``values`` (seeds); the interval is None for a single value."""
+    """Mean with a Student-t interval over ``values`` (seeds; accuracies, so clipped to [0, 1]); the interval is
+    None for a single value."""
     import math
 
     from scipy.stats import t as student_t
@@ -364,7 +365,7 @@ def _mean_ci(values: list[float], level: float = 0.95) -> dict:
         return {"mean": round(mean, 4), "ci": None, "n": n}
     sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
     half = float(student_t.ppf(0.5 + level / 2, n - 1)) * sd / math.sqrt(n)
-    return {"mean": round(mean, 4), "ci": [round(mean - half, 4), round(mean + half, 4)], "n": n}
+    return {"mean": round(mean, 4), "ci": [round(max(0.0, mean - half), 4), round(min(1.0, mean + half), 4)], "n": n}
 
 
 def summarize_sweep(rows: list[dict]) -> dict:
@@ -480,3 +481,30 @@ def plot_swap_sweep(summary: dict, path: str, N: int = 256, R: int = 4, weight_d
     ax.legend(fontsize=6.5)
     fig.tight_layout()
     write_figure(path, fig)
+
+
+def sweep_markdown(summary: dict) -> str:
+    """Markdown table of a sweep summary: one row per setting; zero-shot per encoder as mean [95% t CI over seeds],
+    the sanity rows (encoders on the trained table), the (a) encoder's few-step curve and the linear cross-talk."""
+    def cell(c, key="zero_shot"):
+        if c is None:
+            return "-"
+        v = c[key] if key else c
+        return f"{v['mean']:.3f}" + (f" [{v['ci'][0]:.3f}, {v['ci'][1]:.3f}]" if v.get("ci") else "")
+
+    lines = ["| N | R | mode | recipe | d/d* | d | train acc | (a) fit | (b) construction | (c) re-init | "
+             "fit / rule on trained table | (a) after 10 / 25 / 100 / 300 steps |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for g in summary["settings"].values():
+        c = g["conditions"]
+        recipe = "-" if g["mode"] == "construction" else (
+            f"wd {g['weight_decay']:g}, " + ("stop at 100%" if g["stop_at_100"] else f"{g['max_steps']} steps"))
+        curve = c["swap"]["curve"]
+        steps = " / ".join(f"{curve[k]['mean']:.2f}" for k in ("10", "25", "100", "300") if k in curve)
+        sanity = f"{c['old_table']['zero_shot']['mean']:.3f} / " + (
+            f"{c['construction_old']['zero_shot']['mean']:.3f}" if "construction_old" in c else "-")
+        b = c.get("native") if g["mode"] == "construction" else c.get("construction")
+        lines.append(f"| {g['N']} | {g['R']} | {g['mode']} | {recipe} | {g['ratio']:g} | {g['d']} | "
+                     f"{g['train_accuracy']['mean']:.3f} | {cell(c['swap'])} | {cell(b)} | "
+                     f"{cell(c['random_init'])} | {sanity} | {steps or '-'} |")
+    return "\n".join(lines)

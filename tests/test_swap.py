@@ -26,6 +26,8 @@ def test_construction_control_is_exact_and_reinit_at_chance():
     assert out["zero_shot"]["construction"] == 1.0    # (b) the construction rule from the read-out maps
     assert out["zero_shot"]["random_init"] <= 0.06    # (c) chance is 1/64; 192 facts
     assert out["chance"] == pytest.approx(1 / 64, abs=1e-4)
+    assert out["crosstalk"]["readout_overlap"] < 1e-3   # the construction's relation read-outs do not overlap
+    assert out["crosstalk"]["own_only"] == 1.0
 
 
 def test_new_table_needs_new_codes():
@@ -64,5 +66,5 @@ def test_summary_t_interval():
     z = g["conditions"]["swap"]["zero_shot"]
     half = 4.302653 * 0.1 / math.sqrt(3)
     assert z["mean"] == pytest.approx(0.2) and z["n"] == 3
-    assert z["ci"] == pytest.approx([0.2 - half, 0.2 + half], abs=1e-4)
+    assert z["ci"] == pytest.approx([max(0.0, 0.2 - half), 0.2 + half], abs=1e-4)    # clipped at 0
     assert g["seeds"] == [0, 1, 2]
