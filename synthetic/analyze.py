@@ -369,7 +369,8 @@ def add_analyze_parser(synth_subparsers) -> None:
     q.add_argument("--swap-lr", type=float, default=0.03)
     q.add_argument("--no-control", action="store_true", help="skip the construction positive control")
     q.add_argument("--img", default=None, help="write the figure here (e.g. docs/img/mech_swap_ratio.png)")
-    q.add_argument("--plot-only", action="store_true", help="only redraw the figure from OUT/summary.json")
+    q.add_argument("--plot-only", action="store_true",
+                   help="train nothing: re-summarise OUT/results.jsonl (and draw with --img)")
     q.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     q.set_defaults(func=cmd_swap_sweep)
 
@@ -400,16 +401,15 @@ def cmd_analyze(args) -> dict:
 
 
 def cmd_swap_sweep(args) -> dict:
-    import json
-
-    from .swap import plot_swap_sweep, sweep_points, swap_sweep
+    from llmprobe.io import read_jsonl
+    from .swap import plot_swap_sweep, summarize_sweep, sweep_markdown, sweep_points, swap_sweep
 
     if args.threads:
         torch.set_num_threads(args.threads)
     ints = lambda text: [int(x) for x in text.split(",") if x]
     if args.plot_only:
-        with open(os.path.join(args.out, "summary.json"), encoding="utf-8") as f:
-            summary = json.load(f)
+        summary = summarize_sweep(read_jsonl(os.path.join(args.out, "results.jsonl")))
+        write_json(os.path.join(args.out, "summary.json"), summary)
     else:
         pts = sweep_points(ints(args.subjects), ints(args.relations), [float(x) for x in args.ratios.split(",") if x],
                            ints(args.seeds), [m for m in args.modes.split(",") if m], args.weight_decay,
@@ -419,6 +419,7 @@ def cmd_swap_sweep(args) -> dict:
     if args.img:
         plot_swap_sweep(summary, args.img)
         print(f"figure: {args.img}")
+    print(sweep_markdown(summary))
     print(f"summary: {os.path.join(args.out, 'summary.json')} ({summary['n_rows']} rows)")
     return summary
 
