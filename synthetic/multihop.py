@@ -320,6 +320,7 @@ class SeedsConfig:
     max_steps: int = 2000
     threads: int | None = None
     n_boot: int = 2000
+    cot: list[bool] = field(default_factory=lambda: [False, True])   # which cells to search (no CoT, with CoT)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -369,7 +370,8 @@ def run_seeds(cfg: SeedsConfig, out_dir: str | None = None, log=print) -> dict:
     """d* (smallest width on ``cfg.d_grid`` reaching 100% train accuracy, d_mlp = ratio * d) for every k, CoT,
     R and seed. The seeds of a cell are searched in lockstep (:func:`search_grid`), each round's points trained
     together; every point goes to ``points.jsonl`` (resumable), the summary with the fits to ``seeds.json``.
-    One-hop with CoT is the same data as without: its d* is copied."""
+    One-hop with CoT is the same data as without: its d* is copied (so one-hop without CoT is always searched;
+    ``cfg.cot`` = [True] searches the CoT cells only, e.g. in a second process on the same ``points.jsonl``)."""
     t0 = time.perf_counter()
     path = os.path.join(out_dir, POINTS) if out_dir else None
     done = {row["key"]: row for row in read_jsonl(path)} if path else {}
@@ -378,6 +380,8 @@ def run_seeds(cfg: SeedsConfig, out_dir: str | None = None, log=print) -> dict:
     for R in sorted(cfg.relations):
         for cot in (False, True):
             for k in cfg.hops:
+                if cot not in cfg.cot and not (k == 1 and not cot):
+                    continue
                 if cot and k == 1:
                     for s in cfg.seeds:
                         d_star[(k, True, R, s)] = dict(d_star[(k, False, R, s)], copied_from="no CoT")
@@ -605,6 +609,8 @@ def add_multihop_parser(synth_subparsers) -> None:
     p.add_argument("--lr", type=float, default=0.03)
     p.add_argument("--max-steps", type=int, default=2000)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--cot", default="no,yes", help="which cells: no,yes (default), no or yes (one-hop without CoT "
+                                                    "is always searched)")
     p.add_argument("--img", default=None, help="also write the figure to this path")
     p.add_argument("--out", required=True, help="output folder (points.jsonl, seeds.json, seeds.md, seeds.png)")
     p.set_defaults(func=cmd_multihop_seeds)
@@ -630,7 +636,8 @@ def cmd_multihop(args) -> dict:
 def cmd_multihop_seeds(args) -> dict:
     cfg = SeedsConfig(subjects=args.subjects, relations=_ints(args.relations), hops=_ints(args.hops),
                       seeds=_ints(args.seeds), attention=args.attention, mlp_ratio=args.mlp_ratio,
-                      d_grid=_ints(args.d_grid), lr=args.lr, max_steps=args.max_steps, threads=args.threads)
+                      d_grid=_ints(args.d_grid), lr=args.lr, max_steps=args.max_steps, threads=args.threads,
+                      cot=[{"no": False, "yes": True}[c.strip()] for c in args.cot.split(",")])
     summary = run_seeds(cfg, args.out)
     write_text(os.path.join(args.out, "seeds.md"), seeds_markdown(summary))
     plot_seeds(summary, os.path.join(args.out, "seeds.png"))
