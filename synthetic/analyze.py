@@ -362,6 +362,8 @@ def add_analyze_parser(synth_subparsers) -> None:
     q.add_argument("--ratios", default="1,2,4,8", help="d/d* values (default %(default)s)")
     q.add_argument("--seeds", default="0,1,2", help="table and init seeds (default %(default)s)")
     q.add_argument("--modes", default="trainable,frozen", help="trainable,frozen,frozen_unembed")
+    q.add_argument("--attributes", type=int, default=None,
+                   help="many-to-one maps onto this many shared attributes instead of bijections")
     q.add_argument("--weight-decay", type=float, default=DEFAULT_TRAIN["weight_decay"])
     q.add_argument("--max-steps", type=int, default=DEFAULT_TRAIN["max_steps"])
     q.add_argument("--stop-at-100", action="store_true")
@@ -413,7 +415,7 @@ def cmd_swap_sweep(args) -> dict:
     else:
         pts = sweep_points(ints(args.subjects), ints(args.relations), [float(x) for x in args.ratios.split(",") if x],
                            ints(args.seeds), [m for m in args.modes.split(",") if m], args.weight_decay,
-                           args.max_steps, args.stop_at_100)
+                           args.max_steps, args.stop_at_100, args.attributes)
         summary = swap_sweep(args.out, pts, steps=tuple(ints(args.steps)), lr=args.swap_lr,
                              control_seeds=() if args.no_control else tuple(ints(args.seeds)))
     if args.img:

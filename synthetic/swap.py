@@ -196,6 +196,17 @@ def train_subjects(model: FactRecallModel, task: FactTask, steps=DEFAULT_STEPS, 
     return {"accuracy": curve, "steps_to_100": to_100}
 
 
+def majority_chance(task: FactTask) -> float:
+    """Accuracy of answering each relation's most common attribute (1/N for bijections), facts pooled."""
+    hits, n = 0, 0
+    for r in range(task.n_relations):
+        col = task.table[:, r]
+        col = col[col >= 0]
+        hits += int(torch.bincount(col).max()) if col.numel() else 0
+        n += col.numel()
+    return hits / max(n, 1)
+
+
 def freeze_and_swap(model: FactRecallModel, task: FactTask, seed: int = 1, steps=DEFAULT_STEPS, lr: float = 0.03,
                     alpha=ALPHA_GRID, conditions=CONDITIONS) -> dict:
     """Run the ``conditions`` of the module docstring; returns a JSON-ready dict with ``zero_shot`` per condition,
@@ -227,7 +238,7 @@ def freeze_and_swap(model: FactRecallModel, task: FactTask, seed: int = 1, steps
         res = train_subjects(with_subjects(model, E), t, steps=(0,) if name in ZERO_ONLY else steps, lr=lr)
         curves[name] = res["accuracy"]
         to_100[name] = res["steps_to_100"]
-    chance = 1.0 / max(1, min(int(task.relation_attributes(r).numel()) for r in range(task.n_relations)))
+    chance = majority_chance(fresh)
     out = {
         "zero_shot": {name: c[0] for name, c in curves.items()},
         "curves": {name: {str(k): v for k, v in c.items()} for name, c in curves.items()},
@@ -268,6 +279,7 @@ def construction_control(task: FactTask, seed: int = 1, b: int | None = None, st
 # ------------------------------------------------------------------------------------------------ the sweep
 # d* per (N, R) and mode from docs/synthetic.md (capacity sweep, seed 0; Adam lr 0.03, no weight decay, stop at 100%)
 DSTAR = {(256, 1): {"trainable": 3, "frozen": 3},     # (256, 1): measured here by the same rule, seed 0
+         (256, 4, 16): {"trainable": None}, (256, 4, 64): {"trainable": None}, (256, 4, 4): {"trainable": None},
          (256, 2): {"trainable": 4, "frozen": 7}, (256, 4): {"trainable": 7, "frozen": 11},
          (512, 2): {"trainable": 4, "frozen": 8}, (512, 4): {"trainable": 8, "frozen": 14},
          (1024, 4): {"trainable": 9, "frozen": 18}}
@@ -276,20 +288,25 @@ SWEEP_STEPS = (0, 10, 25, 50, 100, 300)
 
 
 def sweep_points(subjects, relations, ratios=(1, 2, 4, 8), seeds=(0, 1, 2), modes=("trainable", "frozen"),
-                 weight_decay: float = 1e-4, max_steps: int = 1000, stop_at_100: bool = False) -> list[dict]:
+                 weight_decay: float = 1e-4, max_steps: int = 1000, stop_at_100: bool = False,
+                 n_attributes: int | None = None) -> list[dict]:
     """One dict per trained model: N, R, mode, ratio d/d*, d, seed (table and init) and the training recipe.
-    ``frozen_unembed`` (subject embeddings learned, unembedding frozen) uses the trainable d*."""
+    ``frozen_unembed`` (subject embeddings learned, unembedding frozen) uses the trainable d*. ``n_attributes``:
+    many-to-one maps onto a shared set of that size (:func:`synthetic.tasks.random_functions`, N/|A| subjects per
+    attribute) instead of bijections."""
     pts = []
     for N in subjects:
         for R in relations:
             for mode in modes:
-                dstar = DSTAR[(N, R)]["frozen" if mode == "frozen" else "trainable"]
+                cell = (N, R) if n_attributes is None else (N, R, n_attributes)
+                dstar = DSTAR[cell]["frozen" if mode == "frozen" else "trainable"]
                 for ratio in ratios:
                     for seed in seeds:
                         p = {"N": N, "R": R, "mode": mode, "ratio": ratio, "dstar": dstar,
                              "d": max(1, round(ratio * dstar)), "seed": seed, "weight_decay": weight_decay,
-                             "max_steps": max_steps, "stop_at_100": stop_at_100}
-                        p["key"] = (f"N{N}_R{R}_{mode}_x{ratio:g}_s{seed}_wd{weight_decay:g}_t{max_steps}"
+                             "max_steps": max_steps, "stop_at_100": stop_at_100, "n_attributes": n_attributes}
+                        p["key"] = (f"N{N}_R{R}" + (f"_A{n_attributes}" if n_attributes else "")
+                                    + f"_{mode}_x{ratio:g}_s{seed}_wd{weight_decay:g}_t{max_steps}"
                                     + ("_stop" if stop_at_100 else ""))
                         pts.append(p)
     return pts
@@ -298,10 +315,11 @@ def sweep_points(subjects, relations, ratios=(1, 2, 4, 8), seeds=(0, 1, 2), mode
 def run_point(p: dict, steps=SWEEP_STEPS, lr: float = 0.03) -> dict:
     """Train the model of sweep point ``p`` on random_bijections(N, R, seed) and run :func:`freeze_and_swap`
     (new table seed = seed + 1000)."""
-    from .tasks import random_bijections
+    from .tasks import random_bijections, random_functions
     from .train import TrainConfig, model_config_for, train
 
-    task = random_bijections(p["N"], p["R"], p["seed"])
+    task = random_bijections(p["N"], p["R"], p["seed"]) if not p.get("n_attributes") else \
+        random_functions(p["N"], p["R"], p["n_attributes"], p["seed"], shared=True)
     cfg = model_config_for(task, p["d"], seed=p["seed"], **MODES[p["mode"]])
     tc = TrainConfig(lr=0.03, max_steps=p["max_steps"], weight_decay=p["weight_decay"],
                      target_acc=1.0 if p["stop_at_100"] else 1.01, progress=False)
@@ -326,7 +344,7 @@ def swap_sweep(out_dir: str, points: list[dict], steps=SWEEP_STEPS, lr: float = 
     path = os.path.join(out_dir, "results.jsonl")
     done = {r["key"] for r in read_jsonl(path)}
     todo = [p for p in points if p["key"] not in done]
-    for N, R in sorted({(p["N"], p["R"]) for p in points}):
+    for N, R in sorted({(p["N"], p["R"]) for p in points if not p.get("n_attributes")}):
         for seed in control_seeds:
             key = f"N{N}_R{R}_construction_s{seed}"
             if key not in done:
@@ -371,7 +389,8 @@ def _mean_ci(values: list[float], level: float = 0.95) -> dict:
 def summarize_sweep(rows: list[dict]) -> dict:
     """Group rows by setting (N, R, mode, ratio, training recipe); per condition the zero-shot accuracy and the
     accuracy at each step as mean [95% t interval over seeds], the Wilson interval of the pooled facts
-    (n = seeds x N x R), steps to 100%, and the chance level 1/|A|; plus the train accuracy of the models."""
+    (n = seeds x N x R), steps to 100%, and the chance level (majority answer; 1/N for bijections); plus the train
+    accuracy of the models."""
     from llmprobe.metric import wilson
 
     groups: dict[str, list[dict]] = {}
@@ -383,8 +402,8 @@ def summarize_sweep(rows: list[dict]) -> dict:
     for setting, rs in sorted(groups.items()):
         first = rs[0]
         n_facts = first["N"] * first["R"]
-        g = {k: first.get(k) for k in ("N", "R", "mode", "ratio", "dstar", "d", "weight_decay", "max_steps",
-                                       "stop_at_100", "chance")}
+        g = {k: first.get(k) for k in ("N", "R", "n_attributes", "mode", "ratio", "dstar", "d", "weight_decay",
+                                       "max_steps", "stop_at_100", "chance")}
         g["d"] = first.get("d", first.get("d_model"))
         g["seeds"] = sorted(r["seed"] for r in rs)
         g["train_accuracy"] = _mean_ci([r.get("train_accuracy", r.get("trained_table_accuracy", 1.0)) for r in rs])
@@ -414,8 +433,9 @@ def plot_swap_sweep(summary: dict, path: str, N: int = 256, R: int = 4, weight_d
     from llmprobe.io import write_figure
 
     sets = list(summary["settings"].values())
-    base = [g for g in sets if g["mode"] != "construction" and g["weight_decay"] == weight_decay
-            and g["max_steps"] == max_steps and not g["stop_at_100"]]
+    every = [g for g in sets if g["mode"] != "construction" and g["weight_decay"] == weight_decay
+             and g["max_steps"] == max_steps and not g["stop_at_100"]]
+    base = [g for g in every if not g.get("n_attributes")]
 
     def series(cells, mode, cond):
         cells = sorted((g for g in cells if g["mode"] == mode and cond in g["conditions"]), key=lambda g: g["ratio"])
@@ -451,16 +471,18 @@ def plot_swap_sweep(summary: dict, path: str, N: int = 256, R: int = 4, weight_d
     ax.legend(fontsize=6.5, loc="upper left")
 
     ax = axes[1]
-    for i, (n, r) in enumerate(sorted({(g["N"], g["R"]) for g in base})):
+    for i, (n, r, a) in enumerate(sorted({(g["N"], g["R"], g.get("n_attributes") or 0) for g in every})):
         for mode in ("trainable", "frozen"):
-            x, y, err = series([g for g in base if g["N"] == n and g["R"] == r], mode, "swap")
+            x, y, err = series([g for g in every if (g["N"], g["R"], g.get("n_attributes") or 0) == (n, r, a)],
+                               mode, "swap")
             if x:
+                what = f"|A|={a} ({n // a} subjects/attribute)" if a else "bijections"
                 ax.errorbar(x, y, yerr=err, color=f"C{i}", ls=styles[mode][0], marker=styles[mode][1], capsize=3,
-                            label=f"N={n}, R={r}, {mode}")
+                            label=f"N={n}, R={r}, {what}, {mode}")
     ax.set_xscale("log", base=2)
     ax.set_ylim(-0.02, 1.05)
     ax.set_xlabel("d / d*")
-    ax.set_title("(a) least-squares encoder at each (N, R)")
+    ax.set_title("(a) least-squares encoder at each (N, R, |A|)")
     ax.legend(fontsize=7)
 
     ax = axes[2]
@@ -504,7 +526,8 @@ def sweep_markdown(summary: dict) -> str:
         sanity = f"{c['old_table']['zero_shot']['mean']:.3f} / " + (
             f"{c['construction_old']['zero_shot']['mean']:.3f}" if "construction_old" in c else "-")
         b = c.get("native") if g["mode"] == "construction" else c.get("construction")
-        lines.append(f"| {g['N']} | {g['R']} | {g['mode']} | {recipe} | {g['ratio']:g} | {g['d']} | "
+        rel = f"{g['R']}" + (f", \\|A\\|={g['n_attributes']}" if g.get("n_attributes") else "")
+        lines.append(f"| {g['N']} | {rel} | {g['mode']} | {recipe} | {g['ratio']:g} | {g['d']} | "
                      f"{g['train_accuracy']['mean']:.3f} | {cell(c['swap'])} | {cell(b)} | "
                      f"{cell(c['random_init'])} | {sanity} | {steps or '-'} |")
     return "\n".join(lines)
