@@ -127,12 +127,13 @@ def h200_step(N: int, R: int, d: int) -> float:
     return max(f / (FLOP_EFFICIENCY * H200_FP32_FLOPS), b / (BANDWIDTH_EFFICIENCY * H200_BYTES_PER_S))
 
 
-def predict(path: str, nodes: int, cores: int) -> dict:
+def predict(path: str, nodes: int, cores: int, ref_n: int = 1024, thread_efficiency: float = 0.7) -> dict:
     """Predicted time of every (N, R, mode, seed) search of the grid: model-steps x cost per model-step at the
     measured d* (exact where measured, else extrapolated in log2 N from the measured N, :func:`extrapolated_guess`).
-    Model-steps per search: measured where the search finished, else the mean over the finished searches of the
-    largest measured N of that mode, in units of the step cap (searches cost a similar number of cap-long
-    trainings at every N: most points are near d*)."""
+    Model-steps per search: measured where the search finished, else the mean over the finished searches at
+    ``ref_n`` (every R) of that mode, in units of the step cap (a search costs a similar number of cap-long
+    trainings at every N: most points are near d*). Ray: units ((N, R), every seed and mode) on ``nodes`` x
+    ``cores`` CPUs, one torch thread per task, or ``cores`` threads per task at ``thread_efficiency`` (assumed)."""
     rows = load_results(os.path.dirname(path) or ".")
     cfg_key = config_key(SweepConfig(train=TrainConfig(max_steps=MAX_STEPS)))
     rows = [r for r in rows if r.get("config") == cfg_key]
@@ -144,8 +145,7 @@ def predict(path: str, nodes: int, cores: int) -> dict:
     done = {k[:4]: t for k, t in th.items() if t["exact"]}
     per_search = {}
     for mode in ("trainable", "frozen"):
-        big = max((k[0] for k in done if k[3] == mode), default=None)
-        caps = [sum(r["steps"] for r in spent[k]) / MAX_STEPS for k in done if k[0] == big and k[3] == mode]
+        caps = [sum(r["steps"] for r in spent[k]) / MAX_STEPS for k in done if k[0] == ref_n and k[3] == mode]
         per_search[mode] = sum(caps) / len(caps) if caps else float("nan")
     cells = []
     for N in GRID_N:
@@ -171,12 +171,14 @@ def predict(path: str, nodes: int, cores: int) -> dict:
     rounds = 8
     h200_launch = len(units) * rounds * MAX_STEPS * STACK_OPS * OP_LAUNCH_S
     h200 = sum(c["h200_pred_s"] for c in cells) + h200_launch
-    ray = max(total_cpu / (nodes * cores), max(units.values()))
+    biggest = max(units.values())
+    ray = max(total_cpu / (nodes * cores), biggest)
+    ray_threads = max(total_cpu / (nodes * cores * thread_efficiency), biggest / (cores * thread_efficiency))
     print(f"cost model (CPU s per model-step, 1 thread): {cost['a'] * 1e3:.2f} ms + {cost['b'] * 1e9:.2f} ns x N^2 R "
           f"+ {cost['c'] * 1e12:.3f} ps x N^2 R d; {cost['n_points']} points, |relative error| median "
           f"{cost['median_rel_err']:.0%}, 90th percentile {cost['p90_rel_err']:.0%}")
     print(f"model-steps per unfinished search: {per_search['trainable']:.1f} x cap (trainable), "
-          f"{per_search['frozen']:.1f} x cap (frozen), from the finished searches of the largest measured N")
+          f"{per_search['frozen']:.1f} x cap (frozen), the mean of the finished searches at N={ref_n}")
     print(f"{'N':>5} {'R':>3} | {'d* (t/f)':>9} | {'CPU h (1 thread)':>16} | {'H200 s':>7} | measured")
     for (N, R), cpu in units.items():
         sub = [c for c in cells if (c["N"], c["R"]) == (N, R)]
@@ -185,11 +187,14 @@ def predict(path: str, nodes: int, cores: int) -> dict:
         print(f"{N:>5} {R:>3} | {ds:>9} | {cpu / 3600:16.2f} | {sum(c['h200_pred_s'] for c in sub):7.1f} | "
               f"{n_meas}/{len(sub)} searches")
     print(f"whole grid: {total_cpu / 3600:.1f} CPU hours on 1 thread; one H200 {h200 / 60:.1f} min "
-          f"({h200_launch / 60:.1f} of them dispatch); Ray {nodes} x {cores} cores {ray / 3600:.1f} h "
-          f"(bound by the largest (N, R) unit, {max(units.values()) / 3600:.1f} h on its one core)")
+          f"({h200_launch / 60:.1f} of them dispatch); Ray {nodes} x {cores} cores: {ray / 3600:.1f} h with one "
+          f"thread per task (bound by the largest (N, R) unit, {biggest / 3600:.1f} h on one core), "
+          f"{ray_threads / 3600:.1f} h with --threads {cores} per task at an assumed {thread_efficiency:.0%} "
+          f"parallel efficiency")
     return {"cost_model": cost, "per_search_caps": per_search, "cells": cells,
             "units_cpu_s": {f"{N}x{R}": v for (N, R), v in units.items()}, "total_cpu_s": total_cpu,
-            "h200_s": h200, "h200_dispatch_s": h200_launch, "ray_s": ray, "ray": {"nodes": nodes, "cores": cores},
+            "h200_s": h200, "h200_dispatch_s": h200_launch, "ray_s": ray, "ray_threads_s": ray_threads,
+            "ray": {"nodes": nodes, "cores": cores, "thread_efficiency": thread_efficiency},
             "h200_assumptions": {"fp32_flops": H200_FP32_FLOPS, "flop_efficiency": FLOP_EFFICIENCY,
                                  "bytes_per_s": H200_BYTES_PER_S, "bandwidth_efficiency": BANDWIDTH_EFFICIENCY,
                                  "op_launch_s": OP_LAUNCH_S, "stack_ops": STACK_OPS, "rounds_per_unit": rounds}}
@@ -212,6 +217,8 @@ def main(argv=None):
     ap.add_argument("--predict", default=None, help="a sweep's results.jsonl")
     ap.add_argument("--nodes", type=int, default=8)
     ap.add_argument("--cores", type=int, default=8)
+    ap.add_argument("--ref-n", type=int, default=1024, help="N whose searches give the points per search")
+    ap.add_argument("--thread-efficiency", type=float, default=0.7, help="assumed, for --threads CORES per task")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -223,7 +230,7 @@ def main(argv=None):
     if args.throughput:
         out["throughput"] = throughput(_pairs(args.shapes), args.steps)
     if args.predict:
-        out["predict"] = predict(args.predict, args.nodes, args.cores)
+        out["predict"] = predict(args.predict, args.nodes, args.cores, args.ref_n, args.thread_efficiency)
     if args.json:
         from llmprobe.io import write_json
 

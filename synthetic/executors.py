@@ -19,10 +19,11 @@ def process_map(fn, jobs: list, workers: int) -> list:
 
 
 def ray_map(fn, jobs: list, *, address: str | None = None, max_retries: int = RAY_MAX_RETRIES,
-            num_cpus: int | None = None) -> list:
-    """``fn`` over ``jobs`` as Ray tasks (one CPU each), each retried up to ``max_retries`` times when its worker
-    dies. Uses the running Ray instance if there is one, else starts one: on this machine (``address`` None,
-    ``num_cpus`` CPUs, default all) or connects to the cluster at ``address`` (shut down again at the end)."""
+            num_cpus: int | None = None, cpus_per_task: int = 1) -> list:
+    """``fn`` over ``jobs`` as Ray tasks (``cpus_per_task`` CPUs each: a job that runs that many torch threads),
+    each retried up to ``max_retries`` times when its worker dies. Uses the running Ray instance if there is one,
+    else starts one: on this machine (``address`` None, ``num_cpus`` CPUs, default all) or connects to the cluster
+    at ``address`` (shut down again at the end)."""
     try:
         import ray
     except ImportError:
@@ -34,7 +35,7 @@ def ray_map(fn, jobs: list, *, address: str | None = None, max_retries: int = RA
         else:
             ray.init(num_cpus=num_cpus, include_dashboard=False)
     try:
-        task = ray.remote(num_cpus=1, max_retries=max_retries)(fn)
+        task = ray.remote(num_cpus=max(1, int(cpus_per_task)), max_retries=max_retries)(fn)
         pending = [task.remote(job) for job in jobs]
         out = []
         while pending:

@@ -419,7 +419,7 @@ def run_sweep(cfg: SweepConfig, out_dir: str) -> dict:
     if cfg.executor == "ray":
         from .executors import ray_map
 
-        ray_map(_locked_unit, jobs, address=cfg.address)
+        ray_map(_locked_unit, jobs, address=cfg.address, cpus_per_task=cfg.threads)
     elif cfg.workers > 1 and len(jobs) > 1:
         from .executors import process_map
 

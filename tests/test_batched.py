@@ -175,3 +175,26 @@ def test_extrapolated_guess_follows_the_smaller_n():
     assert extrapolated_guess(table, 4096, 4, "trainable", "other config") is None
     assert extrapolated_guess(table, 4096, 4, "frozen", "c") is None           # one N only
     assert extrapolated_guess(table, 4096, 2, "trainable", "c") is None        # no cell of that R
+
+
+def test_ray_tasks_reserve_the_sweeps_threads(monkeypatch, tmp_path):
+    # a fake ray module: each task asks Ray for as many CPUs as the sweep runs torch threads
+    import sys
+    import types
+
+    from synthetic.sweep import SweepConfig, run_sweep
+
+    asked = []
+    fake = types.SimpleNamespace(is_initialized=lambda: True, get=lambda ref: ref,
+                                 wait=lambda pending, num_returns: (pending[:1], pending[1:]))
+
+    def remote(num_cpus, max_retries):
+        asked.append(num_cpus)
+        return lambda fn: types.SimpleNamespace(remote=fn)
+
+    fake.remote = remote
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    cfg = SweepConfig(subjects=[8], relations=[1], modes=["trainable"], d_max=4, threads=3, executor="ray",
+                      train=TrainConfig(max_steps=20, progress=False))
+    run_sweep(cfg, str(tmp_path))
+    assert asked == [3]
