@@ -499,7 +499,16 @@ H200 = {"peak_flops": 989e12,        # bf16 dense tensor-core peak (NVIDIA H200 
         "launch_s_per_block": 1e-4,  # assumed eager-PyTorch overhead per block per pass (~10 kernels + hooks)
         "disk_bytes_per_s": 2e9,     # assumed safetensors read speed (load)
         "hbm_bytes": 139 * 2**30,    # usable GPU memory (what torch reports on the H200 machine)
-        "bytes_per_param": 2}        # bfloat16 (``--dtype auto`` on CUDA)
+        "bytes_per_param": 2,        # bfloat16 (``--dtype auto`` on CUDA)
+        "fp32_flops": 67e12,         # float32 (no TF32) peak: the matched controls train in float32 on the GPU
+        "control_efficiency": 0.5,   # assumed for their full-batch steps (1158 rows x d x 8d matmuls)
+        "control_step_s": 1e-3}      # assumed overhead per training step (forward, backward, Adam: ~40 kernels)
+
+
+def h200_control_step(flops: float) -> float:
+    """Seconds of one full-batch training step of a matched control on the H200 (``llmprobe run`` trains them on
+    the model's GPU): float32 FLOPs at the assumed efficiency plus a per-step overhead."""
+    return flops / (H200["fp32_flops"] * H200["control_efficiency"]) + H200["control_step_s"]
 
 
 def cpu_model_cost(fits: dict):
@@ -527,10 +536,12 @@ def sum_work(parts) -> Work:
 
 
 def predict(shape: Shape, work: dict, model_cost, width_fits: dict, load_s: float, init_s: float,
-            rank: int | None) -> dict:
+            rank: int | None, control_step=None) -> dict:
     """Seconds per stage of ``llmprobe run`` for ``shape``: model work through ``model_cost(stage, Work, shape)``,
     the width-only CPU work (decoder fits, readouts, controls) from this machine's fits (it runs on the host CPU
-    on any device), ``load_s`` and ``init_s`` (the random-init control's construction) given."""
+    on any device), ``load_s`` and ``init_s`` (the random-init control's construction) given; the matched
+    controls' training steps by ``control_step(FLOPs)`` (default: this machine's fit; their threshold search and
+    measurements stay at this machine's speed)."""
     def width_cost(stage: str, flops: float, count: float) -> float:
         f = width_fits[stage]
         return count * (f["a"] * flops + f["b"])
@@ -558,7 +569,9 @@ def predict(shape: Shape, work: dict, model_cost, width_fits: dict, load_s: floa
         for width in curve_widths(d_star, shape.d):
             if width > 8:                        # d* itself was trained during the bisection
                 params = control_params(width, width_fits)
-                controls += width_cost("control_step", 6.0 * params * work["n_facts_table"], CONTROL_STEPS)
+                flops = 6.0 * params * work["n_facts_table"]
+                controls += (width_cost("control_step", flops, CONTROL_STEPS) if control_step is None else
+                             CONTROL_STEPS * control_step(flops))
                 controls += width_cost("control_measure", float(work["n_subjects"]) ** 2 * width, 1)
     out["controls"] = controls
     out["analyses"] = out["jacobians"] + out["decoders_other"] + out["superposition"]
@@ -690,7 +703,8 @@ def fit_and_predict(measured: list[dict], measured_widths: list[dict], args, t0:
         entry = {"params": shape.params, "lre_layers": work["lre_layers"]}
         for rank, label in ((None, "full"), (PREDICT_RANK, "low_rank")):
             entry[f"cpu_{label}"] = predict(shape, work, cpu_cost, width_fits, load_cpu, init_cpu, rank)
-            entry[f"h200_{label}"] = predict(shape, work, h200_model_cost, width_fits, load_gpu, init_cpu, rank)
+            entry[f"h200_{label}"] = predict(shape, work, h200_model_cost, width_fits, load_gpu, init_cpu, rank,
+                                             h200_control_step)
         entry["memory_cpu"] = memory(shape, work, 4)
         entry["memory_h200"] = memory(shape, work, H200["bytes_per_param"])
         predictions[shape.name] = entry
@@ -782,7 +796,8 @@ def print_predictions(predictions: dict) -> None:
         title = ("this machine, one thread (the fit above)" if where == "cpu" else
                  f"one H200 (roofline: {H200['peak_flops'] / 1e12:.0f} TFLOP/s bf16 x {H200['efficiency']:.0%}, "
                  f"{H200['hbm_bytes_per_s'] / 1e12:.1f} TB/s, {H200['launch_s_per_block'] * 1e3:.1f} ms/block/pass; "
-                 "CPU-side fits and controls at this machine's one-thread speed)")
+                 f"control steps at {H200['fp32_flops'] / 1e12:.0f} TFLOP/s fp32 x {H200['control_efficiency']:.0%}; "
+                 "CPU-side fits, control searches and measurements at this machine's one-thread speed)")
         for label in ("full", "low_rank"):
             print(f"\npredicted `llmprobe run`, {title}, {'full' if label == 'full' else f'low-rank (K={PREDICT_RANK})'}"
                   " Jacobians")

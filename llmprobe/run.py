@@ -40,9 +40,10 @@ def run(model=None, *, tokenizer=None, out: str | Path = "runs/main", relations:
     ``llmprobe.analyses.superposition_table``); without the superposition analysis, on the known-fact table.
 
     The matched controls need only the known facts, so they train in a worker process (one CPU thread) while
-    this process runs the analyses, which leave part of the CPU idle. One thread sums floats in another order
-    than two, so their numbers can differ slightly from ``train_controls`` called in a two-thread process
-    (SmolLM2's frozen d* control: R^2 0.094 here, 0.103 there).
+    this process runs the analyses, which leave part of the CPU idle; they train on the model's GPU when it has
+    one (the widest control, at the model's own width, is a GPU-sized job for a 7B model). One thread sums floats
+    in another order than two, so their numbers can differ slightly from ``train_controls`` called in a
+    two-thread process (SmolLM2's frozen d* control: R^2 0.094 here, 0.103 there).
 
     ``batch_size`` is every batched stage's largest micro-batch (known facts and analyses); ``device_map``,
     ``max_memory``, ``offload_folder``, ``quantize`` place the model (``llmprobe.load_model``).
@@ -95,7 +96,8 @@ def run(model=None, *, tokenizer=None, out: str | Path = "runs/main", relations:
             return
         pending["worker"] = ControlsWorker(
             (table, partial["model"]["d_model"]),
-            {"seed": seed, "at_model_width": at_model_width, "progress": _controls_progress, **control_options})
+            {"seed": seed, "at_model_width": at_model_width, "progress": _controls_progress,
+             "device": str(lm.device) if lm.device.type == "cuda" else "cpu", **control_options})
         pending["worker"].share_cores()
 
     def checkpoint() -> None:

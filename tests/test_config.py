@@ -235,7 +235,7 @@ def test_control_settings_reach_the_controls_worker(tiny, tmp_path, all_known, m
                  "--set", "controls.max_steps=7", "--set", "controls.modes=['frozen']", "--set", "controls.d_max=9",
                  "--set", "controls.n_boot=11", "--no-model-width", "--seed", "2", "--out", str(out)]) == 0
     assert seen["max_steps"] == 7 and seen["modes"] == ("frozen",) and seen["d_max"] == 9 and seen["n_boot"] == 11
-    assert seen["at_model_width"] is False and seen["seed"] == 2
+    assert seen["at_model_width"] is False and seen["seed"] == 2 and seen["device"] == "cpu"   # a CPU model
     recorded = json.loads((out / "report.json").read_text())["settings"]
     assert recorded["command"] == "run" and recorded["controls"] == {
         "enabled": True, "at_model_width": False, "max_steps": 7, "d_max": 9, "n_boot": 11, "modes": ["frozen"]}

@@ -41,6 +41,29 @@ def test_threshold_on_a_table_is_confirmed_with_a_second_initialisation(block):
         assert all(t["success"] and t["accuracy"] == 1.0 for t in threshold["tried"] if t["d"] == d_star)
 
 
+def test_controls_train_on_the_device_they_are_given(monkeypatch, table):
+    """``device`` reaches every training (a GPU for a large model's controls); the block records it."""
+    import importlib
+
+    module = importlib.import_module("synthetic.train")       # (the package exports a function of that name)
+    seen, real = [], module.train
+
+    def spy(task, d, config, **kwargs):
+        seen.append(config.device)
+        return real(task, d, config=config, **kwargs)
+
+    monkeypatch.setattr(module, "train", spy)
+    out = train_controls(table, d_model=4, max_steps=50, modes=("trainable",), at_model_width=False, n_boot=20,
+                         progress=lambda *_: None, device="cpu:0")
+    assert seen and set(seen) == {"cpu:0"} and out["training"]["device"] == "cpu:0"
+    assert block_is_measured(out)
+
+
+def block_is_measured(out) -> bool:
+    points = out["modes"]["trainable"]["points"]
+    return bool(points) and all(is_metric(p["r2"]) for p in points)
+
+
 def test_controls_block_is_a_curve_of_typed_metrics(block, table):
     assert set(block["modes"]) == {"trainable", "frozen"}
     assert block["table"]["n_subjects"] == len(table.subjects) and block["table"]["relations"] == table.relations
