@@ -137,7 +137,7 @@ def linear_crosstalk(model: FactRecallModel, task: FactTask, fresh: FactTask) ->
     the model's own zero-shot), the same with every cross-relation term M_r M_q[a'_q] (q != r) removed
     (``own_only``: what the codes would give if the read-outs did not overlap, as in the construction), and the mean
     overlap of two relations' read-outs ||M_r M_q^T||_F / sqrt(||M_r M_r^T||_F ||M_q M_q^T||_F), q != r (0 in the
-    construction)."""
+    construction; None for R = 1)."""
     Ms, ks = readout_maps(model, task)
     A = local_table(fresh)
     E = construction_embeddings(model, task, fresh).double()
@@ -158,7 +158,7 @@ def linear_crosstalk(model: FactRecallModel, task: FactTask, fresh: FactTask) ->
     over = [float((Ms[r] @ Ms[q].T).norm()) / (norms[r] * norms[q]) ** 0.5
             for r in range(len(Ms)) for q in range(len(Ms)) if q != r]
     return {"linear_zero_shot": full / n, "own_only": own / n,
-            "readout_overlap": sum(over) / len(over) if over else 0.0}
+            "readout_overlap": sum(over) / len(over) if over else None}
 
 
 def with_subjects(model: FactRecallModel, embeddings: torch.Tensor) -> FactRecallModel:
