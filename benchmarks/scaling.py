@@ -520,6 +520,15 @@ def cpu_model_cost(fits: dict):
     return cost
 
 
+def auto_rank(shape: Shape, lre_layers: list[int]) -> int | None:
+    """The Jacobian rank the default ``--jacobian-rank auto`` picks for this shape (None: exact)."""
+    try:
+        from llmprobe.analyses.settings import AnalysisSettings, jacobian_rank_for
+        return jacobian_rank_for(AnalysisSettings(), shape.d, lre_layers, shape.layers)
+    except TypeError:                         # an llmprobe whose rule counts products only
+        return None
+
+
 def h200_model_cost(stage: str, wk: Work, shape: Shape) -> float:
     """Roofline of model work on one H200: FLOPs at an assumed efficiency, plus per pass the weights read from
     HBM once and a launch overhead per block."""
@@ -701,7 +710,8 @@ def fit_and_predict(measured: list[dict], measured_widths: list[dict], args, t0:
         init_cpu = fits["random_init"]["a"] * shape.params + fits["random_init"]["b"]
         load_gpu = shape.params * H200["bytes_per_param"] / H200["disk_bytes_per_s"]
         entry = {"params": shape.params, "lre_layers": work["lre_layers"]}
-        for rank, label in ((None, "full"), (PREDICT_RANK, "low_rank")):
+        entry["auto_rank"] = auto_rank(shape, work["lre_layers"])
+        for rank, label in ((None, "full"), (entry["auto_rank"], "auto")):
             entry[f"cpu_{label}"] = predict(shape, work, cpu_cost, width_fits, load_cpu, init_cpu, rank)
             entry[f"h200_{label}"] = predict(shape, work, h200_model_cost, width_fits, load_gpu, init_cpu, rank,
                                              h200_control_step)
@@ -798,9 +808,10 @@ def print_predictions(predictions: dict) -> None:
                  f"{H200['hbm_bytes_per_s'] / 1e12:.1f} TB/s, {H200['launch_s_per_block'] * 1e3:.1f} ms/block/pass; "
                  f"control steps at {H200['fp32_flops'] / 1e12:.0f} TFLOP/s fp32 x {H200['control_efficiency']:.0%}; "
                  "CPU-side fits, control searches and measurements at this machine's one-thread speed)")
-        for label in ("full", "low_rank"):
-            print(f"\npredicted `llmprobe run`, {title}, {'full' if label == 'full' else f'low-rank (K={PREDICT_RANK})'}"
-                  " Jacobians")
+        for label in ("full", "auto"):
+            print(f"\npredicted `llmprobe run`, {title}, "
+                  + ("exact Jacobians" if label == "full" else
+                     f"the default Jacobians (auto: low-rank K={PREDICT_RANK} where it costs less than exact)"))
             print(f"{'model':<22}{'params':>8}" + "".join(f"{s:>15}" for s in stages))
             for name, p in predictions.items():
                 row = p[f"{where}_{label}"]
