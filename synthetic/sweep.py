@@ -766,10 +766,14 @@ def plot(out_dir: str, summary: dict | None = None, img_dir: str | None = None, 
     markers = {N: m for N, m in zip(Ns, "os^Dv<>")}
     for mode, color in (("trainable", "tab:blue"), ("frozen", "tab:red"), ("frozen_all", "tab:gray")):
         for c in summary["cells"]:
-            if c["mode"] != mode or not c["d_star"]:
+            if c["mode"] != mode:
                 continue
             for d in c["d_star"]:
                 ax.scatter(c["R_log2N"], d, color=color, marker=markers.get(c["N"], "o"), s=18, alpha=0.8)
+        for c in summary["cells"]:                  # unconfirmed d* (d*-1 not yet failed twice): hollow
+            for d in c["upper_bounds"] if c["mode"] == mode else ():
+                ax.scatter(c["R_log2N"], d, marker=markers.get(c["N"], "o"), s=22, facecolors="none",
+                           edgecolors=color, linewidths=1)
         fit = summary["fit"].get(mode) or {}
         c = (fit.get("c") or {}).get("value")
         r2 = fit.get("r2")
@@ -789,6 +793,8 @@ def plot(out_dir: str, summary: dict | None = None, img_dir: str | None = None, 
                     label=f"{bits} bits/param ({source}), trainable, per N" if i == 0 else None)
     for N, m in markers.items():
         ax.scatter([], [], color="gray", marker=m, s=18, label=f"N={N}")
+    if any(c["upper_bounds"] for c in summary["cells"]):
+        ax.scatter([], [], facecolors="none", edgecolors="gray", s=22, label="hollow: upper bound (not confirmed)")
     ax.set_xlabel("R log2 N")
     ax.set_ylabel("threshold width d*")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
