@@ -279,7 +279,8 @@ def construction_control(task: FactTask, seed: int = 1, b: int | None = None, st
 # ------------------------------------------------------------------------------------------------ the sweep
 # d* per (N, R) and mode from docs/synthetic.md (capacity sweep, seed 0; Adam lr 0.03, no weight decay, stop at 100%)
 DSTAR = {(256, 1): {"trainable": 3, "frozen": 3},     # (256, 1): measured here by the same rule, seed 0
-         (256, 4, 16): {"trainable": None}, (256, 4, 64): {"trainable": None}, (256, 4, 4): {"trainable": None},
+         (256, 4, 4): {"trainable": 4}, (256, 4, 16): {"trainable": 6},  # many-to-one maps onto |A| shared
+         (256, 4, 64): {"trainable": 7},                    # attributes: measured here, seed 0, two inits at d*-1
          (256, 2): {"trainable": 4, "frozen": 7}, (256, 4): {"trainable": 7, "frozen": 11},
          (512, 2): {"trainable": 4, "frozen": 8}, (512, 4): {"trainable": 8, "frozen": 14},
          (1024, 4): {"trainable": 9, "frozen": 18}}
