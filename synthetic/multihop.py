@@ -321,6 +321,7 @@ class SeedsConfig:
     threads: int | None = None
     n_boot: int = 2000
     cot: list[bool] = field(default_factory=lambda: [False, True])   # which cells to search (no CoT, with CoT)
+    train: bool = True                 # False: summarise the points there are; open searches end bracketed
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -393,6 +394,16 @@ def run_seeds(cfg: SeedsConfig, out_dir: str | None = None, log=print) -> dict:
                 while pending:
                     todo = [(s, d) for s, d in pending.items()
                             if _key(cfg, k, cot, d, m_of(d), s, relations=R, task_seed=s) not in done]
+                    if todo and not cfg.train:          # open search: d* bracketed by the points trained so far
+                        for s, _ in todo:
+                            mine = [p for p in done.values() if p.get("N") == cfg.subjects and (
+                                p["R"], p["hops"], p["cot"], p["seed"]) == (R, k, cot, s)]
+                            hi = min((p["d"] for p in mine if p["success"]), default=None)
+                            fails = [p["d"] for p in mine if not p["success"] and (hi is None or p["d"] < hi)]
+                            d_star[(k, cot, R, s)] = {"d_star": hi, "d_fail": max(fails, default=None),
+                                                      "tried": sorted(p["d"] for p in mine), "open": True}
+                            del pending[s]
+                        todo = []
                     for row in (_train_points(cfg, R, k, cot, todo) if todo else []):
                         done[row["key"]] = row
                         if path:
@@ -408,7 +419,7 @@ def run_seeds(cfg: SeedsConfig, out_dir: str | None = None, log=print) -> dict:
                             value, tried = stop.value
                             below = [v for v in tried if value is None or v < value]
                             d_star[(k, cot, R, s)] = {"d_star": value, "d_fail": max(below, default=None),
-                                                      "tried": tried}
+                                                      "tried": tried, "open": False}
                     pending = nxt
     rows = [{"hops": k, "cot": c, "R": R, "seed": s, **v} for (k, c, R, s), v in sorted(d_star.items())]
     points = sorted((p for p in done.values() if p.get("N") == cfg.subjects),
@@ -462,7 +473,9 @@ def fit_growth(points: list[tuple[float, float]], n_boot: int = 2000, seed: int 
 def summarize_seeds(cfg: SeedsConfig, rows: list[dict], points: list[dict]) -> dict:
     """Per (k, CoT): d* per R (mean, min, max over seeds), the exponent b of d* ~ R^b (:func:`fit_growth`) with
     its distance to k and k/2, the same fit on the largest failing width (d* is only known to lie in
-    (d_fail, d*]) and on the trainable parameter count at d*, to be compared with k."""
+    (d_fail, d*]) and on the trainable parameter count at d*, to be compared with k. A search left open
+    (``train=False``) counts with its smallest success as d* (an upper bound) and its largest failure as
+    d_fail (a lower bound, also where nothing succeeded yet)."""
     cells = {}
     for k in cfg.hops:
         for cot in (False, True):
@@ -475,11 +488,13 @@ def summarize_seeds(cfg: SeedsConfig, rows: list[dict], points: list[dict]) -> d
                 got = [d for d in ds if d]
                 by_r[str(R)] = {"d_star": ds, "d_fail": [r["d_fail"] for r in mine if r["R"] == R],
                                 "mean": sum(got) / len(got) if got else None, "min": min(got, default=None),
-                                "max": max(got, default=None), "not_reached": len(ds) - len(got)}
+                                "max": max(got, default=None), "not_reached": len(ds) - len(got),
+                                "open": sum(bool(r.get("open")) for r in mine if r["R"] == R)}
             params = {(p["R"], p["seed"], p["d"]): p["n_trainable"] for p in points
                       if p["hops"] == k and p["cot"] == (cot and k > 1)}
             b = fit_growth([(r["R"], r["d_star"]) for r in mine], cfg.n_boot)
-            b_lo = fit_growth([(r["R"], r["d_fail"] if r["d_star"] else None) for r in mine], cfg.n_boot)
+            b_lo = fit_growth([(r["R"], r["d_fail"] if r["d_star"] or r.get("open") else None) for r in mine],
+                              cfg.n_boot)
             b_par = fit_growth([(r["R"], params.get((r["R"], r["seed"], r["d_star"]))) for r in mine], cfg.n_boot)
             cells[f"k{k}_{'cot' if cot else 'direct'}"] = {
                 "hops": k, "cot": cot, "by_R": by_r, "b": b.to_dict(), "b_on_d_fail": b_lo.to_dict(),
@@ -505,9 +520,11 @@ def seeds_markdown(summary: dict) -> str:
         cols = []
         for R in Rs:
             v = c["by_R"].get(str(R))
-            cols.append("-" if not v or v["mean"] is None else
-                        f"{v['mean']:.3g} [{v['min']}, {v['max']}]" + (f" ({v['not_reached']} >grid)"
-                                                                        if v["not_reached"] else ""))
+            fails = [f for f in (v or {}).get("d_fail", []) if f]
+            cols.append("-" if not v else (f"> {max(fails)}" if v["mean"] is None and fails else "-")
+                        if v["mean"] is None else f"{v['mean']:.3g} [{v['min']}, {v['max']}]"
+                        + (f" ({v['not_reached']} not reached)" if v["not_reached"] else "")
+                        + (f" ({v['open']} open: upper bound)" if v.get("open") else ""))
         b, bl, bp, b2 = c["b"], c["b_on_d_fail"], c["b_params"], c["b_d2"]
         ci = lambda m: f"{fmt(m['value'])} [{fmt(m['ci'][0])}, {fmt(m['ci'][1])}]"  # noqa: E731
         lines.append(f"| {c['hops']} | {'yes' if c['cot'] else 'no'} | " + " | ".join(cols) +
@@ -611,6 +628,8 @@ def add_multihop_parser(synth_subparsers) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--cot", default="no,yes", help="which cells: no,yes (default), no or yes (one-hop without CoT "
                                                     "is always searched)")
+    p.add_argument("--no-train", action="store_true", help="summarise the points in --out only (open searches "
+                                                            "end bracketed by the points trained so far)")
     p.add_argument("--img", default=None, help="also write the figure to this path")
     p.add_argument("--out", required=True, help="output folder (points.jsonl, seeds.json, seeds.md, seeds.png)")
     p.set_defaults(func=cmd_multihop_seeds)
@@ -637,7 +656,8 @@ def cmd_multihop_seeds(args) -> dict:
     cfg = SeedsConfig(subjects=args.subjects, relations=_ints(args.relations), hops=_ints(args.hops),
                       seeds=_ints(args.seeds), attention=args.attention, mlp_ratio=args.mlp_ratio,
                       d_grid=_ints(args.d_grid), lr=args.lr, max_steps=args.max_steps, threads=args.threads,
-                      cot=[{"no": False, "yes": True}[c.strip()] for c in args.cot.split(",")])
+                      cot=[{"no": False, "yes": True}[c.strip()] for c in args.cot.split(",")],
+                      train=not args.no_train)
     summary = run_seeds(cfg, args.out)
     write_text(os.path.join(args.out, "seeds.md"), seeds_markdown(summary))
     plot_seeds(summary, os.path.join(args.out, "seeds.png"))

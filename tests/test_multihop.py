@@ -77,3 +77,13 @@ def test_run_seeds_tiny_grid_resumes(tmp_path):
     assert again["d_star"] == s["d_star"] and again["train_cpu_s"] == s["train_cpu_s"]
     assert "| k | CoT |" in seeds_markdown(again)
     assert os.path.getsize(plot_seeds(again, str(tmp_path / "seeds.png"))) > 1000
+    # drop the last trained point: without training, that search ends open, bracketed by its other points
+    lines = (tmp_path / "points.jsonl").read_text().splitlines()
+    (tmp_path / "points.jsonl").write_text("\n".join(lines[:-1]) + "\n")
+    cfg.train = False
+    part = run_seeds(cfg, str(tmp_path), log=lambda m: None)
+    assert part["n_points"] == len(pts) - 1
+    last = json.loads(lines[-1])
+    row = next(r for r in part["d_star"] if (r["hops"], r["cot"], r["R"], r["seed"]) ==
+               (last["hops"], last["cot"], last["R"], last["seed"]))
+    assert row["open"] and last["d"] not in row["tried"]
