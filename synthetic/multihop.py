@@ -475,7 +475,8 @@ def summarize_seeds(cfg: SeedsConfig, rows: list[dict], points: list[dict]) -> d
     its distance to k and k/2, the same fit on the largest failing width (d* is only known to lie in
     (d_fail, d*]) and on the trainable parameter count at d*, to be compared with k. A search left open
     (``train=False``) counts with its smallest success as d* (an upper bound) and its largest failure as
-    d_fail (a lower bound, also where nothing succeeded yet)."""
+    d_fail (a lower bound, also where nothing succeeded yet). ``composite_bits_per_param``: N R^k log2 N (the
+    bits of every composite answer, what a one-step store must hold) over the trainable parameters at d*."""
     cells = {}
     for k in cfg.hops:
         for cot in (False, True):
@@ -488,10 +489,16 @@ def summarize_seeds(cfg: SeedsConfig, rows: list[dict], points: list[dict]) -> d
                 got = [d for d in ds if d]
                 by_r[str(R)] = {"d_star": ds, "d_fail": [r["d_fail"] for r in mine if r["R"] == R],
                                 "mean": sum(got) / len(got) if got else None, "min": min(got, default=None),
-                                "max": max(got, default=None), "not_reached": len(ds) - len(got),
+                                "max": max(got, default=None),
+                                "not_reached": sum(r["d_star"] is None and not r.get("open") for r in mine
+                                                   if r["R"] == R),
                                 "open": sum(bool(r.get("open")) for r in mine if r["R"] == R)}
             params = {(p["R"], p["seed"], p["d"]): p["n_trainable"] for p in points
                       if p["hops"] == k and p["cot"] == (cot and k > 1)}
+            for R, v in by_r.items():        # the N R^k composite answers (log2 N bits each) per parameter at d*
+                bpp = [cfg.subjects * int(R) ** k * math.log2(cfg.subjects) / params[(int(R), r["seed"], r["d_star"])]
+                       for r in mine if r["R"] == int(R) and (int(R), r["seed"], r["d_star"]) in params]
+                v["composite_bits_per_param"] = sum(bpp) / len(bpp) if bpp else None
             b = fit_growth([(r["R"], r["d_star"]) for r in mine], cfg.n_boot)
             b_lo = fit_growth([(r["R"], r["d_fail"] if r["d_star"] or r.get("open") else None) for r in mine],
                               cfg.n_boot)
@@ -515,20 +522,24 @@ def seeds_markdown(summary: dict) -> str:
              f"{cfg['mlp_ratio']:g} d, {cfg['max_steps']} steps at lr {cfg['lr']:g}; d* = smallest width on the "
              f"grid reaching 100% train accuracy, mean [min, max] over seeds.", "",
              "| k | CoT | " + " | ".join(f"d* at R={R}" for R in Rs) + " | b (d* ~ R^b) [95% CI] | b on d_fail | "
-             "b of params at d* | 2b (d*^2) |", "|---|---|" + "---|" * (len(Rs) + 4)]
+             "b of params at d* | 2b (d*^2) | composite bits/param at d* (per R) |",
+             "|---|---|" + "---|" * (len(Rs) + 5)]
     for c in summary["cells"].values():
         cols = []
         for R in Rs:
             v = c["by_R"].get(str(R))
-            fails = [f for f in (v or {}).get("d_fail", []) if f]
-            cols.append("-" if not v else (f"> {max(fails)}" if v["mean"] is None and fails else "-")
-                        if v["mean"] is None else f"{v['mean']:.3g} [{v['min']}, {v['max']}]"
-                        + (f" ({v['not_reached']} not reached)" if v["not_reached"] else "")
-                        + (f" ({v['open']} open: upper bound)" if v.get("open") else ""))
+            if v and v.get("open"):          # open searches: each seed's bracket (largest failure, smallest success]
+                cols.append("open: " + ", ".join(f"({lo or '?'}, {hi or 'inf'}]" for lo, hi in zip(v["d_fail"],
+                                                                                                v["d_star"])))
+            else:
+                cols.append("-" if not v or v["mean"] is None else f"{v['mean']:.3g} [{v['min']}, {v['max']}]"
+                            + (f" ({v['not_reached']} not reached)" if v["not_reached"] else ""))
         b, bl, bp, b2 = c["b"], c["b_on_d_fail"], c["b_params"], c["b_d2"]
         ci = lambda m: f"{fmt(m['value'])} [{fmt(m['ci'][0])}, {fmt(m['ci'][1])}]"  # noqa: E731
         lines.append(f"| {c['hops']} | {'yes' if c['cot'] else 'no'} | " + " | ".join(cols) +
-                     f" | {ci(b)} | {ci(bl)} | {ci(bp)} | {ci(b2)} |")
+                     f" | {ci(b)} | {ci(bl)} | {ci(bp)} | {ci(b2)} | " + ", ".join(
+                         fmt(c["by_R"][str(R)].get("composite_bits_per_param")) for R in Rs if str(R) in c["by_R"])
+                     + " |")
     bad = summary.get("monotone_violations") or []
     lines += ["", f"{summary['n_points']} trained points ({summary['train_cpu_s']} CPU s of training); {len(bad)} "
               f"failed although a smaller width succeeded (listed in {SEEDS_FILE})."]
