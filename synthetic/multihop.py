@@ -547,8 +547,9 @@ def seeds_markdown(summary: dict) -> str:
 
 
 def plot_seeds(summary: dict, path: str) -> str:
-    """d* against R (log-log), one panel per k: per-seed points, the mean over seeds and the fitted line d* =
-    e^a R^b, with and without CoT, and R^k, R^(k/2) references through the no-CoT mean at the smallest R."""
+    """d* against R (log-log), one panel per k: per-seed points (a triangle: d* above this width, no success
+    yet), the mean over the seeds that succeeded and the fitted line d* = e^a R^b, with and without CoT, and R^k,
+    R^(k/2) references through the no-CoT mean at the smallest R."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -561,16 +562,21 @@ def plot_seeds(summary: dict, path: str) -> str:
     for ax, k in zip(axes[0], ks):
         for cot, color, marker in ((False, "C0", "o"), (True, "C1", "s")):
             c = cells.get(f"k{k}_{'cot' if cot else 'direct'}")
-            if not c:
+            if not c or (cot and k == 1):      # one hop with CoT is the same data (d* copied)
                 continue
             Rs = sorted(int(R) for R in c["by_R"])
             shift = 1.04 if cot else 0.96
             for R in Rs:
                 ds = [d for d in c["by_R"][str(R)]["d_star"] if d]
                 ax.scatter([R * shift] * len(ds), ds, s=14, color=color, alpha=0.45, marker=marker)
+                above = [f for d, f in zip(c["by_R"][str(R)]["d_star"], c["by_R"][str(R)]["d_fail"]) if not d and f]
+                ax.scatter([R * shift] * len(above), above, s=30, color=color, marker="^")   # d* > this width
+            Rs = [R for R in Rs if c["by_R"][str(R)]["mean"]]
             means = [c["by_R"][str(R)]["mean"] for R in Rs]
             b = c["b"]
             label = f"{'with' if cot else 'without'} CoT: b={b['value']:.2f} [{b['ci'][0]:.2f}, {b['ci'][1]:.2f}]"
+            opened = [R for R in Rs if c["by_R"][str(R)].get("open")]
+            label += f" (R={','.join(map(str, opened))} open)" if opened else ""
             ax.plot(Rs, means, marker=marker, color=color, linestyle="none", label=label)
             if b["value"] is not None and b.get("note", "").startswith("a="):
                 a = float(b["note"].split()[0][2:])
