@@ -417,6 +417,9 @@ def summarize_sweep(rows: list[dict]) -> dict:
                         "curve": {k: _mean_ci([r["curves"][c][k] for r in rs]) for k in first["curves"][c]},
                         "steps_to_100": [r["steps_to_100"].get(c) for r in rs]}
         g["conditions"] = conds
+        ct = [r["crosstalk"] for r in rs if r.get("crosstalk")]
+        if ct:
+            g["crosstalk"] = {k: _mean_ci([c[k] for c in ct]) for k in ct[0] if ct[0][k] is not None}
         out[setting] = g
     return {"settings": out, "n_rows": len(rows)}
 
