@@ -450,7 +450,8 @@ def plot_swap_sweep(summary: dict, path: str, N: int = 256, R: int = 4, weight_d
                                                                           for v in z]]
         return x, y, err
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 6.8))
+    below = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.13), "ncol": 2, "fontsize": 7}
     ax = axes[0]
     here = [g for g in base if g["N"] == N and g["R"] == R]
     colors = {"swap": "C0", "construction": "C1", "random_init": "C7"}
@@ -472,7 +473,7 @@ def plot_swap_sweep(summary: dict, path: str, N: int = 256, R: int = 4, weight_d
     ax.set_xlabel("d / d*")
     ax.set_ylabel("zero-shot accuracy on new bijections")
     ax.set_title(f"freeze-and-swap, N={N}, R={R} (mean, 95% t CI over seeds)")
-    ax.legend(fontsize=6.5, loc="upper left")
+    ax.legend(**below)
 
     ax = axes[1]
     for i, (n, r, a) in enumerate(sorted({(g["N"], g["R"], g.get("n_attributes") or 0) for g in every})):
@@ -487,7 +488,7 @@ def plot_swap_sweep(summary: dict, path: str, N: int = 256, R: int = 4, weight_d
     ax.set_ylim(-0.02, 1.05)
     ax.set_xlabel("d / d*")
     ax.set_title("(a) least-squares encoder at each (N, R, |A|)")
-    ax.legend(fontsize=7)
+    ax.legend(**{**below, "ncol": 1})
 
     ax = axes[2]
     tr = sorted((g for g in here if g["mode"] == "trainable"), key=lambda g: g["ratio"])
@@ -504,7 +505,7 @@ def plot_swap_sweep(summary: dict, path: str, N: int = 256, R: int = 4, weight_d
     ax.set_xlabel("steps of training the new embeddings alone (Adam lr 0.03; 0 plotted at 1)")
     ax.set_ylabel("accuracy on new bijections")
     ax.set_title(f"few-step curves, N={N}, R={R}, trainable")
-    ax.legend(fontsize=6.5)
+    ax.legend(**below)
     fig.tight_layout()
     write_figure(path, fig)
 
