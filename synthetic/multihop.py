@@ -476,7 +476,8 @@ def summarize_seeds(cfg: SeedsConfig, rows: list[dict], points: list[dict]) -> d
     (d_fail, d*]) and on the trainable parameter count at d*, to be compared with k. A search left open
     (``train=False``) counts with its smallest success as d* (an upper bound) and its largest failure as
     d_fail (a lower bound, also where nothing succeeded yet). ``composite_bits_per_param``: N R^k log2 N (the
-    bits of every composite answer, what a one-step store must hold) over the trainable parameters at d*."""
+    bits of every composite answer, what a one-step store must hold) over the trainable parameters at d*.
+    ``pooled_vs_Rk``: the same fit over all k against Q = R^k (strata = values of Q)."""
     cells = {}
     for k in cfg.hops:
         for cot in (False, True):
@@ -508,7 +509,12 @@ def summarize_seeds(cfg: SeedsConfig, rows: list[dict], points: list[dict]) -> d
                 "b_params": b_par.to_dict(),
                 "b_d2": {"value": 2 * b.value, "ci": [2 * b.ci[0], 2 * b.ci[1]]},
                 "k_in_ci": bool(b.ci[0] <= k <= b.ci[1]), "half_k_in_ci": bool(b.ci[0] <= k / 2 <= b.ci[1])}
-    return {"config": cfg.to_dict(), "cells": cells, "d_star": rows, "points": points, "n_points": len(points),
+    # all k pooled: d* against the number of composite relations Q = R^k (a one-step store of N Q answers)
+    pooled = {("cot" if cot else "direct"): fit_growth([(r["R"] ** r["hops"], r["d_star"]) for r in rows
+                                                        if r["cot"] == cot], cfg.n_boot).to_dict()
+              for cot in (False, True)}
+    return {"config": cfg.to_dict(), "cells": cells, "pooled_vs_Rk": pooled, "d_star": rows, "points": points,
+            "n_points": len(points),
             "train_cpu_s": round(sum(p.get("cpu_s") or 0 for p in points), 1),
             "monotone_violations": _violations(points, cfg.mlp_ratio)}
 
@@ -540,6 +546,9 @@ def seeds_markdown(summary: dict) -> str:
                      f" | {ci(b)} | {ci(bl)} | {ci(bp)} | {ci(b2)} | " + ", ".join(
                          fmt(c["by_R"][str(R)].get("composite_bits_per_param")) for R in Rs if str(R) in c["by_R"])
                      + " |")
+    for name, m in (summary.get("pooled_vs_Rk") or {}).items():
+        lines.append(f"\nAll k pooled, {'with' if name == 'cot' else 'without'} CoT: d* ~ (R^k)^b' with b' = "
+                     f"{fmt(m['value'])} [{fmt(m['ci'][0])}, {fmt(m['ci'][1])}] ({m['n']} points).")
     bad = summary.get("monotone_violations") or []
     lines += ["", f"{summary['n_points']} trained points ({summary['train_cpu_s']} CPU s of training); {len(bad)} "
               f"failed although a smaller width succeeded (listed in {SEEDS_FILE})."]

@@ -75,7 +75,7 @@ def test_run_seeds_tiny_grid_resumes(tmp_path):
     assert saved["n_points"] == len(pts) > 0
     again = run_seeds(cfg, str(tmp_path), log=lambda m: None)      # nothing retrained
     assert again["d_star"] == s["d_star"] and again["train_cpu_s"] == s["train_cpu_s"]
-    assert "| k | CoT |" in seeds_markdown(again)
+    assert "| k | CoT |" in seeds_markdown(again) and set(again["pooled_vs_Rk"]) == {"direct", "cot"}
     assert os.path.getsize(plot_seeds(again, str(tmp_path / "seeds.png"))) > 1000
     # drop the last trained point: without training, that search ends open, bracketed by its other points
     lines = (tmp_path / "points.jsonl").read_text().splitlines()
