@@ -179,7 +179,6 @@ def probe(
     resume: bool = False,
     lm: LoadedModel | None = None,
     on_known=None,
-    on_checkpoint=None,
     analysis_options: dict | None = None,
     controls_settings: dict | None = None,
 ) -> dict:
@@ -198,9 +197,8 @@ def probe(
     settings) matches, instead of recomputing them; ``stages.analyses`` says what was taken over.
     ``max_facts`` keeps the first facts of each relation (country relations list the most populous first).
     Facts whose prompt does not fit the model's context or ``max_prompt_tokens`` are skipped and listed in
-    ``errors``. ``on_checkpoint()`` is called after each of those writes (and after each relation's decoders
-    and the superposition analysis). ``on_known(report, known, lm, relations)`` is called once the known facts
-    are checked, before the analyses (``llmprobe run`` starts its controls there). ``analysis_options``: fields of
+    ``errors``. ``on_known(report, known, lm, relations)`` is called once the known facts are checked, before the
+    analyses (``llmprobe run`` starts its controls there). ``analysis_options``: fields of
     ``llmprobe.analyses.AnalysisSettings`` (e.g. ``{"protocol": "lre"}``), checked before the model loads.
     ``report["settings"]`` records every setting (``llmprobe.config.settings_record``; ``controls_settings``, the
     matched controls' settings, is given by ``llmprobe run``), from which ``llmprobe rerun`` repeats the run.
@@ -278,8 +276,6 @@ def probe(
                 write_json(out / "known_facts.json", {name: [r.to_dict() for r in results]
                                                       for name, results in known.items()})
             write_json(out / "report.json", report)
-        if on_checkpoint is not None:
-            on_checkpoint()
 
     try:
         t = time.perf_counter()

@@ -12,7 +12,6 @@ controls, as the pretrained model's subject states are; ``report["controls"]`` i
 """
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -98,18 +97,13 @@ def run(model=None, *, tokenizer=None, out: str | Path = "runs/main", relations:
             (table, partial["model"]["d_model"]),
             {"seed": seed, "at_model_width": at_model_width, "progress": _controls_progress,
              "device": str(lm.device) if lm.device.type == "cuda" else "cpu", **control_options})
-        pending["worker"].share_cores()
-
-    def checkpoint() -> None:
-        if "worker" in pending:
-            pending["worker"].share_cores()
 
     try:
         report = probe(model, tokenizer=tokenizer, gguf_file=gguf_file, relations=relations, layers=layers,
                        analyses=analyses, device=device, dtype=dtype, device_map=device_map, max_memory=max_memory,
                        offload_folder=offload_folder, quantize=quantize, max_facts=max_facts, seed=seed, out=out,
                        trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
-                       on_known=start_controls if controls else None, on_checkpoint=checkpoint,
+                       on_known=start_controls if controls else None,
                        batch_size=batch_size, max_prompt_tokens=max_prompt_tokens, resume=resume,
                        analysis_options=analysis_options, lm=lm,
                        controls_settings={"enabled": controls, "at_model_width": at_model_width, **control_options})
@@ -128,7 +122,6 @@ def run(model=None, *, tokenizer=None, out: str | Path = "runs/main", relations:
     finally:
         if "worker" in pending:         # an interrupted run does not wait for the controls
             pending["worker"].stop()
-            pending["worker"].share_cores()
     report["versions"] = library_versions()
     report["wall_seconds"] = round(time.perf_counter() - start, 1)
     write_json(out / "report.json", report)
@@ -174,15 +167,11 @@ def _save_interrupted(out: Path, pending: dict) -> None:
 class ControlsWorker:
     """``train_controls(*args, **kwargs)`` in one spawned process (one torch thread) whose result comes back
     through a pipe. A plain process, not a Pool: ``stop`` kills it outright, so an interrupt can never wait on a
-    pool's internal locks, and the worker exits by itself when this process dies.
-
-    :meth:`share_cores` (called by the parent at its checkpoints) leaves the worker its core: while the worker
-    runs, the parent's torch threads are at most the usable CPUs minus one (a parallel region whose threads share
-    a core with the worker waits for the slowest thread, so the extra thread only slows the worker); once the
-    worker is done, the parent's thread count is restored."""
+    pool's internal locks, and the worker exits by itself when this process dies."""
 
     def __init__(self, args: tuple, kwargs: dict):
         import multiprocessing
+        import os
 
         context = multiprocessing.get_context("spawn")
         self._receive, send = context.Pipe(duplex=False)
@@ -190,19 +179,6 @@ class ControlsWorker:
                                        name="llmprobe-controls")
         self.process.start()
         send.close()
-        self._threads: int | None = None       # the parent's torch threads before sharing (None: not lowered)
-
-    def share_cores(self) -> None:
-        """The parent's torch threads: at most usable CPUs - 1 while the worker runs, restored afterwards."""
-        import torch
-
-        if self.process.is_alive() and not self.ready():
-            if self._threads is None:
-                self._threads = torch.get_num_threads()
-                torch.set_num_threads(max(1, min(self._threads, len(os.sched_getaffinity(0)) - 1)))
-        elif self._threads is not None:
-            torch.set_num_threads(self._threads)
-            self._threads = None
 
     def ready(self) -> bool:
         """Has the worker sent its result (or its failure)?"""
@@ -258,6 +234,7 @@ def _one_thread(parent_pid: int | None = None) -> None:
 def _exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
     """Block until the parent process is gone (its sentinel pipe closes, or our parent pid changes), then exit."""
     import multiprocessing
+    import os
     from multiprocessing.connection import wait
 
     parent = multiprocessing.parent_process()

@@ -222,9 +222,6 @@ def test_control_settings_reach_the_controls_worker(tiny, tmp_path, all_known, m
         def ready(self):
             return True
 
-        def share_cores(self):
-            pass
-
         def stop(self):
             pass
 
