@@ -10,3 +10,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """Code under test may set torch's thread count (sweeps, ``--threads``); every test starts from one thread, so
+    that a result compared bit for bit with a fresh one-thread process does not depend on the tests before it."""
+    yield
+    torch.set_num_threads(1)
