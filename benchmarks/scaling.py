@@ -558,16 +558,15 @@ def predict(shape: Shape, work: dict, model_cost, width_fits: dict, load_s: floa
     fwd = sum_work(forward_work(shape, b, blocks) for b, blocks in work["forward"])
     edits = sum_work(forward_work(shape, b, blocks, head=True) for b, blocks in work["edits"])
     jac = sum_work(jacobian_work(shape, p, work["lre_layers"], rank) for p in work["jacobian"])
-    low_rank = None if rank is None or rank + 10 >= shape.d else rank       # what subject_jacobians does
     heads = Work(work["head_rows"] * shape.head_flops(), 0)
     states = forward_work(shape, work["states"], shape.layers)
     out = {"load": load_s, "known_facts": model_cost("known_facts", known_work(shape, work["known"]), shape),
            "jacobians": model_cost("jacobians" if rank is None else "jacobians_lowrank", jac, shape)}
+    factored = rank is not None and rank + 10 < shape.d and "lre_fit_lowrank" in width_fits   # as subject_jacobians
+    lre_fits = (width_cost("lre_fit_lowrank", float(shape.d) ** 2 * rank, work["lre_fits"]) if factored else
+                width_cost("lre_fit", float(shape.d) ** 3, work["lre_fits"]))
     out["decoders_other"] = (model_cost("capture", fwd, shape) + model_cost("edits", edits, shape)
-                             + model_cost("capture", heads, shape)
-                             + (width_cost("lre_fit", float(shape.d) ** 3, work["lre_fits"]) if low_rank is None or
-                                "lre_fit_lowrank" not in width_fits else
-                                width_cost("lre_fit_lowrank", float(shape.d) ** 2 * rank, work["lre_fits"]))
+                             + model_cost("capture", heads, shape) + lre_fits
                              + width_cost("ridge_fit", 45.0 * shape.d ** 2, work["ridge_fits"]))
     out["superposition"] = (model_cost("capture", states, shape) + init_s
                             + width_cost("readout", float(work["n_subjects"]) ** 2 * shape.d, work["readouts"]))

@@ -75,18 +75,25 @@ def test_batched_rejects_what_it_cannot_stack():
         train_batched([a], [model_config_for(a, 2)] * 2, cfg)
 
 
+def _swept(cfg, out: str) -> tuple[dict, list[dict]]:
+    """Run the sweep ``cfg`` into ``out``: ({(N, R, seed, mode): (d*, exact)}, its result rows)."""
+    from synthetic.sweep import load_results, run_sweep, thresholds
+
+    run_sweep(cfg, out)
+    rows = load_results(out)
+    return {k[:4]: (t["d_star"], t["exact"]) for k, t in thresholds(rows).items()}, rows
+
+
 def test_batched_sweep_finds_the_same_thresholds_and_resumes(tmp_path, monkeypatch):
     import synthetic.batched as batched
-    from synthetic.sweep import SweepConfig, load_results, run_sweep, thresholds
+    from synthetic.sweep import SweepConfig, load_results, run_sweep
 
     found = {}
     for mode in (False, True):
         cfg = SweepConfig(subjects=[16], relations=[2], seeds=[0, 1], modes=["trainable", "frozen"], d_min=2,
                           d_max=16, batched=mode, train=TrainConfig(max_steps=200, progress=False))
         out = str(tmp_path / f"batched{mode}")
-        run_sweep(cfg, out)
-        rows = load_results(out)
-        found[mode] = {k[:4]: (t["d_star"], t["exact"]) for k, t in thresholds(rows).items()}
+        found[mode], rows = _swept(cfg, out)
     assert found[True] == found[False] and len(found[True]) == 4
     assert any(exact for _, exact in found[True].values())
     assert max(r["batch_models"] for r in rows) == 4            # the four searches trained together
@@ -148,16 +155,13 @@ def test_widths_per_round_find_the_same_threshold_in_fewer_rounds(k):
 
 
 def test_batched_sweep_with_three_widths_per_round_finds_the_same_thresholds(tmp_path):
-    from synthetic.sweep import SweepConfig, load_results, run_sweep, thresholds
+    from synthetic.sweep import SweepConfig
 
     found, n_rows = {}, {}
     for per in (1, 3):
         cfg = SweepConfig(subjects=[32], relations=[2], seeds=[0, 1], modes=["trainable", "frozen"], d_min=2,
                           d_max=32, per_round=per, train=TrainConfig(max_steps=200, progress=False))
-        out = str(tmp_path / f"per{per}")
-        run_sweep(cfg, out)
-        rows = load_results(out)
-        found[per] = {k[:4]: (t["d_star"], t["exact"]) for k, t in thresholds(rows).items()}
+        found[per], rows = _swept(cfg, str(tmp_path / f"per{per}"))
         n_rows[per] = (len(rows), max(r["batch_models"] for r in rows))
     assert found[3] == found[1] and len(found[1]) == 4 and all(exact for _, exact in found[1].values())
     assert n_rows[3][1] > 4                 # more than one width per search trained in one stack
