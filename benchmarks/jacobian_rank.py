@@ -4,7 +4,7 @@ For each relation (known facts of the embedded SmolLM2-135M, the default analysi
 layers the default ``llmprobe run`` fits LREs at), the same decoders are fitted and scored with
 
 * exact Jacobians (``--jacobian-rank full``: d_model backward passes per prompt), and
-* low-rank estimates at each K in ``--measured`` (``llmprobe.lre.subject_jacobians(rank=K)``: the real products
+* low-rank estimates at each K in ``--measured`` (``llmprobe.model.lre.subject_jacobians(rank=K)``: the real products
   through the model, timed), and at each K in ``--emulated`` computed from the exact Jacobians by the same
   algorithm on the dense matrices (numerically the same estimator with other random test vectors; used where
   running it would cost more than the exact Jacobian: at d = 576 with 3 layers, K >= 128).
@@ -22,7 +22,6 @@ layers (items are test subjects / test pairs; pooling ignores that items of one 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
@@ -32,19 +31,22 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from llmprobe.analyses import decoders as dec_module  # noqa: E402
-from llmprobe.analyses import settings_from  # noqa: E402
-from llmprobe.analyses.settings import Log, pick_layers  # noqa: E402
+from llmprobe.analyses.settings import (  # noqa: E402
+    Log,
+    pick_layers,
+    settings_from,  # noqa: E402
+)
 from llmprobe.datasets import Relation, load_relations  # noqa: E402
 from llmprobe.io import write_json  # noqa: E402
-from llmprobe.known import known_facts  # noqa: E402
-from llmprobe.loading import load_model  # noqa: E402
-from llmprobe.lre import JacobianResult, subject_jacobians  # noqa: E402
+from llmprobe.jobs.probe import fitting, locatable, parse_layers  # noqa: E402
 from llmprobe.metric import paired_difference  # noqa: E402
-from llmprobe.probe import fitting, locatable, parse_layers  # noqa: E402
+from llmprobe.model.known import known_facts  # noqa: E402
+from llmprobe.model.loading import load_model  # noqa: E402
+from llmprobe.model.lre import JacobianResult, subject_jacobians  # noqa: E402
 
 
 def lowrank_from_dense(jac: JacobianResult, rank: int, oversample: int, seed: int) -> JacobianResult:
-    """The low-rank estimator of ``llmprobe.lre._lowrank_rows`` applied to dense per-prompt Jacobians:
+    """The low-rank estimator of ``llmprobe.model.lre._lowrank_rows`` applied to dense per-prompt Jacobians:
     P = orth(J^T G), Q = orth(J P), J ~ Q (Q^T J)."""
     J = jac.J.double()
     n, d_out, d_in = J.shape

@@ -4,7 +4,7 @@ Same prompts, same layer, one run:
 
 * reference: ``torch.autograd.functional.jacobian`` of o(h) per prompt (a full forward pass per evaluation, one
   backward per output dimension), as in Hernandez et al.'s code;
-* batched: ``llmprobe.lre.subject_jacobians`` (all prompts in one padded batch, the tokens before the subject
+* batched: ``llmprobe.model.lre.subject_jacobians`` (all prompts in one padded batch, the tokens before the subject
   run once through the KV cache, ``chunk`` output dimensions per vmapped backward).
 
 Prints both wall times, their ratio and the maximum relative difference of W (the mean Jacobian), i.e.
@@ -26,8 +26,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from llmprobe.datasets import load_relations  # noqa: E402
-from llmprobe.loading import load_model  # noqa: E402
-from llmprobe.lre import per_prompt_jacobians, subject_jacobians  # noqa: E402
+from llmprobe.model.loading import load_model  # noqa: E402
+from llmprobe.model.lre import per_prompt_jacobians, subject_jacobians  # noqa: E402
 
 
 def main(argv=None) -> dict:

@@ -6,7 +6,7 @@
    on a small fixed workload: load (``load_model`` of a saved safetensors folder), known facts (``known_facts``),
    capture (``relation_states``), edits (``layer_sequences`` + resumed ``next_token_predictions``), Jacobians
    (``subject_jacobians``, exact up to d = 1024 at one layer, and low-rank ``rank=64`` at three layers at every
-   width when the installed llmprobe has it), random-init control (``random_like``).
+   width when the installed llmprobe has it), random-init control (``random_init``).
    Width-only CPU work is timed once per width: LRE fits (``SVD`` of W and of ``random_spectrum_like(W)``), ridge
    fits (``RidgeDecoder``), superposition readouts (``superposition_readout`` on the real 193 x 6 table) and the
    matched controls (``train_at`` steps, ``measure_control``).
@@ -173,7 +173,7 @@ def jacobian_work(shape: Shape, prompts: list[tuple[int, int]], layers: list[int
     then the products, each through the blocks after the layer it reaches (``chunk`` per batched backward).
 
     Exact (``rank`` None, or k = rank + oversample >= d): d VJPs from o, through the blocks after min(layers)
-    (one backward reaches every layer). Low-rank (``llmprobe.lre._lowrank_rows``): k VJPs through the blocks
+    (one backward reaches every layer). Low-rank (``llmprobe.model.lre._lowrank_rows``): k VJPs through the blocks
     after min(layers) (shared by the layers), then per layer l k JVPs and k VJPs through the blocks after l."""
     k = None if rank is None or rank + oversample >= shape.d else rank + oversample
     first = min(layers)
@@ -219,7 +219,7 @@ def timed(fn, device: str):
 
 
 def tokenizer_folder() -> str:
-    from llmprobe.loading import _embedded_safetensors
+    from llmprobe.model.loading import _embedded_safetensors
 
     return _embedded_safetensors()
 
@@ -235,7 +235,7 @@ def padded_batches(tok, prompts: list[str], batch_size: int) -> list[tuple[int, 
 
 def known_batches(tok, prompts: list[str], objects: list[str], batch_size: int = 32) -> list[tuple[int, int, int]]:
     """(rows, padded prompt tokens, generated tokens) per batch of ``known_facts`` (its ordering and budgets)."""
-    from llmprobe.known import object_token_sequences
+    from llmprobe.model.known import object_token_sequences
 
     budgets = [min(len(s) + 1, 16) for s in object_token_sequences(tok, prompts, objects)]
     lengths = [len(ids) for ids in tok(prompts)["input_ids"]]
@@ -249,7 +249,7 @@ def known_batches(tok, prompts: list[str], objects: list[str], batch_size: int =
 
 def jacobian_prompts(tok, template: str, subjects: list[str]) -> list[tuple[int, int]]:
     """(tokens before the subject's last token, tokens from it to the prompt's end) per prompt."""
-    from llmprobe.subjects import encode
+    from llmprobe.model.subjects import encode
 
     enc = encode(tok, template, subjects, padding_side="left")
     out = []
@@ -263,7 +263,7 @@ def jacobian_prompts(tok, template: str, subjects: list[str]) -> list[tuple[int,
 
 def has_low_rank() -> bool:
     """Does the installed llmprobe's ``subject_jacobians`` take ``rank=``?"""
-    from llmprobe.lre import subject_jacobians
+    from llmprobe.model.lre import subject_jacobians
 
     return "rank" in inspect.signature(subject_jacobians).parameters
 
@@ -275,10 +275,10 @@ def measure_config(d: int, layers: int, device: str, n_facts: int, n_jacobian: i
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from llmprobe.datasets import Relation, load_relations
-    from llmprobe.known import known_facts
-    from llmprobe.loading import load_model
-    from llmprobe.lre import layer_sequences, next_token_predictions, random_like, relation_states, \
-        subject_jacobians
+    from llmprobe.model.known import known_facts
+    from llmprobe.model.loading import load_model
+    from llmprobe.model.lre import layer_sequences, next_token_predictions, relation_states, subject_jacobians
+    from llmprobe.model.random_init import random_init
 
     shape = bench_shape(d, layers)
     tok = AutoTokenizer.from_pretrained(tokenizer_folder())
@@ -336,7 +336,7 @@ def measure_config(d: int, layers: int, device: str, n_facts: int, n_jacobian: i
         stage(name, lambda: subject_jacobians(lm, template, jac_subjects, jac_layers[name], batch_size=16, chunk=96,
                                               **kwargs),
               jacobian_work(shape, jac_prompts, jac_layers[name], rank))
-    _, seconds = timed(lambda: random_like(lm, seed=1), device)
+    _, seconds = timed(lambda: random_init(lm, seed=1), device)
     stages["random_init"] = {"seconds": seconds, "flops": float(shape.params), "calls": 1,
                              "peak_bytes": peak_memory(device)}
     out["peak_bytes"] = peak_memory(device)
@@ -348,17 +348,18 @@ def measure_config(d: int, layers: int, device: str, n_facts: int, n_jacobian: i
 def measure_width(d: int, quick: bool = False) -> dict:
     """The CPU-side work that depends on the width only (it runs on the host CPU even with --device cuda)."""
     import torch
+    from transformers import AutoTokenizer
 
-    from llmprobe.analyses import AnalysisSettings, superposition_table
     from llmprobe.analyses.decoders import SVD
+    from llmprobe.analyses.settings import AnalysisSettings
+    from llmprobe.analyses.superposition import superposition_table
     from llmprobe.datasets import load_relations
     from llmprobe.geometry import RidgeDecoder, random_spectrum_factors, random_spectrum_like, superposition_readout
-    from llmprobe.lre import JacobianResult
+    from llmprobe.model.lre import JacobianResult
     from synthetic.controls import measure_control, train_at
     from synthetic.sweep import SweepConfig
     from synthetic.tasks import from_fact_table
     from synthetic.train import TrainConfig
-    from transformers import AutoTokenizer
 
     cfg = AnalysisSettings()
     gen = torch.Generator().manual_seed(0)
@@ -432,11 +433,12 @@ SMOLLM2_LOWRANK_SPEEDUP = {32: 3.50, 64: 1.84, 128: 0.98}
 def run_workload(tok, n_layers: int, known_counts: dict | None) -> dict:
     """What ``llmprobe run`` does with its defaults, in model-independent units: batches of (rows, tokens),
     Jacobian prompts, CPU fit counts. ``known_counts`` None = every fact known."""
-    from llmprobe.analyses import AnalysisSettings, pick_layers, superposition_table
+    from llmprobe.analyses.settings import AnalysisSettings, pick_layers
     from llmprobe.analyses.splits import relation_split
+    from llmprobe.analyses.superposition import superposition_table
     from llmprobe.datasets import load_relations
-    from llmprobe.probe import parse_layers
-    from llmprobe.scoring import first_token_targets
+    from llmprobe.jobs.probe import parse_layers
+    from llmprobe.model.scoring import first_token_targets
 
     cfg = AnalysisSettings()
     relations = load_relations(None)
@@ -523,7 +525,8 @@ def cpu_model_cost(fits: dict):
 def auto_rank(shape: Shape, lre_layers: list[int]) -> int | None:
     """The Jacobian rank the default ``--jacobian-rank auto`` picks for this shape (None: exact)."""
     try:
-        from llmprobe.analyses.settings import AnalysisSettings, jacobian_rank_for
+        from llmprobe.analyses.decoders import jacobian_rank_for
+        from llmprobe.analyses.settings import AnalysisSettings
         return jacobian_rank_for(AnalysisSettings(), shape.d, lre_layers, shape.layers)
     except TypeError:                         # an llmprobe whose rule counts products only
         return None

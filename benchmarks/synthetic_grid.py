@@ -19,7 +19,6 @@ Three parts, each printed and (``--json``) written:
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import shutil
 import sys
@@ -31,12 +30,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import synthetic.batched as batched  # noqa: E402
-from synthetic.sweep import (SweepConfig, config_key, extrapolated_guess, load_results, run_sweep,  # noqa: E402
-                             thresholds)
+from benchmarks.batched_training import (  # noqa: E402
+    BANDWIDTH_EFFICIENCY,
+    FLOP_EFFICIENCY,
+    H200_BYTES_PER_S,
+    H200_FP32_FLOPS,
+    OP_LAUNCH_S,
+    step_cost,
+)
+from synthetic.sweep import SweepConfig, config_key, extrapolated_guess, load_results, run_sweep, thresholds  # noqa: E402
 from synthetic.tasks import random_bijections  # noqa: E402
 from synthetic.train import TrainConfig, model_config_for  # noqa: E402
-from benchmarks.batched_training import (BANDWIDTH_EFFICIENCY, FLOP_EFFICIENCY, H200_BYTES_PER_S,  # noqa: E402
-                                         H200_FP32_FLOPS, OP_LAUNCH_S, step_cost)
 
 GRID_N, GRID_R, MAX_STEPS = (256, 512, 1024, 2048, 4096), (2, 4, 8, 16), 500
 STACK_OPS = 209          # aten ops of one stacked training step (counted by benchmarks/batched_training.py)

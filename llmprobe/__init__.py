@@ -8,35 +8,23 @@ Python API (mirrors the CLI)::
     states = capture(lm.model, ["blocks.12.resid_post"], batch.input_ids, batch.attention_mask,
                      positions=batch.subject_last[:, None])          # {name: [batch, 1, d_model]}
 
-Names are imported lazily, so ``import llmprobe.geometry`` loads only the geometry math.
+Names are imported lazily, so ``import llmprobe.geometry`` loads only the geometry math and
+``import llmprobe.settings`` no torch. No module of the package shares a public name: ``llmprobe.capture``,
+``llmprobe.probe`` and ``llmprobe.run`` are always the functions.
 """
 import importlib
 
 __version__ = "0.1.0"
-_EXPORTS = {
-    "capture": "capture", "forward": "capture", "patch": "capture",
+_EXPORTS = {         # public name -> the module that defines it (imported on first use)
+    "capture": "model.capture", "forward": "model.capture", "patch": "model.capture",
     "DatasetError": "datasets", "Fact": "datasets", "FactTable": "datasets", "Relation": "datasets",
-    "load_relations": "datasets", "ModelLoadError": "loading", "load_model": "loading", "probe": "probe",
-    "run": "run",
-    "SubjectNotFoundError": "subjects", "encode": "subjects",
-    "as_loaded_model": "interop", "to_lens_name": "adapters", "from_lens_name": "adapters",
-    "load_report": "notebook", "load_decoder": "notebook", "Report": "notebook",
+    "load_relations": "datasets", "ModelLoadError": "model.loading", "load_model": "model.loading",
+    "probe": "jobs.probe", "run": "jobs.main",
+    "SubjectNotFoundError": "model.subjects", "encode": "model.subjects",
+    "as_loaded_model": "model.interop", "to_lens_name": "model.adapters", "from_lens_name": "model.adapters",
+    "load_report": "report.notebook", "Report": "report.notebook", "load_decoder": "analyses.saved",
 }
 __all__ = [*_EXPORTS, "__version__"]
-
-
-def callable_module(module_name: str, function) -> None:
-    """Make module ``module_name`` call ``function``: importing a submodule binds its name in this package to the
-    module, so ``llmprobe.probe(...)`` and ``llmprobe.run(...)`` must work whether the name holds the function
-    or its module."""
-    import sys
-    import types
-
-    class CallableModule(types.ModuleType):
-        def __call__(self, *args, **kwargs):
-            return function(*args, **kwargs)
-
-    sys.modules[module_name].__class__ = CallableModule
 
 
 def __getattr__(name):

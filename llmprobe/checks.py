@@ -97,3 +97,42 @@ def layer_spec(spec) -> None:
         except ValueError:
             raise UsageError(f"bad layer {item!r} in --layers {spec!r}: use all, every:K, or integers "
                              f"like 0,6,-1") from None
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+QUANTIZE = ("4bit", "8bit")
+
+
+def parse_max_memory(spec: str | dict | list | None) -> dict | None:
+    """``"cpu=2GiB,0=70GiB"`` (or a list of such items, or a dict) -> accelerate's ``max_memory`` dict
+    ``{"cpu": "2GiB", 0: "70GiB"}``. Keys: ``cpu``, ``disk``, ``mps``, a GPU index ``N`` or ``cuda:N``; sizes
+    like ``200MiB``, ``2GB`` or a number of bytes. ValueError naming the bad item."""
+    if spec is None or isinstance(spec, dict) and not spec:
+        return None
+    from accelerate.utils import convert_file_size_to_int  # here: importing the checks must not load torch
+
+    items = spec.items() if isinstance(spec, dict) else [
+        tuple(part.split("=", 1)) if "=" in part else (part, None)
+        for text in ([spec] if isinstance(spec, str) else spec) for part in str(text).split(",") if part.strip()]
+    out: dict = {}
+    for key, size in items:
+        key = str(key).strip()
+        if key.startswith("cuda:"):
+            key = key[5:]
+        key = int(key) if key.isdigit() else key
+        if not isinstance(key, int) and key not in ("cpu", "disk", "mps"):
+            raise ValueError(f"--max-memory: unknown device {key!r}; use cpu, disk, mps, a GPU index N or cuda:N "
+                             f"(e.g. cpu=2GiB,0=70GiB)")
+        if size is None or not str(size).strip():
+            raise ValueError(f"--max-memory: no size for {key!r}; write DEVICE=SIZE, e.g. cpu=2GiB")
+        size = str(size).strip()
+        value = int(size) if size.isdigit() else size
+        try:
+            if convert_file_size_to_int(value) <= 0:
+                raise ValueError
+        except (ValueError, TypeError):
+            raise ValueError(f"--max-memory: bad size {size!r} for {key!r}; use e.g. 200MiB, 2GiB, 2GB or a "
+                             f"number of bytes") from None
+        out[key] = value
+    return out

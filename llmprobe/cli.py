@@ -9,8 +9,30 @@ import signal
 import sys
 from contextlib import contextmanager
 
-from .checks import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUT_OF_MEMORY, EXIT_USAGE, UsageError,
-                     is_out_of_memory, layer_spec, output_folder, positive_int)
+from llmprobe.checks import (
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_OUT_OF_MEMORY,
+    EXIT_USAGE,
+    UsageError,
+    is_out_of_memory,
+    layer_spec,
+    output_folder,
+    parse_max_memory,
+    positive_int,
+)
+from llmprobe.jobs.main import run
+from llmprobe.jobs.probe import probe, summary_table
+from llmprobe.jobs.rerun import rerun
+from llmprobe.model.batching import OutOfMemoryAtOne
+from llmprobe.model.families import embedded, families, models_text
+from llmprobe.model.loading import ModelLoadError
+from llmprobe.report.render import compare, export
+from llmprobe.settings import probe_arguments, resolve, settings_toml
+from synthetic.analyze import add_analyze_parser
+from synthetic.cli import add_parser as add_synth
+from synthetic.executors import ray_map
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -36,8 +58,6 @@ def _layers(text: str) -> str:
 
 
 def _max_memory(text: str) -> str:
-    from .loading import parse_max_memory
-
     try:
         parse_max_memory(text)
     except ValueError as error:
@@ -112,7 +132,7 @@ def _add_settings_args(parser: argparse.ArgumentParser) -> None:
                              "(a TOML value; repeatable); flags override it")
 
 
-# argparse dest -> the setting it sets (llmprobe.config); None (not given) leaves the setting to --config/--set
+# argparse dest -> the setting it sets (llmprobe.settings); None (not given) leaves the setting to --config/--set
 FLAG_SETTINGS = {"model": "run.model", "gguf_file": "run.gguf_file", "relations": "run.relations",
                  "layers": "run.layers", "analyses": "run.analyses", "device": "run.device", "dtype": "run.dtype",
                  "batch_size": "run.batch_size", "max_facts": "run.max_facts",
@@ -123,9 +143,7 @@ SWITCH_SETTINGS = {"no_controls": "controls.enabled", "no_model_width": "control
 
 
 def _settings(args) -> dict:
-    """The resolved settings: defaults <- --config <- --set <- the flags given (llmprobe.config.resolve)."""
-    from .config import resolve
-
+    """The resolved settings: defaults <- --config <- --set <- the flags given (llmprobe.settings.resolve)."""
     flags = {key: getattr(args, dest) for dest, key in FLAG_SETTINGS.items()
              if getattr(args, dest, None) not in (None, [])}     # [] : run's MODEL... left out
     if "run.analyses" in flags:
@@ -135,9 +153,6 @@ def _settings(args) -> dict:
 
 
 def _probe(args) -> int:
-    from .config import probe_arguments
-    from .probe import probe, summary_table
-
     report = probe(**probe_arguments(_settings(args), "probe"), out=args.out,
                    trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle, resume=args.resume)
     print(summary_table(report))
@@ -148,15 +163,10 @@ def _probe(args) -> int:
 
 
 def _run(args) -> int:
-    from .probe import summary_table
-    from .run import run
-
     models = args.model if isinstance(args.model, list) else [args.model]
     if len(models) > 1 or getattr(args, "executor", "process") == "ray":
         return _run_models(args, models or [None])
     args.model = models[0] if models else None
-
-    from .config import probe_arguments
 
     report = run(**probe_arguments(_settings(args), "run"), out=args.out, trust_remote_code=args.trust_remote_code,
                  allow_pickle=args.allow_pickle, resume=args.resume)
@@ -179,8 +189,6 @@ def _run_one(args) -> str:
 def _run_models(args, models: list) -> int:
     """``llmprobe run A B ... [--executor ray]``: one report per model in OUT/<model>, run here one after the other
     or as Ray tasks (synthetic.executors.ray_map), then their compare page in OUT/compare."""
-    from .report import compare
-
     jobs, names = [], []
     for model in models:
         text = str(model or "embedded").rstrip("/\\")
@@ -191,8 +199,6 @@ def _run_models(args, models: list) -> int:
         jobs.append(argparse.Namespace(**{**vars(args), "model": model, "executor": "process",
                                           "out": os.path.join(args.out, name)}))
     if args.executor == "ray":
-        from synthetic.executors import ray_map
-
         ray_map(_run_one, jobs, address=args.address)
     else:
         for job in jobs:
@@ -203,8 +209,6 @@ def _run_models(args, models: list) -> int:
 
 
 def _rerun(args) -> int:
-    from .config import rerun
-
     result = rerun(args.dir, args.out, allow_different_weights=args.allow_different_weights,
                    trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle)
     comparison = result["comparison"]
@@ -217,15 +221,11 @@ def _rerun(args) -> int:
 
 
 def _models(args) -> int:
-    from .families import embedded, families, models_text
-
     print(json.dumps({"default": embedded(), "families": families()}, indent=1) if args.json else models_text())
     return 0
 
 
 def _config(args) -> int:
-    from .config import settings_toml
-
     print(settings_toml(_settings(args)), end="")
     return 0
 
@@ -258,16 +258,12 @@ def _formats(text: str) -> tuple[str, ...]:
 
 
 def _compare(args) -> int:
-    from .report import compare
-
     for path in compare(args.dirs, args.out, args.format):
         print(path)
     return 0
 
 
 def _report(args) -> int:
-    from .report import export
-
     for path in export(args.dir, args.format, args.out):
         print(path)
     return 0
@@ -331,8 +327,6 @@ def build_parser(synth: bool = True) -> argparse.ArgumentParser:
         commands.add_parser("synth", help="synthetic factual recall: train, sweep, construct, bounds, analyze, "
                                           "multihop")
         return parser
-    from synthetic.analyze import add_analyze_parser
-    from synthetic.cli import add_parser as add_synth
 
     group = add_synth(commands)
     add_analyze_parser(group.synth_subparsers)
@@ -399,14 +393,11 @@ def run_command(args) -> int:
         print(f"llmprobe: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     except (RuntimeError, MemoryError) as error:
-        from .loading import ModelLoadError
-
         if isinstance(error, ModelLoadError):
             print(f"llmprobe: error: {error}", file=sys.stderr)
             return EXIT_USAGE
         if not is_out_of_memory(error):
             raise
-        from .batching import OutOfMemoryAtOne
 
         if isinstance(error, OutOfMemoryAtOne):   # the batches already went down to one item: its message says why
             print(f"llmprobe: error: {error} Results already written are kept.", file=sys.stderr)

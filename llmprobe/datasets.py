@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .io import write_text
+from llmprobe.io import write_text
 
 __all__ = ["DatasetError", "Fact", "Relation", "FactTable", "load_relations", "list_bundled", "save_relation",
            "relation_from_dict", "format_relation", "infer_cardinality", "SLOT", "CARDINALITIES"]

@@ -73,18 +73,28 @@ def _finite(obj):
     return obj
 
 
-def figure_png(figure, dpi: int = 110) -> bytes:
-    """A matplotlib figure as PNG bytes (tight bounding box); the figure is closed."""
-    import matplotlib.pyplot as plt
+def subplots(nrows: int = 1, ncols: int = 1, **kwargs):
+    """(figure, axes) like ``pyplot.subplots``, built without pyplot: the one plotting set-up of llmprobe and
+    synthetic. No backend is chosen or switched (a notebook's stays as it is) and nothing is left open in pyplot's
+    figure manager; ``kwargs`` go to ``Figure`` (figsize, ...) except ``squeeze``, ``sharex``, ``sharey``,
+    ``width_ratios``, ``height_ratios``, ``gridspec_kw`` and ``subplot_kw``, which go to ``Figure.subplots``."""
+    from matplotlib.figure import Figure   # matplotlib only where something is drawn (start-up time)
 
+    layout = {k: kwargs.pop(k) for k in ("squeeze", "sharex", "sharey", "width_ratios", "height_ratios",
+                                          "gridspec_kw", "subplot_kw") if k in kwargs}
+    figure = Figure(**kwargs)
+    return figure, figure.subplots(nrows, ncols, **layout)
+
+
+def figure_png(figure, dpi: int = 110) -> bytes:
+    """A matplotlib figure as PNG bytes (tight bounding box)."""
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=dpi, bbox_inches="tight")
-    plt.close(figure)
     return buffer.getvalue()
 
 
 def write_figure(path: str | Path, figure, dpi: int = 110) -> Path:
-    """Save a matplotlib figure as a PNG atomically (and close it)."""
+    """Save a matplotlib figure as a PNG atomically."""
     return write_bytes(path, figure_png(figure, dpi))
 
 

@@ -170,6 +170,30 @@ def paired_difference(a: Sequence[float], b: Sequence[float], *, n_boot: int = 1
     return bootstrap(a[keep] - b[keep], n_boot=n_boot, seed=seed, level=level, bounds=(-1.0, 1.0), note=note)
 
 
+def pooled_readout(readout: dict | None) -> dict | None:
+    """Readout accuracy pooled over relations (every subject-relation fact counts once): see :func:`pooled`."""
+    return pooled(readout, "pooled over relations (each subject-relation fact once)")
+
+
+def pooled(metrics: dict | None, note: str) -> dict | None:
+    """Proportions pooled over relations ({relation: metric}, each item counts once): a typed metric (JSON form)
+    with a Wilson interval on the pooled n, and the same pooling for every control all relations have."""
+    entries = [m for m in (metrics or {}).values() if m and m.get("value") is not None and m.get("n")]
+    if not entries:
+        return None
+
+    def pool(items):
+        n = sum(int(m["n"]) for m in items)
+        value = sum(float(m["value"]) * int(m["n"]) for m in items) / n
+        return Metric(value, wilson(min(1.0, max(0.0, value)), n), n, "wilson", note=note)
+
+    out = pool(entries)
+    names = set.intersection(*(set(m.get("controls") or {}) for m in entries))
+    controls = {name: pool([m["controls"][name] for m in entries]) for name in sorted(names)
+                if all((m["controls"][name] or {}).get("n") for m in entries)}
+    return out.with_controls(controls, "shuffled" if "shuffled" in controls else None).to_dict()
+
+
 def is_metric(obj) -> bool:
     """Is ``obj`` a metric in its JSON form?"""
     return isinstance(obj, dict) and all(k in obj for k in _FIELDS)

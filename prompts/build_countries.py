@@ -24,9 +24,9 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pycountry
+from countryinfo import CountryInfo
 
 from llmprobe.datasets import format_json
-from countryinfo import CountryInfo
 
 OUT_DIR = Path(__file__).resolve().parent
 

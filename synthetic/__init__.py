@@ -8,13 +8,22 @@ construction (:mod:`synthetic.construction`) and counting bounds (:mod:`syntheti
     task = random_bijections(512, 4, seed=0)
     result = train(task, d_model=12)            # RunResult: accuracy, steps, bits_per_param, ... ; result.model
 """
-from .model import HOOK_NAMES, FactRecallModel, ModelConfig, softmax_cross_entropy
-from .tasks import (FactTask, KHopTask, SeqData, from_fact_table, from_relations, load_facts, random_bijections,
-                    random_functions, random_khop)
-from .train import RunResult, TrainConfig, evaluate, load_run, model_config_for, train
-from .sweep import SweepConfig, run_sweep, summarize
-from .construction import build_construction, smallest_construction
-from . import bounds
+from synthetic import bounds
+from synthetic.construction import build_construction, smallest_construction
+from synthetic.model import HOOK_NAMES, FactRecallModel, ModelConfig, softmax_cross_entropy
+from synthetic.sweep import SweepConfig, run_sweep, summarize
+from synthetic.tasks import (
+                    FactTask,
+                    KHopTask,
+                    SeqData,
+                    from_fact_table,
+                    from_relations,
+                    load_facts,
+                    random_bijections,
+                    random_functions,
+                    random_khop,
+)
+from synthetic.train import RunResult, TrainConfig, evaluate, load_run, model_config_for, train
 
 __all__ = [
     "HOOK_NAMES", "FactRecallModel", "ModelConfig", "softmax_cross_entropy",

@@ -31,13 +31,13 @@ import time
 
 import torch
 
-from llmprobe.io import write_figure, write_json, write_text
-
-from . import mechanisms as mech
-from .model import FactRecallModel, ModelConfig
-from .swap import freeze_and_swap
-from .tasks import FactTask, KHopTask, random_bijections
-from .train import STATE, TrainConfig, load_run, train
+from llmprobe.io import read_jsonl, write_figure, write_json, write_text
+from synthetic import mechanisms as mech
+from synthetic.model import FactRecallModel, ModelConfig
+from synthetic.multihop import add_multihop_parser
+from synthetic.swap import freeze_and_swap, plot_swap_sweep, summarize_sweep, swap_sweep, sweep_markdown, sweep_points
+from synthetic.tasks import FactTask, KHopTask, random_bijections
+from synthetic.train import STATE, TrainConfig, load_run, train
 
 ANALYSIS = "analysis.json"
 CONTROLS = ("frozen", "frozen_all")
@@ -376,8 +376,6 @@ def add_analyze_parser(synth_subparsers) -> None:
     q.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     q.set_defaults(func=cmd_swap_sweep)
 
-    from .multihop import add_multihop_parser
-
     add_multihop_parser(synth_subparsers)
 
 
@@ -403,9 +401,6 @@ def cmd_analyze(args) -> dict:
 
 
 def cmd_swap_sweep(args) -> dict:
-    from llmprobe.io import read_jsonl
-    from .swap import plot_swap_sweep, summarize_sweep, sweep_markdown, sweep_points, swap_sweep
-
     if args.threads:
         torch.set_num_threads(args.threads)
     ints = lambda text: [int(x) for x in text.split(",") if x]

@@ -25,11 +25,21 @@ import time
 
 import torch
 
-from .model import FactRecallModel, ModelConfig, auto_chunk
-from .tasks import FactTask, KHopTask
-from .train import (RunResult, TrainConfig, _save_task, _save_checkpoint, evaluate, lr_at, read_checkpoint,
-                    CHECKPOINT, RUN, STATE)
 from llmprobe.io import write_json
+from synthetic.model import FactRecallModel, ModelConfig, auto_chunk
+from synthetic.tasks import FactTask, KHopTask
+from synthetic.train import (
+    CHECKPOINT,
+    RUN,
+    STATE,
+    RunResult,
+    TrainConfig,
+    _save_checkpoint,
+    _save_task,
+    evaluate,
+    lr_at,
+    read_checkpoint,
+)
 
 # the non-model axes of each parameter: "d" model width, "m" MLP width, "-" fixed by the task
 AXES = {"subject_embed": "-d", "relation_embed": "-d", "pos": "-d", "W_Q": "dd", "W_K": "dd", "W_V": "dd",

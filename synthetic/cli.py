@@ -3,15 +3,20 @@ and ``multihop`` join the group through ``parser.synth_subparsers``)."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
+
+from llmprobe import io as llmio
+from llmprobe.checks import UsageError, positive_int
+from synthetic.bounds import summary
+from synthetic.construction import smallest_construction
+from synthetic.sweep import SweepConfig, plot, run_sweep, summarize, table_markdown
+from synthetic.tasks import load_facts, random_bijections, random_khop
+from synthetic.train import TrainConfig, train
 
 
 def _ints(text: str, minimum: int = 1) -> list[int]:
     """``"256,512"`` -> [256, 512]; every item a whole number >= ``minimum`` (UsageError otherwise)."""
-    from llmprobe.checks import UsageError, positive_int
-
     items = [x.strip() for x in str(text).split(",") if x.strip()]
     if not items:
         raise UsageError(f"empty list {text!r}: give comma-separated whole numbers")
@@ -21,8 +26,6 @@ def _ints(text: str, minimum: int = 1) -> list[int]:
 def _positive(name: str):
     """argparse type: a whole number >= 1 (argparse's usage error, status 2, otherwise)."""
     def convert(text):
-        from llmprobe.checks import UsageError, positive_int
-
         try:
             return positive_int(text, name)
         except UsageError as error:
@@ -32,8 +35,6 @@ def _positive(name: str):
 
 def _int_list(text: str) -> str:
     """argparse type checking a comma list of whole numbers >= 1 (kept as text for the commands)."""
-    from llmprobe.checks import UsageError
-
     try:
         _ints(text)
     except UsageError as error:
@@ -58,8 +59,6 @@ def _train_config_args(p: argparse.ArgumentParser, max_steps: int) -> None:
 
 
 def _train_config(args, progress: bool):
-    from .train import TrainConfig
-
     return TrainConfig(lr=args.lr, max_steps=args.max_steps, batch_size=args.batch_size,
                        warmup_frac=args.warmup_frac, min_lr_frac=args.min_lr_frac, target_acc=args.target_acc,
                        weight_decay=args.weight_decay,
@@ -166,10 +165,6 @@ def _missing_subcommand(parser: argparse.ArgumentParser) -> int:
 
 
 def _task_from_args(args):
-    from llmprobe.checks import UsageError
-
-    from .tasks import load_facts, random_bijections, random_khop
-
     if args.facts:
         if args.hops > 1:
             raise UsageError("--facts and --hops > 1 cannot be combined")
@@ -183,8 +178,6 @@ def _task_from_args(args):
 
 
 def cmd_train(args) -> dict:
-    from .train import train
-
     task = _task_from_args(args)
     m = args.mlp_width or 8 * args.d
     # Ctrl-C / SIGTERM raise KeyboardInterrupt (llmprobe.cli.run_command): train() checkpoints, the CLI exits 130
@@ -203,8 +196,6 @@ def cmd_train(args) -> dict:
 
 
 def cmd_sweep(args) -> dict:
-    from .sweep import SweepConfig, plot, run_sweep, table_markdown
-
     modes = ["trainable", "frozen"]
     if args.modes:
         modes = [m for m in args.modes.split(",") if m]
@@ -218,12 +209,8 @@ def cmd_sweep(args) -> dict:
                       batched=args.batched, executor=args.executor, address=args.address,
                       per_round=args.per_round, extrapolate=args.extrapolate, train=_train_config(args, progress=False))
     if args.address and args.executor != "ray":
-        from llmprobe.checks import UsageError
-
         raise UsageError("--address is for --executor ray")
     if args.report_only:
-        from .sweep import summarize
-
         summary = summarize(args.out, cfg)
         plot(args.out, summary)
     else:
@@ -235,8 +222,6 @@ def cmd_sweep(args) -> dict:
 
 
 def cmd_construct(args) -> list:
-    from .construction import smallest_construction
-
     rows = []
     for N in _ints(args.subjects):
         for R in _ints(args.relations):
@@ -246,34 +231,12 @@ def cmd_construct(args) -> list:
             print(f"N={N:5d} R={R:3d}  b={r['b']}  d={r['d_model']}  m={r['d_mlp']}  acc={r['accuracy']:.4f}",
                   flush=True)
     if args.out:
-        from llmprobe import io as llmio
-
         llmio.write_json(os.path.join(args.out, "construction.json"), rows)   # atomic
     return rows
 
 
 def cmd_bounds(args) -> dict:
-    from .bounds import summary
-
     out = summary(args.subjects, args.relations, hops=args.hops, bits_per_param=args.bits_per_param)
     for key, value in out.items():
         print(f"{key:<20} {value:.6g}" if isinstance(value, float) else f"{key:<20} {value}")
     return out
-
-
-def main(argv=None) -> None:
-    """Stand-alone entry point: ``python -m synthetic.cli synth train ...``."""
-    parser = argparse.ArgumentParser(prog="llmprobe")
-    subs = parser.add_subparsers(dest="command")
-    add_parser(subs)
-    args = parser.parse_args(argv)
-    if not hasattr(args, "func"):
-        parser.print_help(sys.stderr)
-        sys.exit(2)
-    from llmprobe.cli import run_command
-
-    sys.exit(run_command(args))
-
-
-if __name__ == "__main__":
-    main()

@@ -30,8 +30,8 @@ import math
 
 import torch
 
-from .model import FactRecallModel, ModelConfig
-from .tasks import FactTask, random_bijections
+from synthetic.model import FactRecallModel, ModelConfig
+from synthetic.tasks import FactTask, random_bijections
 
 
 def attribute_codes(n: int, b: int, kind: str = "sphere", seed: int = 0) -> torch.Tensor:

@@ -34,7 +34,14 @@ from __future__ import annotations
 import time
 
 from llmprobe.datasets import Fact, FactTable, Relation
-from llmprobe.report import pooled_readout
+from llmprobe.geometry import superposition_readout
+from llmprobe.metric import pooled_readout
+from synthetic.mechanisms import readout_inputs, untrained_like
+from synthetic.mechanisms import selector as measure_selector
+from synthetic.sweep import INIT_OFFSET, SweepConfig, initial_guess
+from synthetic.sweep import find_threshold as bisect
+from synthetic.tasks import from_fact_table
+from synthetic.train import TrainConfig, train
 
 MODES = ("trainable", "frozen")
 MAX_STEPS = 2000          # step cap of every control's training (the bisection's too)
@@ -64,9 +71,6 @@ def known_table(report_relations: dict, known: dict, min_facts: int = 5) -> tupl
 
 def train_at(task, mode: str, d: int, cfg, seed: int = 0, init: int = 0):
     """Train one control of width d (model seed ``seed + init * INIT_OFFSET``): (model, RunResult as a dict)."""
-    from .sweep import INIT_OFFSET
-    from .train import train
-
     if mode not in MODES:
         raise ValueError(f"unknown control mode {mode!r}; choose from {MODES}")
     d_mlp = cfg.d_mlp or max(1, int(round(cfg.mlp_ratio * d)))
@@ -81,8 +85,6 @@ def find_threshold(task, mode: str, cfg, seed: int = 0) -> dict:
 
     Returns {"d_star", "exact", "tried": [{"d", "init", "success", "accuracy", "steps", "wall_time_s"}] (by d,
     then init), "models": {d: (model, result)}} (the successful, else the last, model of every width tried)."""
-    from .sweep import find_threshold as bisect, initial_guess
-
     models: dict[int, tuple] = {}
     rows = []
 
@@ -126,10 +128,6 @@ def measure_control(model, task, seed: int = 0, n_boot: int = N_BOOT, selector: 
     ``random_init``), as the pretrained model's subject states are measured, and its MLP-as-selector numbers.
 
     Returns {"r2": Metric, "readout": {relation: Metric}, "selector": {...} (when asked), "wall_seconds"}."""
-    from llmprobe.geometry import superposition_readout
-
-    from .mechanisms import readout_inputs, selector as measure_selector, untrained_like
-
     t0 = time.perf_counter()
     H, A, U = readout_inputs(model, task)
     H_c, _, U_c = readout_inputs(untrained_like(model), task)
@@ -166,10 +164,6 @@ def train_controls(table: FactTable, d_model: int, seed: int = 0, at_model_width
     fit); returns the controls block of the module docstring. ``device``: where the controls train (a CUDA
     device pays at the pretrained model's width: d = 4096 with an MLP of 8d is ~2 TFLOP per full-batch step on a
     1158-fact table); they are measured on the CPU."""
-    from .sweep import SweepConfig
-    from .tasks import from_fact_table
-    from .train import TrainConfig
-
     t0 = time.perf_counter()
     task = from_fact_table(table)
     cfg = SweepConfig(d_max=d_max or d_model, train=TrainConfig(max_steps=max_steps, progress=False, device=device))

@@ -38,13 +38,20 @@ from typing import Iterator
 
 import torch
 
-from llmprobe.capture import capture, patch
-from llmprobe.geometry import SuperpositionFit, kfold_indices, random_direction_like, superposition_readout
-from llmprobe.loading import reinit_like
+from llmprobe.geometry import (
+    ALPHA_GRID,
+    SuperpositionFit,
+    kfold_indices,
+    random_direction_like,
+    ridge_fit,
+    shuffle_table,
+    superposition_readout,
+)
 from llmprobe.metric import proportion
-
-from .model import FactRecallModel
-from .tasks import FactTask
+from llmprobe.model.capture import capture, patch
+from llmprobe.model.random_init import random_init
+from synthetic.model import FactRecallModel
+from synthetic.tasks import FactTask
 
 HIDDEN = "blocks.0.mlp_hidden"
 RESID_PRE = "blocks.0.resid_pre"
@@ -77,9 +84,9 @@ def local_table(task: FactTask) -> torch.Tensor:
 
 def untrained_like(model: FactRecallModel, seed_offset: int = 1) -> FactRecallModel:
     """The same architecture at a fresh random init (the "random-init model" control): the model rebuilt from its
-    config with seed ``config.seed + seed_offset`` by :func:`llmprobe.loading.reinit_like`, the random-init helper
-    the pretrained control (:func:`llmprobe.lre.random_like`) uses too."""
-    return reinit_like(model, model.config.seed + seed_offset)
+    config with seed ``config.seed + seed_offset`` by :func:`llmprobe.model.random_init.random_init`, the random-init helper
+    the pretrained control (:func:`llmprobe.model.random_init.random_init`) uses too."""
+    return random_init(model, model.config.seed + seed_offset)
 
 
 def _one_hop(task: FactTask):
@@ -177,8 +184,6 @@ def swap_edits(model: FactRecallModel, task: FactTask, k: int = 5, seed: int = 0
     norm (:func:`llmprobe.geometry.random_direction_like`, drawn from its own generator, so the edits do not depend
     on it).
     """
-    from llmprobe.geometry import ALPHA_GRID
-
     H, A, U = readout_inputs(model, task)
     N, R = A.shape
     H64 = H.double()
@@ -456,8 +461,6 @@ def logit_attribution(model: FactRecallModel, task: FactTask, new_table: torch.T
     same on a new random table (what freeze-and-swap embeddings face), where cross help should vanish, and
     ``cross_sd`` the spread of the cross terms there (noise that competes with the own term).
     """
-    from llmprobe.geometry import ALPHA_GRID, ridge_fit
-
     H, A, U = readout_inputs(model, task)
     N, R = A.shape
     ids, s, r, a = _one_hop(task)
@@ -466,7 +469,6 @@ def logit_attribution(model: FactRecallModel, task: FactTask, new_table: torch.T
                 )["blocks.0.resid_post"][:, 0].double()
     fit = SuperpositionFit(alpha=ALPHA_GRID).fit(H, A, U)
     if new_table is None:
-        from llmprobe.geometry import shuffle_table
         new_table = local_table(FactTask(shuffle_table(task.table, seed + 1), n_outputs=task.n_outputs,
                                          attr_index=task.attr_index))
     ops, op_r2 = [], []

@@ -18,7 +18,7 @@ the last state is x_r + (x_s + x_r)/2). Learned attention is one causal softmax 
 There is no layer norm. The MLP width defaults to 8d (docs/synthetic.md: it lowers d* against 4d).
 
 The ``nn.Identity`` modules returned by :meth:`FactRecallModel.hook_points` are called on the real tensors, so
-``llmprobe.capture`` and ``llmprobe.capture.patch`` read and edit this model exactly as they do a Hugging Face one.
+``llmprobe.model.capture`` and ``llmprobe.model.capture.patch`` read and edit this model exactly as they do a Hugging Face one.
 Training uses :meth:`FactRecallModel.loss`, which computes states only at target positions and a chunked, fused
 softmax cross-entropy whose gradient is formed during the forward pass (the N-way softmax dominates the cost).
 """

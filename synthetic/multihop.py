@@ -26,9 +26,10 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from llmprobe.io import append_jsonl, read_jsonl, write_figure, write_json, write_text
-
-from .tasks import random_khop
-from .train import TrainConfig, train
+from llmprobe.metric import Metric, nan_metric
+from synthetic.batched import train_batched
+from synthetic.tasks import random_khop
+from synthetic.train import TrainConfig, model_config_for, train
 
 POINTS = "points.jsonl"
 D_GRID = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -330,9 +331,6 @@ class SeedsConfig:
 def _train_points(cfg: SeedsConfig, R: int, hops: int, cot: bool, todo: list[tuple[int, int]]) -> list[dict]:
     """Train the points ``todo`` [(seed, d)] of one (R, k, CoT) cell at once (:func:`synthetic.batched.
     train_batched`: same data shape, models stacked and padded to the widest); one row per point, in order."""
-    from .batched import train_batched
-    from .train import model_config_for
-
     tasks = [random_khop(cfg.subjects, R, hops, cot=cot, seed=s) for s, _ in todo]
     mcfgs = [model_config_for(t, d, attention=cfg.attention, d_mlp=max(1, round(cfg.mlp_ratio * d)), seed=s)
              for t, (s, d) in zip(tasks, todo)]
@@ -446,8 +444,6 @@ def fit_growth(points: list[tuple[float, float]], n_boot: int = 2000, seed: int 
     a :class:`llmprobe.metric.Metric` for b whose interval is a percentile bootstrap that resamples the points
     *within each R* (the R values stay fixed); ``note`` carries "a=<log d at R = 1> R2=<the fit's R^2>"."""
     import numpy as np
-
-    from llmprobe.metric import Metric, nan_metric
 
     pts = np.asarray([(R, d) for R, d in points if d], dtype=np.float64).reshape(-1, 2)
     if len(pts) == 0 or len(set(pts[:, 0])) < 2:

@@ -35,11 +35,14 @@ import time
 
 import torch
 
-from llmprobe.geometry import ALPHA_GRID, SuperpositionFit, random_direction_like, shuffle_table
-
-from .mechanisms import _round, local_table, readout_inputs, untrained_like
-from .model import FactRecallModel
-from .tasks import FactTask
+from llmprobe.geometry import ALPHA_GRID, SuperpositionFit, random_direction_like, ridge_fit, shuffle_table
+from llmprobe.io import append_jsonl, read_jsonl, write_figure, write_json
+from llmprobe.metric import wilson
+from synthetic.construction import build_construction, construction_accuracy, smallest_construction
+from synthetic.mechanisms import _round, local_table, readout_inputs, untrained_like
+from synthetic.model import FactRecallModel
+from synthetic.tasks import FactTask, random_bijections, random_functions
+from synthetic.train import TrainConfig, model_config_for, train
 
 DEFAULT_STEPS = (0, 10, 25, 50, 100)
 CONDITIONS = ("swap", "construction", "construction_inverse", "random_init", "random_matched", "old_table",
@@ -71,8 +74,6 @@ def readout_maps(model: FactRecallModel, task: FactTask, alpha: float = 1e-3) ->
     """Per relation r, the linear read-out of the subject embedding: centred logits over r's attributes
     z_r(e) ~ M_r e + k_r, from a ridge fit of the final state h(s, r) on the trained e_s (float64).
     Returns (M list of R [n_r, d], k list of R [n_r])."""
-    from llmprobe.geometry import ridge_fit
-
     data = task.data()
     s, r, _ = task.facts()
     with torch.no_grad():
@@ -259,8 +260,6 @@ def construction_control(task: FactTask, seed: int = 1, b: int | None = None, st
     with the construction's own codes of a new table swapped in (``native``: exact by design, every other weight
     of :func:`build_construction` is independent of the table), beside the encoders of :func:`freeze_and_swap`
     applied to the same built model."""
-    from .construction import build_construction, construction_accuracy, smallest_construction
-
     b = b or smallest_construction(task=task, precision_bits=None)["b"]
     model = build_construction(task, b).float().eval()
     fresh = new_table(task, seed)
@@ -316,9 +315,6 @@ def sweep_points(subjects, relations, ratios=(1, 2, 4, 8), seeds=(0, 1, 2), mode
 def run_point(p: dict, steps=SWEEP_STEPS, lr: float = 0.03) -> dict:
     """Train the model of sweep point ``p`` on random_bijections(N, R, seed) and run :func:`freeze_and_swap`
     (new table seed = seed + 1000)."""
-    from .tasks import random_bijections, random_functions
-    from .train import TrainConfig, model_config_for, train
-
     task = random_bijections(p["N"], p["R"], p["seed"]) if not p.get("n_attributes") else \
         random_functions(p["N"], p["R"], p["n_attributes"], p["seed"], shared=True)
     cfg = model_config_for(task, p["d"], seed=p["seed"], **MODES[p["mode"]])
@@ -338,9 +334,6 @@ def swap_sweep(out_dir: str, points: list[dict], steps=SWEEP_STEPS, lr: float = 
     """Run every point not yet in ``out_dir/results.jsonl`` (resumable), plus the construction control per (N, R)
     and seed in ``control_seeds``; write ``out_dir/summary.json`` (:func:`summarize_sweep`) and return it."""
     import os
-
-    from llmprobe.io import append_jsonl, read_jsonl, write_json
-    from .tasks import random_bijections
 
     path = os.path.join(out_dir, "results.jsonl")
     done = {r["key"] for r in read_jsonl(path)}
@@ -392,8 +385,6 @@ def summarize_sweep(rows: list[dict]) -> dict:
     accuracy at each step as mean [95% t interval over seeds], the Wilson interval of the pooled facts
     (n = seeds x N x R), steps to 100%, and the chance level (majority answer; 1/N for bijections); plus the train
     accuracy of the models."""
-    from llmprobe.metric import wilson
-
     groups: dict[str, list[dict]] = {}
     for r in rows:
         setting = r["key"].rsplit("_s", 1)[0] if r["mode"] == "construction" else \
@@ -433,8 +424,6 @@ def plot_swap_sweep(summary: dict, path: str, N: int = 256, R: int = 4, weight_d
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from llmprobe.io import write_figure
 
     sets = list(summary["settings"].values())
     every = [g for g in sets if g["mode"] != "construction" and g["weight_decay"] == weight_decay

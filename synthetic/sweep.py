@@ -31,16 +31,18 @@ import hashlib
 import json
 import math
 import os
-import random
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from llmprobe.io import append_jsonl, file_lock, read_jsonl, write_figure, write_json, write_text
-
-from .train import TrainConfig, train
-from .tasks import random_bijections
+from llmprobe.metric import bootstrap, nan_metric
+from synthetic.batched import train_batched
+from synthetic.bounds import min_d
+from synthetic.executors import process_map, ray_map
+from synthetic.tasks import random_bijections
+from synthetic.train import TrainConfig, model_config_for, train
 
 RESULTS = "results.jsonl"
 
@@ -340,9 +342,6 @@ def _batched_unit(N: int, R: int, modes: tuple, cfg: SweepConfig, out_dir: str, 
     search together in one :func:`synthetic.batched.train_batched` call. Each search starts from
     :func:`initial_guess` (no seed hands its d* to the next: they run at once); d* and ``exact`` follow the same
     rule as the one-at-a-time sweep, and the points have the same keys, so either sweep resumes the other."""
-    from .batched import train_batched
-    from .train import model_config_for
-
     torch.set_num_threads(max(1, cfg.threads))
     def start(mode):
         guess = extrapolated_guess(list(cache.values()), N, R, mode, config_key(cfg)) if cfg.extrapolate else None
@@ -417,12 +416,8 @@ def run_sweep(cfg: SweepConfig, out_dir: str) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     jobs = sweep_jobs(cfg, out_dir)
     if cfg.executor == "ray":
-        from .executors import ray_map
-
         ray_map(_locked_unit, jobs, address=cfg.address, cpus_per_task=cfg.threads)
     elif cfg.workers > 1 and len(jobs) > 1:
-        from .executors import process_map
-
         process_map(_locked_unit, jobs, cfg.workers)
     else:
         busy = [job for job in jobs if _locked_unit(job, block=False) is None]  # another process's: do them last
@@ -491,8 +486,6 @@ def fit_constant(points: list[tuple[float, float]], n_boot: int = 2000, seed: in
     interval is a percentile bootstrap over the points (cells); ``note`` carries the fit's R^2."""
     import numpy as np
 
-    from llmprobe.metric import bootstrap, nan_metric
-
     if not points:
         return nan_metric("bootstrap")
     parts = np.asarray(points, dtype=np.float64)
@@ -514,8 +507,6 @@ def fit_trend(points: list[tuple[int, int, int]], n_boot: int = 2000, seed: int 
       is then not constant over N, and ``c`` alone would hide it; ``drift_reason`` says which, in a sentence.
     Every number is a :class:`llmprobe.metric.Metric` in its JSON form."""
     import numpy as np
-
-    from llmprobe.metric import bootstrap, nan_metric
 
     c = fit_constant([(R * math.log2(N), d) for N, R, d in points], n_boot, seed)
     ys = np.asarray([d for _, _, d in points], dtype=np.float64)
@@ -712,8 +703,6 @@ CAPACITY_REFERENCES = ((2.0, "--", "Allen-Zhu & Li 2024"), (3.6, ":", "Morris et
 def capacity_reference(cells: list[dict], bits_per_param: float, mlp_ratio: float = 8.0) -> dict:
     """The width at which the trainable model's parameters hold the facts' bits at ``bits_per_param``
     (``synthetic.bounds.min_d``), for every (N, R) of ``cells``: {N: [(R log2 N, d), ...] sorted by R}."""
-    from .bounds import min_d
-
     out: dict = {}
     for N, R in sorted({(c["N"], c["R"]) for c in cells}):
         out.setdefault(N, []).append((R * math.log2(N), min_d(N, R, bits_per_param, mlp_ratio=mlp_ratio)))

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmprobe.datasets import FactTable, load_relations  # lazy: the instrument side is optional here
 from llmprobe.io import write_text
 
 
@@ -220,8 +221,6 @@ def from_fact_table(fact_table) -> FactTask:
 def from_relations(names_or_paths: list[str] | None = None, min_relations: int = 1) -> FactTask:
     """Load relations with llmprobe's loaders (``prompts/`` names or JSON paths; None = all bundled relations)
     and build their shared-subject fact table."""
-    from llmprobe.datasets import FactTable, load_relations  # lazy: the instrument side is optional here
-
     relations = load_relations(names_or_paths)
     return from_fact_table(FactTable.from_relations(relations, min_relations=min_relations))
 

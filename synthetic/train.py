@@ -26,9 +26,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from llmprobe.io import write_bytes, write_json
-
-from .model import FactRecallModel, ModelConfig
-from .tasks import FactTask, KHopTask, SeqData
+from synthetic.model import FactRecallModel, ModelConfig
+from synthetic.tasks import FactTask, KHopTask, SeqData
 
 CHECKPOINT = "checkpoint.safetensors"
 STATE = "checkpoint.json"

@@ -7,20 +7,22 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_lre import linear_toy, word_tokenizer
+from tiny_models import save_tiny
 from torch import nn
 
 import llmprobe.analyses.decoders as decoders_module
-from llmprobe.adapters import ModelAdapter
-from llmprobe.analyses import ANALYSES, pick_layers, run_analyses
+from llmprobe.analyses.run import run_analyses
+from llmprobe.analyses.settings import pick_layers
 from llmprobe.analyses.superposition import neutral_templates
 from llmprobe.datasets import Fact, Relation
 from llmprobe.geometry import random_spectrum_like
-from llmprobe.known import FactResult
-from llmprobe.loading import LoadedModel, load_model
-from llmprobe.lre import next_token_predictions
 from llmprobe.metric import iter_metrics
-from test_lre import linear_toy, word_tokenizer
-from tiny_models import save_tiny
+from llmprobe.model.adapters import ModelAdapter
+from llmprobe.model.known import FactResult
+from llmprobe.model.loading import LoadedModel, load_model
+from llmprobe.model.lre import next_token_predictions
+from llmprobe.names import ANALYSES
 
 FAST = dict(n_boot=100, max_swap_subjects=4, folds=3, max_val_pairs=4, max_test_pairs=8)
 

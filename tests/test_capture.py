@@ -1,12 +1,12 @@
 """Loading, adapters and targeted capture on a tiny random-init model of every supported family."""
 import pytest
 import torch
-
-from llmprobe.adapters import SUPPORTED_TYPES, AdapterError, ModelAdapter
-from llmprobe.capture import capture, forward, patch
-from llmprobe.loading import ModelLoadError, load_model
-from llmprobe.subjects import SubjectNotFoundError, encode
 from tiny_models import FAMILIES, save_tiny
+
+from llmprobe.model.adapters import SUPPORTED_TYPES, AdapterError, ModelAdapter
+from llmprobe.model.capture import capture, forward, patch
+from llmprobe.model.loading import ModelLoadError, load_model
+from llmprobe.model.subjects import SubjectNotFoundError, encode
 
 TEMPLATES = ["The capital of {} is", "Tell me about {}.", "{} is located in"]
 SUBJECTS = ["France", "United Kingdom", "South Korea"]
@@ -117,7 +117,7 @@ def test_subject_location_decodes_to_the_subject(loaded):
 
 
 def test_subject_fallback_when_offsets_are_wrong(loaded):
-    from llmprobe.subjects import locate
+    from llmprobe.model.subjects import locate
     tok = loaded.tokenizer
     enc = tok("The capital of France is", return_offsets_mapping=True, return_special_tokens_mask=True)
     broken = [(0, 0)] * len(enc["input_ids"])  # offsets that point nowhere, as with some Llama-3 tokenizers
@@ -136,7 +136,7 @@ def test_bad_names_and_missing_subjects_give_clear_errors(loaded):
 
 
 def test_subject_not_in_prompt_names_it(loaded):
-    from llmprobe.subjects import locate
+    from llmprobe.model.subjects import locate
     tok = loaded.tokenizer
     enc = tok("The capital of France is", return_offsets_mapping=True, return_special_tokens_mask=True)
     with pytest.raises(SubjectNotFoundError, match="Japan"):
@@ -160,7 +160,7 @@ def test_missing_model_offline_fails_at_once(monkeypatch):
 def test_weights_hash_covers_the_loaded_gguf_file_only(tmp_path):
     import hashlib
 
-    from llmprobe.loading import weights_hash
+    from llmprobe.model.loading import weights_hash
 
     (tmp_path / "a.gguf").write_bytes(b"weights a")
     (tmp_path / "b.gguf").write_bytes(b"weights b")

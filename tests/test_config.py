@@ -7,18 +7,19 @@ import inspect
 import json
 import random
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
-
-import llmprobe.probe
-from llmprobe import config
-from llmprobe.analyses import AnalysisSettings
-from llmprobe.cli import build_parser, main
-from llmprobe.families import ALL, FAMILIES, TESTED, families
+import tomllib
 from test_analyses import _relations
 from tiny_models import CONFIGS, save_tiny
+
+import llmprobe.jobs.probe
+from llmprobe import settings as config
+from llmprobe.jobs import rerun as rerun_job
+from llmprobe.analyses.settings import AnalysisSettings
+from llmprobe.cli import build_parser, main
+from llmprobe.model.families import ALL, FAMILIES, TESTED, families
 
 ROOT = Path(__file__).resolve().parents[1]
 # a valid value other than the default for every analysis setting; a new AnalysisSettings field must get one here
@@ -61,8 +62,8 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture
 def all_known(monkeypatch):
-    real = llmprobe.probe.known_facts
-    monkeypatch.setattr(llmprobe.probe, "known_facts", lambda lm, relation, **kw: [
+    real = llmprobe.jobs.probe.known_facts
+    monkeypatch.setattr(llmprobe.jobs.probe, "known_facts", lambda lm, relation, **kw: [
         dataclasses.replace(r, known=True) for r in real(lm, relation, **kw)])
 
 
@@ -208,7 +209,7 @@ def test_a_missing_settings_file_is_a_usage_error(tmp_path, capsys):
 def test_control_settings_reach_the_controls_worker(tiny, tmp_path, all_known, monkeypatch):
     """controls.* from --set reach train_controls' arguments and settings.controls (the worker is replaced by a
     recorder: training itself is tested in test_controls.py)."""
-    import llmprobe.run
+    import llmprobe.jobs.main
 
     seen = {}
 
@@ -225,7 +226,7 @@ def test_control_settings_reach_the_controls_worker(tiny, tmp_path, all_known, m
         def stop(self):
             pass
 
-    monkeypatch.setattr(llmprobe.run, "ControlsWorker", Recorder)
+    monkeypatch.setattr(llmprobe.jobs.main, "ControlsWorker", Recorder)
     folder, relations = tiny
     out = tmp_path / "out"
     assert main(["run", folder, "--relations", *relations, "--analyses", "", "--layers", "-1", "--device", "cpu",
@@ -255,13 +256,13 @@ def test_rerun_reproduces_the_numbers_and_refuses_other_weights(tiny, tmp_path, 
     printed = capsys.readouterr().out
     first, again = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("first", "again"))
     assert again["settings"] == first["settings"] and again["analyses"]["settings"] == first["analyses"]["settings"]
-    comparison = config.compare_numbers(first, again)
+    comparison = rerun_job.compare_numbers(first, again)
     assert comparison["match"] and comparison["n_numbers"] > 500, comparison["n_numbers"]
     assert "weights: same" in printed and "numbers match" in printed
     # the comparison is not vacuous: one changed number is found
     changed = json.loads(json.dumps(again))
     changed["analyses"]["relations"]["capital"]["layers"]["1"]["lre"]["faithfulness"]["value"] += 0.01
-    assert [d[0] for d in config.compare_numbers(first, changed)["differences"]] == [
+    assert [d[0] for d in rerun_job.compare_numbers(first, changed)["differences"]] == [
         "analyses.relations.capital.layers.1.lre.faithfulness.value"]
     # other weights in the model folder: refused, unless asked for
     save_tiny("llama", Path(folder), seed=1)
@@ -283,10 +284,10 @@ def test_rerun_needs_recorded_settings(tmp_path, capsys):
 
 # ------------------------------------------------------------------------------------------- defaults
 def test_defaults_agree_with_probe_run_and_the_controls():
+    from llmprobe.jobs.main import run
     from synthetic import controls
-    from llmprobe.run import run
 
-    signature = {**inspect.signature(run).parameters, **inspect.signature(llmprobe.probe.probe).parameters}
+    signature = {**inspect.signature(run).parameters, **inspect.signature(llmprobe.jobs.probe.probe).parameters}
     for key, value in config.defaults()["run"].items():
         if key != "analyses":
             assert signature[key].default == value, key
@@ -338,7 +339,7 @@ def test_the_family_table_matches_the_tiny_models_and_the_tests():
     exists, and builds the families it is said to (its file parametrizes over FAMILIES, or names the family)."""
     from transformers import AutoModelForCausalLM
 
-    from llmprobe.adapters import ModelAdapter
+    from llmprobe.model.adapters import ModelAdapter
 
     assert set(FAMILIES) == set(CONFIGS)
     for family, (architecture, places) in FAMILIES.items():
@@ -362,6 +363,6 @@ def test_the_family_table_matches_the_tiny_models_and_the_tests():
 
 
 def config_embedded():
-    from llmprobe.families import EMBEDDED
+    from llmprobe.model.families import EMBEDDED
 
     return EMBEDDED[2]

@@ -3,9 +3,8 @@ controls block, its expansion into report sources, and the curve figure against 
 import pytest
 
 from llmprobe.datasets import FactTable, Relation, load_relations
-from llmprobe.metric import Metric, is_metric
-from llmprobe.report import (capacity_figure, control_sources, controls_caption, pooled_readout, render_markdown,
-                             with_controls)
+from llmprobe.metric import Metric, is_metric, pooled_readout
+from llmprobe.report.render import capacity_figure, control_sources, controls_caption, render_markdown, with_controls
 from synthetic.controls import curve_widths, train_controls
 
 
@@ -43,9 +42,8 @@ def test_threshold_on_a_table_is_confirmed_with_a_second_initialisation(block):
 
 def test_controls_train_on_the_device_they_are_given(monkeypatch, table):
     """``device`` reaches every training (a GPU for a large model's controls); the block records it."""
-    import importlib
+    import synthetic.controls as module
 
-    module = importlib.import_module("synthetic.train")       # (the package exports a function of that name)
     seen, real = [], module.train
 
     def spy(task, d, config, **kwargs):

@@ -9,8 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmprobe.datasets import (DatasetError, Fact, FactTable, Relation, format_relation, list_bundled,
-                               load_relations, save_relation)
+from llmprobe.datasets import (
+    DatasetError,
+    Fact,
+    FactTable,
+    Relation,
+    format_relation,
+    list_bundled,
+    load_relations,
+    save_relation,
+)
 
 COUNTRY = ["country_capital", "country_continent", "country_subregion", "country_language", "country_currency",
            "country_demonym"]

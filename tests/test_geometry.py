@@ -6,9 +6,20 @@ import pytest
 import torch
 from sklearn.base import clone
 
-from llmprobe.geometry import (LinearRelationDecoder, LinearRelationOperator, RelationReadout, RidgeDecoder,
-                               SuperpositionFit, cross_val_score, kfold_indices, r2_score,
-                               shuffle_table, superposition_readout, train_test_split, truncate_rank)
+from llmprobe.geometry import (
+    LinearRelationDecoder,
+    LinearRelationOperator,
+    RelationReadout,
+    RidgeDecoder,
+    SuperpositionFit,
+    cross_val_score,
+    kfold_indices,
+    r2_score,
+    shuffle_table,
+    superposition_readout,
+    train_test_split,
+    truncate_rank,
+)
 
 N, R, D, DU, NA = 300, 4, 64, 8, 20
 

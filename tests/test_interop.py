@@ -5,15 +5,15 @@ import json
 
 import pytest
 import torch
+from tiny_models import save_tiny, tiny_tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from llmprobe.adapters import ModelAdapter, from_lens_name, to_lens_name
-from llmprobe.capture import capture
-from llmprobe.interop import as_loaded_model, state_dict_hash
-from llmprobe.loading import ModelLoadError, load_model
-from llmprobe.probe import probe
-from llmprobe.run import run
-from tiny_models import save_tiny, tiny_tokenizer
+from llmprobe.jobs.main import run
+from llmprobe.jobs.probe import probe
+from llmprobe.model.adapters import ModelAdapter, from_lens_name, to_lens_name
+from llmprobe.model.capture import capture
+from llmprobe.model.interop import as_loaded_model, state_dict_hash
+from llmprobe.model.loading import ModelLoadError, load_model
 
 FAMILIES = ("llama", "qwen2", "phi")     # the bridge boots all three offline
 SUBJECTS = ["France", "Japan", "Brazil", "Germany", "Italy", "Spain", "Portugal", "Egypt", "Mexico", "Kenya",
@@ -200,15 +200,23 @@ def test_a_processed_bridge_without_a_folder_is_refused(tmp_path):
         as_loaded_model(bridge)
 
 
-def test_llmprobe_probe_and_run_are_callable_after_their_modules_are_imported(tmp_path):
-    """``import llmprobe.probe`` binds the name to the module; ``llmprobe.probe(...)`` still calls the function
-    (its argument check answers), and so does ``llmprobe.run(...)``."""
+def test_every_public_name_is_what_it_says_whatever_was_imported_before(tmp_path):
+    """After importing every module of the package, each name of ``llmprobe.__all__`` is still the function or
+    class it names, never a module of the same name: ``llmprobe.probe(...)``, ``llmprobe.run(...)`` and
+    ``llmprobe.capture(...)`` call the functions (their argument checks answer)."""
+    import importlib
+    import pkgutil
+    import types
+
     import llmprobe
-    import llmprobe.probe
-    import llmprobe.run
     from llmprobe.checks import UsageError
 
+    for info in pkgutil.walk_packages(llmprobe.__path__, "llmprobe."):
+        importlib.import_module(info.name)
+    for name in llmprobe.__all__:
+        assert not isinstance(getattr(llmprobe, name), types.ModuleType), name
     for function in (llmprobe.probe, llmprobe.run):
         with pytest.raises(UsageError, match="bad layer 'nonsense'"):
             function("any-model", layers="nonsense", out=str(tmp_path / "out"))
-    assert llmprobe.probe.probe.__name__ == "probe" and llmprobe.run.run.__name__ == "run"
+    assert (llmprobe.probe.__name__, llmprobe.run.__name__, llmprobe.capture.__name__) == ("probe", "run", "capture")
+

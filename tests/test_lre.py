@@ -4,20 +4,29 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from tiny_models import save_tiny
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from torch import nn
 from transformers import PreTrainedTokenizerFast
 
-from llmprobe.adapters import ModelAdapter
-from llmprobe.capture import capture, forward, patch
 from llmprobe.geometry import LinearRelationDecoder, LinearRelationOperator
-from llmprobe.known import first_token_ids
-from llmprobe.loading import LoadedModel, load_model
-from llmprobe.lre import (layer_sequences, logits_fn, next_token_predictions, output_name, per_prompt_jacobians,
-                          random_like, relation_states, subject_jacobians, subject_states)
-from llmprobe.subjects import encode
-from llmprobe.scoring import first_token_collisions, object_continuations, sequence_logprobs
-from tiny_models import save_tiny
+from llmprobe.model.adapters import ModelAdapter
+from llmprobe.model.capture import capture, forward, patch
+from llmprobe.model.known import first_token_ids
+from llmprobe.model.loading import LoadedModel, load_model
+from llmprobe.model.lre import (
+    layer_sequences,
+    logits_fn,
+    next_token_predictions,
+    output_name,
+    per_prompt_jacobians,
+    relation_states,
+    subject_jacobians,
+    subject_states,
+)
+from llmprobe.model.random_init import random_init
+from llmprobe.model.scoring import first_token_collisions, object_continuations, sequence_logprobs
+from llmprobe.model.subjects import encode
 
 TEMPLATES = ["The capital of {} is", "Tell me about {} now.", "{} is located in", "The capital of {} is",
              "In {}, people pay with the"]
@@ -256,32 +265,31 @@ def test_first_token_collisions_counts_shared_first_tokens():
 
 def test_random_like_keeps_the_architecture_and_the_global_rng(llama64):
     state = torch.random.get_rng_state()
-    rand = random_like(llama64, seed=3)
+    rand = random_init(llama64, seed=3)
     assert torch.equal(torch.random.get_rng_state(), state)
     assert type(rand.model) is type(llama64.model) and rand.adapter.n_layers == llama64.adapter.n_layers
     assert rand.tokenizer is llama64.tokenizer
     a, b = llama64.model.model.embed_tokens.weight, rand.model.model.embed_tokens.weight
     assert a.shape == b.shape and not torch.allclose(a, b)
-    again = random_like(llama64, seed=3)
+    again = random_init(llama64, seed=3)
     torch.testing.assert_close(again.model.model.embed_tokens.weight, b)
 
 
 def test_reinit_like_resets_every_parameter_or_refuses():
     from torch import nn
 
-    from llmprobe.loading import reinit_like
 
     net = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2)).double()
     with torch.no_grad():
         for p in net.parameters():
             p.fill_(3.0)                                  # "trained" weights that a re-init must not keep
     state = torch.random.get_rng_state()
-    a, b = reinit_like(net, 7), reinit_like(net, 7)
+    a, b = random_init(net, 7), random_init(net, 7)
     assert torch.equal(torch.random.get_rng_state(), state)
     for (name, p), q, old in zip(a.named_parameters(), b.parameters(), net.parameters()):
         assert p.dtype == torch.float64 and torch.equal(p, q), name      # seeded, on the source's dtype
         assert not torch.equal(p, old), name
-    assert not torch.equal(reinit_like(net, 8)[0].weight, a[0].weight)
+    assert not torch.equal(random_init(net, 8)[0].weight, a[0].weight)
 
     class Bare(nn.Module):                               # a parameter no reset_parameters() covers
         def __init__(self):
@@ -290,7 +298,7 @@ def test_reinit_like_resets_every_parameter_or_refuses():
             self.scale = nn.Parameter(torch.ones(2))
 
     with pytest.raises(ValueError, match="scale"):
-        reinit_like(Bare(), 0)
+        random_init(Bare(), 0)
 
 
 # ------------------------------------------------------------------------------------------- low-rank Jacobians
@@ -373,7 +381,7 @@ def test_lowrank_jacobian_rejects_a_bad_rank(llama64):
 def test_jacobians_halve_their_batch_on_out_of_memory(llama64, monkeypatch, capsys):
     """An out-of-memory error in a micro-batch of more than 2 prompts: the batch halves, the same prompts are
     retried, the Jacobians equal an un-failed run's (exact and low-rank) and the halving is said once."""
-    from llmprobe import batching, lre
+    from llmprobe.model import batching, lre
 
     clean = {r: subject_jacobians(llama64, TEMPLATES, SUBJECTS, 1, batch_size=4, rank=r, oversample=4)
              for r in (None, 8)}
@@ -394,9 +402,9 @@ def test_jacobians_halve_their_batch_on_out_of_memory(llama64, monkeypatch, caps
 
 
 def test_auto_jacobian_rank_is_low_rank_only_where_it_costs_less():
-    from llmprobe.analyses import AnalysisSettings
-    from llmprobe.analyses.settings import AUTO_JACOBIAN_RANK, jacobian_rank_for
-    from llmprobe.lre import jacobian_cost
+    from llmprobe.analyses.decoders import AUTO_JACOBIAN_RANK, jacobian_rank_for
+    from llmprobe.analyses.settings import AnalysisSettings
+    from llmprobe.model.lre import jacobian_cost
 
     # exact: d VJPs through the blocks after the first layer; low-rank: k to the first layer, 2k to each layer
     assert jacobian_cost(576, [6, 15, 24], 30) == 576 * 23

@@ -114,7 +114,7 @@ def test_swap_edit_flips_relation_r_on_a_planted_selector_and_a_random_direction
 
 
 def test_untrained_like_is_the_config_rebuilt_with_a_new_seed(trainable):
-    """The synthetic random-init control goes through llmprobe.loading.reinit_like (the helper random_like uses):
+    """The synthetic random-init control goes through llmprobe.model.random_init.random_init:
     the architecture rebuilt from its config with seed + offset, as before; the global RNG is not touched."""
     from synthetic.model import ModelConfig
 

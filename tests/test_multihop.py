@@ -5,8 +5,16 @@ import os
 
 import numpy as np
 
-from synthetic.multihop import (SeedsConfig, fit_growth, plot_seeds, resample_within, run_seeds, search_grid,
-                                seeds_markdown, smallest_on_grid)
+from synthetic.multihop import (
+    SeedsConfig,
+    fit_growth,
+    plot_seeds,
+    resample_within,
+    run_seeds,
+    search_grid,
+    seeds_markdown,
+    smallest_on_grid,
+)
 
 
 def _planted(k, c=3.0, noise=0.1, seed=0):

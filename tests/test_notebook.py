@@ -7,13 +7,13 @@ import sys
 
 import pytest
 import torch
+from tiny_models import D, save_tiny
 
 import llmprobe
-import llmprobe.analyses
-import llmprobe.known as known_module
+import llmprobe.analyses.run
+import llmprobe.model.known as known_module
 from llmprobe.analyses.decoders import SVD
-from llmprobe.probe import probe
-from tiny_models import D, save_tiny
+from llmprobe.jobs.probe import probe
 
 # small and fast; ranks=(4,) with one candidate forces a truncated W (so J is saved for the edits)
 OPTIONS = dict(n_splits=2, n_boot=50, folds=3, max_val_pairs=3, max_test_pairs=5, max_swap_subjects=3,
@@ -31,7 +31,7 @@ def run(tmp_path_factory):
     rel = tmp / "capital.json"
     rel.write_text(json.dumps({"name": "capital<b>", "templates": ["The capital of {} is"],
                                "neutral_templates": ["{}"], "facts": rows}))
-    real_run, seen = llmprobe.analyses.run_analyses, {}
+    real_run, seen = llmprobe.analyses.run.run_analyses, {}
 
     def spy(*args, **kwargs):                       # keeps the very fits the analyses made, as probe passes them
         seen["fitted"] = kwargs["fitted"]
@@ -42,7 +42,7 @@ def run(tmp_path_factory):
     def again(out, **kwargs):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(known_module, "is_known", lambda text, obj: True)      # a random model knows nothing
-            mp.setattr(llmprobe.analyses, "run_analyses", spy)
+            mp.setattr(llmprobe.analyses.run, "run_analyses", spy)
             probe(model, relations=[str(rel)], layers="0,1,2", device="cpu", analyses="lre,ridge,superposition",
                   out=out, analysis_options=OPTIONS, **kwargs)
 
@@ -142,7 +142,7 @@ def test_low_rank_decoders_are_saved_as_factors_and_load_as_the_same_matrices(ru
     as the very matrices the analyses used (bit for bit); resuming writes the same bytes."""
     folder, _, _ = run
     tmp = folder.parent
-    real_run, seen = llmprobe.analyses.run_analyses, {}
+    real_run, seen = llmprobe.analyses.run.run_analyses, {}
 
     def spy(*args, **kwargs):
         seen["fitted"] = kwargs["fitted"]
@@ -151,7 +151,7 @@ def test_low_rank_decoders_are_saved_as_factors_and_load_as_the_same_matrices(ru
     def lowrank(out, **kwargs):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(known_module, "is_known", lambda text, obj: True)
-            mp.setattr(llmprobe.analyses, "run_analyses", spy)
+            mp.setattr(llmprobe.analyses.run, "run_analyses", spy)
             probe(str(tmp / "llama"), relations=[str(tmp / "capital.json")], layers="0,1,2", device="cpu",
                   analyses="lre", out=out, analysis_options={**OPTIONS, "jacobian_rank": 4}, **kwargs)
 

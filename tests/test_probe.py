@@ -2,13 +2,14 @@
 import json
 
 import pytest
-
-from llmprobe import subjects as subjects_module
-from llmprobe.cli import main
-from llmprobe.known import first_token_ids, is_known, object_token_sequences
-from llmprobe.probe import REPORT_SCHEMA_VERSION, parse_layers, probe
-from llmprobe.subjects import SubjectNotFoundError
 from tiny_models import save_tiny, tiny_tokenizer
+
+from llmprobe.model import subjects as subjects_module
+from llmprobe.cli import main
+from llmprobe.jobs.probe import parse_layers, probe
+from llmprobe.model.known import first_token_ids, is_known, object_token_sequences
+from llmprobe.model.subjects import SubjectNotFoundError
+from llmprobe.report.schema import REPORT_SCHEMA_VERSION
 
 
 @pytest.fixture(scope="module")
@@ -103,14 +104,14 @@ def test_cli_protocol_and_pickle_flags_reach_the_analyses_and_the_loader(tiny_fo
 
     import torch
 
-    from llmprobe.loading import load_model
+    from llmprobe.model.loading import load_model
 
     rows = [{"subject": s, "object": o} for s, o in zip([f"Land{i}" for i in range(24)],
                                                         ["Paris", "Tokyo", "Rome", "Cairo"] * 6)]
     data = {"name": "capital", "templates": ["The capital of {} is"], "neutral_templates": ["{}"], "facts": rows}
     rel = tmp_path / "capital.json"
     rel.write_text(json.dumps(data))
-    import llmprobe.known as known_module
+    import llmprobe.model.known as known_module
 
     real = known_module.is_known
     try:

@@ -4,8 +4,7 @@ import os
 import pytest
 
 from llmprobe.io import read_jsonl
-from synthetic.sweep import (SweepConfig, _locked_unit, append_once, load_results, run_sweep, sweep_jobs,
-                             thresholds)
+from synthetic.sweep import SweepConfig, _locked_unit, append_once, load_results, run_sweep, sweep_jobs, thresholds
 from synthetic.train import TrainConfig
 
 
@@ -78,8 +77,9 @@ def test_append_once_writes_a_key_once(tmp_path):
 def test_run_over_two_models_as_ray_tasks(local_ray, tmp_path):
     import json
 
-    from llmprobe.cli import main
     from tiny_models import save_tiny
+
+    from llmprobe.cli import main
 
     folders = [str(save_tiny(family, tmp_path / family)) for family in ("qwen2", "gpt2")]
     relation = tmp_path / "capital.json"

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import save_tiny
 
 from llmprobe.checks import UsageError, analysis_names, is_out_of_memory
 from llmprobe.cli import main
+from llmprobe.jobs.probe import probe
 from llmprobe.metric import is_metric, iter_metrics
-from llmprobe.probe import probe
-from tiny_models import save_tiny
 
 TESTS = Path(__file__).resolve().parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1",
@@ -115,7 +115,7 @@ def test_bad_numbers_and_names_are_refused_before_loading(option, models, capita
 
 
 def test_analysis_names_allow_spaces_and_the_api_checks_too(models, capital, tmp_path):
-    from llmprobe.analyses import ANALYSES
+    from llmprobe.names import ANALYSES
 
     assert analysis_names("lre, ridge", ANALYSES) == ("lre", "ridge")
     assert analysis_names(" lre,,superposition ", ANALYSES) == ("lre", "superposition")
@@ -162,21 +162,21 @@ def test_a_cpu_allocation_failure_is_out_of_memory(models, capital, tmp_path, mo
     def allocate(*args, **kwargs):
         raise cpu
 
-    monkeypatch.setattr("llmprobe.probe.probe", allocate)
+    monkeypatch.setattr("llmprobe.cli.probe", allocate)
     assert main(["probe", models["qwen2"], "--relations", capital, "--out", str(tmp_path / "oom")]) == 3
     assert "out of memory" in capsys.readouterr().err
 
 
 def test_out_of_memory_at_a_batch_of_one_does_not_advise_a_smaller_batch(models, capital, tmp_path, monkeypatch,
                                                                         capsys):
-    from llmprobe.batching import run_batched
+    from llmprobe.model.batching import run_batched
 
     def allocate(*args, **kwargs):
         def fail(part):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return run_batched(fail, 4, 1, stage="known facts")
 
-    monkeypatch.setattr("llmprobe.probe.probe", allocate)
+    monkeypatch.setattr("llmprobe.cli.probe", allocate)
     assert main(["probe", models["qwen2"], "--relations", capital, "--out", str(tmp_path / "oom1")]) == 3
     err = capsys.readouterr().err
     assert "known facts: out of memory with a micro-batch of 1" in err and "--device-map auto" in err
@@ -186,10 +186,10 @@ def test_out_of_memory_at_a_batch_of_one_does_not_advise_a_smaller_batch(models,
 # ------------------------------------------------------------------------- row 4: interrupts and resume
 WRAPPER = """
 import dataclasses, functools, os, sys, time
-import llmprobe.analyses, llmprobe.probe
+import llmprobe.analyses.run, llmprobe.jobs.probe
 from test_analyses import FAST
 
-real_known, real_analyses = llmprobe.probe.known_facts, llmprobe.analyses.run_analyses
+real_known, real_analyses = llmprobe.jobs.probe.known_facts, llmprobe.analyses.run.run_analyses
 
 
 def forced_known(lm, relation, **kw):      # a random model knows nothing; the controls need known facts
@@ -217,9 +217,9 @@ def logged_decoders(lm, relation, *args, **kw):    # which relations' decoders t
     return real_decoders(lm, relation, *args, **kw)
 
 
-real_decoders = llmprobe.analyses.decoders_for_relation
-llmprobe.probe.known_facts, llmprobe.analyses.run_analyses = forced_known, analyses
-llmprobe.analyses.decoders_for_relation = logged_decoders
+real_decoders = llmprobe.analyses.run.decoders_for_relation
+llmprobe.jobs.probe.known_facts, llmprobe.analyses.run.run_analyses = forced_known, analyses
+llmprobe.analyses.run.decoders_for_relation = logged_decoders
 if __name__ == "__main__":
     from llmprobe.cli import main
 
@@ -439,9 +439,10 @@ def test_run_analyses_reports_progress_and_takes_over_what_is_done(tmp_path, mon
     """In-process, ridge and superposition: ``on_progress`` sees each relation, then the superposition analysis,
     with ``partial`` true until the end; ``done`` (the finished result, through JSON) is taken over whole, errors
     re-listed, nothing recomputed."""
-    import llmprobe.analyses
-    from llmprobe.loading import load_model
     from test_analyses import FAST, _relations
+
+    import llmprobe.analyses
+    from llmprobe.model.loading import load_model
 
     lm = load_model(str(save_tiny("llama", tmp_path / "llama")), device="cpu")
     subjects = ["Kalomi", "Neruta", "Vozika", "Mitalo", "Rukane", "Tazimo", "Lavoni", "Suketa", "Pamiro", "Zunela",
@@ -453,7 +454,7 @@ def test_run_analyses_reports_progress_and_takes_over_what_is_done(tmp_path, mon
     def on_progress(result):
         seen.append((result["partial"], list(result["relations"]), "superposition" in result))
 
-    first = llmprobe.analyses.run_analyses(lm, rels, known, [0, 1, 2], analyses=("ridge", "superposition"),
+    first = llmprobe.analyses.run.run_analyses(lm, rels, known, [0, 1, 2], analyses=("ridge", "superposition"),
                                            progress=False, on_progress=on_progress, **FAST)
     names = ["capital", "continent", "language"]
     assert seen == [(True, names[:1], False), (True, names[:2], False), (True, names, False), (True, names, True)]
@@ -463,11 +464,11 @@ def test_run_analyses_reports_progress_and_takes_over_what_is_done(tmp_path, mon
     def recomputed(*args, **kwargs):
         raise AssertionError("recomputed a part that was done")
 
-    monkeypatch.setattr(llmprobe.analyses, "decoders_for_relation", recomputed)
-    monkeypatch.setattr(llmprobe.analyses, "superposition", recomputed)
+    monkeypatch.setattr(llmprobe.analyses.run, "decoders_for_relation", recomputed)
+    monkeypatch.setattr(llmprobe.analyses.run, "superposition", recomputed)
     done = json.loads(json.dumps(first))
     seen.clear()
-    again = llmprobe.analyses.run_analyses(lm, rels, known, [0, 1, 2], analyses=("ridge", "superposition"),
+    again = llmprobe.analyses.run.run_analyses(lm, rels, known, [0, 1, 2], analyses=("ridge", "superposition"),
                                            progress=False, on_progress=on_progress, done=done, **FAST)
     assert again["relations"] == done["relations"] and again["superposition"] == done["superposition"]
     assert again["errors"] == first["errors"] and len(again["errors"]) == 1 and again["partial"] is False

@@ -12,14 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from tiny_models import save_tiny
 
 from llmprobe.datasets import DatasetError, load_relations
-from llmprobe.io import append_jsonl, read_jsonl, write_json, write_text
-from llmprobe.loading import ModelLoadError, load_model
-from llmprobe.probe import REPORT_SCHEMA_VERSION
-from llmprobe.report import compare, metric_rows, read_report, render_markdown, write_csv
+from llmprobe.io import append_jsonl, read_jsonl, write_json
+from llmprobe.model.loading import ModelLoadError, load_model
+from llmprobe.report.render import compare, metric_rows, render_markdown, write_csv
+from llmprobe.report.schema import REPORT_SCHEMA_VERSION, read_report
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,6 @@ import shutil
 import subprocess
 
 import pytest
-
 from test_report import test_run_page_shows_selected_layers_controls_capacity_and_ablations as build_page
 
 BROWSER = next((shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome", "chrome")

@@ -5,9 +5,16 @@ import json
 import pytest
 
 from llmprobe.metric import Metric, proportion
-from llmprobe.probe import REPORT_SCHEMA_VERSION
-from llmprobe.report import (LONG_TABLE, compare, export, read_report, metric_rows, render_html, render_markdown,
-                             summary_claims)
+from llmprobe.report.render import (
+    LONG_TABLE,
+    compare,
+    export,
+    metric_rows,
+    render_html,
+    render_markdown,
+    summary_claims,
+)
+from llmprobe.report.schema import REPORT_SCHEMA_VERSION, read_report
 
 
 def _typed(value, controls=None, half=0.05):

@@ -3,11 +3,11 @@ end-to-end run on a tiny model, compare and report commands."""
 import json
 
 import pytest
+from tiny_models import save_tiny
 
 from llmprobe.cli import main
-from llmprobe.known import FactResult
-from llmprobe.run import known_table
-from tiny_models import save_tiny
+from llmprobe.jobs.main import known_table
+from llmprobe.model.known import FactResult
 
 
 def test_known_table_keeps_only_known_facts():

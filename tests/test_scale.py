@@ -4,11 +4,12 @@ import json
 
 import pytest
 import torch
-
-from llmprobe import batching
-from llmprobe.batching import run_batched
-from llmprobe.loading import ModelLoadError, load_model, parse_max_memory
 from tiny_models import save_tiny
+
+from llmprobe.model import batching
+from llmprobe.checks import parse_max_memory
+from llmprobe.model.batching import run_batched
+from llmprobe.model.loading import ModelLoadError, load_model
 
 
 def _failing_above(limit: int, calls: list):
@@ -96,7 +97,7 @@ def relation_files(tmp_path_factory):
 @pytest.fixture
 def everything_known(monkeypatch):
     """A random model knows no fact; count every fact as known so that the analyses run."""
-    import llmprobe.known as known_module
+    import llmprobe.model.known as known_module
 
     monkeypatch.setattr(known_module, "is_known", lambda text, obj: True)
 
@@ -116,10 +117,10 @@ OFFLOAD = "cpu=150000"   # bytes: the embedding and block 0 in memory, blocks 1-
 
 def test_offloaded_model_gives_the_numbers_of_the_model_in_one_piece(tiny_folder, tiny_lm, relation_files,
                                                                      everything_known, tmp_path):
-    from llmprobe.capture import capture, patch
-    from llmprobe.lre import layer_sequences, next_token_predictions, subject_jacobians
-    from llmprobe.probe import probe
-    from llmprobe.subjects import encode
+    from llmprobe.jobs.probe import probe
+    from llmprobe.model.capture import capture, patch
+    from llmprobe.model.lre import layer_sequences, next_token_predictions, subject_jacobians
+    from llmprobe.model.subjects import encode
 
     split = load_model(tiny_folder, device="cpu", device_map="auto", max_memory=OFFLOAD,
                        offload_folder=tmp_path / "offload")
@@ -174,8 +175,8 @@ def test_bfloat16_model_matches_float32_within_the_stated_tolerance(tiny_folder,
     float32's: the model computes in bf16, llmprobe copies states to float32 on CPU and fits in float64. Report
     metrics: a continuous value within 0.02, a proportion within 0.02 + 1/n (one prediction at a near-tie may
     flip between precisions)."""
-    from llmprobe.lre import relation_states, subject_jacobians
-    from llmprobe.probe import probe
+    from llmprobe.jobs.probe import probe
+    from llmprobe.model.lre import relation_states, subject_jacobians
 
     half = load_model(tiny_folder, device="cpu", dtype="bfloat16")
     assert next(half.model.parameters()).dtype == torch.bfloat16
@@ -241,8 +242,8 @@ def test_quantization_without_bitsandbytes_or_cuda_is_refused(tiny_folder, tmp_p
 def test_cli_batch_size_reaches_every_batched_stage_and_device_flags_reach_the_loader(
         tiny_folder, relation_files, everything_known, tmp_path, monkeypatch, capsys):
     import llmprobe.analyses.decoders as decoders
-    import llmprobe.known as known_module
-    import llmprobe.lre as lre
+    import llmprobe.model.known as known_module
+    import llmprobe.model.lre as lre
     from llmprobe.cli import main
 
     sizes: dict[str, set] = {}

@@ -12,14 +12,15 @@ import re
 from pathlib import Path
 
 import pytest
-
-import llmprobe.analyses
-import llmprobe.probe
-from llmprobe.analyses import AnalysisSettings
-from llmprobe.probe import LIBRARIES, REPORT_SCHEMA_VERSION
-from llmprobe.run import run
 from test_analyses import FAST, _relations
 from tiny_models import save_tiny
+
+import llmprobe.analyses.run
+import llmprobe.jobs.probe
+from llmprobe.analyses.settings import AnalysisSettings
+from llmprobe.jobs.main import run
+from llmprobe.jobs.probe import LIBRARIES
+from llmprobe.report.schema import REPORT_SCHEMA_VERSION
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "report_schema.md"
 PLACEHOLDERS = ("<relation>", "<layer>", "<decoder>", "<control>", "<setting>", "<library>", "<property>", "<mode>")
@@ -173,17 +174,17 @@ def report(tmp_path_factory):
                                     "neutral_templates": rel.neutral_templates, "properties": rel.properties,
                                     "facts": [{"subject": f.subject, "object": f.object} for f in rel.facts]}))
         paths.append(str(path))
-    real_known = llmprobe.probe.known_facts
+    real_known = llmprobe.jobs.probe.known_facts
 
     def forced_known(lm, relation, **kw):
         results = real_known(lm, relation, **kw)
         keep = 3 if relation.name == "language" else len(results)
         return [dataclasses.replace(r, known=i < keep) for i, r in enumerate(results)]
 
-    fast = functools.partial(llmprobe.analyses.run_analyses, progress=False, **FAST)
+    fast = functools.partial(llmprobe.analyses.run.run_analyses, progress=False, **FAST)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(llmprobe.probe, "known_facts", forced_known)
-        mp.setattr(llmprobe.analyses, "run_analyses", fast)
+        mp.setattr(llmprobe.jobs.probe, "known_facts", forced_known)
+        mp.setattr(llmprobe.analyses.run, "run_analyses", fast)
         run(folder, out=tmp / "run", relations=paths, layers="all", device="cpu", at_model_width=False,
             formats=())
     return json.loads((tmp / "run" / "report.json").read_text(encoding="utf-8"))   # as written (NaN -> null)

@@ -5,9 +5,15 @@ import math
 import pytest
 import torch
 
-from synthetic.swap import (construction_control, construction_embeddings, freeze_and_swap, new_table,
-                            summarize_sweep, with_subjects)
 from synthetic.construction import build_construction
+from synthetic.swap import (
+    construction_control,
+    construction_embeddings,
+    freeze_and_swap,
+    new_table,
+    summarize_sweep,
+    with_subjects,
+)
 from synthetic.tasks import random_bijections
 from synthetic.train import TrainConfig, train
 

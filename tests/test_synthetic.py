@@ -11,9 +11,19 @@ import torch
 from synthetic import bounds
 from synthetic.construction import build_construction, construction_accuracy, quantize_, smallest_construction
 from synthetic.model import HOOK_NAMES, FactRecallModel, ModelConfig, softmax_cross_entropy
-from synthetic.sweep import (Bisection, SweepConfig, config_key, find_threshold, fit_constant, fit_trend,
-                             load_results, run_sweep, summarize, thresholds)
-from synthetic.tasks import (FactTask, from_fact_table, random_bijections, random_functions, random_khop)
+from synthetic.sweep import (
+    Bisection,
+    SweepConfig,
+    config_key,
+    find_threshold,
+    fit_constant,
+    fit_trend,
+    load_results,
+    run_sweep,
+    summarize,
+    thresholds,
+)
+from synthetic.tasks import FactTask, from_fact_table, random_bijections, random_functions, random_khop
 from synthetic.train import TrainConfig, load_run, lr_at, train
 
 
@@ -104,7 +114,7 @@ def test_model_shapes_and_hook_points(attention):
 
 
 def test_capture_reads_the_synthetic_model():
-    capture = pytest.importorskip("llmprobe.capture")
+    capture = pytest.importorskip("llmprobe.model.capture")
     model = FactRecallModel(ModelConfig(n_subjects=6, n_relations=2, n_outputs=6, d_model=4))
     ids = torch.tensor([[0, 6], [5, 7]])
     got = capture.capture(model, ["blocks.0.resid_post", "blocks.0.resid_pre"], ids)

@@ -22,13 +22,37 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..geometry import LinearRelationDecoder, RidgeDecoder, random_direction_like, random_spectrum_factors
-from ..lre import (JacobianResult, layer_sequences, logits_fn, next_token_predictions, relation_states,
-                   subject_jacobians)
-from ..metric import Metric, proportion
-from ..scoring import FIRST_TOKEN, SEQUENCE, first_token_collisions, first_token_targets, sequence_logprobs
-from .settings import AnalysisError, AnalysisSettings, Log, jacobian_rank_for
-from .splits import RelationSplit, candidate_grid, generator, relation_split
+from llmprobe.analyses.settings import AnalysisError, AnalysisSettings, Log
+from llmprobe.analyses.splits import RelationSplit, candidate_grid, generator, relation_split
+from llmprobe.geometry import LinearRelationDecoder, RidgeDecoder, random_direction_like, random_spectrum_factors
+from llmprobe.metric import Metric, proportion
+from llmprobe.model.lre import (
+    JacobianResult,
+    jacobian_cost,
+    layer_sequences,
+    logits_fn,
+    next_token_predictions,
+    relation_states,
+    subject_jacobians,
+)
+from llmprobe.model.scoring import first_token_collisions, first_token_targets, sequence_logprobs
+from llmprobe.names import FIRST_TOKEN, SEQUENCE
+
+AUTO_JACOBIAN_RANK = 128             # the smallest rank whose numbers matched exact ones on SmolLM2 (docs/analyses.md)
+
+
+def jacobian_rank_for(cfg: AnalysisSettings, d_model: int | None, layers: list[int], n_blocks: int) -> int | None:
+    """The Jacobian rank to use (None: exact): ``cfg.jacobian_rank`` K as given, None for "full", or for "auto" the
+    rank ``AUTO_JACOBIAN_RANK`` when it costs less than the exact Jacobian at these LRE ``layers`` of an
+    ``n_blocks``-block model (``llmprobe.model.lre.jacobian_cost``: products x blocks crossed), else None."""
+    rank = cfg.jacobian_rank
+    if rank in ("full", None):
+        return None
+    if rank != "auto":
+        return int(rank)
+    cheaper = d_model is not None and (jacobian_cost(d_model, layers, n_blocks, AUTO_JACOBIAN_RANK,
+                                                     cfg.jacobian_oversample) < jacobian_cost(d_model, layers, n_blocks))
+    return AUTO_JACOBIAN_RANK if cheaper else None
 
 
 class SVD:
@@ -263,7 +287,7 @@ def decoders_for_relation(lm, relation, results, layers: list[int], lre_layers: 
     ``fitted``, if given, receives ``{relation: {decoder: fit}}``: the decoder at its chosen layer, of the re-fit
     with the best validation faithfulness (ties: the first): W [d_out, d_in] and b [d_out] as applied (o = beta W
     h + b), J [d_out, d_in] the untruncated mean Jacobian whose rank-``edit_rank`` pseudo-inverse makes the edits
-    (LRE with a truncated W only), beta, rank, edit_rank, alpha (ridge), refit, layer (``llmprobe.notebook``
+    (LRE with a truncated W only), beta, rank, edit_rank, alpha (ridge), refit, layer (``llmprobe.report.notebook``
     saves them)."""
     t0 = time.perf_counter()
     facts = known_facts_of(relation, results, cfg)

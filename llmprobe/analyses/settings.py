@@ -5,10 +5,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from ..scoring import FIRST_TOKEN
+from llmprobe.names import FIRST_TOKEN, PROTOCOLS, SCORING_MODES
 
-ANALYSES = ("lre", "ridge", "superposition")
-PROTOCOLS = ("strict", "lre")
 O_PLACE = ("o = output of the last block (blocks.{L-1}.resid_post, before the final norm) at the prompt's last "
            "token; logits = adapter.logits(o) = final norm + LM head")
 H_PLACE = "h = blocks.{l}.resid_post at the subject's last token"
@@ -65,25 +63,6 @@ class AnalysisSettings:
     jacobian_oversample: int = 10      # extra columns of the low-rank estimator (k = K + this)
 
 
-AUTO_JACOBIAN_RANK = 128             # the smallest rank whose numbers matched exact ones on SmolLM2 (docs/analyses.md)
-
-
-def jacobian_rank_for(cfg: AnalysisSettings, d_model: int | None, layers: list[int], n_blocks: int) -> int | None:
-    """The Jacobian rank to use (None: exact): ``cfg.jacobian_rank`` K as given, None for "full", or for "auto" the
-    rank ``AUTO_JACOBIAN_RANK`` when it costs less than the exact Jacobian at these LRE ``layers`` of an
-    ``n_blocks``-block model (``llmprobe.lre.jacobian_cost``: products x blocks crossed), else None."""
-    from ..lre import jacobian_cost
-
-    rank = cfg.jacobian_rank
-    if rank in ("full", None):
-        return None
-    if rank != "auto":
-        return int(rank)
-    cheaper = d_model is not None and (jacobian_cost(d_model, layers, n_blocks, AUTO_JACOBIAN_RANK,
-                                                     cfg.jacobian_oversample) < jacobian_cost(d_model, layers, n_blocks))
-    return AUTO_JACOBIAN_RANK if cheaper else None
-
-
 def pick_layers(layers: list[int], k: int, n_layers: int) -> list[int]:
     """Up to ``k`` of ``layers`` spread through depth (at the fractions 1/(k+1) ... k/(k+1) of the list),
     leaving out the last layer (where an edit at the subject cannot reach the last token)."""
@@ -92,6 +71,24 @@ def pick_layers(layers: list[int], k: int, n_layers: int) -> list[int]:
         return candidates
     picks = {candidates[min(len(candidates) - 1, round((i + 1) * len(candidates) / (k + 1)))] for i in range(k)}
     return sorted(picks)
+
+
+def settings_from(n_splits: int = 3, seed: int = 0, max_subjects: int = 90, **options) -> AnalysisSettings:
+    """Validated settings: unknown option names and values outside their choices raise at once."""
+    bad = [k for k in options if k not in AnalysisSettings.__dataclass_fields__]
+    if bad:
+        raise TypeError(f"unknown options {bad}; see AnalysisSettings")
+    cfg = AnalysisSettings(n_splits=n_splits, seed=seed, max_subjects=max_subjects, **options)
+    if cfg.scoring not in SCORING_MODES:
+        raise ValueError(f"scoring must be one of {SCORING_MODES}, got {cfg.scoring!r}")
+    if cfg.protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {PROTOCOLS}, got {cfg.protocol!r}")
+    if cfg.n_splits < 1:
+        raise ValueError("n_splits must be >= 1")
+    rank = cfg.jacobian_rank
+    if not (rank in ("auto", "full") or (isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1)):
+        raise ValueError(f"jacobian_rank must be a positive integer, 'auto' or 'full' (exact), got {rank!r}")
+    return cfg
 
 
 class Log:

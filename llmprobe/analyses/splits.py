@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .settings import AnalysisError, AnalysisSettings
+from llmprobe.analyses.settings import AnalysisError, AnalysisSettings
 
 
 def generator(cfg: AnalysisSettings, *keys) -> torch.Generator:

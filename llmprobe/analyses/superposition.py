@@ -15,13 +15,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capture import module_weight
-from ..geometry import SuperpositionFit, kfold_indices, random_direction_like, superposition_readout
-from ..lre import layer_sequences, next_token_predictions, random_like, subject_states
-from ..metric import proportion
-from ..scoring import attribute_token_ids, first_token_collisions, first_token_targets
-from ..subjects import SubjectNotFoundError, encode, locate_errors
-from .settings import AnalysisError, AnalysisSettings, Log
+from llmprobe.analyses.settings import AnalysisError, AnalysisSettings, Log
+from llmprobe.datasets import FactTable
+from llmprobe.geometry import SuperpositionFit, kfold_indices, random_direction_like, superposition_readout
+from llmprobe.metric import proportion
+from llmprobe.model.capture import module_weight
+from llmprobe.model.lre import layer_sequences, next_token_predictions, subject_states
+from llmprobe.model.random_init import random_init
+from llmprobe.model.scoring import attribute_token_ids, first_token_collisions, first_token_targets
+from llmprobe.model.subjects import SubjectNotFoundError, encode, locate_errors
 
 
 @dataclass
@@ -42,8 +44,6 @@ class SuperpositionTable:
 
     def fact_table(self):
         """As a :class:`llmprobe.datasets.FactTable` (what the matched synthetic controls train on)."""
-        from ..datasets import FactTable
-
         return FactTable(list(self.subjects), self.names, [list(a) for a in self.attributes], self.A.clone())
 
 
@@ -85,8 +85,6 @@ def _locatable(tokenizer, template: str, subjects: list[str]) -> list[bool]:
 
 def superposition_table(tokenizer, relations, known: dict, cfg: AnalysisSettings) -> SuperpositionTable:
     """The fact table the superposition readouts measure (and the matched controls train on)."""
-    from ..datasets import FactTable
-
     group = shared_group(relations)
     table = FactTable.from_relations(group, min_relations=2 if len(group) >= 2 else 1)
     neutral, dropped = neutral_templates(tokenizer, group, cfg.neutral_templates)
@@ -151,7 +149,7 @@ def superposition(lm, table: SuperpositionTable, layers: list[int], swap_layers:
     H = subject_states(lm, table.neutral, subjects, layers, batch_size=cfg.batch_size)
     controls_H, U_c = None, None
     if cfg.random_control:
-        rlm = random_like(lm, seed=cfg.seed + 12345)
+        rlm = random_init(lm, seed=cfg.seed + 12345)
         controls_H = subject_states(rlm, table.neutral, subjects, layers, batch_size=cfg.batch_size)
         U_c, _ = attribute_vectors(rlm, table.attributes, cfg.attribute_vectors)
         del rlm

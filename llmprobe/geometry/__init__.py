@@ -4,11 +4,28 @@ Shared by pretrained and synthetic models; imports only torch, numpy and scikit-
 or reports). Estimators are scikit-learn shaped: ``fit`` returns self, learned attributes end in ``_``, ``score``
 returns one float.
 """
-from .decoders import (LinearRelationDecoder, LinearRelationOperator, RidgeDecoder, random_direction_like,
-                       random_spectrum_factors, random_spectrum_like, topk_hits)
-from .readouts import RelationReadout, SuperpositionFit, SuperpositionReport, superposition_readout
-from .stats import (ALPHA_GRID, cross_val_score, kfold_indices, pinv_rank, r2_score,
-                    ridge_fit, ridge_fit_cv, shuffle_table, train_test_split, truncate_rank)
+from llmprobe.geometry.decoders import (
+                       LinearRelationDecoder,
+                       LinearRelationOperator,
+                       RidgeDecoder,
+                       random_direction_like,
+                       random_spectrum_factors,
+                       random_spectrum_like,
+                       topk_hits,
+)
+from llmprobe.geometry.readouts import RelationReadout, SuperpositionFit, SuperpositionReport, superposition_readout
+from llmprobe.geometry.stats import (
+                       ALPHA_GRID,
+                       cross_val_score,
+                       kfold_indices,
+                       pinv_rank,
+                       r2_score,
+                       ridge_fit,
+                       ridge_fit_cv,
+                       shuffle_table,
+                       train_test_split,
+                       truncate_rank,
+)
 
 __all__ = [
     "LinearRelationOperator", "LinearRelationDecoder", "RidgeDecoder", "random_direction_like", "random_spectrum_like",

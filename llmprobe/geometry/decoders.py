@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 from sklearn.base import BaseEstimator
 
-from .stats import as_float, as_tensor, check_rows, fit_ridge, pinv_rank, truncate_rank
+from llmprobe.geometry.stats import as_float, as_tensor, check_rows, fit_ridge, pinv_rank, truncate_rank
 
 __all__ = ["LinearRelationOperator", "LinearRelationDecoder", "RidgeDecoder", "topk_hits", "random_direction_like",
            "random_spectrum_like", "random_spectrum_factors"]

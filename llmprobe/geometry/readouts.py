@@ -22,9 +22,17 @@ import torch
 import torch.nn.functional as F
 from sklearn.base import BaseEstimator
 
-from ..metric import Metric, bootstrap, paired_difference, proportion
-from .stats import (ALPHA_GRID, as_float, as_tensor, check_rows, fit_ridge, kfold_indices,
-                    shuffle_table, truncate_rank)
+from llmprobe.geometry.stats import (
+    ALPHA_GRID,
+    as_float,
+    as_tensor,
+    check_rows,
+    fit_ridge,
+    kfold_indices,
+    shuffle_table,
+    truncate_rank,
+)
+from llmprobe.metric import Metric, bootstrap, paired_difference, proportion
 
 __all__ = ["RelationReadout", "SuperpositionFit", "superposition_readout", "SuperpositionReport"]
 

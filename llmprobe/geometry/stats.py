@@ -6,7 +6,7 @@ so results are reproducible and independent of the global RNG state.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch

@@ -19,7 +19,7 @@ over prompts is the best rank-K approximation of W up to the estimator's error (
 ``per_prompt_jacobians`` is the one-prompt-at-a-time ``torch.autograd.functional.jacobian`` reference (the
 original LRE code's approach), kept for tests and the benchmark.
 
-Objects are scored by their *first token* (``llmprobe.known.first_token_ids``); ``llmprobe.scoring`` offers
+Objects are scored by their *first token* (``llmprobe.model.known.first_token_ids``); ``llmprobe.model.scoring`` offers
 full-sequence log-probabilities.
 """
 from __future__ import annotations
@@ -31,13 +31,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .batching import run_batched
-from .capture import adapter_for, capture, hooks, module_device, patch
-from .subjects import EncodedPrompts, encode
+from llmprobe.model.batching import run_batched
+from llmprobe.model.capture import adapter_for, capture, hooks, module_device, patch
+from llmprobe.model.subjects import EncodedPrompts, encode
 
 __all__ = ["RelationStates", "JacobianResult", "output_name", "state_name", "relation_states", "subject_states",
            "subject_jacobians", "jacobian_cost", "per_prompt_jacobians", "logits_fn", "next_token_predictions",
-           "layer_sequences", "random_like"]
+           "layer_sequences"]
 
 
 def state_name(layer: int) -> str:
@@ -82,7 +82,7 @@ class RelationStates:
 
 def relation_states(lm, template: str | Sequence[str], subjects: Sequence[str], layers: Sequence[int],
                     batch_size: int = 32) -> RelationStates:
-    """One batched forward per ``batch_size`` prompts (``llmprobe.batching.run_batched``: fewer under a memory
+    """One batched forward per ``batch_size`` prompts (``llmprobe.model.batching.run_batched``: fewer under a memory
     budget or after an out-of-memory error): subject states at ``layers`` and ``o`` (stops after the last block;
     the LM head is not run). ``template`` is one template or one per subject."""
     model, tok = lm.model, lm.tokenizer
@@ -593,17 +593,3 @@ def per_prompt_jacobians(lm, template: str | Sequence[str], subjects: Sequence[s
         Hs.append(_cpu(h0))
         Os.append(_cpu(o0))
     return JacobianResult(J=torch.stack(Js), H=torch.stack(Hs), O=torch.stack(Os))
-
-
-# ------------------------------------------------------------------------------------------------- controls
-def random_like(lm, seed: int = 0):
-    """The same architecture with random weights (``llmprobe.loading.reinit_like``: ``from_config`` for a
-    transformers model, seeded), sharing the tokenizer, as a :class:`LoadedModel`: the random-init control. The
-    global RNG state is left as it was."""
-    from .adapters import ModelAdapter
-    from .loading import LoadedModel, reinit_like
-
-    model = reinit_like(lm.model, seed).requires_grad_(False)
-    info = {**lm.info, "name": f"{lm.info.get('name', 'model')} (random init, seed {seed})", "source": "random",
-            "weights_hash": None}
-    return LoadedModel(model, lm.tokenizer, ModelAdapter(model), info)

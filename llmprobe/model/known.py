@@ -10,8 +10,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .batching import run_batched
-from .subjects import fill
+from llmprobe.model.batching import run_batched
+from llmprobe.model.subjects import fill
 
 
 @dataclass
@@ -44,7 +44,7 @@ def greedy_continuations(lm, prompts: list[str], max_new_tokens: int | list[int]
 
     ``max_new_tokens`` may be one number per prompt: prompts are then batched by length of continuation needed,
     and each batch generates only as many tokens as its longest need. Batches go through
-    ``llmprobe.batching.run_batched`` (at most ``batch_size``, fewer under a memory budget or after an
+    ``llmprobe.model.batching.run_batched`` (at most ``batch_size``, fewer under a memory budget or after an
     out-of-memory error).
     """
     tok = lm.tokenizer

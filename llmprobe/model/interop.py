@@ -1,8 +1,8 @@
 """Bring your own model: probe a model object already in memory, not only a name or folder.
 
-:func:`as_loaded_model` turns any of these into a :class:`~llmprobe.loading.LoadedModel`:
+:func:`as_loaded_model` turns any of these into a :class:`~llmprobe.model.loading.LoadedModel`:
 
-* a name or path (or None, the embedded default): :func:`~llmprobe.loading.load_model`;
+* a name or path (or None, the embedded default): :func:`~llmprobe.model.loading.load_model`;
 * a ``LoadedModel``: returned as it is;
 * a transformers ``PreTrainedModel``, with its tokenizer (or a local folder in ``model.name_or_path`` to read one
   from);
@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .adapters import ModelAdapter
-from .loading import LoadedModel, ModelLoadError, _hub_commit, _is_transformers_model, load_model
+from llmprobe.model.adapters import ModelAdapter
+from llmprobe.model.loading import LoadedModel, ModelLoadError, _hub_commit, is_transformers_model, load_model
 
 ACCEPTED = ("a model name or folder, a LoadedModel, a transformers PreTrainedModel (with its tokenizer), a "
             "TransformerLens TransformerBridge or an nnsight LanguageModel")
@@ -74,11 +74,11 @@ def as_loaded_model(obj, tokenizer=None, **load_options) -> LoadedModel:
             obj.dispatch()          # a LanguageModel made from a name holds meta tensors until dispatched
         tokenizer = tokenizer or getattr(obj, "tokenizer", None)
         model = obj._module
-    elif _is_transformers_model(obj):
+    elif is_transformers_model(obj):
         model = unwrap_bridge(obj) if _is_bridged(obj) else obj
     else:
         raise ModelLoadError(f"cannot probe a {object_class}: expected {ACCEPTED}")
-    if not _is_transformers_model(model):
+    if not is_transformers_model(model):
         raise ModelLoadError(f"{object_class} wraps a {type(model).__name__}, not a transformers PreTrainedModel")
     return _loaded(model, tokenizer or _folder_tokenizer(model), object_class, start, note)
 

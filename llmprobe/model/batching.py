@@ -25,7 +25,8 @@ from typing import TypeVar
 
 import torch
 
-from .checks import is_out_of_memory
+from llmprobe.checks import is_out_of_memory
+from llmprobe.model.capture import adapter_for
 
 T = TypeVar("T")
 MEMORY_FRACTION = 0.5          # of the free device memory that one micro-batch's activations may take
@@ -86,8 +87,6 @@ def item_bytes(lm, n_tokens: int) -> int:
     """Rough bytes one prompt of ``n_tokens`` needs in one forward pass: the KV cache of every block, one
     block's working activations (residual, attention, MLP hidden), the attention scores and a float32 row of
     logits per token."""
-    from .capture import adapter_for
-
     config = getattr(lm.model, "config", None)
     adapter = adapter_for(lm.model)
     d, layers = adapter.d_model or 1, adapter.n_layers

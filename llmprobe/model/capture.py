@@ -2,7 +2,7 @@
 
 Only the requested names and token positions are kept; the forward pass stops after the last module that is
 needed (when nothing later, such as the logits, is asked for). Works for Hugging Face models through
-:class:`~llmprobe.adapters.ModelAdapter` and for any model that defines ``hook_points()``.
+:class:`~llmprobe.model.adapters.ModelAdapter` and for any model that defines ``hook_points()``.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from .adapters import ModelAdapter, from_lens_name, is_lens_name
+from llmprobe.model.adapters import ModelAdapter, from_lens_name, is_lens_name
 
 
 class _StopForward(Exception):

@@ -4,7 +4,7 @@
 builds the families it claims."""
 from __future__ import annotations
 
-from .adapters import SUPPORTED_TYPES
+from llmprobe.model.adapters import SUPPORTED_TYPES
 
 ALL = "every family"     # a check run on a tiny model of every family (tests parametrized over FAMILIES)
 

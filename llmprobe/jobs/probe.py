@@ -13,17 +13,20 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import callable_module
-from .checks import UsageError, analysis_names, layer_spec, output_folder, positive_int
-from .config import settings_record
-from .datasets import DatasetError, Relation, load_relations
-from .io import write_json
-from .known import FactResult, known_facts
-from .interop import as_loaded_model
-from .loading import LoadedModel
-from .subjects import fill, locate_errors
+from llmprobe.analyses import run as analyses_run
+from llmprobe.analyses.saved import read_fits, save_decoders
+from llmprobe.analyses.settings import AnalysisSettings, settings_from
+from llmprobe.checks import UsageError, analysis_names, layer_spec, output_folder, positive_int
+from llmprobe.datasets import DatasetError, Relation, load_relations
+from llmprobe.io import write_json
+from llmprobe.model.interop import as_loaded_model
+from llmprobe.model.known import FactResult, known_facts
+from llmprobe.model.loading import LoadedModel
+from llmprobe.model.subjects import fill, locate_errors
+from llmprobe.names import ANALYSES
+from llmprobe.report.schema import REPORT_SCHEMA_VERSION
+from llmprobe.settings import settings_record
 
-REPORT_SCHEMA_VERSION = 2      # 2: typed metrics everywhere, test_subjects per relation, reference causality
 LIBRARIES = ("llmprobe", "torch", "transformers", "accelerate", "datasets", "scikit-learn", "transformer-lens",
              "safetensors", "gguf", "numpy")
 
@@ -185,7 +188,7 @@ def probe(
     """Probe ``model`` (None = embedded default) on ``relations`` (None = all bundled); returns the report.
 
     ``model``: a name or folder, or a model object with ``tokenizer`` (a transformers model, a TransformerBridge,
-    an nnsight LanguageModel: ``llmprobe.interop.as_loaded_model``).
+    an nnsight LanguageModel: ``llmprobe.model.interop.as_loaded_model``).
 
     Every option, the relations and the output folder are checked before the model is loaded (UsageError,
     DatasetError). Writes ``out/report.json`` and ``out/known_facts.json`` when ``out`` is given: after the
@@ -200,19 +203,15 @@ def probe(
     ``errors``. ``on_known(report, known, lm, relations)`` is called once the known facts are checked, before the
     analyses (``llmprobe run`` starts its controls there). ``analysis_options``: fields of
     ``llmprobe.analyses.AnalysisSettings`` (e.g. ``{"protocol": "lre"}``), checked before the model loads.
-    ``report["settings"]`` records every setting (``llmprobe.config.settings_record``; ``controls_settings``, the
+    ``report["settings"]`` records every setting (``llmprobe.settings.settings_record``; ``controls_settings``, the
     matched controls' settings, is given by ``llmprobe run``), from which ``llmprobe rerun`` repeats the run.
     """
-    from .analyses import ANALYSES
-
     start = time.perf_counter()
     analyses = analysis_names(analyses, ANALYSES)
     batch_size = positive_int(batch_size, "--batch-size")
     max_facts = positive_int(max_facts, "--max-facts", allow_none=True)
     max_prompt_tokens = positive_int(max_prompt_tokens, "--max-prompt-tokens", allow_none=True)
     if analysis_options:
-        from .analyses import settings_from
-
         try:
             settings_from(**analysis_options)
         except (TypeError, ValueError) as error:
@@ -315,8 +314,6 @@ def probe(
         if on_known is not None:
             on_known(report, known, lm, analysed)
         if analyses:
-            from . import analyses as analyses_module
-
             key = _digest(known_key, layer_ids, analyses, sorted((analysis_options or {}).items()))
             stage = stages["analyses"] = {"key": key, "done": False, "resumed": False, "resumed_relations": [],
                                           "resumed_superposition": False}
@@ -324,7 +321,6 @@ def probe(
             earlier = previous.get("analyses") if before.get("key") == key else None
             earlier = earlier if isinstance(earlier, dict) else None
             if earlier is not None and out is not None:   # the decoders of the relations taken over
-                from .notebook import read_fits
 
                 fitted.update(read_fits(out))
             t = time.perf_counter()
@@ -348,7 +344,7 @@ def probe(
                                                       and isinstance(earlier.get("superposition"), dict))
                     stage["resumed"] = (len(stage["resumed_relations"]) == (len(analysed) if decoders else 0)
                                         and stage["resumed_superposition"] == ("superposition" in analyses))
-                report["analyses"] = analyses_module.run_analyses(lm, analysed, known, layer_ids,
+                report["analyses"] = analyses_run.run_analyses(lm, analysed, known, layer_ids,
                                                                   analyses=analyses, seed=seed,
                                                                   on_progress=checkpoint, done=earlier, fitted=fitted,
                                                                   **batch_options(batch_size, analysis_options))
@@ -368,18 +364,14 @@ def probe(
 
 
 def _write_decoders(out: Path | None, fitted: dict, lm: LoadedModel) -> None:
-    """The fitted decoders beside report.json: decoders.safetensors + decoders.json (``llmprobe.notebook``)."""
+    """The fitted decoders beside report.json: decoders.safetensors + decoders.json (``llmprobe.report.notebook``)."""
     if out is not None and fitted:
-        from .notebook import save_decoders
-
         save_decoders(out, fitted, {**model_identity(lm.info), "name": lm.info.get("name")})
 
 
 def batch_options(batch_size: int, analysis_options: dict | None) -> dict:
     """The analysis options with ``batch_size`` (``--batch-size``) as every analysis stage's batch size (at most
     the default 16 for the Jacobians), unless the options set their own."""
-    from .analyses import AnalysisSettings
-
     return {"batch_size": batch_size, "jacobian_batch_size": min(AnalysisSettings.jacobian_batch_size, batch_size),
             **(analysis_options or {})}
 
@@ -393,5 +385,3 @@ def summary_table(report: dict) -> str:
 
 
 __all__ = ["probe", "parse_layers", "library_versions", "summary_table", "DatasetError"]
-
-callable_module(__name__, probe)   # llmprobe.probe(...) calls the function even once the module is imported

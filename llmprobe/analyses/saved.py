@@ -1,108 +1,25 @@
-"""Notebook API: a report folder as an object, and the fitted decoders saved beside it.
+"""Fitted decoders saved beside a report: ``decoders.safetensors`` (float64 tensors) and ``decoders.json`` (one
+entry per relation and decoder: layer, beta, rank, edit rank, places, tensor keys, the model's identity).
 
-    import llmprobe
-    report = llmprobe.load_report("runs/smollm2")      # shows the summary and key plots in Jupyter
-    frame = report.to_frame()                          # tidy pandas table (pandas: the ``notebook`` extra)
-    report.plot("lre.faithfulness")                    # a matplotlib figure: the measure by layer, intervals
     decoder = llmprobe.load_decoder("runs/smollm2", "country_capital")
     o = decoder.apply(h)                               # h [n, d_in] -> o [n, d_out] = beta W h + b
-
-Decoders: ``probe`` writes ``decoders.safetensors`` (float64 tensors) and ``decoders.json`` (one entry per
-relation and decoder: layer, beta, rank, edit rank, places, tensor keys, the model's identity) beside
-report.json. pandas and matplotlib are imported only by the methods that need them.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save
 
-from .geometry import LinearRelationOperator
-from .io import write_bytes, write_json
+from llmprobe.analyses.settings import H_PLACE, O_PLACE
+from llmprobe.geometry import LinearRelationOperator
+from llmprobe.io import write_bytes, write_json
 
 DECODERS_JSON = "decoders.json"
 DECODERS_TENSORS = "decoders.safetensors"
-FRAME_COLUMNS = ("source", "relation", "layer", "measure", "value", "lo", "hi", "n", "control")
-KEY_MEASURES = ("lre.faithfulness", "lre.causality", "superposition.r2")     # the plots _repr_html_ shows
 
-
-# ------------------------------------------------------------------------------------------------ the report
-class Report:
-    """A report folder: ``data`` (report.json as a dict, controls expanded into ``sources``), ``_repr_html_``
-    (the summary and key plots), ``to_frame()`` and ``plot(measure)``."""
-
-    def __init__(self, data: dict):
-        from .report import label_apart, with_controls
-
-        self.data = data
-        self.sources = label_apart(with_controls([data]))
-
-    @property
-    def rows(self) -> list[dict]:
-        """Every measured number as a metric row (``llmprobe.report.metric_rows``)."""
-        from .report import metric_rows
-
-        return [row for source in self.sources for row in metric_rows(source)]
-
-    @property
-    def claims(self) -> list[dict]:
-        """The summary's lines: one per claim of the paper, with its verdict (``llmprobe.report.summary_claims``)."""
-        from .report import summary_claims
-
-        return summary_claims(self.data)
-
-    def __repr__(self) -> str:
-        from .report import source_name
-
-        lines = [f"llmprobe report: {source_name(self.data)} ({self.data.get('_path', '')})"]
-        lines += [f"  {c['claim']}: {c['verdict']}" for c in self.claims]
-        return "\n".join(lines)
-
-    def _repr_html_(self) -> str:
-        """The summary section and the key per-depth plots (``KEY_MEASURES``), every user string escaped."""
-        from .report import figure_html, layer_figures, source_name, summary_html
-
-        figures = layer_figures([row for row in self.rows if row["metric"] in KEY_MEASURES])
-        return "<div>" + summary_html(self.sources, f"llmprobe report: {source_name(self.data)}") + "".join(
-            figure_html(f"{measure} by depth", uri) for measure, uri in figures) + "</div>"
-
-    def to_frame(self):
-        """Tidy pandas DataFrame, one row per number (``FRAME_COLUMNS``): each measure's value with its interval
-        and n (control empty), then each of its controls (control = its name, value = the control's value)."""
-        import pandas as pd
-
-        records, seen = [], set()
-        for row in self.rows:
-            place = (row["source"], row["relation"], row["layer"], row["metric"])
-            if place not in seen:
-                seen.add(place)
-                records.append([*place, row["value"], row["lo"], row["hi"], row["n"], None])
-            if row["control"] is not None:
-                records.append([*place, row["control_value"], None, None, row["n"], row["control"]])
-        frame = pd.DataFrame(records, columns=list(FRAME_COLUMNS))
-        return frame.astype({"layer": "Int64", "n": "Int64", "value": float, "lo": float, "hi": float})
-
-    def plot(self, measure: str):
-        """A matplotlib figure of ``measure`` by layer: a line per (source, relation), its 95% interval as a band,
-        its primary control dashed (``llmprobe.report.measure_figure``). Raises ValueError naming the measures."""
-        from .report import measure_figure
-
-        measures = sorted({r["metric"] for r in self.rows if r["layer"] is not None})
-        if measure not in measures:
-            raise ValueError(f"no measure {measure!r} by layer in this report; measures: {', '.join(measures)}")
-        return measure_figure(self.rows, measure, x="layer")
-
-
-def load_report(path: str | Path) -> Report:
-    """The report in folder ``path`` (or its report.json) as a :class:`Report`; clear errors for a missing or
-    malformed file (``llmprobe.report.read_report``)."""
-    from .report import read_report
-
-    return Report(read_report(path))
-
-
-# ---------------------------------------------------------------------------------------------- the decoders
 @dataclass
 class SavedDecoder:
     """A fitted relation decoder loaded from a report folder.
@@ -132,10 +49,6 @@ def save_decoders(out: str | Path, fitted: dict, model: dict) -> list[Path]:
     (float64 tensors) and ``out/decoders.json`` (the entries, ``model``: the model's identity), atomically. A
     low-rank W or J whose factors (``W_factors``: U [d_out, r], S [r], Vh [r, d_in]) take less room is saved as
     them (its ``tensors`` entry lists three keys), e.g. with low-rank Jacobians: ~r x 2d instead of d x d."""
-    from safetensors.torch import save
-
-    from .analyses.settings import H_PLACE, O_PLACE
-
     tensors, entries = {}, []
     for relation, kinds in fitted.items():
         for kind, fit in kinds.items():
@@ -186,10 +99,6 @@ def load_decoder(path: str | Path, relation: str, kind: str = "lre") -> SavedDec
 
 
 def _read_decoders(folder: Path, missing_ok: bool = False) -> tuple[dict | None, dict]:
-    import json
-
-    from safetensors.torch import load_file
-
     index_file, tensor_file = folder / DECODERS_JSON, folder / DECODERS_TENSORS
     if not index_file.is_file() or not tensor_file.is_file():
         if missing_ok:

@@ -15,11 +15,14 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from synthetic.controls import MODES, find_threshold, known_table, measure_control, train_controls  # noqa: F401
-
-from . import callable_module
-from .io import write_json
-from .probe import library_versions, probe
+from llmprobe.analyses.settings import settings_from
+from llmprobe.analyses.superposition import superposition_table
+from llmprobe.checks import UsageError
+from llmprobe.io import write_json
+from llmprobe.jobs.controls import ControlsWorker
+from llmprobe.jobs.probe import _digest, library_versions, previous_report, probe
+from llmprobe.report.render import with_controls, write_all
+from synthetic.controls import known_table
 
 
 def run(model=None, *, tokenizer=None, out: str | Path = "runs/main", relations: list[str] | None = None,
@@ -55,10 +58,6 @@ def run(model=None, *, tokenizer=None, out: str | Path = "runs/main", relations:
     ``control_options``: more arguments of ``train_controls`` (``max_steps``, ``d_max``, ``n_boot``, ``modes``);
     ``lm``: an already loaded model (``model`` is then only recorded).
     """
-    from .checks import UsageError
-    from .probe import _digest, previous_report
-    from .report import with_controls, write_all
-
     start = time.perf_counter()
     unknown = sorted(set(formats) - {"html", "md", "json", "csv"})
     if unknown:
@@ -135,8 +134,6 @@ def _control_table(lm, relations: list, known: dict, partial: dict, like_for_lik
     """(FactTable, relations left out) the matched controls train on: the superposition fit's table when
     ``like_for_like`` (nothing left out), else the known-fact table."""
     if like_for_like:
-        from .analyses import settings_from, superposition_table
-
         table = superposition_table(lm.tokenizer, relations, known, settings_from(**(analysis_options or {})))
         return table.fact_table(), []
     return known_table(partial["relations"], known)
@@ -164,97 +161,8 @@ def _save_interrupted(out: Path, pending: dict) -> None:
     write_json(out / "report.json", report)
 
 
-class ControlsWorker:
-    """``train_controls(*args, **kwargs)`` in one spawned process (one torch thread) whose result comes back
-    through a pipe. A plain process, not a Pool: ``stop`` kills it outright, so an interrupt can never wait on a
-    pool's internal locks, and the worker exits by itself when this process dies."""
-
-    def __init__(self, args: tuple, kwargs: dict):
-        import multiprocessing
-        import os
-
-        context = multiprocessing.get_context("spawn")
-        self._receive, send = context.Pipe(duplex=False)
-        self.process = context.Process(target=_worker_main, args=(send, os.getpid(), args, kwargs), daemon=True,
-                                       name="llmprobe-controls")
-        self.process.start()
-        send.close()
-
-    def ready(self) -> bool:
-        """Has the worker sent its result (or its failure)?"""
-        return self._receive.poll()
-
-    def get(self) -> tuple[dict, float]:
-        """Wait for (controls, seconds); RuntimeError naming the cause when the worker failed or died."""
-        try:
-            ok, value = self._receive.recv()
-        except EOFError:
-            self.process.join(5)
-            raise RuntimeError(f"the controls worker died (exit code {self.process.exitcode})") from None
-        self.process.join(5)
-        if not ok:
-            raise RuntimeError(value)
-        return value
-
-    def stop(self) -> None:
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join(5)
-        self._receive.close()
-
-
-def _worker_main(send, parent_pid: int, args: tuple, kwargs: dict) -> None:
-    """The worker process: set up, train and measure the controls, send (True, (controls, seconds)) or
-    (False, "Type: message")."""
-    _one_thread(parent_pid)
-    start = time.perf_counter()
-    try:
-        result = (True, (train_controls(*args, **kwargs), round(time.perf_counter() - start, 1)))
-    except Exception as error:  # noqa: BLE001 - reported to the parent, which records it in the report's errors
-        result = (False, f"{type(error).__name__}: {error}")
-    send.send(result)
-    send.close()
-
-
-def _one_thread(parent_pid: int | None = None) -> None:
-    """Worker set-up: one torch thread; Ctrl-C is left to the parent (which stops the worker); and the worker
-    exits on its own when the parent is gone (kill -9 of the parent leaves no orphan training on)."""
-    import signal
-    import threading
-
-    import torch
-
-    torch.set_num_threads(1)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if parent_pid is not None:
-        threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True,
-                         name="llmprobe-parent-watch").start()
-
-
-def _exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
-    """Block until the parent process is gone (its sentinel pipe closes, or our parent pid changes), then exit."""
-    import multiprocessing
-    import os
-    from multiprocessing.connection import wait
-
-    parent = multiprocessing.parent_process()
-    sentinel = getattr(parent, "sentinel", None)
-    while os.getppid() == parent_pid:
-        if sentinel is not None:
-            try:
-                if wait([sentinel], timeout=poll_s):
-                    break
-                continue
-            except OSError:
-                sentinel = None
-        time.sleep(poll_s)
-    os._exit(1)
-
-
 def _controls_progress(message: str) -> None:
     print(f"[controls] {message}", flush=True)
 
 
-__all__ = ["run", "train_controls", "measure_control", "known_table", "find_threshold"]
-
-callable_module(__name__, run)   # llmprobe.run(...) calls the function even once the module is imported
+__all__ = ["run"]

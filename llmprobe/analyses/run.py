@@ -1,0 +1,139 @@
+"""``run_analyses``: per relation and layer: linear relation decoders (LRE, ridge) and superposition readouts, with controls.
+
+``run_analyses`` is what ``llmprobe probe --analyses lre,ridge,superposition`` calls. One module per job:
+``settings`` (options, places), ``splits`` (fixed test set, re-fits, edit pairs), ``decoders`` (LRE and ridge),
+``superposition`` (readouts, R^2, swap edits). Every number is a typed metric (``llmprobe.metric``) in its JSON
+form; ``docs/measures.md`` defines each measure.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+
+from llmprobe.analyses.decoders import decoders_for_relation
+from llmprobe.analyses.settings import (
+    FIRST_TOKEN_NOTE,
+    H_PLACE,
+    O_PLACE,
+    PREFIX_NOTE,
+    AnalysisError,
+    Log,
+    pick_layers,
+    settings_from,
+)
+from llmprobe.analyses.superposition import superposition, superposition_table
+from llmprobe.metric import LEVEL
+from llmprobe.names import ANALYSES, FIRST_TOKEN
+
+
+def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits: int = 3, seed: int = 0,
+                 max_subjects: int = 90, progress: bool = True, on_progress=None, done: dict | None = None,
+                 fitted: dict | None = None, **options) -> dict:
+    """Run the requested analyses on a loaded model; returns a JSON-ready dict.
+
+    ``relations``: ``llmprobe.datasets.Relation`` list; ``known``: relation name -> list of
+    ``llmprobe.model.known.FactResult`` (LRE and ridge use the known facts only); ``layers``: layer indices;
+    ``analyses``: any subset of ``ANALYSES``. ``options``: any field of :class:`AnalysisSettings`.
+    A relation that cannot be analysed gets an ``error`` entry and the others go on.
+
+    Checkpoints and resuming: the result carries ``"partial": True`` while it is being built and
+    ``"partial": False`` once every requested analysis is in it (the key is always there).
+    ``on_progress(result)``, if given, is called with the result so far (the same dict, ``partial`` true) after
+    each relation's decoders (computed or taken over) and after the superposition analysis; ``llmprobe.jobs.probe``
+    writes report.json there, so an interrupt keeps the finished parts. ``done``: an earlier result, partial
+    or not, made with the same settings, model and known facts (the caller guarantees that; ``probe`` through
+    its analyses stage key). Its ``relations`` entries (those of relations in ``relations``) and its
+    ``superposition`` entry, if there is one, are taken over as they are (their error messages re-listed in
+    ``errors``) instead of recomputed; the rest is computed. Every relation's draws come from generators
+    seeded by (seed, relation name, ...) and the superposition analysis reads no decoder result, so a part
+    taken over has the numbers a fresh run would give it. ``timing`` counts this call's work only.
+    ``fitted``, if given, receives the fitted decoders of the relations computed here (not those taken over), see
+    ``decoders.decoders_for_relation``.
+    """
+    analyses = tuple(analyses)
+    unknown = [a for a in analyses if a not in ANALYSES]
+    if unknown:
+        raise ValueError(f"unknown analyses {unknown}; choose from {list(ANALYSES)}")
+    cfg = settings_from(n_splits, seed, max_subjects, **options)
+    log = Log(progress)
+    n_layers = lm.adapter.n_layers
+    layers = sorted({lm.adapter.layer_index(l) for l in layers})
+    if not layers:
+        raise ValueError("run_analyses needs at least one layer")
+
+    def chosen(spec, default):
+        picked = sorted({lm.adapter.layer_index(l) for l in spec}) if spec is not None else default
+        return [l for l in picked if l in layers]
+    lre_layers = chosen(cfg.lre_layers, pick_layers(layers, cfg.max_lre_layers, n_layers))
+    causal_layers = [l for l in chosen(cfg.causality_layers, lre_layers) if l in lre_layers or "lre" not in analyses]
+    swap_layers = chosen(cfg.swap_layers, lre_layers)
+    start = time.perf_counter()
+    settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()}
+    settings.update({
+        "analyses": list(analyses), "layers": layers, "lre_layers": lre_layers, "causality_layers": causal_layers,
+        "swap_layers": swap_layers, "h": H_PLACE, "o": O_PLACE,
+        "objects": (FIRST_TOKEN_NOTE if cfg.protocol == "strict" else PREFIX_NOTE) + (
+            "" if cfg.scoring == FIRST_TOKEN else "; causality success = full-sequence log-prob of the target "
+                                                  "object above that of the original object"),
+        "protocol_note": ("zero-shot prompts (the relation's first template)" if cfg.protocol == "strict" else
+                          f"{cfg.n_icl} in-context examples (facts of the relation, never test subjects) before "
+                          "the prompt; beta scales W only; b = mean of the per-prompt biases o_i - J_i h_i over "
+                          "the Jacobian prompts"),
+        "intervals": f"{LEVEL:.0%} Wilson intervals for proportions (n = test items), percentile bootstrap over "
+                     f"subjects ({cfg.n_boot} resamples) for R^2 and differences",
+        "spread": "standard deviation over re-fits (decoders: re-drawn train/validation and Jacobian subjects on "
+                  "the same test set; superposition: cross-fitting folds)"})
+    result = {"settings": settings, "partial": True, "relations": {}, "errors": [], "timing": {}}
+    done = done or {}
+    done_relations = done.get("relations") or {}
+
+    def progress_made() -> None:
+        if on_progress is not None:
+            on_progress(result)
+
+    do_lre, do_ridge = "lre" in analyses, "ridge" in analyses
+    if do_lre or do_ridge:
+        for relation in relations:
+            if isinstance(done_relations.get(relation.name), dict):
+                entry = done_relations[relation.name]
+                if entry.get("error"):
+                    result["errors"].append(entry["error"])
+                log(f"{relation.name}: decoders taken over from the earlier result")
+                result["relations"][relation.name] = entry
+                progress_made()
+                continue
+            log(f"{relation.name}: decoders ({', '.join(a for a in analyses if a != 'superposition')})")
+            try:
+                entry = decoders_for_relation(lm, relation, known.get(relation.name), layers, lre_layers,
+                                              causal_layers, do_lre, do_ridge, cfg, log, fitted)
+            except Exception as error:  # noqa: BLE001 - one relation's failure must not stop the others
+                text = str(error) if isinstance(error, (AnalysisError, ValueError)) else \
+                    f"{type(error).__name__}: {error}"
+                message = text if relation.name in text else f"relation {relation.name}: {text}"
+                entry = {"error": message}
+                result["errors"].append(message)
+                log(message)
+            result["relations"][relation.name] = entry
+            progress_made()
+        result["timing"]["decoders_seconds"] = round(time.perf_counter() - start, 1)
+    if "superposition" in analyses:
+        t = time.perf_counter()
+        if isinstance(done.get("superposition"), dict):
+            result["superposition"] = done["superposition"]
+            if result["superposition"].get("error"):
+                result["errors"].append(f"superposition: {result['superposition']['error']}")
+            log("superposition: taken over from the earlier result")
+        else:
+            try:
+                table = superposition_table(lm.tokenizer, relations, known, cfg)
+                result["superposition"] = superposition(lm, table, layers, swap_layers, cfg, log)
+            except Exception as error:  # noqa: BLE001 - reported, the decoders' results are kept
+                error = error if isinstance(error, (AnalysisError, ValueError)) else f"{type(error).__name__}: {error}"
+                result["superposition"] = {"error": str(error)}
+                result["errors"].append(f"superposition: {error}")
+                log(f"superposition: {error}")
+        result["timing"]["superposition_seconds"] = round(time.perf_counter() - t, 1)
+        progress_made()
+    result["timing"]["total_seconds"] = round(time.perf_counter() - start, 1)
+    result["partial"] = False
+    return result

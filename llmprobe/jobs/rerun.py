@@ -1,0 +1,95 @@
+"""``llmprobe rerun``: repeat a report's probe or run with its recorded settings and compare every number."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from llmprobe.checks import UsageError, output_folder
+from llmprobe.jobs.main import run
+from llmprobe.jobs.probe import probe
+from llmprobe.model.loading import load_model
+from llmprobe.settings import PLACEMENT, from_record, probe_arguments
+
+TIME_KEY = re.compile(r"second|time|_s$")     # keys of wall-clock times, which a rerun does not reproduce
+
+
+def numbers(report: dict) -> dict:
+    """Every number a rerun should reproduce: {dotted path: value} of the int and float leaves of the report's
+    ``relations``, ``analyses`` and ``controls`` (times left out; NaN written as null kept as None)."""
+    found = {}
+
+    def walk(value, path: str) -> None:
+        if isinstance(value, dict):
+            for key, v in value.items():
+                if not TIME_KEY.search(str(key)):
+                    walk(v, f"{path}.{key}")
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                walk(v, f"{path}[{i}]")
+        elif value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+            found[path] = value
+
+    for block in ("relations", "analyses", "controls"):
+        if block in report:
+            walk(report[block], block)
+    return found
+
+
+def compare_numbers(old: dict, new: dict, tolerance: float = 1e-6) -> dict:
+    """{"n_numbers", "max_abs_difference", "differences": [(path, old, new)], "match"} of two reports: every
+    number of :func:`numbers`; a number differs when it is missing from one report, null in only one, or off by
+    more than ``tolerance`` (absolute, or relative to its size)."""
+    a, b = numbers(old), numbers(new)
+    differences, largest = [], 0.0
+    for path in sorted(set(a) | set(b)):
+        x, y = a.get(path, "missing"), b.get(path, "missing")
+        if isinstance(x, (int, float)) and isinstance(y, (int, float)):
+            gap = abs(x - y)
+            largest = max(largest, gap)
+            if gap <= tolerance * max(1.0, abs(x)):
+                continue
+        elif x == y:
+            continue
+        differences.append((path, x, y))
+    return {"n_numbers": len(set(a) | set(b)), "max_abs_difference": largest, "differences": differences,
+            "match": not differences}
+
+
+def rerun(folder: str | Path, out: str | Path | None = None, allow_different_weights: bool = False,
+          trust_remote_code: bool = False, allow_pickle: bool = False) -> dict:
+    """Repeat the ``probe`` or ``run`` that wrote ``folder/report.json`` with its recorded settings into ``out``
+    (default: ``<folder>-rerun``), and compare the numbers. The model is loaded first; a weights hash that differs
+    from the recorded one raises UsageError unless ``allow_different_weights``. Returns {"command", "out",
+    "weights": "same" | "different" | "not recorded", "report", "comparison" (:func:`compare_numbers`)}."""
+    folder = Path(folder)
+    try:
+        old = json.loads((folder / "report.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise UsageError(f"rerun: cannot read {folder / 'report.json'} ({getattr(error, 'strerror', None) or error})"
+                         ) from None
+    if not isinstance(old, dict):
+        raise UsageError(f"rerun: {folder / 'report.json'} is not a report (a JSON object)")
+    command, values = from_record(old.get("settings"), f"{folder / 'report.json'} settings")
+    out = Path(out) if out is not None else folder.parent / f"{folder.resolve().name}-rerun"
+    if out.resolve() == folder.resolve():
+        raise UsageError(f"rerun: --out {str(out)!r} is the report's own folder; give another one")
+    output_folder(out)
+    arguments = probe_arguments(values, command)
+    lm = load_model(arguments["model"], gguf_file=arguments["gguf_file"], device=arguments["device"],
+                    dtype=arguments["dtype"], **{k: arguments[k] for k in PLACEMENT},
+                    trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+    recorded, loaded = (old.get("model") or {}).get("weights_hash"), lm.info.get("weights_hash")
+    weights = "not recorded" if recorded is None else "same" if recorded == loaded else "different"
+    if weights == "different" and not allow_different_weights:
+        raise UsageError(f"rerun: the weights of {arguments['model'] or lm.info['name']!r} differ from the report's "
+                         f"({loaded} now, {recorded} recorded); pass --allow-different-weights to rerun anyway")
+    if command == "probe":
+        report = probe(**arguments, out=out, lm=lm)
+    else:
+        report = run(**arguments, out=out, lm=lm)
+    return {"command": command, "out": str(out), "weights": weights, "report": report,
+            "comparison": compare_numbers(old, json.loads((out / "report.json").read_text(encoding="utf-8")))}
+
+
+__all__ = ["rerun", "compare_numbers", "numbers"]

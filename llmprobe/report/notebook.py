@@ -1,0 +1,89 @@
+"""Notebook API: a report folder as an object (the decoders saved beside it: ``llmprobe.analyses.saved``).
+
+    import llmprobe
+    report = llmprobe.load_report("runs/smollm2")      # shows the summary and key plots in Jupyter
+    frame = report.to_frame()                          # tidy pandas table (pandas: the ``notebook`` extra)
+    report.plot("lre.faithfulness")                    # a matplotlib figure: the measure by layer, intervals
+
+pandas and matplotlib are imported only by the methods that need them.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from llmprobe.report.render import (
+    figure_html,
+    label_apart,
+    layer_figures,
+    measure_figure,
+    metric_rows,
+    source_name,
+    summary_claims,
+    summary_html,
+    with_controls,
+)
+from llmprobe.report.schema import read_report
+
+FRAME_COLUMNS = ("source", "relation", "layer", "measure", "value", "lo", "hi", "n", "control")
+KEY_MEASURES = ("lre.faithfulness", "lre.causality", "superposition.r2")     # the plots _repr_html_ shows
+
+
+# ------------------------------------------------------------------------------------------------ the report
+class Report:
+    """A report folder: ``data`` (report.json as a dict, controls expanded into ``sources``), ``_repr_html_``
+    (the summary and key plots), ``to_frame()`` and ``plot(measure)``."""
+
+    def __init__(self, data: dict):
+        self.data = data
+        self.sources = label_apart(with_controls([data]))
+
+    @property
+    def rows(self) -> list[dict]:
+        """Every measured number as a metric row (``llmprobe.report.render.metric_rows``)."""
+        return [row for source in self.sources for row in metric_rows(source)]
+
+    @property
+    def claims(self) -> list[dict]:
+        """The summary's lines: one per claim of the paper, with its verdict (``llmprobe.report.render.summary_claims``)."""
+        return summary_claims(self.data)
+
+    def __repr__(self) -> str:
+        lines = [f"llmprobe report: {source_name(self.data)} ({self.data.get('_path', '')})"]
+        lines += [f"  {c['claim']}: {c['verdict']}" for c in self.claims]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        """The summary section and the key per-depth plots (``KEY_MEASURES``), every user string escaped."""
+        figures = layer_figures([row for row in self.rows if row["metric"] in KEY_MEASURES])
+        return "<div>" + summary_html(self.sources, f"llmprobe report: {source_name(self.data)}") + "".join(
+            figure_html(f"{measure} by depth", uri) for measure, uri in figures) + "</div>"
+
+    def to_frame(self):
+        """Tidy pandas DataFrame, one row per number (``FRAME_COLUMNS``): each measure's value with its interval
+        and n (control empty), then each of its controls (control = its name, value = the control's value)."""
+        import pandas as pd
+
+        records, seen = [], set()
+        for row in self.rows:
+            place = (row["source"], row["relation"], row["layer"], row["metric"])
+            if place not in seen:
+                seen.add(place)
+                records.append([*place, row["value"], row["lo"], row["hi"], row["n"], None])
+            if row["control"] is not None:
+                records.append([*place, row["control_value"], None, None, row["n"], row["control"]])
+        frame = pd.DataFrame(records, columns=list(FRAME_COLUMNS))
+        return frame.astype({"layer": "Int64", "n": "Int64", "value": float, "lo": float, "hi": float})
+
+    def plot(self, measure: str):
+        """A matplotlib figure of ``measure`` by layer: a line per (source, relation), its 95% interval as a band,
+        its primary control dashed (``llmprobe.report.render.measure_figure``). Raises ValueError naming the measures."""
+        measures = sorted({r["metric"] for r in self.rows if r["layer"] is not None})
+        if measure not in measures:
+            raise ValueError(f"no measure {measure!r} by layer in this report; measures: {', '.join(measures)}")
+        return measure_figure(self.rows, measure, x="layer")
+
+
+def load_report(path: str | Path) -> Report:
+    """The report in folder ``path`` (or its report.json) as a :class:`Report`; clear errors for a missing or
+    malformed file (``llmprobe.report.render.read_report``)."""
+    return Report(read_report(path))
