@@ -78,7 +78,7 @@ def subplots(nrows: int = 1, ncols: int = 1, **kwargs):
     synthetic. No backend is chosen or switched (a notebook's stays as it is) and nothing is left open in pyplot's
     figure manager; ``kwargs`` go to ``Figure`` (figsize, ...) except ``squeeze``, ``sharex``, ``sharey``,
     ``width_ratios``, ``height_ratios``, ``gridspec_kw`` and ``subplot_kw``, which go to ``Figure.subplots``."""
-    from matplotlib.figure import Figure   # matplotlib only where something is drawn (start-up time)
+    from matplotlib.figure import Figure  # matplotlib only where something is drawn (start-up time)
 
     layout = {k: kwargs.pop(k) for k in ("squeeze", "sharex", "sharey", "width_ratios", "height_ratios",
                                           "gridspec_kw", "subplot_kw") if k in kwargs}

@@ -4,7 +4,9 @@ import pytest
 
 from llmprobe.datasets import FactTable, Relation, load_relations
 from llmprobe.metric import Metric, is_metric, pooled_readout
-from llmprobe.report.render import capacity_figure, control_sources, controls_caption, render_markdown, with_controls
+from llmprobe.report.figures import capacity_figure, controls_caption
+from llmprobe.report.render import render_markdown, with_controls
+from llmprobe.report.schema import control_sources
 from synthetic.controls import curve_widths, train_controls
 
 

@@ -13,6 +13,7 @@ import llmprobe
 import llmprobe.analyses.run
 import llmprobe.model.known as known_module
 from llmprobe.analyses.decoders import SVD
+from llmprobe.io import figure_png
 from llmprobe.jobs.probe import probe
 
 # small and fast; ranks=(4,) with one candidate forces a truncated W (so J is saved for the edits)
@@ -120,6 +121,25 @@ def test_load_report_shows_the_summary_a_tidy_frame_and_plots(run):
     assert [line.get_xdata().tolist() for line in figure.axes[0].lines][0] == [0, 1, 2]
     with pytest.raises(ValueError, match="no measure 'nope'.*lre.faithfulness"):
         report.plot("nope")
+
+
+def test_plot_leaves_the_users_backend_and_pyplot_alone(run):
+    """A notebook's backend is its user's: plot builds its figure without pyplot (no switch to Agg, nothing left
+    open in pyplot's figure manager) and the figure still draws to a PNG."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    folder, _, _ = run
+    report = llmprobe.load_report(folder)
+    original = matplotlib.get_backend()
+    plt.switch_backend("svg")                         # the user's choice, not the Agg a report would pick
+    try:
+        open_before = plt.get_fignums()
+        figure = report.plot("superposition.r2")
+        assert matplotlib.get_backend() == "svg" and plt.get_fignums() == open_before
+        assert figure_png(figure).startswith(b"\x89PNG") and len(figure.axes[0].lines) >= 1
+    finally:
+        plt.switch_backend(original)
 
 
 def test_resume_keeps_the_decoders_of_the_analyses_it_takes_over(run, tmp_path):

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from llmprobe.metric import Metric, proportion
+from llmprobe.report.claims import summary_claims
 from llmprobe.report.render import (
     LONG_TABLE,
     compare,
@@ -12,7 +13,6 @@ from llmprobe.report.render import (
     metric_rows,
     render_html,
     render_markdown,
-    summary_claims,
 )
 from llmprobe.report.schema import REPORT_SCHEMA_VERSION, read_report
 

@@ -11,18 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmprobe.report.render import (
-    figure_html,
-    label_apart,
-    layer_figures,
-    measure_figure,
-    metric_rows,
-    source_name,
-    summary_claims,
-    summary_html,
-    with_controls,
-)
-from llmprobe.report.schema import read_report
+from llmprobe.report.claims import summary_claims
+from llmprobe.report.figures import layer_figures, measure_figure
+from llmprobe.report.render import figure_html, label_apart, metric_rows, summary_html, with_controls
+from llmprobe.report.schema import read_report, source_name
 
 FRAME_COLUMNS = ("source", "relation", "layer", "measure", "value", "lo", "hi", "n", "control")
 KEY_MEASURES = ("lre.faithfulness", "lre.causality", "superposition.r2")     # the plots _repr_html_ shows
@@ -44,7 +36,7 @@ class Report:
 
     @property
     def claims(self) -> list[dict]:
-        """The summary's lines: one per claim of the paper, with its verdict (``llmprobe.report.render.summary_claims``)."""
+        """The summary's lines: one per claim of the paper, with its verdict (``llmprobe.report.claims.summary_claims``)."""
         return summary_claims(self.data)
 
     def __repr__(self) -> str:
@@ -76,7 +68,9 @@ class Report:
 
     def plot(self, measure: str):
         """A matplotlib figure of ``measure`` by layer: a line per (source, relation), its 95% interval as a band,
-        its primary control dashed (``llmprobe.report.render.measure_figure``). Raises ValueError naming the measures."""
+        its primary control dashed (``llmprobe.report.figures.measure_figure``), built without pyplot: the
+        notebook's backend stays as it is and pyplot holds no new figure (Jupyter shows it as the cell's value).
+        Raises ValueError naming the measures."""
         measures = sorted({r["metric"] for r in self.rows if r["layer"] is not None})
         if measure not in measures:
             raise ValueError(f"no measure {measure!r} by layer in this report; measures: {', '.join(measures)}")
@@ -85,5 +79,5 @@ class Report:
 
 def load_report(path: str | Path) -> Report:
     """The report in folder ``path`` (or its report.json) as a :class:`Report`; clear errors for a missing or
-    malformed file (``llmprobe.report.render.read_report``)."""
+    malformed file (``llmprobe.report.schema.read_report``)."""
     return Report(read_report(path))

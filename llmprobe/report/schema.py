@@ -1,4 +1,5 @@
-"""The report.json schema: its version and the one reader that checks a report before anything uses it."""
+"""The report.json schema: its version, the one reader that checks a report before anything uses it, a report's
+name and its controls block expanded into sources in the per-source layout (what claims, figures and tables read)."""
 from __future__ import annotations
 
 import json
@@ -41,3 +42,40 @@ def read_report(path: str | Path) -> dict:
 def supported_schema_versions() -> tuple[int, ...]:
     """The report.json schema versions this llmprobe reads: the one it writes."""
     return (REPORT_SCHEMA_VERSION,)
+
+
+def source_name(report: dict) -> str:
+    """A short label for a report: the model name, or the synthetic control's description (``_label`` when
+    ``llmprobe.report.render.compare`` had to tell two sources of one name apart)."""
+    if report.get("_label"):
+        return report["_label"]
+    if report.get("kind") == "synthetic":
+        return report.get("label") or "synthetic"
+    return report.get("model", {}).get("name", "model")
+
+
+def control_sources(block: dict | list | None, schema_version: int | None = None) -> list[dict]:
+    """One synthetic source per trained control point of a report's controls block, in the per-source layout the
+    tables and figures read (``analyses.superposition.layers["0"]``, ``analyses.selector``, ``train``,
+    ``threshold``). A list (reports written before the block existed) is passed through."""
+    if not block:
+        return []
+    if isinstance(block, list):
+        return [dict(c, schema_version=schema_version) for c in block]
+    out = []
+    for mode, entry in (block.get("modes") or {}).items():
+        threshold = entry.get("threshold") or {}
+        for point in entry.get("points") or []:
+            d = point["d"]
+            label = f"synthetic {mode} d={d}" + (" (d*)" if d == threshold.get("d_star") else "")
+            out.append({
+                "schema_version": schema_version, "kind": "synthetic", "label": label,
+                "model": {"name": label, "architecture": "FactRecallModel (one layer)", "n_layers": 1,
+                          "d_model": d, "d_mlp": point.get("d_mlp"), "frozen_subjects": mode == "frozen"},
+                "matched_to": block.get("table"), "threshold": threshold, "train": point.get("train") or {},
+                "analyses": {"superposition": {"place": block.get("place"),
+                                               "layers": {"0": {"r2": point.get("r2"),
+                                                                "readout": point.get("readout") or {}}}},
+                             "selector": point.get("selector") or {}},
+                "wall_seconds": point.get("wall_seconds")})
+    return out
