@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
+from sklearn.base import clone
 
 __all__ = [
     "as_tensor",
@@ -254,8 +255,6 @@ def cross_val_score(estimator: Any, fit_data: Sequence[Any], splits: Sequence[tu
     score_data defaults to fit_data. fit_kwargs / score_kwargs: non-per-item arguments (e.g. ``U_r``,
     ``logits_fn``). splits: from ``kfold_indices`` or ``train_test_split``.
     """
-    from sklearn.base import clone
-
     score_data = fit_data if score_data is None else score_data
     fit_kwargs, score_kwargs = fit_kwargs or {}, score_kwargs or {}
     scores = []

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from llmprobe.model.batching import run_batched
 from llmprobe.model.capture import adapter_for, capture, hooks, module_device, patch
@@ -389,7 +390,6 @@ def _jacobian_context(low_rank: bool) -> Iterator[None]:
         if not low_rank:
             yield
             return
-        from torch.nn.attention import SDPBackend, sdpa_kernel
         with sdpa_kernel([SDPBackend.MATH]):
             yield
 
