@@ -29,6 +29,7 @@ __all__ = ["DatasetError", "Fact", "Relation", "FactTable", "load_relations", "l
 SLOT = "{}"
 CARDINALITIES = ("one-to-one", "many-to-one", "one-to-many", "many-to-many")
 DEFAULT_NEUTRAL = ["{}"]
+TOO_DEEP = "a relation is at most a list of objects holding lists of facts: a few levels deep"
 _PACKAGE = "prompts"
 
 
@@ -66,6 +67,10 @@ class Relation:
         return {"name": self.name, "templates": list(self.templates),
                 "neutral_templates": list(self.neutral_templates), "properties": dict(self.properties),
                 "facts": [{"subject": f.subject, "object": f.object} for f in self.facts]}
+
+    def with_facts(self, facts: list[Fact]) -> Relation:
+        """This relation with other facts (templates, properties and source shared, not copied)."""
+        return Relation(self.name, self.templates, self.neutral_templates, list(facts), self.properties, self.source)
 
 
 @dataclass
@@ -323,6 +328,8 @@ def _read_jsonl(path: Path, **kw) -> list[Relation]:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as e:
                 raise DatasetError(f"{path}: line {n} is not valid JSON ({e.msg})") from None
+            except RecursionError:
+                raise DatasetError(f"{path}: line {n} is nested too deeply to read ({TOO_DEEP})") from None
     bad = [i for i, r in enumerate(rows) if not isinstance(r, dict)]
     if bad:
         raise _err(str(path), f"rows[{bad[0]}]", "must be a JSON object")
@@ -373,6 +380,8 @@ def _read_json_text(text: str, source: str) -> list[Relation]:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise DatasetError(f"{source}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    except RecursionError:
+        raise DatasetError(f"{source}: nested too deeply to read ({TOO_DEEP})") from None
     if isinstance(data, list):
         if not data:
             raise DatasetError(f"{source}: empty list, expected relations")

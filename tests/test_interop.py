@@ -77,6 +77,13 @@ def _bridge(folder):
     return lens.TransformerBridge.boot_transformers(folder, hf_model=model, tokenizer=tokenizer, device="cpu")
 
 
+def _plain_bridge(folder):
+    """Booted the way TransformerLens' docs show: the bridge loads the model itself (and sets output_attentions,
+    which made ``generate`` return a dict: issue 23, row 9)."""
+    lens = pytest.importorskip("transformer_lens.model_bridge")
+    return lens.TransformerBridge.boot_transformers(folder, device="cpu")
+
+
 def _nnsight(folder):
     nnsight = pytest.importorskip("nnsight")
     model, tokenizer = _hf(folder)
@@ -90,6 +97,7 @@ def _processed_bridge(folder):
 
 
 KINDS = {"transformers": lambda folder: _hf(folder), "bridge": lambda folder: (_bridge(folder), None),
+         "plain_bridge": lambda folder: (_plain_bridge(folder), None),
          "processed_bridge": lambda folder: (_processed_bridge(folder), None),
          "nnsight": lambda folder: (_nnsight(folder), None)}
 

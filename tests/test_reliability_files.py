@@ -1,6 +1,8 @@
 """Reliability of what llmprobe reads and writes (issue 11, rows 6-10): safe exports, clear loading errors,
-locked sweeps and whole files, readable datasets. Each test failed before its fix."""
+locked sweeps and whole files, readable datasets; (issue 23, rows 6-8, 10, 11) models that are what they say and
+hostile files read back. Each test failed before its fix."""
 import csv
+import hashlib
 import json
 import os
 import shutil
@@ -264,3 +266,246 @@ def test_utf8_bom_is_accepted_in_every_format(tmp_path, suffix):
     path.write_bytes(b"\xef\xbb\xbf" + _relation_text(suffix).encode("utf-8"))
     relations = load_relations([str(path)], templates=["{} is in"])
     assert relations[0].facts[0].subject == "Café"
+
+
+# ------------------------------------------------------------------ issue 23: models that are what they say
+def _model_copy(tiny, tmp_path, **config_changes) -> Path:
+    """A copy of a tiny model folder, its config.json changed as given."""
+    folder = shutil.copytree(tiny, tmp_path / "model")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **config_changes}))
+    return folder
+
+
+def _relation_file(tmp_path) -> str:
+    path = tmp_path / "capital.json"
+    path.write_text(json.dumps({"name": "capital", "templates": ["The capital of {} is"],
+                                "facts": [{"subject": s, "object": o} for s, o in
+                                          (("France", "Paris"), ("Japan", "Tokyo"), ("Egypt", "Cairo"))]}))
+    return str(path)
+
+
+def _probe_cli(model: str, tmp_path, capsys, *options) -> tuple[int, str]:
+    """(exit status, stderr) of ``llmprobe probe MODEL`` on a three-fact relation."""
+    from llmprobe.cli import main
+
+    capsys.readouterr()
+    status = main(["probe", model, "--relations", _relation_file(tmp_path), "--layers", "0", "--analyses", "lre",
+                   "--out", str(tmp_path / "out"), *options])
+    return status, capsys.readouterr().err
+
+
+def test_sharded_weights_must_lie_in_the_model_folder_and_are_hashed(tiny_gpt2, tmp_path, capsys):
+    """Row 6: a weight_map pointing outside the folder loaded (exit 0, weights_hash null); now refused. Shards in
+    a subfolder load, each header is checked and the hash covers them (so rerun can verify them)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = shutil.copytree(tiny_gpt2, tmp_path / "a" / "b" / "model")
+    state = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    keys = sorted(state)
+    shards = {"shard-1.safetensors": keys[: len(keys) // 2], "shard-2.safetensors": keys[len(keys) // 2:]}
+
+    def write_shards(where: Path, prefix: str) -> list[Path]:
+        where.mkdir(parents=True, exist_ok=True)
+        for name, part in shards.items():
+            save_file({k: state[k] for k in part}, where / name, metadata={"format": "pt"})
+        (folder / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": {k: prefix + name for name, part in shards.items() for k in part}}))
+        return [where / name for name in shards]
+
+    write_shards(tmp_path, "../../../")
+    with pytest.raises(ModelLoadError, match=r"shard '\.\./\.\./\.\./shard-1\.safetensors' lies outside the model "
+                                             r"folder"):
+        load_model(str(folder), device="cpu")
+    status, err = _probe_cli(str(folder), tmp_path, capsys)
+    assert status == 2 and "model.safetensors.index.json" in err and "outside the model folder" in err
+    inside = write_shards(folder / "shards", "shards/")
+    lm = load_model(str(folder), device="cpu")
+    assert torch.equal(lm.model.state_dict()["transformer.h.2.mlp.c_fc.weight"],
+                       state["transformer.h.2.mlp.c_fc.weight"])
+    assert lm.info["weights_hash"] == "sha256:" + hashlib.sha256(b"".join(p.read_bytes() for p in inside)).hexdigest()
+    inside[1].write_bytes(inside[1].read_bytes()[:100])                   # a truncated shard is named
+    with pytest.raises(ModelLoadError, match="shard-2.safetensors: corrupt or truncated"):
+        load_model(str(folder), device="cpu")
+    inside[1].unlink()
+    with pytest.raises(ModelLoadError, match="shard 'shards/shard-2.safetensors' is missing"):
+        load_model(str(folder), device="cpu")
+
+
+def test_config_declaring_other_layers_than_the_weights_hold_is_refused(tiny_gpt2, tmp_path, capsys):
+    """Row 7: 6 declared layers over weights of 3 loaded with blocks 3-5 randomly initialised (exit 0); now the
+    missing (or, for fewer declared layers, unexpected) weights are an error naming the keys, and other shapes
+    are said to be other shapes."""
+    more = _model_copy(tiny_gpt2, tmp_path, n_layer=6)
+    with pytest.raises(ModelLoadError, match=r"do not match its config.json: 36 weights missing from the weight "
+                                             r"files: transformer\.h\.3\."):
+        load_model(str(more), device="cpu")
+    status, err = _probe_cli(str(more), tmp_path, capsys)
+    assert status == 2 and "missing from the weight files: transformer.h.3." in err
+    shutil.rmtree(more)
+    fewer = _model_copy(tiny_gpt2, tmp_path, n_layer=2)
+    with pytest.raises(ModelLoadError, match=r"\d+ weights in the weight files but not in the model that "
+                                             r"config.json declares: transformer\.h\.2\."):
+        load_model(str(fewer), device="cpu")
+    shutil.rmtree(fewer)
+    wider = _model_copy(tiny_gpt2, tmp_path, n_inner=128)          # was "corrupt, truncated or not a weights file"
+    with pytest.raises(ModelLoadError, match=r"have other shapes than its config.json declares"):
+        load_model(str(wider), device="cpu")
+
+
+def test_running_out_of_memory_building_the_declared_model_says_so(tiny_gpt2, tmp_path, monkeypatch, capsys):
+    """Row 7: a config.json declaring 20000 layers ran out of memory while transformers built them, reported as
+    "corrupt ... (MemoryError)" with exit 2; now out of memory at the declared size, exit 3. (The allocation of
+    the declared layers is made to fail here: 64 layers, not 20000, keep the test fast.)"""
+    from transformers import PreTrainedModel
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr(PreTrainedModel, "_move_missing_keys_from_meta_to_device", no_memory)
+    folder = _model_copy(tiny_gpt2, tmp_path, n_layer=64)
+    with pytest.raises(MemoryError, match=r"does not fit in memory at the size .*model/config.json declares "
+                                          r"\(layers 64, hidden size 32, vocabulary 400\); its weight files hold "
+                                          r"0\.\d MiB"):
+        load_model(str(folder), device="cpu")
+    status, err = _probe_cli(str(folder), tmp_path, capsys)
+    assert status == 3 and "out of memory" in err and "config.json declares (layers 64" in err, err
+
+
+def _poisoned_gpt2(tiny, tmp_path, fc: float, proj: float) -> Path:
+    """The tiny gpt2 with block 1's MLP weights multiplied by ``fc`` (input) and ``proj`` (output); nan: NaN."""
+    from safetensors.torch import load_file, save_file
+
+    folder = shutil.copytree(tiny, tmp_path / f"poisoned-{fc}-{proj}")
+    state = load_file(folder / "model.safetensors")
+    for name, factor in (("c_fc", fc), ("c_proj", proj)):
+        state[f"transformer.h.1.mlp.{name}.weight"] = state[f"transformer.h.1.mlp.{name}.weight"] * factor
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def test_non_finite_states_name_the_place_and_suggest_float32(tiny_gpt2, tmp_path, capsys):
+    """Row 8: NaN weights or a float16 overflow gave exit 0 with every relation failing in linalg.svd; now the
+    capture names the first place that is not finite, and the probe stops with exit 2 saying so."""
+    from llmprobe.model.capture import NonFiniteStatesError, capture
+
+    ids = torch.tensor([[5, 17, 42, 99]])
+    nan = _poisoned_gpt2(tiny_gpt2, tmp_path, 1.0, float("nan"))
+    lm = load_model(str(nan), device="cpu")
+    with pytest.raises(NonFiniteStatesError, match=r"states at blocks\.1\.mlp_out hold NaN or infinite values "
+                                                   r"\(float32\): its weights hold NaN/inf .* corrupt"):
+        capture(lm.model, lm.adapter.names(), ids)
+    assert capture(lm.model, ["blocks.1.mlp_hidden"], ids)["blocks.1.mlp_hidden"].isfinite().all()
+    status, err = _probe_cli(str(nan), tmp_path, capsys)
+    assert status == 2 and "blocks.1.mlp_out hold NaN or infinite values" in err, err
+    huge = _poisoned_gpt2(tiny_gpt2, tmp_path, 1e3, 1e4)   # weights < 1000, outputs > 65504 (float16's largest)
+    half = load_model(str(huge), device="cpu", dtype="float16")
+    assert all(p.isfinite().all() for p in half.model.parameters())
+    with pytest.raises(NonFiniteStatesError, match=r"blocks\.1\.mlp_out .*\(float16\): .*float16 overflowed: load "
+                                                   r"it in float32 \(--dtype float32\)"):
+        capture(half.model, half.adapter.names(), ids)
+    status, err = _probe_cli(str(huge), tmp_path, capsys, "--dtype", "float16")
+    assert status == 2 and "blocks.1.mlp_out" in err and "--dtype float32" in err, err
+    full = load_model(str(huge), device="cpu", dtype="float32")
+    states = capture(full.model, full.adapter.names() + ["logits"], ids)
+    assert states["blocks.1.mlp_out"].abs().max() > 65504 and all(s.isfinite().all() for s in states.values())
+
+
+def test_decoder_tensors_must_have_the_recorded_shapes(tmp_path):
+    """Row 10: rank-1 factors of a 40000 x 40000 matrix in a 640 KB decoders.safetensors made load_decoder ask for
+    12.8 GB; every tensor's shape is now checked against the entry's d_in/d_out before it is used."""
+    from safetensors.torch import save_file
+
+    from llmprobe.analyses.saved import load_decoder, save_decoders
+
+    d = 6
+    W = torch.randn(d, d, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    save_decoders(tmp_path, {"capital": {"lre": {"W": W, "b": torch.zeros(d, dtype=torch.float64), "layer": 1,
+                                                 "beta": 2.0, "rank": None}}}, {"name": "m"})
+    assert torch.equal(load_decoder(tmp_path, "capital").operator.W, W)
+    index = json.loads((tmp_path / "decoders.json").read_text())
+    index["decoders"][0]["tensors"]["W"] = ["decoder0.W.U", "decoder0.W.S", "decoder0.W.Vh"]
+    (tmp_path / "decoders.json").write_text(json.dumps(index))
+    n, f64 = 40000, torch.float64
+    save_file({"decoder0.W.U": torch.ones(n, 1, dtype=f64), "decoder0.W.S": torch.ones(1, dtype=f64),
+               "decoder0.W.Vh": torch.ones(1, n, dtype=f64), "decoder0.b": torch.zeros(d, dtype=f64)},
+              tmp_path / "decoders.safetensors")
+    assert (tmp_path / "decoders.safetensors").stat().st_size < 700_000
+    with pytest.raises(ValueError, match=r"decoders.safetensors .*the tensors of W .* have shapes \[\(40000, 1\), "
+                                         r"\(1,\), \(1, 40000\)\], but d_in 6 and d_out 6 call for \[\(6, 1\), \(1,\), "
+                                         r"\(1, 6\)\]"):
+        load_decoder(tmp_path, "capital")
+
+
+GOOD_ENTRY = {"relation": "capital", "kind": "lre", "layer": 1, "beta": 2.0, "rank": None, "d_in": 6, "d_out": 6,
+              "tensors": {"W": "decoder0.W", "b": "decoder0.b"}}
+
+
+@pytest.mark.parametrize("entries,problem", [
+    (["not an object"], r"must be an object, got str"),                           # was AttributeError
+    ([{k: v for k, v in GOOD_ENTRY.items() if k != "kind"}], r"field 'kind' must be of type str"),   # KeyError
+    ([{**GOOD_ENTRY, "tensors": {"W": 5, "b": "decoder0.b"}}], r"tensors\.W must be a tensor key"),  # TypeError
+    ([{**GOOD_ENTRY, "tensors": ["decoder0.W"]}], r"field 'tensors' must be of type dict"),          # AttributeError
+    ([{**GOOD_ENTRY, "beta": "two"}], r"field 'beta' must be of type number"),                       # ValueError
+    ([{**GOOD_ENTRY, "d_in": "6"}], r"field 'd_in' must be of type int"),
+    ([{**GOOD_ENTRY, "edit_rank": [1]}], r"field 'edit_rank' must be a whole number or null"),
+])
+def test_wrong_types_in_decoders_json_are_named(tmp_path, entries, problem):
+    """Row 11: wrong types in decoders.json gave TypeError, AttributeError or KeyError tracebacks."""
+    from safetensors.torch import save_file
+
+    from llmprobe.analyses.saved import load_decoder, read_fits
+
+    save_file({"decoder0.W": torch.eye(6, dtype=torch.float64), "decoder0.b": torch.zeros(6, dtype=torch.float64)},
+              tmp_path / "decoders.safetensors")
+    (tmp_path / "decoders.json").write_text(json.dumps({"format": 2, "model": {}, "decoders": entries}))
+    for read in (lambda: load_decoder(tmp_path, "capital"), lambda: read_fits(tmp_path)):
+        with pytest.raises(ValueError, match=r"decoders\.json: decoders\[0\]:? " + problem):
+            read()
+    (tmp_path / "decoders.json").write_text('{"decoders": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ValueError, match="decoders.json: nested too deeply"):
+        read_fits(tmp_path)
+
+
+def test_hostile_model_files_are_usage_errors_naming_the_file(tiny_gpt2, tmp_path, capsys):
+    """Row 11: a crafted GGUF file (struct.error), a tokenizer with more tokens than the embedding has rows
+    (IndexError in the forward pass), a deeply nested config.json (RecursionError) gave tracebacks (exit 1), and
+    model "/" a message that did not say what was wrong; each is now exit 2 naming the file and the problem."""
+    import struct
+
+    from safetensors.torch import load_file, save_file
+
+    gguf = tmp_path / "crafted.gguf"
+    gguf.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 1, 10 ** 6) + b"\x00" * 20)
+    with pytest.raises(ModelLoadError, match=r"crafted\.gguf: not a readable GGUF file, corrupt or truncated "
+                                             r"\(struct\.error"):
+        load_model(str(gguf), device="cpu")
+    small = _model_copy(tiny_gpt2, tmp_path, vocab_size=100)       # weights cut to 100 token rows, tokenizer: 400
+    state = load_file(small / "model.safetensors")
+    state = {k: v[:100].clone() if k == "transformer.wte.weight" else v for k, v in state.items()}
+    save_file(state, small / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"tokenizer of .* uses token ids past the model's input embedding "
+                                             r"\(100 rows\): its vocabulary \(id 399\)"):
+        load_model(str(small), device="cpu")
+    nested = shutil.copytree(tiny_gpt2, tmp_path / "nested")
+    (nested / "config.json").write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ModelLoadError, match=r"nested/config\.json: nested too deeply to read"):
+        load_model(str(nested), device="cpu")
+    with pytest.raises(ModelLoadError, match=r"^/ is a folder but not a model folder: it holds no config\.json"):
+        load_model("/", device="cpu")
+    empty = shutil.copytree(tiny_gpt2, tmp_path / "no-weights", ignore=shutil.ignore_patterns("*.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"no-weights holds no weights"):
+        load_model(str(empty), device="cpu")
+    for model, named in ((gguf, "crafted.gguf"), (small, "id 399"), (nested, "config.json"), ("/", "/ is a")):
+        status, err = _probe_cli(str(model), tmp_path, capsys)
+        assert status == 2 and named in err and "Traceback" not in err, (model, err)
+
+
+@pytest.mark.parametrize("suffix", [".json", ".jsonl"])
+def test_deeply_nested_relation_files_name_the_file(tmp_path, suffix):
+    """Row 11: a deeply nested relation file raised RecursionError."""
+    path = tmp_path / f"deep{suffix}"
+    path.write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(DatasetError, match=f"deep{suffix}: (line 1 is )?nested too deeply to read"):
+        load_relations([str(path)])

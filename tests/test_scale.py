@@ -6,8 +6,8 @@ import pytest
 import torch
 from tiny_models import save_tiny
 
-from llmprobe.model import batching
 from llmprobe.checks import parse_max_memory
+from llmprobe.model import batching
 from llmprobe.model.batching import run_batched
 from llmprobe.model.loading import ModelLoadError, load_model
 

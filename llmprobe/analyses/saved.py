@@ -107,21 +107,77 @@ def _read_decoders(folder: Path, missing_ok: bool = False) -> tuple[dict | None,
                                 f"written by llmprobe probe/run with the lre or ridge analyses)")
     try:
         index = json.loads(index_file.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise ValueError(f"{index_file}: nested too deeply to read; not an llmprobe decoders index") from None
     except ValueError as error:
         raise ValueError(f"{index_file}: not valid JSON ({error})") from None
     if not isinstance(index, dict) or not isinstance(index.get("decoders"), list):
         raise ValueError(f"{index_file}: not an llmprobe decoders index (no 'decoders' list)")
-    # cloned: load_file's tensors may sit unaligned in one buffer, and BLAS then rounds differently (1 ulp)
-    return index, {key: t.clone() for key, t in load_file(str(tensor_file)).items()}
+    for i, entry in enumerate(index["decoders"]):
+        _check_entry(entry, f"{index_file}: decoders[{i}]")
+    try:
+        # cloned: load_file's tensors may sit unaligned in one buffer, and BLAS then rounds differently (1 ulp)
+        tensors = {key: t.clone() for key, t in load_file(str(tensor_file)).items()}
+    except Exception as error:  # noqa: BLE001 - safetensors reports a corrupt file as SafetensorError and others
+        raise ValueError(f"{tensor_file}: corrupt or not a safetensors file ({type(error).__name__}: {error})"
+                         ) from None
+    for i, entry in enumerate(index["decoders"]):
+        _check_shapes(entry, tensors, f"{tensor_file} (decoders[{i}] of {DECODERS_JSON})")
+    return index, tensors
+
+
+def _check_entry(entry, where: str) -> None:
+    """One decoders.json entry has the fields, of the types, that loading it uses; ValueError naming them."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where} must be an object, got {type(entry).__name__}")
+    kinds = {"relation": str, "kind": str, "layer": int, "d_in": int, "d_out": int, "beta": (int, float),
+             "tensors": dict}
+    for field, kind in kinds.items():
+        if not isinstance(entry.get(field), kind) or isinstance(entry.get(field), bool):
+            raise ValueError(f"{where}: field {field!r} must be of type "
+                             f"{kind.__name__ if isinstance(kind, type) else 'number'}, got {entry.get(field)!r}"[:300])
+    for field in ("rank", "edit_rank"):
+        if entry.get(field) is not None and (not isinstance(entry[field], int) or isinstance(entry[field], bool)):
+            raise ValueError(f"{where}: field {field!r} must be a whole number or null, got {entry[field]!r}"[:300])
+    if entry["d_in"] < 1 or entry["d_out"] < 1:
+        raise ValueError(f"{where}: d_in and d_out must be at least 1, got {entry['d_in']} and {entry['d_out']}")
+    names = entry["tensors"]
+    if not {"W", "b"} <= set(names) <= {"W", "b", "J"}:
+        raise ValueError(f"{where}: field 'tensors' must name W, b (and J), got {sorted(names)}"[:300])
+    for name, key in names.items():
+        factors = isinstance(key, list) and len(key) == 3 and all(isinstance(k, str) for k in key)
+        if not (isinstance(key, str) or (factors and name != "b")):
+            raise ValueError(f"{where}: tensors.{name} must be a tensor key, or three keys (U, S, Vh) for W or J, "
+                             f"got {key!r}"[:300])
+
+
+def _check_shapes(entry: dict, tensors: dict, where: str) -> None:
+    """Every tensor of an entry has the shape its d_in/d_out say, checked before any is used (so a crafted file
+    cannot make loading multiply out a matrix of another size): W, J [d_out, d_in] or their factors U [d_out, r],
+    S [r], Vh [r, d_in] with r <= min(d_in, d_out); b [d_out]."""
+    d_in, d_out = entry["d_in"], entry["d_out"]
+    for name, key in entry["tensors"].items():
+        keys = [key] if isinstance(key, str) else key
+        missing = [k for k in keys if k not in tensors]
+        if missing:
+            raise ValueError(f"{where}: lacks tensors {missing} named in {DECODERS_JSON}")
+        shapes = [tuple(tensors[k].shape) for k in keys]
+        if name == "b":
+            expected = [(d_out,)]
+        elif isinstance(key, str):
+            expected = [(d_out, d_in)]
+        else:
+            rank = shapes[1][0] if len(shapes[1]) == 1 else -1
+            expected = [(d_out, rank), (rank,), (rank, d_in)] if 1 <= rank <= min(d_in, d_out) else None
+        if shapes != expected:
+            wanted = expected or f"U [{d_out}, r], S [r], Vh [r, {d_in}] with 1 <= r <= {min(d_in, d_out)}"
+            raise ValueError(f"{where}: the tensors of {name} {keys} have shapes {shapes}, but d_in {d_in} and "
+                             f"d_out {d_out} call for {wanted}"[:500])
 
 
 def _fit(entry: dict, tensors: dict) -> dict:
-    """The entry with its tensors; a matrix saved as factors (a list of keys U, S, Vh: format 2) is multiplied
-    out as the analyses did, (U * S) @ Vh, so it is the very matrix they used."""
-    keys = [k for key in entry["tensors"].values() for k in ([key] if isinstance(key, str) else key)]
-    missing = [key for key in keys if key not in tensors]
-    if missing:
-        raise ValueError(f"{DECODERS_TENSORS} lacks tensors {missing} named in {DECODERS_JSON}")
+    """The entry with its tensors (checked by ``_read_decoders``); a matrix saved as factors (a list of keys U,
+    S, Vh: format 2) is multiplied out as the analyses did, (U * S) @ Vh, so it is the very matrix they used."""
 
     def matrix(key):
         if isinstance(key, str):

@@ -19,6 +19,27 @@ class _StopForward(Exception):
     """Raised inside the last needed hook to end the forward pass early."""
 
 
+class NonFiniteStatesError(ValueError):
+    """The model computed NaN or infinite values: NaN/inf weights, or a half-precision overflow."""
+
+    def __init__(self, where: str, dtype: torch.dtype):
+        dtype_name = str(dtype).replace("torch.", "")
+        cure = ("its weights hold NaN/inf or values too large for float32: they are corrupt"
+                if dtype in (torch.float32, torch.float64) else
+                f"its weights hold NaN/inf, or {dtype_name} overflowed: load it in float32 (--dtype float32); if that "
+                f"does not help, the weights are corrupt")
+        super().__init__(f"the model's states at {where} hold NaN or infinite values ({dtype_name}): {cure}")
+
+
+def check_finite(states: torch.Tensor, where: str) -> torch.Tensor:
+    """``states`` unchanged, or NonFiniteStatesError naming ``where`` when any value is NaN or infinite. (Its
+    smallest and largest values are finite exactly when all are: min and max propagate NaN; one pass, no
+    [states]-sized boolean tensor as isfinite(states).all() makes.)"""
+    if states.numel() and not torch.isfinite(torch.stack(torch.aminmax(states))).all():
+        raise NonFiniteStatesError(where, states.dtype)
+    return states
+
+
 def adapter_for(model: nn.Module | ModelAdapter) -> ModelAdapter:
     """The adapter of ``model`` (cached on the module)."""
     if isinstance(model, ModelAdapter):
@@ -120,7 +141,8 @@ def capture(
 
     ``positions`` [batch, k] selects token positions (None keeps all). Returns ``{name: [batch, k, d]}``, on CPU
     when ``to_cpu``. The name ``"logits"`` adds the output logits [batch, k, vocab] (and runs the whole model);
-    otherwise, with ``stop_early``, the forward pass ends after the last requested module.
+    otherwise, with ``stop_early``, the forward pass ends after the last requested module. A kept state with a
+    NaN or infinite value raises :class:`NonFiniteStatesError` naming its place (the first in forward order).
     """
     adapter = adapter_for(model)
     want_logits = "logits" in names
@@ -132,7 +154,7 @@ def capture(
 
     def keeper(name):
         def keep(states):
-            selected = _select(states, positions).detach()
+            selected = check_finite(_select(states, positions).detach(), name)
             kept[name] = selected.cpu() if to_cpu else selected
             if name == last:
                 raise _StopForward
@@ -145,6 +167,7 @@ def capture(
             output = None
     if want_logits:
         logits = _select(output.float() if torch.is_tensor(output) else output.logits.float(), positions)
+        logits = check_finite(logits, "logits")
         kept["logits"] = logits.cpu() if to_cpu else logits
         names.append("logits")
     return {name: kept[name] for name in names}

@@ -22,6 +22,7 @@ unless such an object is passed. The object is probed where it is (its device an
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 import time
@@ -31,7 +32,14 @@ import torch
 from torch import nn
 
 from llmprobe.model.adapters import ModelAdapter
-from llmprobe.model.loading import LoadedModel, ModelLoadError, _hub_commit, is_transformers_model, load_model
+from llmprobe.model.loading import (
+    LoadedModel,
+    ModelLoadError,
+    _hub_commit,
+    check_tokenizer_fits,
+    is_transformers_model,
+    load_model,
+)
 
 ACCEPTED = ("a model name or folder, a LoadedModel, a transformers PreTrainedModel (with its tokenizer), a "
             "TransformerLens TransformerBridge or an nnsight LanguageModel")
@@ -84,13 +92,15 @@ def as_loaded_model(obj, tokenizer=None, **load_options) -> LoadedModel:
 
 
 def unwrap_bridge(model: nn.Module) -> nn.Module:
-    """A plain copy of a Hugging Face model that a TransformerBridge has wrapped: same class, config and weights,
-    the default attention implementation (a path load's), on the same device and dtype. The bridge and its model
-    are left as they are."""
+    """A plain copy of a Hugging Face model that a TransformerBridge has wrapped: same class, config, generation
+    config and weights, the default attention implementation (a path load's), on the same device and dtype. The
+    bridge and its model are left as they are."""
     from transformers import AutoModelForCausalLM
 
     param = next(model.parameters())
-    config = type(model.config).from_dict(model.config.to_dict())   # drops the bridge's eager attention choice
+    # from_dict drops the bridge's eager attention choice; a bridge booted from a name also sets output_attentions
+    # (which would make generate return a dict with every attention pattern): off, as in a path load
+    config = type(model.config).from_dict({**model.config.to_dict(), "output_attentions": False})
     with torch.random.fork_rng(devices=[]):         # random init, overwritten below: the caller's RNG is untouched
         plain = AutoModelForCausalLM.from_config(config, dtype=param.dtype)
     wanted = plain.state_dict()
@@ -100,6 +110,7 @@ def unwrap_bridge(model: nn.Module) -> nn.Module:
         raise ModelLoadError(f"cannot unwrap the bridged {type(model).__name__}: its state dict lacks "
                              f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
     plain.load_state_dict({key: state[key] for key in wanted})
+    plain.generation_config = copy.deepcopy(model.generation_config)    # the folder's generation_config.json
     plain.name_or_path = plain.config.name_or_path = model.name_or_path
     return plain.to(param.device).eval()
 
@@ -165,6 +176,7 @@ def _loaded(model: nn.Module, tokenizer, object_class: str, start: float, note: 
     model.eval()
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    check_tokenizer_fits(tokenizer, model, f"given with the {object_class}")
     adapter = ModelAdapter(model)
     path = getattr(model, "name_or_path", "") or None
     info = {

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from llmprobe.model.batching import run_batched
+from llmprobe.model.capture import NonFiniteStatesError, capture
 from llmprobe.model.subjects import fill
 
 
@@ -38,6 +39,20 @@ def is_known(continuation: str, obj: str) -> bool:
     return bool(target) and _clean(continuation).startswith(target)
 
 
+class _FiniteScores:
+    """A ``generate`` logits processor that passes the next-token scores [batch, vocab] on unchanged, after
+    checking that none is NaN or +inf (NonFiniteStatesError for a model computing in ``dtype`` otherwise). Only
+    the largest score is checked: the processors generate() runs before this one may set scores to -inf."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if not torch.isfinite(scores.amax()):
+            raise NonFiniteStatesError("the logits while generating", self.dtype)
+        return scores
+
+
 def greedy_continuations(lm, prompts: list[str], max_new_tokens: int | list[int] = 8,
                          batch_size: int = 32) -> list[str]:
     """Greedy continuation text of each prompt (left-padded batches, no sampling).
@@ -45,7 +60,8 @@ def greedy_continuations(lm, prompts: list[str], max_new_tokens: int | list[int]
     ``max_new_tokens`` may be one number per prompt: prompts are then batched by length of continuation needed,
     and each batch generates only as many tokens as its longest need. Batches go through
     ``llmprobe.model.batching.run_batched`` (at most ``batch_size``, fewer under a memory budget or after an
-    out-of-memory error).
+    out-of-memory error). NaN or infinite logits raise NonFiniteStatesError naming the first place in the model
+    where the prompts' last states stop being finite.
     """
     tok = lm.tokenizer
     budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
@@ -55,8 +71,14 @@ def greedy_continuations(lm, prompts: list[str], max_new_tokens: int | list[int]
         chunk = order[part]
         batch = tok([prompts[i] for i in chunk], return_tensors="pt", padding=True).to(lm.device)
         with torch.no_grad():
-            out = lm.model.generate(**batch, max_new_tokens=max(budgets[i] for i in chunk), do_sample=False,
-                                    pad_token_id=tok.pad_token_id)
+            try:
+                out = lm.model.generate(**batch, max_new_tokens=max(budgets[i] for i in chunk), do_sample=False,
+                                        pad_token_id=tok.pad_token_id, return_dict_in_generate=True,
+                                        logits_processor=[_FiniteScores(lm.adapter.embed.weight.dtype)]).sequences
+            except NonFiniteStatesError:          # which place first: capture raises naming it
+                last = torch.full((len(chunk), 1), batch["input_ids"].shape[1] - 1)
+                capture(lm.model, lm.adapter.names(), batch["input_ids"], batch["attention_mask"], positions=last)
+                raise
         return tok.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
 
     saved_side, tok.padding_side = tok.padding_side, "left"

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from llmprobe.checks import DEVICE_MAPS, QUANTIZE, parse_max_memory
+from llmprobe.checks import DEVICE_MAPS, QUANTIZE, is_out_of_memory, parse_max_memory
 from llmprobe.model.adapters import ModelAdapter
 from llmprobe.model.capture import module_device
 
@@ -147,14 +147,29 @@ def quantization_config(quantize: str | None, dtype: torch.dtype):
     return BitsAndBytesConfig(load_in_8bit=True)
 
 
-def _check_quantized_folder(folder: Path) -> None:
+def _read_config(folder: Path) -> dict:
+    """The model folder's config.json as a dict; a ModelLoadError naming the file when it is missing, not JSON,
+    nested too deeply to read, or not a JSON object."""
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{folder} is a folder but not a model folder: it holds no config.json; pass a model "
+                             f"folder (config.json and safetensors weights), a .gguf file or a hub name")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise ModelLoadError(f"{path}: nested too deeply to read; it is not a model config") from None
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"{path}: not a readable JSON file ({error})") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{path}: not a model config (a JSON object), got a {type(config).__name__}")
+    return config
+
+
+def _check_quantized_folder(folder: Path, config: dict) -> None:
     """A local model saved already quantised (``quantization_config`` in config.json) loads only where its
     method can run: bitsandbytes with the package and CUDA; other methods (GPTQ, AWQ, ...) are refused."""
-    try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return
-    method = (config.get("quantization_config") or {}).get("quant_method") if isinstance(config, dict) else None
+    quantization = config.get("quantization_config") or {}
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
     if method in (None, "gguf"):     # "gguf": weights dequantised from a GGUF file and saved (the embedded cache)
         return
     if method != "bitsandbytes":
@@ -178,12 +193,38 @@ def _looks_like_path(name: str) -> bool:
             or name.lower().endswith((".gguf", ".safetensors") + PICKLE_SUFFIXES))
 
 
+def _index_shards(folder: Path) -> list[Path]:
+    """The shard files that the folder's sharded-weights indexes (``*.index.json``: ``weight_map``) name, in name
+    order. A shard named by a path outside the folder (absolute, or with ``..``) is refused, as is a missing one
+    or an index that cannot be read: ModelLoadError naming the index."""
+    shards: set[Path] = set()
+    for index in sorted(folder.glob("*.index.json")):
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        except (OSError, ValueError, RecursionError, AttributeError) as error:
+            raise ModelLoadError(f"{index}: not a readable weights index ({type(error).__name__}: {error})"
+                                 ) from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ModelLoadError(f"{index}: 'weight_map' must map tensor names to shard file names")
+        for name in sorted(set(weight_map.values())):
+            if Path(name).is_absolute() or ".." in Path(name).parts or "\\" in name:
+                raise ModelLoadError(f"{index}: shard {name!r} lies outside the model folder {folder}; refused "
+                                     f"(shards are files inside the folder)")
+            if not (folder / name).is_file():
+                raise ModelLoadError(f"{index}: shard {name!r} is missing from {folder}; download or save the model "
+                                     f"again")
+            shards.add(folder / name)
+    return sorted(shards)
+
+
 def _check_local_weights(folder: Path, allow_pickle: bool) -> list[Path]:
-    """The weight files of a local model folder, each safetensors file's header checked (a truncated or corrupt
-    file is named here rather than deep inside transformers); pickle-only folders need ``allow_pickle``."""
-    safetensors = sorted(folder.glob("*.safetensors"))
-    pickles = sorted(p for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES and p.name.startswith(
-        ("pytorch_model", "model")))
+    """The weight files of a local model folder (the folder's own and those its sharded-weights index names),
+    each safetensors file's header checked (a truncated or corrupt file is named here rather than deep inside
+    transformers); pickle-only folders need ``allow_pickle``, a folder without weights is refused."""
+    shards = _index_shards(folder)
+    safetensors = sorted(set(folder.glob("*.safetensors")) | {p for p in shards if p.suffix == ".safetensors"})
+    pickles = sorted({p for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES and p.name.startswith(
+        ("pytorch_model", "model"))} | {p for p in shards if p.suffix in PICKLE_SUFFIXES})
     if safetensors:
         from safetensors import SafetensorError, safe_open
 
@@ -195,13 +236,68 @@ def _check_local_weights(folder: Path, allow_pickle: bool) -> list[Path]:
                 raise ModelLoadError(f"{path}: corrupt or truncated safetensors file ({error}); download or save "
                                      f"the model again") from None
         return safetensors
-    if pickles and not allow_pickle:
+    if not pickles:
+        raise ModelLoadError(f"{folder} holds no weights (no *.safetensors file); pass a model folder (config.json "
+                             f"and safetensors weights), a .gguf file or a hub name")
+    if not allow_pickle:
         raise ModelLoadError(
             f"{folder} holds pickle weights only ({', '.join(p.name for p in pickles)}); llmprobe loads safetensors "
             f"by default, because unpickling a file can run code. If you trust the file, pass allow_pickle=True "
             f"(CLI: --allow-pickle; it is then read with torch.load(weights_only=True)), or convert it to "
             f"safetensors.")
     return pickles
+
+
+def _check_loading_info(info: dict, name: str, where: str) -> None:
+    """transformers' loading info: weights the model declares but the files lack (randomly initialised otherwise)
+    or weights the files hold that the model does not declare are a ModelLoadError naming the keys."""
+    problems = []
+    for kind, keys in (("missing from the weight files", info.get("missing_keys")),
+                       ("in the weight files but not in the model that config.json declares",
+                        info.get("unexpected_keys"))):
+        keys = sorted(keys or ())
+        if keys:
+            problems.append(f"{len(keys)} weights {kind}: {', '.join(keys[:6])}{' ...' if len(keys) > 6 else ''}")
+    if problems:
+        raise ModelLoadError(f"the weights of {name!r} {where} do not match its config.json: {'; '.join(problems)}. "
+                             f"The config or the weight files are corrupt or from another model")
+
+
+def _out_of_memory(name: str, folder: str, kwargs: dict, weight_files: list[Path]) -> MemoryError:
+    """The MemoryError for a model that did not fit while it was built: what its config declares beside what its
+    weight files hold (a corrupt config.json declaring many more layers looks like this)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(folder, **{k: v for k, v in kwargs.items() if k != "dtype"})
+        config = config.get_text_config()
+    except Exception:  # noqa: BLE001 - the config is only described here; the error is the memory
+        config = None
+    declared = ", ".join(f"{label} {getattr(config, attr)}" for label, attr in (
+        ("layers", "num_hidden_layers"), ("hidden size", "hidden_size"), ("vocabulary", "vocab_size"))
+        if isinstance(getattr(config, attr, None), int)) or "see the file"
+    size = sum(p.stat().st_size for p in weight_files)
+    held = f"; its weight files hold {size / 2 ** 20:.1f} MiB" if weight_files else ""
+    return MemoryError(f"{name!r} does not fit in memory at the size {Path(folder) / 'config.json'} declares "
+                       f"({declared}){held}. A config declaring more than the weights hold is corrupt; otherwise "
+                       f"try --dtype bfloat16 or --device-map auto")
+
+
+def check_tokenizer_fits(tokenizer, model: nn.Module, where: str) -> None:
+    """A tokenizer whose ids reach past the model's input embedding would fail at the first such token (IndexError
+    deep in the forward pass): a ModelLoadError naming the ids. Checked: its vocabulary, its pad/BOS/EOS tokens and
+    the added tokens that ordinary text can produce (added special tokens beyond the embedding, such as Qwen2's
+    <|endoftext|> on a model saved with a smaller tokenizer, appear only when written out literally)."""
+    rows = model.get_input_embeddings().weight.shape[0]
+    used = {"its vocabulary": tokenizer.vocab_size - 1,
+            **{f"its {name} token": getattr(tokenizer, f"{name}_token_id", None) for name in ("pad", "bos", "eos")},
+            **{f"added token {token.content!r}": i
+               for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if not token.special}}
+    beyond = [f"{what} (id {i})" for what, i in used.items() if isinstance(i, int) and i >= rows]
+    if beyond:
+        raise ModelLoadError(f"the tokenizer {where} uses token ids past the model's input embedding ({rows} rows): "
+                             f"{', '.join(beyond[:4])}: the tokenizer files and the weights belong to different "
+                             f"models")
 
 
 def load_model(
@@ -256,8 +352,8 @@ def load_model(
     elif Path(local).is_dir():
         source, folder, gguf = "local", local, gguf_file
         if not gguf:
+            _check_quantized_folder(Path(local), _read_config(Path(local)))
             weight_files = _check_local_weights(Path(local), allow_pickle)
-            _check_quantized_folder(Path(local))
     elif Path(local).exists():
         raise ModelLoadError(f"{name!r} is a file but not a .gguf model; pass a model folder (config.json and "
                              f"safetensors weights), a .gguf file or a hub name")
@@ -284,19 +380,33 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(folder, **{k: v for k, v in kwargs.items() if k != "dtype"})
     except (OSError, ValueError) as error:
         raise ModelLoadError(f"could not load the tokenizer of {name or DEFAULT_MODEL!r} {where}: {error}") from error
+    except Exception as error:  # noqa: BLE001 - a malformed GGUF file surfaces as struct.error, KeyError, ...
+        if not gguf:
+            raise
+        kind = type(error).__name__ if type(error).__module__ == "builtins" else \
+            f"{type(error).__module__}.{type(error).__name__}"
+        raise ModelLoadError(f"{Path(folder) / gguf}: not a readable GGUF file, corrupt or truncated ({kind}: "
+                             f"{error})") from error
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, device_map=device_map, **kwargs, **model_kwargs)
+        model, loading_info = AutoModelForCausalLM.from_pretrained(
+            folder, device_map=device_map, output_loading_info=True, **kwargs, **model_kwargs)
     except (OSError, ValueError) as error:
         hint = "" if allow_pickle or "safetensors" not in str(error) else \
             " (llmprobe loads safetensors weights only unless allow_pickle=True / --allow-pickle)"
         raise ModelLoadError(f"could not load {name or DEFAULT_MODEL!r} {where}: {error}{hint}") from error
     except Exception as error:  # noqa: BLE001 - a corrupt weights file surfaces as many types
-        if isinstance(error, RuntimeError) and "out of memory" in str(error).lower():
-            raise
-        files = ", ".join(str(p) for p in weight_files) or str(folder)
+        if is_out_of_memory(error):
+            raise _out_of_memory(name or DEFAULT_MODEL, folder, kwargs, weight_files) from error
+        if "ignore_mismatched_sizes" in str(error):
+            raise ModelLoadError(f"the weights of {name or DEFAULT_MODEL!r} {where} have other shapes than its "
+                                 f"config.json declares (transformers' load report above lists them as MISMATCH): "
+                                 f"the config or the weight files are corrupt or from another model") from None
+        files = ", ".join(str(p) for p in weight_files) or str(Path(folder) / gguf if gguf else folder)
         raise ModelLoadError(f"could not read the weights of {name or DEFAULT_MODEL!r} from {files}: corrupt, "
                              f"truncated or not a weights file ({type(error).__name__}: "
                              f"{str(error).splitlines()[0] if str(error) else ''})") from error
+    _check_loading_info(loading_info, name or DEFAULT_MODEL, where)
+    check_tokenizer_fits(tokenizer, model, f"of {name or DEFAULT_MODEL!r} {where}")
     if device_map is None:
         model.to(device)
     model.eval()
@@ -406,13 +516,14 @@ def _hub_commit(model: nn.Module) -> str | None:
 
 
 def weights_hash(folder: Path, gguf_file: str | None = None) -> str | None:
-    """sha256 over the folder's weight files (safetensors, bin, gguf), in name order, or over ``gguf_file`` alone
-    when the model was loaded from that file; None if there is none."""
+    """sha256 over the folder's weight files (safetensors, bin, gguf) and the shards its sharded-weights index
+    names, in name order, or over ``gguf_file`` alone when the model was loaded from that file; None if there is
+    none."""
     if gguf_file:
         files = [folder / gguf_file] if (folder / gguf_file).is_file() else []
     else:
-        files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".gguf", ".bin")) \
-            if folder.is_dir() else []
+        files = sorted({p for p in folder.iterdir() if p.suffix in (".safetensors", ".gguf", ".bin")} |
+                       set(_index_shards(folder))) if folder.is_dir() else []
     if not files:
         return None
     digest = hashlib.sha256()
