@@ -77,6 +77,8 @@ def test_result_has_the_documented_keys_and_typed_metrics(tiny_result):
         assert len(test) == round(28 / 3) and len(rel["refits"]) == 3
         for refit in rel["refits"]:                     # re-fits never draw from the fixed test set
             assert not set(refit["jacobian_subjects"]) & set(test) and len(refit["jacobian_subjects"]) == 3
+            assert refit["n_selection"] == 28 - len(test) - 3 and refit["n_folds"] == 5
+        assert len(rel["candidates"]["lre"]) == 21 and rel["candidates"]["edit_rank"] == [8, 32, 128]
         for layer in ("0", "1", "2"):
             entry = rel["layers"][layer]
             ridge = entry["ridge"]["faithfulness"]
@@ -87,9 +89,11 @@ def test_result_has_the_documented_keys_and_typed_metrics(tiny_result):
                 assert lre["faithfulness"]["control"] == "majority" and lre["faithfulness"]["n"] == len(test)
                 causal = lre["causality"]
                 assert causal["n"] == rel["n_test_pairs"] > 0 and causal["control"] == "random_direction"
-                assert set(causal["controls"]) == {"random_direction", "random_operator", "full_patch"}
-                assert {"beta", "rank", "edit_rank", "n_candidates"} <= set(lre["chosen"][0])
+                assert set(causal["controls"]) == {"random_direction", "random_operator", "scaled_patch",
+                                                   "full_patch"}
+                assert {"beta", "rank", "edit_rank", "n_candidates", "n_selection", "n_folds"} <= set(lre["chosen"][0])
                 assert entry["ridge"]["causality"]["n"] == rel["n_test_pairs"]
+                assert set(entry["ridge"]["causality"]["controls"]) == {"random_direction", "scaled_patch"}
             else:
                 assert "lre" not in entry
         assert rel["selected"]["lre"]["layer"] in (0, 1) and rel["selected"]["lre"]["causality_layer"] in (0, 1)
@@ -178,7 +182,7 @@ def toy_lre(toy):
 
 def test_planted_lre_is_faithful_and_causal_beyond_its_controls(toy_lre):
     """On the exactly linear toy the LRE at layer 0 is exact: faithfulness and causality 1, above the majority,
-    random-direction and random-operator controls; full patching (the ceiling) works too."""
+    random-direction and random-operator controls; full patching (a reference) works too."""
     entry = toy_lre["layers"]["0"]["lre"]
     faith, causal = entry["faithfulness"], entry["causality"]
     assert faith["value"] == 1.0 and faith["ci"][0] > faith["controls"]["majority"]["value"]
@@ -231,13 +235,41 @@ def test_lre_numbers_do_not_change_when_ridge_is_switched_on(toy, toy_lre):
     assert alone["layers"]["0"]["lre"] == toy_lre["layers"]["0"]["lre"] and "lre" not in alone["layers"]["1"]
 
 
-def test_few_validation_subjects_choose_among_few_candidates(toy):
-    """With 4 validation subjects the 21-candidate (beta, rank) grid is thinned to full rank and two betas."""
+def test_two_validation_subjects_still_choose_over_the_whole_grid(toy):
+    """15 facts leave 2 validation subjects per re-fit. The (beta, rank) choice is cross-validated over train +
+    validation (7 subjects outside the Jacobian prompts), so all 21 candidates are compared and the planted
+    answer, beta = 1 with the full W (the toy's exact LRE), is found: test faithfulness 1. (The old thinned grid
+    forced beta = 3 here, the only candidate, and reached 0.2; that beta alone still does.)"""
     lm, rel, template = toy
     small = Relation("toy", [template], ["{}"], rel.facts[:15], {})
     out = _run_toy(lm, small, template)
-    assert all(r["n_val"] == 2 and r["n_candidates"] == 1 for r in out["refits"])
-    assert {c["rank"] for c in out["layers"]["0"]["lre"]["chosen"]} == {None}
+    assert all(r["n_val"] == 2 and r["n_selection"] == 7 and r["n_candidates"] == 21 for r in out["refits"])
+    lre = out["layers"]["0"]["lre"]
+    assert [(c["beta"], c["rank"], c["n_candidates"]) for c in lre["chosen"]] == [(1.0, None, 21)] * 3
+    assert all(c["val_faithfulness"] == 1.0 for c in lre["chosen"]) and lre["faithfulness"]["value"] == 1.0
+    forced = _run_toy(lm, small, template, betas=(3.0,))["layers"]["0"]["lre"]["faithfulness"]
+    assert forced["value"] < 0.5
+
+
+def test_causality_controls_have_the_edits_norm_pair_by_pair(toy, monkeypatch):
+    """Every control edit beside a causality number (LRE: random_direction, random_operator, scaled_patch;
+    ridge: random_direction, scaled_patch) has the edit's norm on each test pair, in the same batched call.
+    (The unscaled random operator's edits were 3-6x smaller than the LRE's on SmolLM2.)"""
+    calls = []
+    real = decoders_module.causality_hits
+
+    def spy(lm, data, layer, deltas, src, tgt, cfg):
+        calls.append((deltas, src))
+        return real(lm, data, layer, deltas, src, tgt, cfg)
+    monkeypatch.setattr(decoders_module, "causality_hits", spy)
+    out = _run_toy(*toy, analyses=("lre", "ridge"))
+    test_calls = [deltas for deltas, src in calls if len(src) == out["n_test_pairs"] and len(deltas) > 1]
+    assert sorted(len(d) for d in test_calls) == [3, 3, 3, 4, 4, 4]          # ridge, LRE: 3 re-fits each
+    for deltas in test_calls:
+        norms = deltas[0].double().norm(dim=1)
+        assert norms.min() > 0
+        for control in deltas[1:]:
+            torch.testing.assert_close(control.double().norm(dim=1), norms, rtol=1e-9, atol=0)
 
 
 def test_reference_protocol_uses_in_context_examples_and_the_prefix_rule(toy):

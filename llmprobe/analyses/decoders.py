@@ -4,12 +4,14 @@
   beta W_k h + b. Faithfulness: test subjects whose ``adapter.logits(o_hat)`` top token is the object's (control:
   the training majority answer). Causality, as in the reference: for a test pair (s, t), h_s -> h_s +
   W_r^+ (o_t - o_s) with o_s, o_t the model's *real* last-block states at the last token of each subject's own
-  prompt, patched into a real forward pass; success when the model then answers t's object. Controls: a random
-  direction of the same norm, the same edit with a random matrix of W's singular values (random_operator), and
-  h_s replaced by h_t (full_patch, the ceiling). beta, the truncation rank k, the edit rank r and the layer are
-  chosen on validation subjects, never on the test subjects.
+  prompt, patched into a real forward pass; success when the model then answers t's object. Controls, each of
+  the edit's norm per pair: a random direction, the same edit with a random matrix of W's singular values
+  (random_operator, rescaled), and the step h_t - h_s rescaled (scaled_patch); beside them h_s replaced by h_t
+  (full_patch: a reference, not a bound). The whole (beta, k) grid is scored by K-fold cross-validated
+  faithfulness over the re-fit's train + validation subjects; the edit rank r on pairs of those subjects; the
+  layer on the mean of those scores; never on the test subjects.
 * **Ridge**: a learned affine o ~ W h + b (alpha chosen on validation), scored the same way (controls: ridge on
-  shuffled pairs, majority; causality with its pseudo-inverse beside a random direction).
+  shuffled pairs, majority; causality with its pseudo-inverse beside a random direction and scaled_patch).
 
 Every value is the mean over re-fits of the hit rate on one fixed test set (proportion with a Wilson interval
 over its n test items); the spread is the standard deviation over re-fits.
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmprobe.analyses.settings import AnalysisError, AnalysisSettings, Log
-from llmprobe.analyses.splits import RelationSplit, candidate_grid, generator, relation_split
+from llmprobe.analyses.splits import Refit, RelationSplit, candidate_grid, generator, relation_split
 from llmprobe.geometry import LinearRelationDecoder, RidgeDecoder, random_direction_like, random_spectrum_factors
 from llmprobe.metric import Metric, proportion
 from llmprobe.model.lre import (
@@ -38,6 +40,8 @@ from llmprobe.model.lre import (
 from llmprobe.model.scoring import first_token_collisions, first_token_targets, sequence_logprobs
 from llmprobe.names import FIRST_TOKEN, SEQUENCE
 
+FULL_PATCH_NOTE = ("reference, not a bound: h_s replaced by h_t (an edit can exceed it); does not depend on the "
+                   "fit: measured once")
 AUTO_JACOBIAN_RANK = 128             # the smallest rank whose numbers matched exact ones on SmolLM2 (docs/analyses.md)
 
 
@@ -176,34 +180,86 @@ def _majority_hits(data: RelationData, train: torch.Tensor, test: torch.Tensor) 
     return data.scorer.hits(torch.full((len(test),), mode), test)
 
 
+def norm_matched(edits: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """Rows of ``edits`` [m, d] rescaled to the norms of the rows of ``reference`` [m, d] (float64)."""
+    edits, reference = edits.double(), reference.double()
+    tiny = torch.finfo(torch.float64).tiny
+    return edits * (reference.norm(dim=1, keepdim=True) / edits.norm(dim=1, keepdim=True).clamp_min(tiny))
+
+
+def scaled_patch(delta: torch.Tensor, H: torch.Tensor, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+    """The scaled_patch control of an edit ``delta`` [m, d] on the pairs (src, tgt): per pair the step
+    h_t - h_s toward the target's own state, rescaled to the edit's norm (float64 [m, d])."""
+    return norm_matched(H[tgt] - H[src], delta)
+
+
+def lre_edits(H: torch.Tensor, O: torch.Tensor, src: torch.Tensor, tgt: torch.Tensor, svd: SVD, edit_rank: int,
+              gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """The LRE edit of the pairs (src, tgt) and its controls, each [m, d] and of the edit's norm per pair:
+    ``edit`` W_r^+ (o_t - o_s); ``random_operator`` W'_r^+ (o_t - o_s) with W' of W's singular values and random
+    singular vectors, rescaled to the edit's norm; ``random_direction``; ``scaled_patch``."""
+    step = O[tgt] - O[src]
+    delta = step @ svd.pinv(edit_rank).T
+    random_op = step @ SVD(*random_spectrum_factors(svd.S, svd.W.shape, gen)).pinv(edit_rank).T
+    return {"edit": delta, "random_direction": random_direction_like(delta, gen),
+            "random_operator": norm_matched(random_op, delta), "scaled_patch": scaled_patch(delta, H, src, tgt)}
+
+
+def _lre_decoder(beta: float, W: torch.Tensor, H: torch.Tensor, O: torch.Tensor, fit: torch.Tensor,
+                 reference_bias: torch.Tensor | None) -> LinearRelationDecoder:
+    """o_hat = beta W h + b with W [d_out, d_in] as given (already truncated) and b fitted on the subjects ``fit``,
+    or the reference's bias [d_out] where given (protocol "lre")."""
+    dec = LinearRelationDecoder(beta=beta).fit(H[fit], O[fit], W)
+    if reference_bias is not None:
+        dec.operator_.b = reference_bias
+    return dec
+
+
+def cv_faithfulness(data: RelationData, H: torch.Tensor, O: torch.Tensor, refit: Refit,
+                    truncated: dict[int | None, torch.Tensor], grid: list[tuple[float, int | None]],
+                    reference_bias: torch.Tensor | None, to_logits) -> torch.Tensor:
+    """Cross-validated faithfulness [len(grid)] of every (beta, rank) candidate: each of the re-fit's selection
+    subjects is scored by a decoder fitted on train + validation without its fold (one head call a candidate)."""
+    everyone = torch.cat([refit.train, refit.val])
+    scored = torch.cat(refit.folds)
+    rates = []
+    for beta, rank in grid:
+        o_hat = torch.cat([_lre_decoder(beta, truncated[rank], H, O, everyone[~torch.isin(everyone, fold)],
+                                        reference_bias).predict(H[fold]) for fold in refit.folds])
+        rates.append(data.scorer.hits(to_logits(o_hat).argmax(-1), scored).double().mean())
+    return torch.stack(rates)
+
+
 def lre_layer(lm, data: RelationData, layer: int, jac: JacobianResult, jac_rows: dict[int, int],
               split: RelationSplit, causal: bool, cfg: AnalysisSettings) -> tuple[dict, dict]:
     """LRE at one layer: (entry {faithfulness, causality: Metric dicts, chosen: per re-fit}, validation scores).
 
-    ``jac``: the Jacobians (exact or low-rank) of the subjects in ``jac_rows`` (subject index -> its row)."""
+    ``jac``: the Jacobians (exact or low-rank) of the subjects in ``jac_rows`` (subject index -> its row).
+    (beta, rank) by K-fold cross-validated faithfulness over the whole grid (:func:`cv_faithfulness`), then
+    refitted on train + validation; the edit rank by causality on the selection pairs."""
     H, O = data.H[layer].double(), data.O.double()
     to_logits = logits_fn(lm)
     test, (ts, tt) = split.test, split.test_pairs
-    faith, majority, edit, rdir, rop = [], [], [], [], []
+    grid = candidate_grid(cfg)
+    names = ("edit", "random_direction", "random_operator", "scaled_patch")
+    faith, majority, hits = [], [], {name: [] for name in names}
     chosen, val_f, val_c, fits = [], [], [], []
     for k, refit in enumerate(split.refits):
         rows = [jac_rows[i] for i in refit.jacobian.tolist()]
         svd = SVD(*jac.svd(rows))
-        grid = candidate_grid(cfg, len(refit.val))
-        decs = []
-        for beta, rank in grid:
-            dec = LinearRelationDecoder(beta=beta).fit(H[refit.train], O[refit.train], svd.truncated(rank))
-            if cfg.protocol == "lre":      # the reference's bias: the mean of the per-prompt biases o_i - J_i h_i
-                dec.operator_.b = (O[refit.jacobian] - jac.apply(rows, H[refit.jacobian])).mean(0)
-            decs.append(dec)
-        preds = to_logits(torch.cat([d.predict(H[refit.val]) for d in decs])).argmax(-1)
-        val_hits = data.scorer.hits(preds, refit.val.repeat(len(decs))).view(len(decs), -1).double().mean(1)
-        best = int(val_hits.argmax())                           # ties: the first candidate (smaller beta)
-        (beta, rank), dec = grid[best], decs[best]
-        val_f.append(float(val_hits[best]))
+        truncated = {rank: svd.truncated(rank) for rank in cfg.ranks}
+        reference_bias = (O[refit.jacobian] - jac.apply(rows, H[refit.jacobian])).mean(0) \
+            if cfg.protocol == "lre" else None     # the reference's bias: the mean of o_i - J_i h_i
+        scores = cv_faithfulness(data, H, O, refit, truncated, grid, reference_bias, to_logits)
+        best = int(scores.argmax())              # ties: the first candidate (full rank first, then the smaller beta)
+        beta, rank = grid[best]
+        everyone = torch.cat([refit.train, refit.val])
+        dec = _lre_decoder(beta, truncated[rank], H, O, everyone, reference_bias)
+        val_f.append(float(scores[best]))
         faith.append(data.scorer.hits(to_logits(dec.predict(H[test])).argmax(-1), test))
-        majority.append(_majority_hits(data, refit.train, test))
-        record = {"beta": beta, "rank": rank, "val_faithfulness": float(val_hits[best]), "n_candidates": len(grid)}
+        majority.append(_majority_hits(data, everyone, test))
+        record = {"beta": beta, "rank": rank, "val_faithfulness": val_f[-1], "n_candidates": len(grid),
+                  "n_selection": len(refit.selection), "n_folds": len(refit.folds)}
         if causal and len(ts):
             vs, vt = refit.val_pairs
             if len(vs):
@@ -213,15 +269,12 @@ def lre_layer(lm, data: RelationData, layer: int, jac: JacobianResult, jac_rows:
             else:
                 rates, r_best = [], len(cfg.edit_ranks) - 1
             edit_rank = cfg.edit_ranks[r_best]
-            gen = generator(cfg, data.name, layer, k, "lre controls")
-            delta = (O[tt] - O[ts]) @ svd.pinv(edit_rank).T
-            random_op = (O[tt] - O[ts]) @ SVD(*random_spectrum_factors(svd.S, svd.W.shape, gen)).pinv(edit_rank).T
-            got = causality_hits(lm, data, layer, [delta, random_direction_like(delta, gen), random_op], ts, tt, cfg)
-            for store, hits in zip((edit, rdir, rop), got):
-                store.append(hits)
+            edits = lre_edits(H, O, ts, tt, svd, edit_rank, generator(cfg, data.name, layer, k, "lre controls"))
+            for name, got in zip(names, causality_hits(lm, data, layer, [edits[n] for n in names], ts, tt, cfg)):
+                hits[name].append(got)
             val_c.append(rates[r_best] if rates else float("nan"))
             record.update({"edit_rank": edit_rank, "val_causality": rates[r_best] if rates else None,
-                           "edit_norm_ratio": float((delta.norm(dim=1) / H[ts].norm(dim=1)).mean())})
+                           "edit_norm_ratio": float((edits["edit"].norm(dim=1) / H[ts].norm(dim=1)).mean())})
         chosen.append(record)
         fits.append({"W": dec.operator_.W, "b": dec.operator_.b, "J": svd.W if rank is not None else None,
                      "W_factors": svd.factors(rank), "J_factors": svd.factors(None) if rank is not None else None,
@@ -230,12 +283,11 @@ def lre_layer(lm, data: RelationData, layer: int, jac: JacobianResult, jac_rows:
     entry = {"faithfulness": _summary(faith).with_controls({"majority": _summary(majority)}).to_dict(),
              "chosen": chosen}
     scores = {"faithfulness": sum(val_f) / len(val_f), "fit": max(fits, key=lambda f: f["val_faithfulness"])}
-    if edit:
+    if hits["edit"]:
         full = causality_hits(lm, data, layer, [H[tt] - H[ts]], ts, tt, cfg)[0]
-        entry["causality"] = _summary(edit).with_controls(
-            {"random_direction": _summary(rdir), "random_operator": _summary(rop), "full_patch": proportion(
-                full.double().tolist(), note="does not depend on the fit: measured once")},
-            "random_direction").to_dict()
+        controls = {name: _summary(hits[name]) for name in names[1:]}
+        controls["full_patch"] = proportion(full.double().tolist(), note=FULL_PATCH_NOTE)
+        entry["causality"] = _summary(hits["edit"]).with_controls(controls, "random_direction").to_dict()
         finite = [v for v in val_c if v == v]
         scores["causality"] = sum(finite) / len(finite) if finite else float("nan")
     return entry, scores
@@ -247,7 +299,7 @@ def ridge_layer(lm, data: RelationData, layer: int, split: RelationSplit, causal
     H, O = data.H[layer].double(), data.O.double()
     to_logits = logits_fn(lm)
     test, (ts, tt) = split.test, split.test_pairs
-    faith, shuffled, majority, edit, rdir = [], [], [], [], []
+    faith, shuffled, majority, edit, rdir, spatch = [], [], [], [], [], []
     chosen, val_f, fits = [], [], []
     for k, refit in enumerate(split.refits):
         train, val = refit.train, refit.val
@@ -264,9 +316,10 @@ def ridge_layer(lm, data: RelationData, layer: int, split: RelationSplit, causal
         majority.append(_majority_hits(data, train, test))
         if causal and len(ts):
             delta = dec.operator_.edit_delta(O[ts], O[tt])
-            got = causality_hits(lm, data, layer, [delta, random_direction_like(delta, gen)], ts, tt, cfg)
-            edit.append(got[0])
-            rdir.append(got[1])
+            got = causality_hits(lm, data, layer, [delta, random_direction_like(delta, gen),
+                                                   scaled_patch(delta, H, ts, tt)], ts, tt, cfg)
+            for store, h in zip((edit, rdir, spatch), got):
+                store.append(h)
         chosen.append({"alpha": alpha, "val_faithfulness": float(val_hits[best])})
         fits.append({"W": dec.operator_.W, "b": dec.operator_.b, "beta": 1.0, "rank": None, "alpha": alpha,
                      "refit": k, "val_faithfulness": val_f[-1]})
@@ -275,7 +328,7 @@ def ridge_layer(lm, data: RelationData, layer: int, split: RelationSplit, causal
              "chosen": chosen}
     if edit:
         entry["causality"] = _summary(edit, note="full-rank pseudo-inverse of the ridge W").with_controls(
-            {"random_direction": _summary(rdir)}).to_dict()
+            {"random_direction": _summary(rdir), "scaled_patch": _summary(spatch)}).to_dict()
     return entry, {"faithfulness": sum(val_f) / len(val_f), "fit": max(fits, key=lambda f: f["val_faithfulness"])}
 
 
@@ -314,8 +367,10 @@ def decoders_for_relation(lm, relation, results, layers: list[int], lre_layers: 
         "context_subjects": [subjects[i] for i in split.context.tolist()],
         "n_test_pairs": len(split.test_pairs[0]),
         "refits": [{"jacobian_subjects": [subjects[i] for i in r.jacobian.tolist()], "n_train": len(r.train),
-                    "n_val": len(r.val), "n_val_pairs": len(r.val_pairs[0]),
-                    "n_candidates": len(candidate_grid(cfg, len(r.val)))} for r in split.refits],
+                    "n_val": len(r.val), "n_val_pairs": len(r.val_pairs[0]), "n_selection": len(r.selection),
+                    "n_folds": len(r.folds), "n_candidates": len(candidate_grid(cfg))} for r in split.refits],
+        "candidates": {"lre": [[beta, rank] for beta, rank in candidate_grid(cfg)],
+                       "edit_rank": list(cfg.edit_ranks), "ridge_alpha": list(cfg.ridge_alphas)},
         "layers": {}, "selected": {}, "error": None,
     }
     jac, jac_rows = {}, {}

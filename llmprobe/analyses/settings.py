@@ -31,7 +31,8 @@ class AnalysisSettings:
     n_jacobian: int = 3               # prompts whose Jacobians are averaged into W (re-drawn per re-fit)
     test_fraction: float = 1 / 3      # of the relation's known facts: the fixed held-out test set
     val_fraction: float = 1 / 4       # of the remaining subjects, per re-fit
-    min_val_per_candidate: int = 2    # a (beta, rank) grid larger than n_val / this is thinned
+    min_val_per_candidate: int = 2    # unused: no grid is thinned any more (selection_folds); kept so configs load
+    selection_folds: int = 5          # K-fold cross-validation of the LRE's (beta, rank) over train + validation
     betas: tuple[float, ...] = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
     ranks: tuple[int | None, ...] = (None, 128, 32)   # truncation of W for faithfulness (None = full)
     edit_ranks: tuple[int, ...] = (8, 32, 128)        # rank of the pseudo-inverse used by causality edits

@@ -1,7 +1,7 @@
 """Split discipline: one fixed held-out test set per relation; re-fits re-draw train, validation and Jacobian
-subjects from the rest only; edit pairs drawn once (test) or once per re-fit (validation) and shared by every
-layer and every decoder. Every draw has its own seeded generator, so turning one analysis on or off changes no
-other's numbers."""
+subjects from the rest only, and cut the rest less the Jacobian subjects into the folds that choose the LRE's
+(beta, rank); edit pairs drawn once (test) or once per re-fit (selection) and shared by every layer and every
+decoder. Every draw has its own seeded generator, so turning one analysis on or off changes no other's numbers."""
 from __future__ import annotations
 
 import zlib
@@ -35,12 +35,16 @@ def edit_pairs(y: torch.Tensor, sources: torch.Tensor, targets: torch.Tensor, ge
 
 @dataclass
 class Refit:
-    """One re-draw: Jacobian subjects (inside train), train, validation, and the validation edit pairs."""
+    """One re-draw: Jacobian subjects (inside train), train, validation (ridge alpha), and the selection
+    subjects of the LRE: train and validation less the Jacobian subjects, cut into ``folds`` (held-out index
+    sets partitioning ``selection``); ``val_pairs`` the edit pairs among them that choose the edit rank."""
 
     jacobian: torch.Tensor
     train: torch.Tensor
     val: torch.Tensor
     val_pairs: tuple[torch.Tensor, torch.Tensor]
+    selection: torch.Tensor
+    folds: list[torch.Tensor]
 
 
 @dataclass
@@ -67,6 +71,8 @@ def relation_split(y: torch.Tensor, name: str, cfg: AnalysisSettings, n_context:
     context, rest = rest[:n_context].sort().values, rest[n_context:]
     n_val = max(2, round(cfg.val_fraction * len(rest)))
     n_jac = max(1, min(cfg.n_jacobian, (len(rest) - n_val) // 2))
+    if cfg.selection_folds < 2:
+        raise AnalysisError(f"selection_folds must be at least 2, got {cfg.selection_folds}")
     if len(rest) - n_val < max(2, n_jac):
         raise AnalysisError(f"relation {name}: {n} known facts are too few for a test set of {n_test}, "
                             f"{n_context} in-context examples and train/validation re-fits")
@@ -77,20 +83,16 @@ def relation_split(y: torch.Tensor, name: str, cfg: AnalysisSettings, n_context:
         p = rest[torch.randperm(len(rest), generator=gen)]
         val, train = p[:n_val].sort().values, p[n_val:]
         jac = train[torch.randperm(len(train), generator=gen)[:n_jac]].sort().values
-        refits.append(Refit(jac, train.sort().values, val,
-                            edit_pairs(y, val, val, gen, cfg.max_val_pairs)))
+        selection = p[~torch.isin(p, jac)].sort().values
+        pairs = edit_pairs(y, selection, selection, gen, cfg.max_val_pairs)
+        fold_gen = generator(cfg, name, "selection folds", k)
+        order = selection[torch.randperm(len(selection), generator=fold_gen)]
+        folds = [f.sort().values for f in torch.tensor_split(order, min(cfg.selection_folds, len(selection)))]
+        refits.append(Refit(jac, train.sort().values, val, pairs, selection, folds))
     return RelationSplit(test, test_pairs, context, refits)
 
 
-def candidate_grid(cfg: AnalysisSettings, n_val: int) -> list[tuple[float, int | None]]:
-    """(beta, rank) candidates for a validation set of ``n_val`` subjects: the full grid when there are at least
-    ``min_val_per_candidate`` validation subjects per candidate, else full rank only and an evenly thinned list
-    of betas (at least one)."""
-    grid = [(b, k) for k in cfg.ranks for b in cfg.betas]
-    if n_val >= cfg.min_val_per_candidate * len(grid):
-        return grid
-    m = max(1, min(len(cfg.betas), n_val // cfg.min_val_per_candidate))
-    betas = sorted(cfg.betas)
-    picks = sorted({betas[round(i * (len(betas) - 1) / max(1, m - 1))] for i in range(m)}) if m > 1 else \
-        [betas[len(betas) // 2]]
-    return [(b, None) for b in picks]
+def candidate_grid(cfg: AnalysisSettings) -> list[tuple[float, int | None]]:
+    """Every (beta, rank) candidate of the LRE, in the order that breaks ties (ranks as listed, then betas as
+    listed): all of them are scored by K-fold cross-validation on the selection subjects, however few."""
+    return [(b, k) for k in cfg.ranks for b in cfg.betas]
