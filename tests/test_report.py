@@ -1,11 +1,12 @@
 """Report export and comparison: escaping, tables, CSV rows, errors on bad input."""
 import csv
 import json
+import math
 
 import pytest
 
 from llmprobe.metric import Metric, proportion
-from llmprobe.report.claims import summary_claims
+from llmprobe.report.claims import claims_block, claims_text, summary_claims
 from llmprobe.report.render import (
     LONG_TABLE,
     compare,
@@ -59,7 +60,8 @@ def test_export_escapes_user_strings_and_writes_all_formats(tmp_path):
     assert "<img src=x" not in page and "<b>x</b>" not in page
     assert page.count("data:image/png;base64,") == 1  # one metric plot
     with open(folder / "metrics.csv") as handle:
-        assert len(list(csv.DictReader(handle))) == 4
+        rows = list(csv.DictReader(handle))
+    assert len([r for r in rows if not r["metric"].startswith("claim: ")]) == 4 and len(rows) == 4 + 5
 
 
 def test_compare_aligns_sources(tmp_path):
@@ -134,64 +136,199 @@ def _prop(hits: int, n: int) -> dict:
     return proportion([1.0] * hits + [0.0] * (n - hits)).to_dict()
 
 
-def _claims_report(causal: tuple[int, int], controls: dict[str, tuple[int, int]], superposition=True,
-                   relation="capital") -> dict:
-    """A pretrained report whose only LRE causality (``causal`` = hits, n) has the given controls."""
-    causality = Metric.from_dict(_prop(*causal)).with_controls(
-        {k: Metric.from_dict(_prop(*v)) for k, v in controls.items()}).to_dict()
-    report = {"schema_version": REPORT_SCHEMA_VERSION, "kind": "pretrained", "model": {"name": "m<i>", "n_layers": 3},
+def _with(metric: dict, controls: dict[str, dict]) -> dict:
+    return Metric.from_dict(metric).with_controls({k: Metric.from_dict(v) for k, v in controls.items()}).to_dict()
+
+
+def _r2(value, lo, hi, controls=None) -> dict:
+    """An R^2 (JSON form, n = 40 subjects) with the given controls {name: (value, lo, hi)}."""
+    return _with(Metric(value, (lo, hi), 40, "bootstrap").to_dict(),
+                 {k: Metric(*v[:1], v[1:], 40, "bootstrap").to_dict() for k, v in (controls or {}).items()})
+
+
+R2_NULLS = {"shuffled": (0.0, -0.001, 0.001), "random_init": (0.0, -0.001, 0.001),
+            "random_attributes": (0.0, -0.001, 0.001)}
+
+
+def _claims_report(causal: dict[str, tuple] | None = None, superposition: dict | None = None, d_model=8,
+                   controls: dict | None = None, relation="capital") -> dict:
+    """A pretrained report. ``causal``: {relation: (hits, n, {control: (hits, n)})}, LRE causality at the causality
+    layer 2 chosen on validation (faithfulness layer 1); ``superposition``: {layer: {"r2": metric, "readout":
+    {relation: metric}}}; ``controls``: a report's controls block."""
+    causal = {relation: (40, 50, {"random_direction": (1, 50), "random_operator": (2, 50)})} if causal is None \
+        else causal
+    relations = {name: {"layers": {"2": {"lre": {"causality": _with(_prop(h, n), {k: _prop(*v) for k, v in c.items()})}}},
+                        "selected": {"lre": {"layer": 1, "causality_layer": 2}}} for name, (h, n, c) in causal.items()}
+    report = {"schema_version": REPORT_SCHEMA_VERSION, "kind": "pretrained",
+              "model": {"name": "m<i>", "n_layers": 3, "d_model": d_model},
               "relations": {relation: {"n_facts": 60, "n_known": 40, "known_rate": 2 / 3}},
-              "analyses": {"relations": {relation: {"layers": {"2": {"lre": {"causality": causality}}},
-                                                    "selected": {"lre": {"layer": 2, "causality_layer": 2}}}}},
-              "errors": []}
-    if superposition:
-        readout = Metric.from_dict(_prop(30, 40)).with_controls({"shuffled": Metric.from_dict(_prop(4, 40))})
-        r2 = Metric(0.2, (0.15, 0.25), 40, "bootstrap").with_controls({"shuffled": Metric(0.0, (-0.02, 0.02), 40,
-                                                                                           "bootstrap")})
-        report["analyses"]["superposition"] = {"layers": {"1": {"r2": r2.to_dict(),
-                                                                "readout": {relation: readout.to_dict()}}}}
+              "analyses": {"relations": relations}, "errors": []}
+    if superposition is not None:
+        report["analyses"]["superposition"] = {"relations": [relation], "layers": superposition}
+    if controls is not None:
+        report["controls"] = controls
     return report
 
 
-@pytest.mark.parametrize("causal, controls, expected", [
-    ((40, 50), {"random_direction": (1, 50), "full_patch": (50, 50)}, "supported"),        # full_patch: a ceiling
-    ((40, 50), {"random_direction": (0, 50), "random_operator": (38, 50)}, "not supported"),  # the strongest null
-    ((5, 50), {"random_direction": (5, 50)}, "not supported"),
-    ((30, 50), {"random_direction": (0, 50), "random_operator": (22, 50)}, "inconclusive"),   # intervals overlap
-    ((6, 6), {"random_direction": (0, 6)}, "inconclusive"),                                    # n < MIN_N
+def _readout(hits, n=40, shuffled=4, random_init=4) -> dict:
+    return _with(_prop(hits, n), {"shuffled": _prop(shuffled, n), "random_init": _prop(random_init, n)})
+
+
+def _line(report, claim):
+    return next(line for line in summary_claims(report) if line["claim"] == claim)
+
+
+@pytest.mark.parametrize("lre, controls, expected", [
+    ((40, 50), {"random_direction": (1, 50), "random_operator": (2, 50), "full_patch": (50, 50)}, "supported"),
+    ((40, 50), {"random_direction": (0, 50), "random_operator": (38, 50)}, "not shown"),    # every null counts
+    ((24, 50), {"random_direction": (0, 50), "random_operator": (12, 50)}, "weak"),         # > 0, not > +0.10
+    ((5, 50), {"random_direction": (5, 50), "random_operator": (5, 50)}, "not shown"),
+    ((40, 50), {"random_direction": (1, 50)}, "null not measured"),                          # no random_operator
 ])
-def test_summary_verdicts_follow_the_stated_rule(causal, controls, expected):
-    line = summary_claims(_claims_report(causal, controls))[1]
-    assert line["claim"] == "LRE edits causal" and line["verdict"] == expected
-    strongest = max((k for k in controls if k != "full_patch"), key=lambda k: controls[k][0])
-    assert line["control_name"] == strongest
-    assert line["metric"]["n"] == causal[1] and line["metric"]["value"] == pytest.approx(causal[0] / causal[1])
+def test_causality_is_graded_against_every_null_with_a_minimal_effect(lre, controls, expected):
+    line = _line(_claims_report({"capital": (*lre, controls)}), "LRE edits causal")
+    assert line["verdict"] == expected and line["layer"] == 2
+    assert line["metric"]["n"] == lre[1] and line["metric"]["value"] == pytest.approx(lre[0] / lre[1])
+    nulls = {k: v for k, v in controls.items() if k != "full_patch"}        # full_patch: a reference, not a null
+    hardest = max(nulls, key=lambda k: nulls[k][0])
+    assert line["null_name"] == hardest and line["null"]["value"] == pytest.approx(nulls[hardest][0] / 50)
+    assert line["difference"]["value"] == pytest.approx((lre[0] - nulls[hardest][0]) / 50)
+    assert line["difference"]["interval"] == "MOVER (unpaired)" and line["min_effect"] == 0.10
+    if expected == "null not measured":
+        assert line["missing_nulls"] == ["random_operator"] and "random_operator" in line["note"]
+    if "full_patch" in controls:
+        assert line["comparison"]["name"].startswith("the full patch") and line["comparison"]["word"] == "less than"
+
+
+def test_a_small_r2_gain_is_weak_not_supported():
+    """The review's planted R^2: 0.012 [0.008, 0.016] against nulls at 0 is an effect, below the minimal one."""
+    report = _claims_report(superposition={"1": {"r2": _r2(0.012, 0.008, 0.016, R2_NULLS)}})
+    line = _line(report, "subject states a superposition of attribute vectors")
+    assert line["verdict"] == "weak" and line["min_effect"] == 0.05
+    assert line["p_zero_holm"] < 0.025 < line["p_holm"]
+    report = _claims_report(superposition={"1": {"r2": _r2(0.17, 0.15, 0.19, R2_NULLS)}})
+    assert _line(report, "subject states a superposition of attribute vectors")["verdict"] == "supported"
+
+
+def test_holm_over_relations_changes_a_borderline_verdict():
+    """30/50 against a null of 15/50 clears +0.10 alone (one-sided p 0.022); among 12 relations it does not."""
+    one = {"random_direction": (0, 50), "random_operator": (15, 50)}
+    alone = _line(_claims_report({"capital": (30, 50, one)}), "LRE edits causal")
+    many = _line(_claims_report({f"r{i}": (30, 50, one) for i in range(12)}), "LRE edits causal")
+    assert (alone["verdict"], many["verdict"]) == ("supported", "weak")
+    assert alone["p_holm"] == pytest.approx(0.022, abs=0.001) and many["p_holm"] == pytest.approx(12 * alone["p_holm"])
+    assert many["counts"] == {"weak": 12} and "12 weak of 12 relations" in many["note"]
+    block = claims_block(_claims_report({f"r{i}": (30, 50, one) for i in range(12)}))
+    assert block["n_tests"] == 12 and len(block["tests"]) == 12
+
+
+def test_a_claim_whose_null_is_missing_says_so():
+    nulls = {k: v for k, v in R2_NULLS.items() if k != "random_attributes"}    # a report before random_attributes
+    report = _claims_report({"capital": (40, 50, {})}, superposition={"1": {"r2": _r2(0.17, 0.15, 0.19, nulls)}})
+    lines = summary_claims(report)
+    assert lines[2]["verdict"] == "null not measured" and lines[2]["missing_nulls"] == ["random_attributes"]
+    assert "not measured: random_attributes" in lines[2]["note"]
+    assert lines[1]["verdict"] == "null not measured" and lines[1]["missing_nulls"] == ["random_direction",
+                                                                                          "random_operator"]
+    assert claims_block(report)["n_tests"] == 0               # a test without its nulls is not in the Holm family
+
+
+def test_the_matched_control_is_a_comparison_not_the_null():
+    """The pretrained R^2 beats its nulls; the matched control at the same width explains more: the verdict stays,
+    the comparison says less than."""
+    control = {"table": {"n_subjects": 40, "relations": ["capital"], "n_facts": 40, "bits": 100.0},
+               "training": {"max_steps": 2000},
+               "modes": {"trainable": {"threshold": {"d_star": 8, "exact": True},
+                                       "points": [{"d": 8, "train": {"bits_per_param": 1.0},
+                                                   "r2": _r2(0.5, 0.45, 0.55), "readout": {}}]}}}
+    report = _claims_report(superposition={"1": {"r2": _r2(0.17, 0.15, 0.19, R2_NULLS)}}, controls=control)
+    line = _line(report, "subject states a superposition of attribute vectors")
+    assert line["verdict"] == "supported" and line["null_name"] in R2_NULLS
+    assert line["comparison"]["word"] == "less than" and "at this width (d=8)" in line["comparison"]["name"]
+    assert line["comparison"]["metric"]["value"] == 0.5
+
+
+def test_superposition_layers_are_chosen_on_validation_not_on_the_numbers_shown():
+    """The decoders chose layer 1 on validation; layer 2 has the higher R^2 and readout: the claims use layer 1."""
+    layers = {"1": {"r2": _r2(0.12, 0.10, 0.14, R2_NULLS), "readout": {"capital": _readout(20)}},
+              "2": {"r2": _r2(0.30, 0.28, 0.32, R2_NULLS), "readout": {"capital": _readout(38)}}}
+    lines = summary_claims(_claims_report(superposition=layers))
+    assert (lines[0]["metric"]["value"], lines[2]["metric"]["value"]) == (0.5, 0.12)
+    assert lines[0]["layer"] == lines[2]["layer"] == 1
+    assert "layer 1, the one most LRE decoders chose on validation" in lines[2]["measure"]
+
+
+def _capacity_report(kind="bijections", steps=500, bits_per_param=1.7, exact=True) -> dict:
+    n, r = 256, 4
+    bits = r * math.lgamma(n + 1) / math.log(2) if kind == "bijections" else 600.0
+    control = {"table": {"n_subjects": n, "relations": [f"r{i}" for i in range(r)], "n_facts": n * r,
+                         "bits": round(bits, 1)}, "training": {"max_steps": steps},
+               "modes": {"trainable": {"threshold": {"d_star": 6, "exact": exact},
+                                       "points": [{"d": 6, "train": {"bits_per_param": bits_per_param}, "readout": {}}]}}}
+    return _claims_report(controls=control)
+
+
+@pytest.mark.parametrize("kind, steps, bits_per_param, exact, expected", [
+    ("bijections", 500, 1.70, True, "supported"),            # inside the sweep's cells (1.43-1.91)
+    ("bijections", 500, 8.00, True, "not shown"),            # d* far below what the sweep's capacity allows
+    ("bijections", 500, 0.90, True, "not shown"),            # far above it
+    ("bijections", 500, 1.70, False, "inconclusive"),        # d* an upper bound: 1.70 only a lower bound
+    ("bijections", 2000, 1.70, True, "not comparable"),      # another step cap
+    ("general maps", 500, 1.70, True, "not comparable"),     # the sweep has no general-map cells
+])
+def test_the_capacity_line_is_two_sided_and_like_for_like(kind, steps, bits_per_param, exact, expected):
+    line = _line(_capacity_report(kind, steps, bits_per_param, exact), "capacity O(R log N) in the matched controls")
+    assert line["verdict"] == expected and line["metric"]["value"] == bits_per_param
+    if expected == "not comparable":
+        assert "the capacity sweep measured bijections at a 500-step cap only" in line["note"]
+        assert f"this table is {kind} trained with a {steps}-step cap" in line["note"]
+    else:
+        assert line["null"]["ci"] == [1.43, 1.91]
+        assert line["note"].startswith({1.70: "inside", 8.00: "above", 0.90: "below"}[bits_per_param])
 
 
 def test_summary_says_not_measured_where_the_report_has_no_data():
-    lines = summary_claims(_claims_report((40, 50), {"random_direction": (1, 50)}, superposition=False))
+    lines = summary_claims(_claims_report())
     assert [line["verdict"] for line in lines] == ["not measured", "supported", "not measured", "not measured",
                                                    "not measured"]
-    lines = summary_claims(_claims_report((40, 50), {"random_direction": (1, 50)}))
-    assert lines[0]["verdict"] == "supported" and lines[0]["control_name"] == "shuffled"      # 0.75 vs 0.10
-    assert lines[2]["verdict"] == "supported" and lines[2]["metric"]["value"] == 0.2
+    text = claims_text(claims_block(_claims_report()))
+    assert "LRE edits causal: supported -- capital layer 2: 0.800" in text and "(1 tests, Holm" in text
 
 
 def test_summary_comes_first_in_html_and_markdown_and_escapes_user_strings(tmp_path):
-    report = _claims_report((40, 50), {"random_direction": (1, 50)}, relation="<script>alert(1)</script>")
+    report = _claims_report({"<script>alert(1)</script>": (40, 50, {"random_direction": (1, 50),
+                                                                    "random_operator": (2, 50)})},
+                            superposition={"1": {"r2": _r2(0.17, 0.15, 0.19, R2_NULLS),
+                                                 "readout": {"<script>alert(1)</script>": _readout(30)}}},
+                            relation="<script>alert(1)</script>")
     page = render_html([report], "t")
     body = page.split("<body>", 1)[1]
     assert body.startswith("<section id='summary'>") and body.index("</section>") < body.index("<img")
     assert "<script>" not in page and "&lt;script&gt;" in page and "<i>" not in page
-    assert "95% interval lies above the control" in page
+    assert "Holm-adjusted over all tests" in page
     assert page.count("class='verdict supported'") == 3 and page.count("class='verdict not-measured'") == 2
     text = render_markdown([report], "t")
     assert text.index("## Summary: the paper's claims") < text.index("## Sources")
     assert "| LRE edits causal |" in text and "<script>" not in text
 
 
+def test_metrics_csv_has_one_row_per_claim(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "report.json").write_text(json.dumps(_claims_report()))
+    export(folder, formats=("csv",))
+    rows = [r for r in csv.DictReader(open(folder / "metrics.csv")) if r["metric"].startswith("claim: ")]
+    assert [r["verdict"] for r in rows] == ["not measured", "supported", "not measured", "not measured",
+                                            "not measured"]
+    causal = rows[1]
+    assert causal["metric"] == "claim: LRE edits causal" and causal["relation"] == "capital" and causal["layer"] == "2"
+    assert float(causal["value"]) == 0.8 and causal["control"] == "random_operator" and causal["n_tests"] == "1"
+    assert float(causal["difference"]) == pytest.approx(0.76) and float(causal["difference_lo"]) > 0.1
+    assert causal["min_effect"] == "0.1" and float(causal["p_holm"]) < 0.025
+
+
 def test_long_tables_fold_into_details():
-    report = _claims_report((40, 50), {"random_direction": (1, 50)})
+    report = _claims_report()
     report["relations"] = {f"r{i}": {"n_facts": 10, "n_known": 5, "known_rate": 0.5} for i in range(LONG_TABLE + 1)}
     page = render_html([report], "t")
     assert f"<details><summary>{LONG_TABLE + 1} rows" in page

@@ -1,127 +1,362 @@
-"""The summary of a pretrained report: one line per claim of the paper, each with its number, its control and the
-verdict of the stated rule (``VERDICT_RULE``). Decides what a line says; draws and renders nothing."""
+"""The claims block of a pretrained report (:func:`claims_block`): one line per claim of the paper, each tested
+against its nulls (``NULLS``) with a stated minimal effect (``MIN_EFFECT``) and a Holm correction over every test
+of the report, graded by ``VERDICT_RULE``; the matched synthetic control stands beside a line as a comparison,
+never as its null. Decides what a line says; draws and renders nothing."""
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 
-from llmprobe.metric import Metric, pooled, pooled_readout, wilson
+from llmprobe.metric import LEVEL, Metric, wilson
 from llmprobe.report.schema import control_sources, source_name
 
-MIN_N = 10                                  # fewer test items than this: inconclusive, whatever the numbers
-NOT_NULL = ("full_patch",)                  # controls that are ceilings, not null controls
-CAPACITY_LAW = (0.177, 0.165, 0.191)        # d* = c R log2 N: c [95% CI] of the capacity sweep (docs/synthetic.md)
-VERDICT_RULE = (
-    "Verdicts (docs/measures.md, Verdicts): supported when the 95% interval lies above the control's interval "
-    "(lower end above the control's upper end); not supported when the interval reaches the control's value or "
-    "lies below it; inconclusive otherwise (it excludes the control's value but overlaps its interval) or with "
-    f"fewer than {MIN_N} test items; not measured when the report has no such number. The control is the claim's "
-    "strongest null control (the highest one; full_patch is a ceiling, not a null) unless the line names another. "
-    "Capacity: supported when d* / (R log2 N) of the trainable control is at most the upper end of the capacity "
-    f"sweep's law d* = {CAPACITY_LAW[0]} [{CAPACITY_LAW[1]}, {CAPACITY_LAW[2]}] R log2 N, not supported when it "
-    "is above it with an exact d*, inconclusive when above it and d* is only an upper bound.")
 CLAIMS = ("attributes linearly decodable", "LRE edits causal", "subject states a superposition of attribute vectors",
           "MLP a relation-conditioned selector", "capacity O(R log N) in the matched controls")
+DECODABLE, CAUSAL, SUPERPOSITION, SELECTOR, CAPACITY = CLAIMS
+NULLS = {DECODABLE: ("shuffled", "random_init"),                      # every one must be measured and beaten
+         CAUSAL: ("random_direction", "random_operator"),
+         SUPERPOSITION: ("shuffled", "random_init", "random_attributes"),
+         SELECTOR: ("other_relation_gate",)}
+MIN_EFFECT = {DECODABLE: 0.10, CAUSAL: 0.10, SUPERPOSITION: 0.05, SELECTOR: 0.10}   # accuracy / R^2 over the null
+REFERENCES = {"scaled_patch": "a same-norm step toward h_t (scaled_patch)",     # LRE causality's comparison
+              "full_patch": "the full patch h_s -> h_t (full_patch, a reference)"}
+ALPHA = 0.025                   # one-sided familywise level (Holm): the one-sided level of the 95% intervals shown
+GRADES = ("supported", "weak", "not shown", "null not measured", "not measured")    # best first
+# bits per trainable parameter at d* of every trainable cell of the capacity sweep (docs/synthetic.md, "Measured
+# thresholds": N 256-4096, R 2-16, mean over seeds), by (kind of map, step cap); the tolerance is their range
+CAPACITY_SWEEP = {("bijections", 500): (1.43, 1.51, 1.74, 1.81, 1.76, 1.66, 1.75, 1.80, 1.85, 1.77, 1.77, 1.83,
+                                        1.87, 1.91)}
+VERDICT_RULE = (
+    "Verdicts (docs/measures.md, Verdicts): each claim is tested against every one of its nulls (attributes "
+    "decodable: shuffled, random_init; LRE causal: random_direction, random_operator; superposition: shuffled, "
+    "random_init, random_attributes; selector: the other relation's gate) on the difference measure - null with "
+    "its 95% interval (paired bootstrap where the report has it, else MOVER from the two intervals). supported: "
+    f"the difference exceeds the minimal effect (+{MIN_EFFECT[DECODABLE]:g} accuracy, +{MIN_EFFECT[SUPERPOSITION]:g} "
+    "R^2) against every null, Holm-adjusted over all tests of the report (claims x relations) at one-sided "
+    f"{ALPHA:g}; weak: it exceeds 0 but is not shown to exceed the minimal effect; not shown: neither; null not "
+    "measured: a null is missing from the report. Layers, chosen on validation subjects only: LRE causality at its "
+    "causality layer, each readout at its relation's LRE layer, the R^2 at the layer most relations' LRE chose "
+    "(with no decoder: every layer, all in the Holm family). A line shows the median relation: its verdict is the "
+    "grade that at least half the relations reach. The matched control is a comparison (more than / as much as / less than), "
+    "not a null. Capacity: the table's bits per trainable parameter at d* against the range of the capacity "
+    "sweep's cells for the same kind of map and step cap, two-sided: supported inside it, not shown outside it "
+    "(inconclusive when d* is an upper bound and the lower bound it gives lies below the range's top), not "
+    "comparable when the sweep has no cells of that kind.")
+_Z = NormalDist().inv_cdf(0.5 + LEVEL / 2)
 
 
-def verdict(metric: dict | None, control: dict | None) -> str:
-    """The summary's rule (``VERDICT_RULE``) for a typed metric (JSON form) against its control."""
-    if not metric or metric.get("value") is None:
-        return "not measured"
-    lo = (metric.get("ci") or [None])[0]
-    if not control or control.get("value") is None or lo is None or (metric.get("n") or 0) < MIN_N:
-        return "inconclusive"
-    control_hi = (control.get("ci") or [None, None])[1]
-    if lo > (control["value"] if control_hi is None else control_hi):
-        return "supported"
-    return "not supported" if lo <= control["value"] else "inconclusive"
-
-
-def _strongest_null(metric: dict | None) -> tuple[str | None, dict | None]:
-    """(name, metric) of the highest null control of a typed metric; (None, None) when it has none."""
-    nulls = {k: c for k, c in ((metric or {}).get("controls") or {}).items()
-             if k not in NOT_NULL and c and c.get("value") is not None}
-    if not nulls:
-        return None, None
-    name = max(nulls, key=lambda k: nulls[k]["value"])
-    return name, nulls[name]
-
-
-def _claim(claim: str, measure: str, metric: dict | None, control_name: str | None = None,
-           control: dict | None = None, note: str = "", result: str | None = None) -> dict:
-    """One summary line: the claim, what its number is, the number and its control (typed metrics, JSON form),
-    the verdict (``result`` overrides the rule, for the capacity line) and a note."""
-    if control is None and metric is not None:
-        control_name, control = _strongest_null(metric)
-    return {"claim": claim, "measure": measure, "metric": metric, "control_name": control_name,
-            "control": control, "verdict": result or verdict(metric, control), "note": note}
-
-
-def pretrained_reference(report: dict, relations: list[str]) -> tuple[str, dict | None, dict | None] | None:
-    """(layer, R^2, pooled readout over ``relations``) of the pretrained report's superposition readouts at the
-    layer with the highest cross-fitted R^2; None when it has none."""
-    layers = ((report.get("analyses") or {}).get("superposition") or {}).get("layers") or {}
-    scored = {l: e for l, e in layers.items() if (e.get("r2") or {}).get("value") is not None}
-    if not scored:
+def _compact(m: dict | None) -> dict | None:
+    """value, ci, n, interval of a typed metric (JSON form); None when it has no value."""
+    if not m or m.get("value") is None or (isinstance(m["value"], float) and math.isnan(m["value"])):
         return None
-    layer = max(scored, key=lambda l: scored[l]["r2"]["value"])
-    readout = {name: m for name, m in (scored[layer].get("readout") or {}).items() if name in relations}
-    return layer, scored[layer]["r2"], pooled_readout(readout)
+    return {k: m.get(k) for k in ("value", "ci", "n", "interval")}
+
+
+def _bounds(m: dict) -> tuple[float, float]:
+    """The metric's interval, an unknown end as infinitely far."""
+    lo, hi = (m.get("ci") or [None, None])[:2]
+    return (-math.inf if lo is None else lo), (math.inf if hi is None else hi)
+
+
+def difference(metric: dict, other: dict, paired: dict | None = None) -> dict:
+    """metric - other with a 95% interval: ``paired`` (the paired bootstrap margin the report computed over the
+    same items) when given, else MOVER (Zou & Donner 2008) from the two intervals: lo = d - sqrt((a - a_lo)^2 +
+    (b_hi - b)^2), hi = d + sqrt((a_hi - a)^2 + (b - b_lo)^2); exact for independent estimates and conservative
+    when the two are non-negatively correlated over their items."""
+    if _compact(paired) and None not in (paired.get("ci") or [None])[:2]:
+        return {"value": paired["value"], "ci": list(paired["ci"][:2]), "interval": "paired bootstrap"}
+    a, b = metric["value"], other["value"]
+    (a_lo, a_hi), (b_lo, b_hi) = _bounds(metric), _bounds(other)
+    return {"value": a - b, "ci": [a - b - math.hypot(a - a_lo, b_hi - b), a - b + math.hypot(a_hi - a, b - b_lo)],
+            "interval": "MOVER (unpaired)"}
+
+
+def p_above(diff: dict, threshold: float) -> float:
+    """One-sided p of "difference <= threshold" from the difference's 95% interval (normal approximation: the
+    half-width on the threshold's side is 1.96 standard errors)."""
+    value, (lo, hi) = diff["value"], _bounds(diff)
+    half = value - lo if value > threshold else hi - value
+    if not half > 0:                                         # a zero-width interval: the value decides
+        return 0.0 if value > threshold else 1.0
+    return 1.0 - NormalDist().cdf((value - threshold) * _Z / half)
+
+
+def holm(p_values: list[float]) -> list[float]:
+    """Holm's step-down adjusted p-values (familywise error), in the order given."""
+    order = sorted(range(len(p_values)), key=p_values.__getitem__)
+    adjusted, running = [1.0] * len(p_values), 0.0
+    for rank, index in enumerate(order):
+        running = max(running, min(1.0, (len(p_values) - rank) * p_values[index]))
+        adjusted[index] = running
+    return adjusted
+
+
+def _word(diff: dict) -> str:
+    lo, hi = _bounds(diff)
+    return "more than" if lo > 0 else "less than" if hi < 0 else "as much as"
+
+
+def _test(claim: str, relation: str, layer: int | None, metric: dict | None, nulls: dict | None = None,
+          margins: dict | None = None, comparison: tuple[str, dict | None] | None = None) -> dict | None:
+    """One test of ``claim`` on ``relation`` at ``layer``: the measure (typed metric, JSON form) against each null
+    of the claim (``nulls``: {name: metric}, default the metric's controls; ``margins``: paired differences by
+    null name). The null shown is the hardest one (largest p); ``comparison`` = (name, metric) set beside it."""
+    if _compact(metric) is None:
+        return None
+    nulls = (metric.get("controls") or {}) if nulls is None else nulls
+    present = {name: nulls[name] for name in NULLS[claim] if _compact(nulls.get(name))}
+    test = {"claim": claim, "relation": relation, "layer": layer, "metric": _compact(metric),
+            "missing_nulls": [n for n in NULLS[claim] if n not in present], "null_name": None, "null": None,
+            "difference": None, "min_effect": MIN_EFFECT[claim], "p": None, "p_zero": None, "p_holm": None,
+            "p_zero_holm": None, "comparison": None}
+    against = {name: difference(metric, null, (margins or {}).get(name)) for name, null in present.items()}
+    if against:
+        hardest = max(against, key=lambda n: (p_above(against[n], MIN_EFFECT[claim]), p_above(against[n], 0.0)))
+        test.update(null_name=hardest, null=_compact(present[hardest]), difference=against[hardest],
+                    p=max(p_above(d, MIN_EFFECT[claim]) for d in against.values()),       # every null beaten
+                    p_zero=max(p_above(d, 0.0) for d in against.values()))
+    if comparison and _compact(comparison[1]):
+        diff = difference(metric, comparison[1])
+        test["comparison"] = {"name": comparison[0], "metric": _compact(comparison[1]), "difference": diff,
+                              "word": _word(diff)}
+    return test
+
+
+def _grade(test: dict) -> str:
+    if test["missing_nulls"]:
+        return "null not measured"
+    return "supported" if test["p_holm"] < ALPHA else "weak" if test["p_zero_holm"] < ALPHA else "not shown"
+
+
+def _rank(test: dict) -> tuple:
+    """Sort key, best first: grade, then the Holm-adjusted p of the minimal effect, then of any effect."""
+    p, p_zero = (test["p"], test["p_zero"]) if test["p_holm"] is None else (test["p_holm"], test["p_zero_holm"])
+    return GRADES.index(test["grade"]), 2.0 if p is None else p, 2.0 if p_zero is None else p_zero
+
+
+def _line(claim: str, measure: str, tests: list[dict]) -> dict:
+    """The claim's line: each relation at its best layer, the line at the median relation (upper median, best
+    first), so that its verdict is the grade at least half the relations reach."""
+    line = {"claim": claim, "measure": measure, "relation": None, "layer": None, "metric": None, "null_name": None,
+            "null": None, "missing_nulls": [], "difference": None, "min_effect": MIN_EFFECT.get(claim), "p_holm": None,
+            "p_zero_holm": None, "verdict": "not measured", "counts": {}, "comparison": None, "note": ""}
+    if not tests:
+        return line
+    best: dict[str, dict] = {}
+    for test in tests:
+        if test["relation"] not in best or _rank(test) < _rank(best[test["relation"]]):
+            best[test["relation"]] = test
+    ranked = sorted(best.values(), key=_rank)
+    shown = ranked[(len(ranked) - 1) // 2]
+    counts = {g: sum(t["grade"] == g for t in ranked) for g in GRADES if any(t["grade"] == g for t in ranked)}
+    line.update({k: shown[k] for k in ("relation", "layer", "metric", "null_name", "null", "missing_nulls",
+                                       "difference", "p_holm", "p_zero_holm", "comparison")},
+                verdict=shown["grade"], counts=counts)
+    layers = sorted({t["layer"] for t in tests if t["layer"] is not None})
+    if len(ranked) > 1:
+        line["note"] = f"{', '.join(f'{n} {g}' for g, n in counts.items())} of {len(ranked)} relations (shown: the median)"
+    elif len(layers) > 1:
+        line["note"] = f"the best of layers {', '.join(map(str, layers))} (all in the Holm family)"
+    if shown["missing_nulls"]:
+        line["note"] = "; ".join(filter(None, [line["note"], f"not measured: {', '.join(shown['missing_nulls'])}"]))
+    return line
+
+
+def _same_width_control(report: dict) -> dict | None:
+    """The trainable matched control at the pretrained model's width (a synthetic source), or None."""
+    d_model = (report.get("model") or {}).get("d_model")
+    return next((s for s in control_sources(report.get("controls"), report.get("schema_version"))
+                 if not (s.get("model") or {}).get("frozen_subjects") and (s.get("model") or {}).get("d_model") ==
+                 d_model), None)
+
+
+def _at_dstar(report: dict) -> dict | None:
+    """The trainable matched control at its threshold width d* (a synthetic source), or None."""
+    trainable = [s for s in control_sources(report.get("controls"), report.get("schema_version"))
+                 if not (s.get("model") or {}).get("frozen_subjects")]
+    return next((s for s in trainable if (s.get("threshold") or {}).get("d_star") == (s.get("model") or {}).get(
+        "d_model")),
+                trainable[0] if trainable else None)
+
+
+def validation_layers(report: dict) -> tuple[dict[str, int], int | None]:
+    """({relation: layer}, common layer) for the superposition claims, chosen on validation subjects only: each
+    relation's LRE layer (``selected.lre.layer``, by validation faithfulness) where the superposition measured it,
+    and the one most of the superposition's relations chose (ties: the lower layer); (_, None) when no decoder
+    chose a measured layer."""
+    superposition = (report.get("analyses") or {}).get("superposition") or {}
+    measured = {int(layer) for layer in superposition.get("layers") or {}}
+    chosen = {}
+    for relation, entry in ((report.get("analyses") or {}).get("relations") or {}).items():
+        layer = ((entry.get("selected") or {}).get("lre") or {}).get("layer")
+        if layer is not None and int(layer) in measured:
+            chosen[relation] = int(layer)
+    votes = [layer for relation, layer in chosen.items() if relation in (superposition.get("relations") or chosen)]
+    common = min(set(votes), key=lambda layer: (-votes.count(layer), layer)) if votes else None
+    return chosen, common
+
+
+def _superposition_tests(report: dict) -> tuple[list[dict], list[dict], str]:
+    """(readout tests, R^2 tests, where) of the pretrained superposition readouts at the layers of
+    :func:`validation_layers` (every measured layer where no decoder chose one), each beside the trainable matched
+    control at the same width."""
+    layers = ((report.get("analyses") or {}).get("superposition") or {}).get("layers") or {}
+    chosen, common = validation_layers(report)
+    control = (((_same_width_control(report) or {}).get("analyses") or {}).get("superposition") or {}) \
+        .get("layers", {}).get("0") or {}
+    name = f"the paper's model (matched control, trainable) at this width (d={report.get('model', {}).get('d_model')})"
+    readouts, r2s = [], []
+    for layer, entry in sorted(layers.items(), key=lambda kv: int(kv[0])):
+        for relation, metric in (entry.get("readout") or {}).items():
+            if common is None or chosen.get(relation, common) == int(layer):
+                readouts.append(_test(DECODABLE, relation, int(layer), metric, margins=(metric or {}).get("margins"),
+                                      comparison=(name, (control.get("readout") or {}).get(relation))))
+        if common is None or common == int(layer):
+            r2 = entry.get("r2")
+            r2s.append(_test(SUPERPOSITION, "all relations", int(layer), r2, margins=(r2 or {}).get("margins"),
+                             comparison=(name, control.get("r2"))))
+    where = (f"at the layer its LRE decoder chose on validation (else layer {common}, the one most relations' "
+             "decoders chose)" if common is not None else "at every measured layer (no decoder chose one), all in "
+             "the Holm family")
+    return [t for t in readouts if t], [t for t in r2s if t], where
+
+
+def _causality_tests(report: dict) -> list[dict]:
+    """One test per relation: LRE causality at the causality layer the decoders chose on validation, beside the
+    same-norm step toward h_t (``scaled_patch``; else the ``full_patch`` reference)."""
+    tests = []
+    for relation, entry in ((report.get("analyses") or {}).get("relations") or {}).items():
+        layer = ((entry.get("selected") or {}).get("lre") or {}).get("causality_layer")
+        if layer is None:
+            continue
+        metric = (((entry.get("layers") or {}).get(str(layer)) or {}).get("lre") or {}).get("causality")
+        controls = (metric or {}).get("controls") or {}
+        reference = next((n for n in REFERENCES if _compact(controls.get(n))), None)
+        tests.append(_test(CAUSAL, relation, int(layer), metric,
+                           comparison=(REFERENCES[reference], controls[reference]) if reference else None))
+    return [t for t in tests if t]
+
+
+def _selector_tests(report: dict) -> tuple[list[dict], str]:
+    """The gate transplant of the trainable control at d*: accuracy with another subject's gate of the same
+    relation against the same subject's gate of another relation (Wilson, n = the table's facts); its source."""
+    at_star = _at_dstar(report)
+    transplant = (((at_star or {}).get("analyses") or {}).get("selector") or {}).get("gate_transplant") or {}
+    n_facts = ((at_star or {}).get("matched_to") or {}).get("n_facts")
+    if transplant.get("same_relation") is None or transplant.get("same_subject") is None or not n_facts:
+        return [], ""
+    as_metric = lambda v: Metric(v, wilson(v, n_facts), n_facts, "wilson").to_dict()
+    test = _test(SELECTOR, "all relations", None, as_metric(transplant["same_relation"]),
+                 {"other_relation_gate": as_metric(transplant["same_subject"])})
+    return [test], source_name(at_star)
+
+
+def table_kind(table: dict) -> str:
+    """"bijections" when every relation is a bijection of the subjects (n_facts = N R and bits = R log2 N!), else
+    "general maps"."""
+    n, r = table.get("n_subjects") or 0, len(table.get("relations") or [])
+    bijection_bits = r * math.lgamma(n + 1) / math.log(2)
+    return "bijections" if n and table.get("n_facts") == n * r and abs((table.get("bits") or 0) - bijection_bits) \
+        < 0.5 else "general maps"
+
+
+def capacity_line(report: dict) -> dict:
+    """The capacity line: the table's bits per trainable parameter at the trainable control's d* against the range
+    of the capacity sweep's cells for the same kind of map and step cap (``CAPACITY_SWEEP``), two-sided."""
+    line = {"claim": CAPACITY, "measure": "bits per trainable parameter at d* of the trainable control", "relation":
+            None, "layer": None, "metric": None, "null_name": None, "null": None, "missing_nulls": [],
+            "difference": None, "min_effect": None, "p_holm": None, "p_zero_holm": None, "verdict": "not measured",
+            "counts": {}, "comparison": None, "note": ""}
+    at_star = _at_dstar(report)
+    threshold, table = (at_star or {}).get("threshold") or {}, (at_star or {}).get("matched_to") or {}
+    bits_per_param = ((at_star or {}).get("train") or {}).get("bits_per_param")
+    if not threshold.get("d_star") or not table.get("bits") or bits_per_param is None:
+        return line
+    kind = table_kind(table)
+    block = report.get("controls") if isinstance(report.get("controls"), dict) else {}
+    steps = (block.get("training") or {}).get("max_steps")
+    exact = bool(threshold.get("exact"))
+    line.update(measure=f"{line['measure']}: table bits {table['bits']:g} ({kind}, {table.get('n_subjects')} "
+                        f"subjects x {len(table.get('relations') or [])} relations) / trainable parameters at d* = "
+                        f"{threshold['d_star']}{'' if exact else ' (an upper bound)'}, {steps}-step cap",
+                metric={"value": bits_per_param, "ci": None, "n": None, "interval": None})
+    cells = CAPACITY_SWEEP.get((kind, steps))
+    if cells is None:
+        swept = "; ".join(f"{k} at a {s}-step cap" for k, s in CAPACITY_SWEEP)
+        line.update(verdict="not comparable", note=f"the capacity sweep measured {swept} only; this table is {kind} "
+                                                   f"trained with a {steps}-step cap")
+        return line
+    lo, hi = min(cells), max(cells)
+    mean = sum(cells) / len(cells)
+    line.update(null_name=f"the capacity sweep's {len(cells)} cells ({kind}, {steps}-step cap): mean [range]",
+                null={"value": mean, "ci": [lo, hi], "n": len(cells), "interval": "range of cells"},
+                difference={"value": bits_per_param - mean, "ci": [bits_per_param - hi, bits_per_param - lo],
+                            "interval": "against the range of cells"})
+    side = "above" if bits_per_param > hi else "below" if bits_per_param < lo else "inside"
+    if exact:
+        line["verdict"] = "supported" if side == "inside" else "not shown"
+    else:                                   # d* an upper bound: the bits per parameter a lower bound
+        line["verdict"] = "not shown" if side == "above" else "inconclusive"
+    line["note"] = f"{side} the sweep's range" + ("" if exact else " (a lower bound: d* is an upper bound)")
+    return line
+
+
+def claims_block(report: dict) -> dict:
+    """The claims block of a pretrained report: ``rule`` (``VERDICT_RULE``), ``alpha``, ``n_tests`` (the Holm
+    family), ``lines`` (one per claim of ``CLAIMS``: measure, relation and layer shown, number, null, difference
+    with its interval, minimal effect, Holm-adjusted p, verdict, counts per grade, comparison, note) and ``tests``
+    (every test, graded). A claim whose data the report lacks says "not measured"."""
+    readouts, r2s, where = _superposition_tests(report)
+    causal = _causality_tests(report)
+    selector, selector_source = _selector_tests(report)
+    tests = readouts + causal + r2s + selector
+    family = [t for t in tests if not t["missing_nulls"]]
+    for key in ("p", "p_zero"):
+        for test, adjusted in zip(family, holm([t[key] for t in family])):
+            test[key + "_holm"] = adjusted
+    for test in tests:
+        test["grade"] = _grade(test)
+    lines = [_line(DECODABLE, f"superposition readout accuracy (cross-fitted) of each relation, {where}", readouts),
+             _line(CAUSAL, "LRE causality (reference edit W^+ (o_t - o_s)) of each relation at its causality layer "
+                           "chosen on validation", causal),
+             _line(SUPERPOSITION, "held-out R^2 of h_s ~ c + sum_r W_r u_a(s) at " + (
+                 f"layer {r2s[0]['layer']}, the one most LRE decoders chose on validation" if len(r2s) == 1 else
+                 "every measured layer, all in the Holm family"), r2s),
+             _line(SELECTOR, f"matched control ({selector_source or 'trainable, at d*'}): accuracy with another "
+                             "subject's MLP gate of the same relation (not measured in the pretrained model)",
+                   selector),
+             capacity_line(report)]
+    return {"rule": VERDICT_RULE, "alpha": ALPHA, "n_tests": len(family), "lines": lines,
+            "tests": tests}
 
 
 def summary_claims(report: dict) -> list[dict]:
-    """One line per claim of the paper (``CLAIMS``) for a pretrained report, each with its verdict (``VERDICT_RULE``);
-    a claim whose data the report lacks says "not measured"."""
-    analyses = report.get("analyses") or {}
-    superposition = (analyses.get("superposition") or {}).get("layers") or {}
-    relations = sorted({n for e in superposition.values() for n in (e.get("readout") or {})})
-    ref = pretrained_reference(report, relations)
-    at = f"layer {ref[0]} (highest held-out R^2)" if ref else ""
-    lines = [_claim(CLAIMS[0], f"superposition readout accuracy, pooled over relations, at {at}",
-                    ref[2] if ref else None)]
-    causal = {}
-    for name, rel in (analyses.get("relations") or {}).items():
-        layer = ((rel.get("selected") or {}).get("lre") or {}).get("causality_layer")
-        if layer is not None:
-            causal[name] = (((rel.get("layers") or {}).get(str(layer)) or {}).get("lre") or {}).get("causality")
-    lines.append(_claim(CLAIMS[1], f"LRE causality (reference edit W^+ (o_t - o_s)) pooled over {len(causal)} "
-                        "relations, each at its causality layer chosen on validation",
-                        pooled(causal, "pooled over relations (each test pair once)")))
-    sources = control_sources(report.get("controls"), report.get("schema_version"))
-    trainable = [s for s in sources if not s.get("model", {}).get("frozen_subjects")]
-    d_model = report.get("model", {}).get("d_model")
-    same_width = next((s for s in trainable if s.get("model", {}).get("d_model") == d_model), None)
-    control_r2 = ((((same_width or {}).get("analyses") or {}).get("superposition") or {}).get("layers") or {}) \
-        .get("0", {}).get("r2")
-    if control_r2 and control_r2.get("value") is not None:
-        lines.append(_claim(CLAIMS[2], f"held-out R^2 of h_s ~ c + sum_r W_r u_a(s) at {at}", ref[1] if ref else None,
-                            f"matched one-layer control at the same width (d={d_model})", control_r2))
-    else:
-        lines.append(_claim(CLAIMS[2], f"held-out R^2 of h_s ~ c + sum_r W_r u_a(s) at {at}", ref[1] if ref else None))
-    at_star = next((s for s in trainable if (s.get("threshold") or {}).get("d_star") == s.get("model", {}).get(
-        "d_model")), trainable[0] if trainable else None)
-    transplant = (((at_star or {}).get("analyses") or {}).get("selector") or {}).get("gate_transplant") or {}
-    n_facts = ((at_star or {}).get("matched_to") or {}).get("n_facts")
-    if transplant.get("same_relation") is not None and transplant.get("same_subject") is not None and n_facts:
-        as_metric = lambda v: Metric(v, wilson(v, n_facts), n_facts, "wilson").to_dict()
-        lines.append(_claim(CLAIMS[3], f"matched control ({source_name(at_star)}): accuracy with another subject's "
-                            "MLP gate of the same relation (not measured in the pretrained model)",
-                            as_metric(transplant["same_relation"]), "gate of the same subject, another relation",
-                            as_metric(transplant["same_subject"])))
-    else:
-        lines.append(_claim(CLAIMS[3], "MLP gate transplant in the matched controls", None))
-    threshold = (at_star or {}).get("threshold") or {}
-    table = (at_star or {}).get("matched_to") or {}
-    n, r = table.get("n_subjects"), len(table.get("relations") or [])
-    if threshold.get("d_star") and n and n > 1 and r:
-        c = threshold["d_star"] / (r * math.log2(n))
-        law = {"value": CAPACITY_LAW[0], "ci": list(CAPACITY_LAW[1:])}
-        result = "supported" if c <= CAPACITY_LAW[2] else "not supported" if threshold.get("exact") else \
-            "inconclusive"
-        lines.append(_claim(CLAIMS[4], f"d* / (R log2 N) of the trainable control: d* = {threshold['d_star']}"
-                            f"{'' if threshold.get('exact') else ' (upper bound)'}, N = {n}, R = {r}",
-                            {"value": c, "ci": None, "n": None}, "the capacity sweep's law (docs/synthetic.md)",
-                            law, "one table: consistent with the law or not; the scaling itself is measured by "
-                            "llmprobe synth sweep", result))
-    else:
-        lines.append(_claim(CLAIMS[4], "threshold width d* of the matched controls", None))
-    return lines
+    """The lines of :func:`claims_block`: one per claim of the paper, each with its verdict."""
+    return claims_block(report)["lines"]
+
+
+def _number(m: dict | None) -> str:
+    if not m or m.get("value") is None:
+        return "-"
+    ci = m.get("ci")
+    return f"{m['value']:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci and None not in ci[:2] else "")
+
+
+def claims_text(block: dict) -> str:
+    """The claims block as terminal text: one line per claim (verdict, number, null, difference, comparison)."""
+    out = [f"Claims ({block['n_tests']} tests, Holm at one-sided {block['alpha']:g}; rule: docs/measures.md, "
+           "Verdicts):"]
+    for line in block["lines"]:
+        text = f"  {line['claim']}: {line['verdict']}"
+        if line["metric"]:
+            where = " ".join(filter(None, [line["relation"] if line["relation"] != "all relations" else None,
+                                           f"layer {line['layer']}" if line["layer"] is not None else None]))
+            text += f" -- {where + ': ' if where else ''}{_number(line['metric'])}"
+        if line["null"]:
+            text += f" vs {line['null_name']} {_number(line['null'])}, difference {_number(line['difference'])}"
+        if line["min_effect"] is not None and line["p_holm"] is not None:
+            text += f" (minimal effect {line['min_effect']:g}, Holm p {line['p_holm']:.2g})"
+        if line["comparison"]:
+            text += f"; {line['comparison']['word']} {line['comparison']['name']} {_number(line['comparison']['metric'])}"
+        out.append(text + (f" [{line['note']}]" if line["note"] else ""))
+    return "\n".join(out)

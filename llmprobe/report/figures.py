@@ -6,8 +6,20 @@ import base64
 
 from llmprobe.io import figure_png, subplots
 from llmprobe.metric import pooled_readout
-from llmprobe.report.claims import pretrained_reference
 from llmprobe.report.schema import source_name
+
+
+def pretrained_reference(report: dict, relations: list[str]) -> tuple[str, dict | None, dict | None] | None:
+    """(layer, R^2, pooled readout over ``relations``) of the pretrained report's superposition readouts at the
+    layer with the highest cross-fitted R^2, the line the capacity figure draws (descriptive: chosen on the numbers
+    shown; the claims choose their layers on validation, :mod:`llmprobe.report.claims`); None when it has none."""
+    layers = ((report.get("analyses") or {}).get("superposition") or {}).get("layers") or {}
+    scored = {l: e for l, e in layers.items() if (e.get("r2") or {}).get("value") is not None}
+    if not scored:
+        return None
+    layer = max(scored, key=lambda l: scored[l]["r2"]["value"])
+    readout = {name: m for name, m in (scored[layer].get("readout") or {}).items() if name in relations}
+    return layer, scored[layer]["r2"], pooled_readout(readout)
 
 
 def _png_data_uri(figure) -> str:

@@ -14,12 +14,14 @@ from pathlib import Path
 
 from llmprobe.io import write_json, write_text
 from llmprobe.metric import iter_metrics
-from llmprobe.report.claims import VERDICT_RULE, summary_claims
+from llmprobe.report.claims import VERDICT_RULE, claims_block
 from llmprobe.report.figures import report_figures
 from llmprobe.report.schema import control_sources, read_report, source_name
 
 ROW_FIELDS = ("source", "kind", "relation", "layer", "depth", "metric", "value", "lo", "hi", "control",
               "control_value", "n")
+CLAIM_FIELDS = ("verdict", "difference", "difference_lo", "difference_hi", "difference_interval", "min_effect",
+                "p_holm", "n_tests", "comparison", "comparison_value", "note")   # claim rows only (claim_rows)
 
 
 def metric_rows(report: dict) -> list[dict]:
@@ -75,11 +77,37 @@ def _row(source, kind, relation, layer, depth, metric, value, lo=None, hi=None, 
                                  control_value, n)))
 
 
+def claim_rows(report: dict) -> list[dict]:
+    """One row per claim of a pretrained report's claims block (:func:`llmprobe.report.claims.claims_block`), in
+    the metric rows' columns (``metric`` = "claim: ...", relation and layer shown, the number, its null as the
+    control) and ``CLAIM_FIELDS``; none for a synthetic report."""
+    if report.get("kind") == "synthetic":
+        return []
+    block = claims_block(report)
+    n_layers = max(report.get("model", {}).get("n_layers") or 1, 1)
+    rows = []
+    for line in block["lines"]:
+        metric, null = line["metric"] or {}, line["null"] or {}
+        lo, hi = (metric.get("ci") or [None, None])[:2]
+        diff, comparison = line["difference"] or {}, line["comparison"] or {}
+        layer = line["layer"]
+        row = _row(source_name(report), report.get("kind", "pretrained"), line["relation"], layer,
+                   None if layer is None else layer / (n_layers - 1) if n_layers > 1 else 0.0,
+                   f"claim: {line['claim']}", metric.get("value"), lo, hi, line["null_name"], null.get("value"),
+                   metric.get("n"))
+        d_lo, d_hi = (diff.get("ci") or [None, None])[:2]
+        rows.append(row | dict(zip(CLAIM_FIELDS, (
+            line["verdict"], diff.get("value"), d_lo, d_hi, diff.get("interval"), line["min_effect"],
+            line["p_holm"], block["n_tests"], " ".join(filter(None, [comparison.get("word"), comparison.get("name")]))
+            or None, (comparison.get("metric") or {}).get("value"), line["note"] or None))))
+    return rows
+
+
 def write_csv(rows: list[dict], path: str | Path) -> Path:
-    """The metric rows as one CSV table (atomic write); text cells that a spreadsheet would run as a formula are
-    neutralised (:func:`csv_safe`)."""
+    """The metric rows (and claim rows, ``CLAIM_FIELDS``) as one CSV table (atomic write); text cells that a
+    spreadsheet would run as a formula are neutralised (:func:`csv_safe`)."""
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=ROW_FIELDS)
+    writer = csv.DictWriter(buffer, fieldnames=ROW_FIELDS + CLAIM_FIELDS, restval="")
     writer.writeheader()
     writer.writerows({k: csv_safe(v) for k, v in row.items()} for row in rows)
     return write_text(path, buffer.getvalue())
@@ -236,31 +264,48 @@ def summary_tables(reports: list[dict], rows: list[dict]) -> list[tuple[str, lis
     return tables
 
 
-SUMMARY_HEADER = ["claim", "measure", "number [95% CI] (n)", "control", "verdict"]
+SUMMARY_HEADER = ["claim", "measure", "shown", "number [95% CI] (n)", "null", "difference [95% CI]",
+                  "minimal effect", "Holm p", "verdict", "note", "comparison"]
+VERDICT_COLUMN = SUMMARY_HEADER.index("verdict")
 LONG_TABLE = 15          # tables with more rows than this are folded into <details> (no JavaScript needed)
 
 
+def _difference_text(diff: dict | None) -> str:
+    if not diff or diff.get("value") is None:
+        return "-"
+    lo, hi = (diff.get("ci") or [None, None])[:2]
+    ends = f" [{_fmt(lo, 2)}, {_fmt(hi, 2)}]" if lo is not None and hi is not None else ""
+    return f"{diff['value']:+.3f}{ends} ({diff['interval']})"
+
+
 def summary_rows(reports: list[dict]) -> list[list]:
-    """The summary's lines (``SUMMARY_HEADER``) of every pretrained report, its source first when there are
-    several."""
+    """The summary's lines (``SUMMARY_HEADER``) of every pretrained report's claims block, its source first when
+    there are several."""
     pretrained = [r for r in reports if r.get("kind") != "synthetic"]
     rows = []
     for report in pretrained:
         prefix = f"{source_name(report)}: " if len(pretrained) > 1 else ""
-        for line in summary_claims(report):
-            control = f"{line['control_name']}: {_with_ci(line['control'])}" if line["control_name"] else "-"
-            rows.append([prefix + line["claim"], line["measure"], _with_ci(line["metric"]), control,
-                         line["verdict"] + (f" ({line['note']})" if line["note"] else "")])
+        for line in claims_block(report)["lines"]:
+            shown = ", ".join(filter(None, [line["relation"], None if line["layer"] is None else f"layer {line['layer']}"]))
+            comparison = line["comparison"]
+            rows.append([prefix + line["claim"], line["measure"], shown or "-", _with_ci(line["metric"]),
+                         f"{line['null_name']}: {_with_ci(line['null'])}" if line["null_name"] else "-",
+                         _difference_text(line["difference"]),
+                         "-" if line["min_effect"] is None else f"+{line['min_effect']:g}",
+                         "-" if line["p_holm"] is None else f"{line['p_holm']:.2g}", line["verdict"],
+                         line["note"] or "-", f"{comparison['word']} {comparison['name']}: {_with_ci(comparison['metric'])}"
+                         if comparison else "-"])
     return rows
 
 
 def summary_html(reports: list[dict], title: str) -> str:
-    """``<section id="summary">``: the title, one line per claim with its number, control and verdict, the rule."""
+    """``<section id="summary">``: the title, one line per claim with its number, null, difference, verdict and
+    comparison, then the rule."""
     rows = summary_rows(reports)
     head = "".join(f"<th>{html.escape(h)}</th>" for h in SUMMARY_HEADER)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in row[:-1]) +
-                   f"<td class='verdict {row[-1].split(' (')[0].replace(' ', '-')}'>{html.escape(row[-1])}</td></tr>"
-                   for row in rows)
+    cell = lambda i, c: (f"<td class='verdict {c.replace(' ', '-')}'>" if i == VERDICT_COLUMN else "<td>") + \
+        f"{html.escape(_fmt(c))}</td>"
+    body = "".join("<tr>" + "".join(cell(i, c) for i, c in enumerate(row)) + "</tr>" for row in rows)
     table = f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>" if rows else \
         "<p>No pretrained report: no claim is measured on this page.</p>"
     return (f"<section id='summary'><h1>{html.escape(title)}</h1><h2>Summary: the paper's claims</h2>{table}"
@@ -277,8 +322,8 @@ STYLE = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100p
 table{border-collapse:collapse;margin:1em 0;font-size:13px}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}
 th{background:#f3f3f3}img{max-width:100%;border:1px solid #eee;margin:.5em 0}.err{color:#a00}
 h1{font-size:1.6em}h2{font-size:1.2em;margin-top:1.6em}summary{cursor:pointer;color:#555}
-.rule{font-size:12px;color:#555}.supported{background:#dff0d8}.not-supported{background:#f2dede}
-.inconclusive{background:#fcf8e3}.not-measured{color:#888}
+.rule{font-size:12px;color:#555}.supported{background:#dff0d8}.not-shown{background:#f2dede}
+.weak,.inconclusive{background:#fcf8e3}.not-measured,.null-not-measured,.not-comparable{color:#888}
 #summary td:nth-child(3){white-space:nowrap}"""
 
 
@@ -376,14 +421,15 @@ def write_all(reports: list[dict], out: Path, title: str, formats: tuple[str, ..
     if unknown:
         raise ValueError(f"unknown report format(s) {sorted(unknown)}; choose from html, md, json, csv")
     rows = [row for report in reports for row in metric_rows(report)]
+    claims = [row for report in reports for row in claim_rows(report)]
     written = []
     if "html" in formats:
         written.append(write_text(out / "report.html", render_html(reports, title, extra_images)))
     if "md" in formats:
         written.append(write_text(out / "report.md", render_markdown(reports, title)))
     if "csv" in formats:
-        written.append(write_csv(rows, out / "metrics.csv"))
+        written.append(write_csv(rows + claims, out / "metrics.csv"))
     if "json" in formats:
-        written.append(write_json(out / "metrics.json", rows))
+        written.append(write_json(out / "metrics.json", rows + claims))
     return written
 
