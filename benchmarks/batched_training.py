@@ -24,6 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from llmprobe.checks import int_list  # noqa: E402
+from llmprobe.io import write_json  # noqa: E402
 from synthetic.batched import ModelStack, train_batched  # noqa: E402
 from synthetic.model import FactRecallModel, auto_chunk  # noqa: E402
 from synthetic.sweep import SweepConfig, load_results, run_sweep, thresholds  # noqa: E402
@@ -118,7 +120,7 @@ def predict_h200(N, R, configs, steps, ops_alone, ops_stacked) -> dict:
 
 
 def compare_training(args) -> dict:
-    widths, seeds, modes = _ints(args.widths), _ints(args.seeds), args.modes.split(",")
+    widths, seeds, modes = int_list(args.widths, "--widths"), int_list(args.seeds, "--seeds", 0), args.modes.split(",")
     cfg = TrainConfig(max_steps=args.max_steps, progress=False, device=args.device)
     points = list(itertools.product(modes, widths, seeds))
     tasks = [random_bijections(args.N, args.R, seed) for _, _, seed in points]
@@ -186,8 +188,9 @@ def compare_dstar(args) -> dict:
     root = tempfile.mkdtemp(prefix="dstar-")
     try:
         for batched in (False, True):
-            cfg = SweepConfig(subjects=_ints(args.dstar_subjects), relations=_ints(args.dstar_relations),
-                              seeds=_ints(args.seeds), modes=args.modes.split(","), batched=batched,
+            cfg = SweepConfig(subjects=int_list(args.dstar_subjects, "--dstar-subjects"),
+                              relations=int_list(args.dstar_relations, "--dstar-relations"),
+                              seeds=int_list(args.seeds, "--seeds", 0), modes=args.modes.split(","), batched=batched,
                               train=TrainConfig(max_steps=args.max_steps, progress=False, device=args.device))
             out = os.path.join(root, str(batched))
             t0 = time.perf_counter()
@@ -207,10 +210,6 @@ def compare_dstar(args) -> dict:
           f"({times[False] / times[True]:.2f}x)")
     return {"one_at_a_time": found[False], "batched": found[True], "same": same, "cells": len(found[False]),
             "wall_s": {"one_at_a_time": times[False], "batched": times[True]}}
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def main(argv=None):
@@ -236,8 +235,6 @@ def main(argv=None):
     if args.dstar:
         out["dstar"] = compare_dstar(args)
     if args.json:
-        from llmprobe.io import write_json
-
         write_json(args.json, out)
     return out
 

@@ -27,6 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import synthetic.batched as batched  # noqa: E402
@@ -38,6 +39,8 @@ from benchmarks.batched_training import (  # noqa: E402
     OP_LAUNCH_S,
     step_cost,
 )
+from llmprobe.checks import int_list  # noqa: E402
+from llmprobe.io import write_json  # noqa: E402
 from synthetic.sweep import SweepConfig, config_key, extrapolated_guess, load_results, run_sweep, thresholds  # noqa: E402
 from synthetic.tasks import random_bijections  # noqa: E402
 from synthetic.train import TrainConfig, model_config_for  # noqa: E402
@@ -109,8 +112,6 @@ def throughput(shapes: list[tuple[int, int, int, int]], steps: int) -> list[dict
 def fit_cost(rows: list[dict]) -> dict:
     """CPU s per model-step = a + b N^2 R + c N^2 R d, least squares in relative error (each point weighted by
     1 / its time), over the points' own CPU shares; with the median and 90th percentile of |relative error|."""
-    import numpy as np
-
     pts = [(r["n_subjects"], r["n_relations"], r["d_model"], r["cpu_time_s"] / r["steps"]) for r in rows
            if r.get("cpu_time_s") and r.get("steps")]
     X = np.array([[1.0, N * N * R, N * N * R * d] for N, R, d, _ in pts])
@@ -230,14 +231,12 @@ def main(argv=None):
     out = {"threads": args.threads}
     if args.per_round:
         out["per_round"] = compare_per_round(_pairs(args.cells), args.per_round,
-                                             [int(s) for s in args.seeds.split(",")], args.modes.split(","))
+                                             int_list(args.seeds, "--seeds", 0), args.modes.split(","))
     if args.throughput:
         out["throughput"] = throughput(_pairs(args.shapes), args.steps)
     if args.predict:
         out["predict"] = predict(args.predict, args.nodes, args.cores, args.ref_n, args.thread_efficiency)
     if args.json:
-        from llmprobe.io import write_json
-
         write_json(args.json, out)
     return out
 

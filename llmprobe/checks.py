@@ -23,7 +23,7 @@ def is_out_of_memory(error: BaseException) -> bool:
     if isinstance(error, MemoryError):
         return True
     try:
-        import torch
+        import torch  # lazy: the checks (and the settings above them) must not load torch
 
         if isinstance(error, getattr(torch, "OutOfMemoryError", ())):
             return True
@@ -66,6 +66,15 @@ def positive_int(value, what: str, allow_none: bool = False, minimum: int = 1) -
     if not ok:
         raise UsageError(f"{what} must be a whole number of at least {minimum}, got {value!r}")
     return number
+
+
+def int_list(text, what: str, minimum: int = 1) -> list[int]:
+    """``"256,512"`` -> [256, 512]: a comma list of whole numbers >= ``minimum``, empty items ignored; raises
+    UsageError naming ``what`` for an empty list or a bad item."""
+    items = [x.strip() for x in str(text).split(",") if x.strip()]
+    if not items:
+        raise UsageError(f"{what}: empty list {text!r}; give comma-separated whole numbers")
+    return [positive_int(x, f"each value of {what} ({text!r})", minimum=minimum) for x in items]
 
 
 def analysis_names(spec, valid) -> tuple[str, ...]:

@@ -1,9 +1,19 @@
 """The vocabularies every layer shares (layer 0: no imports): analysis names, protocols, scoring modes and the
-embedding modes of the synthetic models. One tuple each; every check and default reads them from here."""
+embedding modes of the synthetic models (what each freezes, and the subsets each experiment runs). One constant
+each; every check and default reads them from here."""
 
 ANALYSES = ("lre", "ridge", "superposition")     # what ``--analyses`` can name
 PROTOCOLS = ("strict", "lre")                    # strict: zero-shot prompt, exact first token; lre: the reference's
 FIRST_TOKEN = "first_token"                      # an object scored by its first token
 SEQUENCE = "sequence"                            # ... or by the full-sequence log-probability
 SCORING_MODES = (FIRST_TOKEN, SEQUENCE)
+# what each embedding mode of the synthetic one-layer model freezes at its random init (ModelConfig flags)
+EMBEDDING_MODES = {
+    "trainable": (),                                   # every parameter learns
+    "frozen": ("frozen_subjects",),                    # subject embeddings frozen (the paper's control)
+    "frozen_all": ("frozen_subjects", "frozen_unembed"),   # subject embeddings and unembedding frozen
+    "frozen_unembed": ("frozen_unembed",),             # the unembedding frozen, subject embeddings learn
+}
 CONTROL_MODES = ("trainable", "frozen")          # subject embeddings of the matched synthetic models
+SWEEP_MODES = ("trainable", "frozen", "frozen_all")        # the capacity sweep's modes (synthetic.sweep)
+SWAP_MODES = ("trainable", "frozen", "frozen_unembed")     # the freeze-and-swap sweep's modes (synthetic.swap)

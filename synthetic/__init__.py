@@ -2,7 +2,9 @@
 
 Tasks (:mod:`synthetic.tasks`), the one-layer model (:mod:`synthetic.model`), training to 100% train accuracy
 (:mod:`synthetic.train`), capacity sweeps with bisection on d (:mod:`synthetic.sweep`), the paper's explicit
-construction (:mod:`synthetic.construction`) and counting bounds (:mod:`synthetic.bounds`)::
+construction (:mod:`synthetic.construction`) and counting bounds (:mod:`synthetic.bounds`); the figures of every
+experiment are drawn by :mod:`synthetic.render`, and every ``llmprobe synth`` subcommand is parsed in
+:mod:`synthetic.cli`::
 
     from synthetic import random_bijections, train, TrainConfig
     task = random_bijections(512, 4, seed=0)

@@ -25,12 +25,10 @@ import time
 
 import torch
 
-from llmprobe.io import write_json
-from synthetic.model import FactRecallModel, ModelConfig, auto_chunk
+from synthetic.model import FactRecallModel, ModelConfig, softmax_cross_entropy
 from synthetic.tasks import FactTask, KHopTask
 from synthetic.train import (
     CHECKPOINT,
-    RUN,
     STATE,
     RunResult,
     TrainConfig,
@@ -39,6 +37,8 @@ from synthetic.train import (
     evaluate,
     lr_at,
     read_checkpoint,
+    run_result,
+    save_run,
 )
 
 # the non-model axes of each parameter: "d" model width, "m" MLP width, "-" fixed by the task
@@ -170,7 +170,7 @@ class ModelStack:
         M = input_ids.shape[0]
         h = self.final_states(input_ids, positions).reshape(M, -1, self.d)
         bias = self.params.get("unembed_bias")
-        return _StackedSoftmaxCE.apply(h, self.params["unembed_weight"], bias, targets.reshape(M, -1), chunk)
+        return softmax_cross_entropy(h, self.params["unembed_weight"], bias, targets.reshape(M, -1), chunk)
 
     # ------------------------------------------------------------------ update
     @torch.no_grad()
@@ -201,54 +201,6 @@ def _per_model(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, b, k, p] times model i's own weight [M, p, q] -> [M, b, k, q] (one bmm, not b * k small ones)."""
     M, b, k, p = x.shape
     return torch.bmm(x.reshape(M, b * k, p), weight).reshape(M, b, k, weight.shape[2])
-
-
-class _StackedSoftmaxCE(torch.autograd.Function):
-    """:class:`synthetic.model._SoftmaxCE` with a leading model dimension: h [M, B, D], weight [M, n, D],
-    bias [M, n] or None, targets [M, B] -> (mean loss per model [M], correct per model [M])."""
-
-    @staticmethod
-    def forward(ctx, h, weight, bias, targets, chunk):
-        M, B, _ = h.shape
-        if not chunk:
-            chunk = max(1, auto_chunk(weight.shape[1], h.device) // M)
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        gh = torch.empty_like(h) if need_h else None
-        gw = torch.zeros_like(weight) if need_w else None
-        gb = torch.zeros_like(bias) if (bias is not None and need_b) else None
-        loss = torch.zeros(M, dtype=torch.float64, device=h.device)
-        correct = torch.zeros(M, dtype=torch.long, device=h.device)
-        wt = weight.transpose(1, 2)
-        for i in range(0, B, chunk):
-            hc, yc = h[:, i:i + chunk], targets[:, i:i + chunk, None]
-            logits = torch.baddbmm(bias[:, None], hc, wt) if bias is not None else torch.bmm(hc, wt)
-            p = torch.softmax(logits, dim=2)
-            del logits
-            pt = p.gather(2, yc)[..., 0]
-            top = p.amax(2, keepdim=True)
-            correct += ((pt >= top[..., 0]) & ((p == top).sum(2) == 1)).sum(1)
-            loss -= pt.clamp_min(1e-30).log().sum(1).double()
-            p.scatter_add_(2, yc, torch.full(yc.shape, -1.0, dtype=p.dtype, device=p.device))
-            if gh is not None:
-                gh[:, i:i + chunk] = torch.bmm(p, weight)
-            if gw is not None:
-                gw.baddbmm_(p.transpose(1, 2), hc)
-            if gb is not None:
-                gb += p.sum(1)
-        scale = 1.0 / max(B, 1)
-        for g in (gh, gw, gb):
-            if g is not None:
-                g.mul_(scale)
-        ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in (gh, gw, gb)))
-        ctx.has = (gh is not None, gw is not None, gb is not None)
-        return (loss * scale).to(h.dtype), correct
-
-    @staticmethod
-    def backward(ctx, grad_loss, grad_correct):
-        saved = ctx.saved_tensors
-        grads = [saved[i] * grad_loss.view(-1, *([1] * (saved[i].dim() - 1))) if ctx.has[i] else None
-                 for i in range(3)]
-        return grads[0], grads[1], grads[2], None, None
 
 
 def train_batched(tasks: list[FactTask | KHopTask], model_configs: list[ModelConfig],
@@ -307,13 +259,12 @@ def train_batched(tasks: list[FactTask | KHopTask], model_configs: list[ModelCon
         if not histories[i] or histories[i][-1][0] != steps[i]:
             histories[i].append([steps[i], round(losses[i], 5), round(accs[i], 5)])
         success = accs[i] >= cfg.target_acc
-        results[i] = _result(tasks[i], model, cfg, steps[i], accs[i], losses[i], histories[i], wall_share[i],
-                             cpu_share[i], time.perf_counter() - t0 if success else None, n_rows, M)
+        results[i] = run_result(tasks[i], model, cfg, steps=steps[i], accuracy=accs[i], loss=losses[i],
+                                history=histories[i], wall_s=wall_share[i], cpu_s=cpu_share[i],
+                                time_to_target_s=time.perf_counter() - t0 if success else None,
+                                facts_per_step=n_rows, batch_models=M)
         if out_dirs[i]:
-            _save_checkpoint(out_dirs[i], model, stack.moments(j), steps[i], wall_share[i], histories[i],
-                             accs[i], losses[i], cfg)
-            write_json(os.path.join(out_dirs[i], RUN),
-                       {**results[i].to_dict(), "model_config": model.config.to_dict()})
+            save_run(out_dirs[i], results[i], stack.moments(j), wall_share[i], cfg)
 
     def save_all() -> None:
         for j, i in enumerate(active):
@@ -386,20 +337,3 @@ def train_batched(tasks: list[FactTask | KHopTask], model_configs: list[ModelCon
         save_all()                  # the next call on these directories resumes from here
         raise
     return results
-
-
-def _result(task, model, cfg, steps, acc, loss, history, wall, cpu, t_target, n_rows, batch_models) -> RunResult:
-    mcfg = model.config
-    n = model.n_params()
-    bits = task.bits()
-    result = RunResult(
-        accuracy=acc, success=acc >= cfg.target_acc, steps=steps, wall_time_s=round(wall, 3),
-        n_params=n["total"], n_trainable=n["trainable"], bits=round(bits, 1),
-        bits_per_param=float(f"{bits / max(1, n['trainable']):.4g}"), loss=loss,
-        facts_per_s=round(steps * n_rows / max(wall, 1e-9), 1), n_subjects=mcfg.n_subjects,
-        n_relations=mcfg.n_relations, d_model=mcfg.d_model, d_mlp=mcfg.d_mlp, frozen_subjects=mcfg.frozen_subjects,
-        attention=mcfg.attention, task_kind=task.kind, train=cfg.to_dict(), history=list(history),
-        time_to_target_s=None if t_target is None else round(t_target, 3), cpu_time_s=round(cpu, 3),
-        batch_models=batch_models)
-    result.model = model
-    return result

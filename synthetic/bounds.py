@@ -98,3 +98,12 @@ def summary(n_subjects: int, n_relations: int, hops: int = 1, bits_per_param: fl
         "min_d_khop_no_cot": min_d(N, R, bits_per_param, hops=hops) if hops > 1 else None,
         "bits_per_param": bits_per_param,
     }
+
+
+def capacity_reference(cells: list[dict], bits_per_param: float, mlp_ratio: float = 8.0) -> dict:
+    """The width at which the trainable model's parameters hold the facts' bits at ``bits_per_param``
+    (:func:`min_d`), for every (N, R) of ``cells`` (dicts with "N" and "R"): {N: [(R log2 N, d), ...] sorted by R}."""
+    out: dict = {}
+    for N, R in sorted({(c["N"], c["R"]) for c in cells}):
+        out.setdefault(N, []).append((R * math.log2(N), min_d(N, R, bits_per_param, mlp_ratio=mlp_ratio)))
+    return out

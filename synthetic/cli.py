@@ -1,45 +1,58 @@
-"""``llmprobe synth train|sweep|construct|bounds`` (``llmprobe/cli.py`` wires :func:`add_parser` in; ``analyze``
-and ``multihop`` join the group through ``parser.synth_subparsers``)."""
+"""Every ``llmprobe synth`` subcommand: train, sweep, construct, bounds, analyze, swap-sweep, multihop,
+multihop-seeds. ``llmprobe/cli.py`` calls :func:`add_parser` once; the parsing and the commands live here, the
+experiments in their modules (no command line there) and their figures in :mod:`synthetic.render`."""
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 
 from llmprobe import io as llmio
-from llmprobe.checks import UsageError, positive_int
+from llmprobe.checks import UsageError, int_list, positive_int
+from synthetic.analyze import ANALYSIS, CONTROLS, DEFAULT_TRAIN, analyze
 from synthetic.bounds import summary
 from synthetic.construction import smallest_construction
-from synthetic.sweep import SweepConfig, plot, run_sweep, summarize, table_markdown
+from synthetic.multihop import (
+    D_GRID,
+    M_GRID,
+    SEEDS_FILE,
+    MultihopConfig,
+    SeedsConfig,
+    run_multihop,
+    run_seeds,
+    seeds_markdown,
+)
+from synthetic.multihop import table_markdown as multihop_markdown
+from synthetic.render import multihop_figure, seeds_figure, swap_sweep_figure, sweep_figures
+from synthetic.swap import summarize_sweep, swap_sweep, sweep_markdown, sweep_points
+from synthetic.sweep import SweepConfig, load_results, run_sweep, summarize, table_markdown
 from synthetic.tasks import load_facts, random_bijections, random_khop
 from synthetic.train import TrainConfig, train
 
 
-def _ints(text: str, minimum: int = 1) -> list[int]:
-    """``"256,512"`` -> [256, 512]; every item a whole number >= ``minimum`` (UsageError otherwise)."""
-    items = [x.strip() for x in str(text).split(",") if x.strip()]
-    if not items:
-        raise UsageError(f"empty list {text!r}: give comma-separated whole numbers")
-    return [positive_int(x, f"each value of {text!r}", minimum=minimum) for x in items]
-
-
-def _positive(name: str):
-    """argparse type: a whole number >= 1 (argparse's usage error, status 2, otherwise)."""
+def _arg(check):
+    """An argparse ``type`` from a check raising UsageError (argparse's usage error, status 2, instead)."""
     def convert(text):
         try:
-            return positive_int(text, name)
+            return check(text)
         except UsageError as error:
             raise argparse.ArgumentTypeError(str(error)) from None
     return convert
 
 
-def _int_list(text: str) -> str:
-    """argparse type checking a comma list of whole numbers >= 1 (kept as text for the commands)."""
-    try:
-        _ints(text)
-    except UsageError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    return text
+def _positive(name: str):
+    """argparse type: a whole number >= 1."""
+    return _arg(lambda text: positive_int(text, name))
+
+
+def _int_text(name: str, minimum: int = 1):
+    """argparse type: a comma list of whole numbers >= ``minimum`` (:func:`llmprobe.checks.int_list`), kept as
+    text for the command, which reads it with the same function."""
+    def check(text: str) -> str:
+        int_list(text, name, minimum)
+        return text
+    return _arg(check)
 
 
 def _train_config_args(p: argparse.ArgumentParser, max_steps: int) -> None:
@@ -66,11 +79,12 @@ def _train_config(args, progress: bool):
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Add the ``synth`` command group to an argparse ``subparsers`` object; returns the group's parser.
-    Its own sub-subparsers are at ``parser.synth_subparsers`` for later additions (e.g. ``analyze``)."""
-    synth = subparsers.add_parser("synth", help="synthetic factual recall: train, sweep, construct, bounds",
+    """Add the ``synth`` command group, with every subcommand, to an argparse ``subparsers`` object; returns the
+    group's parser (its own sub-subparsers at ``parser.synth_subparsers``)."""
+    synth = subparsers.add_parser("synth", help="synthetic factual recall: train, sweep, construct, bounds, analyze, "
+                                                "swap-sweep, multihop, multihop-seeds",
                                   description="Synthetic factual-recall models (one-layer transformer).")
-    sub = synth.add_subparsers(dest="synth_command", metavar="{train,sweep,construct,bounds,...}")
+    sub = synth.add_subparsers(dest="synth_command", metavar="{train,sweep,construct,bounds,analyze,...}")
     synth.synth_subparsers = sub
     synth.set_defaults(func=lambda args: _missing_subcommand(synth))
 
@@ -101,11 +115,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     # ---------------------------------------------------------------- sweep
     p = sub.add_parser("sweep", help="capacity sweep: threshold d* per (N, R) by bisection",
                        description="Bisection on d for every (N, R, seed, trainable/frozen); resumable.")
-    p.add_argument("--subjects", default="256,512", type=_int_list,
+    p.add_argument("--subjects", default="256,512", type=_int_text("--subjects"),
                    help="comma-separated N values (default: a small grid, ~4 min of CPU; the README's full grid is "
                         "256,512,1024 x 2,4,8,16 x seeds 0,1, ~31 min on 2 cores with --workers 2)")
-    p.add_argument("--relations", default="2,4,8", type=_int_list, help="comma-separated R values")
-    p.add_argument("--seeds", default="0", help="comma-separated seeds")
+    p.add_argument("--relations", default="2,4,8", type=_int_text("--relations"), help="comma-separated R values")
+    p.add_argument("--seeds", default="0", type=_int_text("--seeds", minimum=0), help="comma-separated seeds")
     p.add_argument("--frozen-subjects", action="store_true", help="only the frozen regime")
     p.add_argument("--trainable-only", action="store_true", help="only the trainable regime")
     p.add_argument("--modes", default=None,
@@ -140,8 +154,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     # ---------------------------------------------------------------- construct
     p = sub.add_parser("construct", help="explicit construction: smallest d reaching 100%% without training")
-    p.add_argument("--subjects", default="256,512,1024", type=_int_list)
-    p.add_argument("--relations", default="2,4,8,16", type=_int_list)
+    p.add_argument("--subjects", default="256,512,1024", type=_int_text("--subjects"))
+    p.add_argument("--relations", default="2,4,8,16", type=_int_text("--relations"))
     p.add_argument("--codes", choices=["sphere", "binary"], default="sphere")
     p.add_argument("--variant", choices=["erase", "extract"], default="erase")
     p.add_argument("--precision-bits", type=int, default=8, help="quantise weights first (0 = float32)")
@@ -155,7 +169,128 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--hops", type=_positive("--hops"), default=1)
     p.add_argument("--bits-per-param", type=float, default=2.0)
     p.set_defaults(func=cmd_bounds)
+    _add_analyze(sub)
+    _add_swap_sweep(sub)
+    _add_multihop(sub)
+    _add_multihop_seeds(sub)
     return synth
+
+
+def _add_analyze(sub) -> None:
+    p = sub.add_parser(
+        "analyze", help="mechanisms of a trained run: readouts, selector, freeze-and-swap, with controls",
+        description="Superposition readouts of e_s, MLP selector interventions and freeze-and-swap for the run in "
+                    "RUN_DIR, beside the frozen and frozen_all controls trained on the same table. Writes "
+                    "RUN_DIR/analysis.json, analysis.md and plots. An empty RUN_DIR is trained first "
+                    "(--subjects, --relations, --d).")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--controls", default=",".join(CONTROLS),
+                   help="comma list of frozen,frozen_all ('' = none; default %(default)s)")
+    p.add_argument("--no-swap", action="store_true", help="skip freeze-and-swap")
+    p.add_argument("--swap-steps", default="0,10,25,50,100", type=_int_text("--swap-steps", minimum=0),
+                   help="step counts to report (default %(default)s)")
+    p.add_argument("--swap-lr", type=float, default=0.03)
+    p.add_argument("--n-boot", type=int, default=500, help="bootstrap resamples for the intervals")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--img-dir", default=None, help="also write the plots here as mech_*.png (e.g. docs/img)")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g = p.add_argument_group("training an empty RUN_DIR first")
+    g.add_argument("--subjects", "-N", type=int, default=None)
+    g.add_argument("--relations", "-R", type=int, default=None)
+    g.add_argument("--d", type=int, default=None)
+    g.add_argument("--mlp-width", type=int, default=None, help="default 8d (the model default)")
+    g.add_argument("--attention", choices=["uniform", "learned"], default="uniform")
+    g.add_argument("--lr", type=float, default=DEFAULT_TRAIN["lr"])
+    g.add_argument("--max-steps", type=int, default=DEFAULT_TRAIN["max_steps"])
+    g.add_argument("--weight-decay", type=float, default=DEFAULT_TRAIN["weight_decay"])
+    g.add_argument("--stop-at-100", action="store_true",
+                   help="stop at 100%% train accuracy instead of training all --max-steps")
+    p.set_defaults(func=cmd_analyze)
+
+
+def _add_swap_sweep(sub) -> None:
+    q = sub.add_parser(
+        "swap-sweep", help="freeze-and-swap over d/d*, seeds, encoders and training settings",
+        description="Train one-hop models at d = ratio * d* (d* from docs/synthetic.md), freeze them and swap in "
+                    "subject embeddings of new random bijections (encoders: least-squares fit, the construction's "
+                    "rule, random re-init; plus the construction's own model). Resumable: OUT/results.jsonl; "
+                    "OUT/summary.json; --img draws the figure.")
+    q.add_argument("out", metavar="OUT")
+    q.add_argument("--subjects", "-N", default="256", type=_int_text("--subjects"),
+                   help="comma list (default %(default)s)")
+    q.add_argument("--relations", "-R", default="4", type=_int_text("--relations"),
+                   help="comma list (default %(default)s)")
+    q.add_argument("--ratios", default="1,2,4,8", help="d/d* values (default %(default)s)")
+    q.add_argument("--seeds", default="0,1,2", type=_int_text("--seeds", minimum=0),
+                   help="table and init seeds (default %(default)s)")
+    q.add_argument("--modes", default="trainable,frozen", help="trainable,frozen,frozen_unembed")
+    q.add_argument("--attributes", type=int, default=None,
+                   help="many-to-one maps onto this many shared attributes instead of bijections")
+    q.add_argument("--weight-decay", type=float, default=DEFAULT_TRAIN["weight_decay"])
+    q.add_argument("--max-steps", type=int, default=DEFAULT_TRAIN["max_steps"])
+    q.add_argument("--stop-at-100", action="store_true")
+    q.add_argument("--steps", default="0,10,25,50,100,300", type=_int_text("--steps", minimum=0),
+                   help="embedding-training steps to report")
+    q.add_argument("--swap-lr", type=float, default=0.03)
+    q.add_argument("--no-control", action="store_true", help="skip the construction positive control")
+    q.add_argument("--img", default=None, help="write the figure here (e.g. docs/img/mech_swap_ratio.png)")
+    q.add_argument("--plot-only", action="store_true",
+                   help="train nothing: re-summarise OUT/results.jsonl (and draw with --img)")
+    q.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    q.set_defaults(func=cmd_swap_sweep)
+
+
+def _add_multihop(sub) -> None:
+    p = sub.add_parser(
+        "multihop", help="k-hop: smallest d reaching 100%% with and without chain-of-thought",
+        description="Trains one-layer models on k-hop queries and finds the smallest width d (and MLP width) that "
+                    "reaches 100%, with and without chain-of-thought. Resumable (points.jsonl in --out).")
+    p.add_argument("--subjects", "-N", type=int, default=64)
+    p.add_argument("--relations", "-R", type=int, default=2)
+    p.add_argument("--hops", default="1,2,3", type=_int_text("--hops"), help="comma list of k (default %(default)s)")
+    p.add_argument("--d-grid", default=",".join(map(str, D_GRID)), type=_int_text("--d-grid"))
+    p.add_argument("--mlp-ratio", type=float, default=4.0, help="d_mlp = ratio * d in the d* search")
+    p.add_argument("--width-hops", type=int, default=2, help="k of the MLP-width sweep")
+    p.add_argument("--width-d", default="8,16,32", help="d values of the MLP-width sweep ('' = skip)")
+    p.add_argument("--m-grid", default=",".join(map(str, M_GRID)), type=_int_text("--m-grid"))
+    p.add_argument("--attention", choices=["uniform", "learned"], default="learned")
+    p.add_argument("--restarts", type=int, default=1, help="model seeds per point (success = any)")
+    p.add_argument("--seed", type=int, default=0, help="task seed")
+    p.add_argument("--lr", type=float, default=0.03)
+    p.add_argument("--max-steps", type=int, default=2000)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--img-dir", default=None, help="also write the plot here as mech_multihop.png")
+    p.add_argument("--out", required=True, help="output folder (points.jsonl, summary.json, table.md, plot)")
+    p.set_defaults(func=cmd_multihop)
+
+
+def _add_multihop_seeds(sub) -> None:
+    p = sub.add_parser(
+        "multihop-seeds", help="k-hop: d* per k, CoT, R and seed, with the growth fit d* ~ R^b",
+        description="d* (smallest d reaching 100%%) for every k x CoT x R x seed (seed = fact table + init; the "
+                    "seeds of a cell trained together), then log d* = a + b log R per k with a bootstrap interval "
+                    "over seeds within R. Resumable (points.jsonl in --out); writes seeds.json, seeds.md and the "
+                    "figure.")
+    p.add_argument("--subjects", "-N", type=int, default=16)
+    p.add_argument("--relations", "-R", default="2,4,8", type=_int_text("--relations"),
+                   help="comma list of R (default %(default)s)")
+    p.add_argument("--hops", default="1,2,3", type=_int_text("--hops"), help="comma list of k (default %(default)s)")
+    p.add_argument("--seeds", default="0,1,2", type=_int_text("--seeds", minimum=0),
+                   help="comma list of seeds (default %(default)s)")
+    p.add_argument("--d-grid", default=",".join(map(str, D_GRID)), type=_int_text("--d-grid"))
+    p.add_argument("--mlp-ratio", type=float, default=4.0, help="d_mlp = ratio * d")
+    p.add_argument("--attention", choices=["uniform", "learned"], default="learned")
+    p.add_argument("--lr", type=float, default=0.03)
+    p.add_argument("--max-steps", type=int, default=2000)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--cot", default="no,yes", help="which cells: no,yes (default), no or yes (one-hop without CoT "
+                                                    "is always searched)")
+    p.add_argument("--no-train", action="store_true", help="summarise the points in --out only (open searches "
+                                                            "end bracketed by the points trained so far)")
+    p.add_argument("--img", default=None, help="also write the figure to this path")
+    p.add_argument("--out", required=True, help="output folder (points.jsonl, seeds.json, seeds.md, seeds.png)")
+    p.set_defaults(func=cmd_multihop_seeds)
 
 
 # ----------------------------------------------------------------------------- commands
@@ -203,7 +338,8 @@ def cmd_sweep(args) -> dict:
         modes = ["frozen"]
     elif args.trainable_only:
         modes = ["trainable"]
-    cfg = SweepConfig(subjects=_ints(args.subjects), relations=_ints(args.relations), seeds=_ints(args.seeds, minimum=0),
+    cfg = SweepConfig(subjects=int_list(args.subjects, "--subjects"), relations=int_list(args.relations, "--relations"),
+                      seeds=int_list(args.seeds, "--seeds", minimum=0),
                       modes=modes, mlp_ratio=args.mlp_ratio, d_mlp=args.mlp_width, attention=args.attention,
                       d_min=args.d_min, d_max=args.d_max, workers=args.workers, threads=args.threads or 1,
                       batched=args.batched, executor=args.executor, address=args.address,
@@ -212,19 +348,19 @@ def cmd_sweep(args) -> dict:
         raise UsageError("--address is for --executor ray")
     if args.report_only:
         summary = summarize(args.out, cfg)
-        plot(args.out, summary)
+        sweep_figures(load_results(args.out), summary, args.out)
     else:
         summary = run_sweep(cfg, args.out)
     if args.img_dir:
-        plot(args.out, summary, img_dir=args.img_dir, prefix="synthetic_")
+        sweep_figures(load_results(args.out), summary, args.img_dir, prefix="synthetic_")
     print(table_markdown(summary))
     return summary
 
 
 def cmd_construct(args) -> list:
     rows = []
-    for N in _ints(args.subjects):
-        for R in _ints(args.relations):
+    for N in int_list(args.subjects, "--subjects"):
+        for R in int_list(args.relations, "--relations"):
             r = smallest_construction(N, R, codes=args.codes, variant=args.variant,
                                       precision_bits=args.precision_bits or None)
             rows.append(r)
@@ -240,3 +376,79 @@ def cmd_bounds(args) -> dict:
     for key, value in out.items():
         print(f"{key:<20} {value:.6g}" if isinstance(value, float) else f"{key:<20} {value}")
     return out
+
+
+def cmd_analyze(args) -> dict:
+    spec = None
+    if args.subjects and args.relations and args.d:
+        spec = {"subjects": args.subjects, "relations": args.relations, "d": args.d, "seed": args.seed,
+                "d_mlp": args.mlp_width, "attention": args.attention,
+                "train_config": TrainConfig(lr=args.lr, max_steps=args.max_steps, weight_decay=args.weight_decay,
+                                            target_acc=1.0 if args.stop_at_100 else 1.01, progress=False)}
+    controls = tuple(c for c in args.controls.split(",") if c)
+    unknown = set(controls) - set(CONTROLS)
+    if unknown:
+        raise UsageError(f"unknown control(s) {sorted(unknown)}; choose from {', '.join(CONTROLS)}")
+    result = analyze(args.run_dir, controls=controls, swap=not args.no_swap, n_boot=args.n_boot, seed=args.seed,
+                     swap_steps=tuple(int_list(args.swap_steps, "--swap-steps", minimum=0)), swap_lr=args.swap_lr,
+                     plots=not args.no_plots, img_dir=args.img_dir, train_spec=spec)
+    print(result["table_md"])
+    print(f"analysis: {os.path.join(args.run_dir, ANALYSIS)} ({result['wall_s']} s)")
+    return result
+
+
+def cmd_swap_sweep(args) -> dict:
+    if args.plot_only:
+        summary = summarize_sweep(llmio.read_jsonl(os.path.join(args.out, "results.jsonl")))
+        llmio.write_json(os.path.join(args.out, "summary.json"), summary)
+    else:
+        seeds = int_list(args.seeds, "--seeds", minimum=0)
+        pts = sweep_points(int_list(args.subjects, "--subjects"), int_list(args.relations, "--relations"),
+                           [float(x) for x in args.ratios.split(",") if x], seeds,
+                           [m for m in args.modes.split(",") if m], args.weight_decay, args.max_steps,
+                           args.stop_at_100, args.attributes)
+        summary = swap_sweep(args.out, pts, steps=tuple(int_list(args.steps, "--steps", minimum=0)), lr=args.swap_lr,
+                             control_seeds=() if args.no_control else tuple(seeds))
+    if args.img:
+        swap_sweep_figure(summary, args.img)
+        print(f"figure: {args.img}")
+    print(sweep_markdown(summary))
+    print(f"summary: {os.path.join(args.out, 'summary.json')} ({summary['n_rows']} rows)")
+    return summary
+
+
+def cmd_multihop(args) -> dict:
+    cfg = MultihopConfig(subjects=args.subjects, relations=args.relations, hops=int_list(args.hops, "--hops"),
+                         seed=args.seed, restarts=args.restarts, attention=args.attention, mlp_ratio=args.mlp_ratio,
+                         d_grid=int_list(args.d_grid, "--d-grid"), width_hops=args.width_hops,
+                         width_d=int_list(args.width_d, "--width-d") if args.width_d.strip() else [],
+                         m_grid=int_list(args.m_grid, "--m-grid"), lr=args.lr, max_steps=args.max_steps,
+                         threads=args.threads)
+    summary = run_multihop(cfg, args.out)
+    path = multihop_figure(summary, os.path.join(args.out, "multihop.png"))
+    if args.img_dir:
+        os.makedirs(args.img_dir, exist_ok=True)
+        shutil.copyfile(path, os.path.join(args.img_dir, "mech_multihop.png"))
+    print(multihop_markdown(summary))
+    print(f"summary: {os.path.join(args.out, 'summary.json')} ({summary['wall_s']} s)")
+    return summary
+
+
+def cmd_multihop_seeds(args) -> dict:
+    cot = {"no": False, "yes": True}
+    wanted = [c.strip() for c in args.cot.split(",") if c.strip()]
+    if not wanted or any(c not in cot for c in wanted):
+        raise UsageError(f"--cot {args.cot!r}: give no, yes or no,yes")
+    cfg = SeedsConfig(subjects=args.subjects, relations=int_list(args.relations, "--relations"),
+                      hops=int_list(args.hops, "--hops"), seeds=int_list(args.seeds, "--seeds", minimum=0),
+                      attention=args.attention, mlp_ratio=args.mlp_ratio, d_grid=int_list(args.d_grid, "--d-grid"),
+                      lr=args.lr, max_steps=args.max_steps, threads=args.threads, cot=[cot[c] for c in wanted],
+                      train=not args.no_train)
+    summary = run_seeds(cfg, args.out)
+    llmio.write_text(os.path.join(args.out, "seeds.md"), seeds_markdown(summary))
+    seeds_figure(summary, os.path.join(args.out, "seeds.png"))
+    if args.img:
+        seeds_figure(summary, args.img)
+    print(seeds_markdown(summary))
+    print(f"summary: {os.path.join(args.out, SEEDS_FILE)} ({summary['wall_s']} s)")
+    return summary

@@ -4,14 +4,14 @@ readout code, as a curve over width.
 
 :func:`train_controls` (what ``llmprobe run`` calls in its worker process):
 
-1. finds the threshold width d* for each mode by the capacity sweep's public bisection
-   (:func:`synthetic.sweep.find_threshold`: d* is exact only when d*-1 failed with two initialisations);
+1. finds the threshold width d* for each mode (:func:`control_threshold`) by the capacity sweep's public
+   bisection (:func:`synthetic.sweep.find_threshold`: d* is exact only when d*-1 failed with two initialisations);
 2. trains the curve d*, 2 d*, 4 d*, ... up to ``d_model`` / 1.5, and ``d_model`` itself (the pretrained model's
    width);
 3. measures every point as the pretrained subject states are measured: the superposition fit
    h_s ~ c + sum_r W_r u_{a_r(s)} (held-out R^2) and each relation's linear readout accuracy, through
    :func:`llmprobe.geometry.superposition_readout` on the subject embeddings e_s, with the shuffled-table and the
-   random-init (:func:`synthetic.mechanisms.untrained_like`) controls, every number a typed
+   random-init (:func:`llmprobe.model.random_init.random_init` at model seed + 1) controls, every number a typed
    :class:`llmprobe.metric.Metric`; and the MLP-as-selector measurements (:func:`synthetic.mechanisms.selector`).
 
 Modes: ``trainable`` (every parameter learns) and ``frozen`` (subject embeddings frozen at random init, the
@@ -36,14 +36,15 @@ import time
 from llmprobe.datasets import Fact, FactTable, Relation
 from llmprobe.geometry import superposition_readout
 from llmprobe.metric import pooled_readout
-from synthetic.mechanisms import readout_inputs, untrained_like
+from llmprobe.model.random_init import random_init
+from llmprobe.names import CONTROL_MODES
+from synthetic.mechanisms import readout_inputs
 from synthetic.mechanisms import selector as measure_selector
-from synthetic.sweep import INIT_OFFSET, SweepConfig, initial_guess
-from synthetic.sweep import find_threshold as bisect
+from synthetic.sweep import SweepConfig, find_threshold, initial_guess, train_width
 from synthetic.tasks import from_fact_table
-from synthetic.train import TrainConfig, train
+from synthetic.train import TrainConfig
 
-MODES = ("trainable", "frozen")
+MODES = CONTROL_MODES
 MAX_STEPS = 2000          # step cap of every control's training (the bisection's too)
 N_BOOT = 500              # bootstrap resamples of the controls' R^2 intervals
 PLACE = "subject embeddings e_s (blocks.0.resid_pre at the subject token)"
@@ -69,17 +70,16 @@ def known_table(report_relations: dict, known: dict, min_facts: int = 5) -> tupl
     return FactTable.from_relations(relations), dropped
 
 
-def train_at(task, mode: str, d: int, cfg, seed: int = 0, init: int = 0):
-    """Train one control of width d (model seed ``seed + init * INIT_OFFSET``): (model, RunResult as a dict)."""
+def train_at(task, mode: str, d: int, cfg: SweepConfig, seed: int = 0, init: int = 0):
+    """Train one control of width d (:func:`synthetic.sweep.train_width`, model seed ``seed + init *
+    INIT_OFFSET``): (model, RunResult as a dict)."""
     if mode not in MODES:
         raise ValueError(f"unknown control mode {mode!r}; choose from {MODES}")
-    d_mlp = cfg.d_mlp or max(1, int(round(cfg.mlp_ratio * d)))
-    result = train(task, d, config=cfg.train, frozen_subjects=mode == "frozen", d_mlp=d_mlp,
-                   attention=cfg.attention, seed=seed + INIT_OFFSET * init)
+    result = train_width(task, mode, d, cfg, seed, init)
     return result.model, result.to_dict()
 
 
-def find_threshold(task, mode: str, cfg, seed: int = 0) -> dict:
+def control_threshold(task, mode: str, cfg: SweepConfig, seed: int = 0) -> dict:
     """Smallest d in [cfg.d_min, cfg.d_max] reaching 100% train accuracy on ``task``, by the sweep's public
     bisection (:func:`synthetic.sweep.find_threshold`), started from the table's bits per subject.
 
@@ -97,7 +97,7 @@ def find_threshold(task, mode: str, cfg, seed: int = 0) -> dict:
         return bool(result["success"])
 
     start = initial_guess(task.n_subjects, task.n_relations, mode, task.bits() / max(1, task.n_subjects))
-    found = bisect(train_fn, cfg.d_min, cfg.d_max, start)
+    found = find_threshold(train_fn, cfg.d_min, cfg.d_max, start)
     return {"d_star": found["d_star"], "exact": found["exact"],
             "tried": sorted(rows, key=lambda t: (t["d"], t["init"])), "models": models}
 
@@ -130,7 +130,7 @@ def measure_control(model, task, seed: int = 0, n_boot: int = N_BOOT, selector: 
     Returns {"r2": Metric, "readout": {relation: Metric}, "selector": {...} (when asked), "wall_seconds"}."""
     t0 = time.perf_counter()
     H, A, U = readout_inputs(model, task)
-    H_c, _, U_c = readout_inputs(untrained_like(model), task)
+    H_c, _, U_c = readout_inputs(random_init(model, model.config.seed + 1), task)
     rep = superposition_readout(H, A, U, controls={"random_init": (H_c, U_c)}, relation_names=task.relations,
                                 n_boot=n_boot, seed=seed, decode=False)
     out = {"r2": _measure(rep, "r2"), "readout": {name: _measure(rep, "readout_acc", name)
@@ -172,7 +172,7 @@ def train_controls(table: FactTable, d_model: int, seed: int = 0, at_model_width
     block_modes = {}
     for mode in modes:
         start = time.perf_counter()
-        found = find_threshold(task, mode, cfg, seed=seed)
+        found = control_threshold(task, mode, cfg, seed=seed)
         d_star = found["d_star"]
         search = {"d_star": d_star, "exact": found["exact"], "tried": found["tried"],
                   "search_seconds": round(time.perf_counter() - start, 1)}
@@ -200,5 +200,5 @@ def train_controls(table: FactTable, d_model: int, seed: int = 0, at_model_width
             "modes": block_modes, "wall_seconds": round(time.perf_counter() - t0, 1)}
 
 
-__all__ = ["MODES", "known_table", "train_at", "find_threshold", "curve_widths", "measure_control",
+__all__ = ["MODES", "known_table", "train_at", "control_threshold", "curve_widths", "measure_control",
            "train_controls", "compared_with"]

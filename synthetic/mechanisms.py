@@ -49,7 +49,6 @@ from llmprobe.geometry import (
 )
 from llmprobe.metric import proportion
 from llmprobe.model.capture import capture, patch
-from llmprobe.model.random_init import random_init
 from synthetic.model import FactRecallModel
 from synthetic.tasks import FactTask
 
@@ -80,13 +79,6 @@ def local_table(task: FactTask) -> torch.Tensor:
         ok = col >= 0
         A[ok, r] = lookup[col[ok]]
     return A
-
-
-def untrained_like(model: FactRecallModel, seed_offset: int = 1) -> FactRecallModel:
-    """The same architecture at a fresh random init (the "random-init model" control): the model rebuilt from its
-    config with seed ``config.seed + seed_offset`` by :func:`llmprobe.model.random_init.random_init`, the random-init helper
-    the pretrained control (:func:`llmprobe.model.random_init.random_init`) uses too."""
-    return random_init(model, model.config.seed + seed_offset)
 
 
 def _one_hop(task: FactTask):

@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmprobe.names import EMBEDDING_MODES
+
 HOOK_NAMES = ("blocks.0.resid_pre", "blocks.0.attn_out", "blocks.0.resid_mid", "blocks.0.mlp_hidden",
               "blocks.0.mlp_out", "blocks.0.resid_post")
 
@@ -74,6 +76,14 @@ class ModelConfig:
     def from_dict(cls, obj: dict) -> "ModelConfig":
         known = {k: v for k, v in obj.items() if k in cls.__dataclass_fields__}
         return cls(**known)
+
+
+def mode_flags(mode: str) -> dict[str, bool]:
+    """The :class:`ModelConfig` flags that an embedding mode sets (:data:`llmprobe.names.EMBEDDING_MODES`), e.g.
+    ``frozen_all`` -> {"frozen_subjects": True, "frozen_unembed": True}; ``trainable`` -> {}."""
+    if mode not in EMBEDDING_MODES:
+        raise ValueError(f"unknown embedding mode {mode!r}; choose from {', '.join(EMBEDDING_MODES)}")
+    return {flag: True for flag in EMBEDDING_MODES[mode]}
 
 
 class FactRecallModel(nn.Module):
@@ -209,39 +219,51 @@ class FactRecallModel(nn.Module):
 
 class _SoftmaxCE(torch.autograd.Function):
     """Mean softmax cross-entropy of ``h @ W.T (+ b)`` against ``targets``, in row chunks, with the gradient
-    formed in the forward pass (one fused softmax, in place; no [B, n] tensor is kept for backward)."""
+    formed in the forward pass (one fused softmax, in place; no [B, n] tensor is kept for backward), and the number
+    of correct predictions (strict argmax). One model: h [B, d], weight [n, d], bias [n] or None, targets [B] ->
+    (loss, correct) scalars. M stacked models (:mod:`synthetic.batched`): a leading model dimension, h [M, B, D],
+    weight [M, n, D], bias [M, n] or None, targets [M, B] -> (loss [M], correct [M])."""
 
     @staticmethod
     def forward(ctx, h, weight, bias, targets, chunk):
-        B = h.shape[0]
+        stacked = h.dim() == 3
+        B = h.shape[-2]
         if not chunk:
-            chunk = auto_chunk(weight.shape[0], h.device)
+            chunk = max(1, auto_chunk(weight.shape[-2], h.device) // (h.shape[0] if stacked else 1))
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         gh = torch.empty_like(h) if need_h else None
         gw = torch.zeros_like(weight) if need_w else None
         gb = torch.zeros_like(bias) if (bias is not None and need_b) else None
-        loss = torch.zeros((), dtype=torch.float64, device=h.device)
-        correct = torch.zeros((), dtype=torch.long, device=h.device)
-        wt = weight.t()
+        loss = torch.zeros(h.shape[:-2], dtype=torch.float64, device=h.device)
+        correct = torch.zeros(h.shape[:-2], dtype=torch.long, device=h.device)
+        wt = weight.transpose(-1, -2)
         for i in range(0, B, chunk):
-            hc, yc = h[i:i + chunk], targets[i:i + chunk]
-            logits = torch.addmm(bias, hc, wt) if bias is not None else hc @ wt
-            p = torch.softmax(logits, dim=1)
+            hc, yc = h[..., i:i + chunk, :], targets[..., i:i + chunk, None]
+            if stacked:
+                logits = torch.baddbmm(bias[:, None], hc, wt) if bias is not None else torch.bmm(hc, wt)
+            else:
+                logits = torch.addmm(bias, hc, wt) if bias is not None else hc @ wt
+            p = torch.softmax(logits, dim=-1)
             del logits
-            rows = torch.arange(hc.shape[0], device=h.device)
-            pt = p[rows, yc]
+            pt = p.gather(-1, yc)[..., 0]
             # correct = the target's probability is the row's *unique* maximum: a tie is not correct (strict argmax;
             # amax and a count are vectorised, argmax is ~10x slower)
-            top = p.amax(1, keepdim=True)
-            correct += ((pt >= top[:, 0]) & ((p == top).sum(1) == 1)).sum()
-            loss -= pt.clamp_min(1e-30).log().sum().double()
-            p[rows, yc] -= 1.0
+            top = p.amax(-1, keepdim=True)
+            correct += ((pt >= top[..., 0]) & ((p == top).sum(-1) == 1)).sum(-1)
+            loss -= pt.clamp_min(1e-30).log().sum(-1).double()
+            p.scatter_add_(-1, yc, torch.full(yc.shape, -1.0, dtype=p.dtype, device=p.device))   # softmax - onehot
             if gh is not None:
-                torch.mm(p, weight, out=gh[i:i + chunk])
+                if stacked:
+                    gh[:, i:i + chunk] = torch.bmm(p, weight)
+                else:
+                    torch.mm(p, weight, out=gh[i:i + chunk])
             if gw is not None:
-                gw.addmm_(p.t(), hc)
+                if stacked:
+                    gw.baddbmm_(p.transpose(1, 2), hc)
+                else:
+                    gw.addmm_(p.t(), hc)
             if gb is not None:
-                gb += p.sum(0)
+                gb += p.sum(-2)
         scale = 1.0 / max(B, 1)
         for g in (gh, gw, gb):
             if g is not None:
@@ -253,7 +275,8 @@ class _SoftmaxCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_correct):
         saved = ctx.saved_tensors
-        grads = [saved[i] * grad_loss if ctx.has[i] else None for i in range(3)]
+        grads = [saved[i] * grad_loss.reshape(grad_loss.shape + (1,) * (saved[i].dim() - grad_loss.dim()))
+                 if ctx.has[i] else None for i in range(3)]
         return grads[0], grads[1], grads[2], None, None
 
 
@@ -266,5 +289,6 @@ def auto_chunk(n_outputs: int, device) -> int:
 
 def softmax_cross_entropy(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
                           chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean CE loss, number correct) for logits ``h @ weight.T + bias``; memory O(chunk * n_outputs)."""
+    """(mean CE loss, number correct) for logits ``h @ weight.T + bias``; memory O(chunk * n_outputs). One model
+    (h [B, d]: scalars) or a stack with a leading model dimension (h [M, B, D]: [M] each); see :class:`_SoftmaxCE`."""
     return _SoftmaxCE.apply(h, weight, bias, targets, chunk)

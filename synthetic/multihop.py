@@ -25,7 +25,9 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 
-from llmprobe.io import append_jsonl, read_jsonl, write_figure, write_json, write_text
+import numpy as np
+
+from llmprobe.io import append_jsonl, read_jsonl, write_json, write_text
 from llmprobe.metric import Metric, nan_metric
 from synthetic.batched import train_batched
 from synthetic.tasks import random_khop
@@ -249,58 +251,6 @@ def table_markdown(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(summary: dict, path: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-
-    cfg = summary["config"]
-    n_panels = 2 if summary["mlp_width"] else 1
-    fig, axes = plt.subplots(1, n_panels, figsize=(5.2 * n_panels, 3.8), squeeze=False)
-    ax = axes[0, 0]
-    ks = [r["hops"] for r in summary["d_star"]]
-    top = max(cfg["d_grid"]) * 1.5
-    for key, label, style in (("d_star_direct", "without CoT", "o-"), ("d_star_cot", "with CoT", "s-")):
-        ys = [r[key] if r[key] is not None else top for r in summary["d_star"]]
-        ax.plot(ks, ys, style, label=label)
-        for k, r in zip(ks, summary["d_star"]):
-            if r[key] is None:
-                ax.annotate("> grid", (k, top), fontsize=7)
-    # reference curves, scaled to the one-hop point
-    base = next((r["d_star_direct"] for r in summary["d_star"] if r["hops"] == min(ks)), None)
-    if base:
-        R = cfg["relations"]
-        ax.plot(ks, [base * R ** (k - min(ks)) for k in ks], ":", color="gray", label="∝ R^k")
-        ax.plot(ks, [base * R ** ((k - min(ks)) / 2) for k in ks], "--", color="lightgray",
-                label="∝ R^(k/2) (params ∝ d² ∝ R^k)")
-    ax.set_yscale("log", base=2)
-    ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    ax.set_xticks(ks)
-    ax.set_xlabel("hops k")
-    ax.set_ylabel("smallest d reaching 100%")
-    ax.set_title(f"k-hop recall, N={cfg['subjects']}, R={cfg['relations']}")
-    ax.legend(fontsize=8)
-    if summary["mlp_width"]:
-        ax = axes[0, 1]
-        ds = [r["d"] for r in summary["mlp_width"]]
-        topm = max(cfg["m_grid"]) * 1.5
-        for key, label, style in (("d_mlp_direct", "without CoT", "o-"), ("d_mlp_cot", "with CoT", "s-")):
-            ax.plot(ds, [r[key] if r[key] is not None else topm for r in summary["mlp_width"]], style, label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log", base=2)
-        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.set_xlabel("d")
-        ax.set_ylabel("smallest MLP width reaching 100%")
-        ax.set_title(f"MLP width vs d at k = {cfg['width_hops']}")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    write_figure(path, fig)
-    return path
-
-
 # ------------------------------------------------------------------------------------------ seeds x R grid
 SEEDS_FILE = "seeds.json"
 
@@ -432,8 +382,6 @@ def run_seeds(cfg: SeedsConfig, out_dir: str | None = None, log=print) -> dict:
 def resample_within(strata, rng):
     """Bootstrap indices [n] that draw, for every distinct value of ``strata`` [n], as many items of that value
     (with replacement) as it has: resampling seeds within each R."""
-    import numpy as np
-
     strata = np.asarray(strata)
     return np.concatenate([rng.choice(np.flatnonzero(strata == v), int((strata == v).sum()))
                            for v in np.unique(strata)])
@@ -443,8 +391,6 @@ def fit_growth(points: list[tuple[float, float]], n_boot: int = 2000, seed: int 
     """log d = a + b log R by least squares over points (R, d) (one per seed; d None = not reached, dropped):
     a :class:`llmprobe.metric.Metric` for b whose interval is a percentile bootstrap that resamples the points
     *within each R* (the R values stay fixed); ``note`` carries "a=<log d at R = 1> R2=<the fit's R^2>"."""
-    import numpy as np
-
     pts = np.asarray([(R, d) for R, d in points if d], dtype=np.float64).reshape(-1, 2)
     if len(pts) == 0 or len(set(pts[:, 0])) < 2:
         return nan_metric("bootstrap (seeds within R)", "needs d at two or more R")
@@ -549,143 +495,3 @@ def seeds_markdown(summary: dict) -> str:
     lines += ["", f"{summary['n_points']} trained points ({summary['train_cpu_s']} CPU s of training); {len(bad)} "
               f"failed although a smaller width succeeded (listed in {SEEDS_FILE})."]
     return "\n".join(lines) + "\n"
-
-
-def plot_seeds(summary: dict, path: str) -> str:
-    """d* against R (log-log), one panel per k: per-seed points (a triangle: d* above this width, no success
-    yet), the mean over the seeds that succeeded and the fitted line d* = e^a R^b, with and without CoT, and R^k,
-    R^(k/2) references through the no-CoT mean at the smallest R."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-
-    cells = summary["cells"]
-    ks = sorted({c["hops"] for c in cells.values()})
-    fig, axes = plt.subplots(1, len(ks), figsize=(4.2 * len(ks), 3.8), squeeze=False)
-    for ax, k in zip(axes[0], ks):
-        for cot, color, marker in ((False, "C0", "o"), (True, "C1", "s")):
-            c = cells.get(f"k{k}_{'cot' if cot else 'direct'}")
-            if not c or (cot and k == 1):      # one hop with CoT is the same data (d* copied)
-                continue
-            Rs = sorted(int(R) for R in c["by_R"])
-            shift = 1.04 if cot else 0.96
-            for R in Rs:
-                ds = [d for d in c["by_R"][str(R)]["d_star"] if d]
-                ax.scatter([R * shift] * len(ds), ds, s=14, color=color, alpha=0.45, marker=marker)
-                above = [f for d, f in zip(c["by_R"][str(R)]["d_star"], c["by_R"][str(R)]["d_fail"]) if not d and f]
-                ax.scatter([R * shift] * len(above), above, s=30, color=color, marker="^")   # d* > this width
-            Rs = [R for R in Rs if c["by_R"][str(R)]["mean"]]
-            means = [c["by_R"][str(R)]["mean"] for R in Rs]
-            b = c["b"]
-            label = f"{'with' if cot else 'without'} CoT: b={b['value']:.2f} [{b['ci'][0]:.2f}, {b['ci'][1]:.2f}]"
-            opened = [R for R in Rs if c["by_R"][str(R)].get("open")]
-            label += f" (R={','.join(map(str, opened))} open)" if opened else ""
-            ax.plot(Rs, means, marker=marker, color=color, linestyle="none", label=label)
-            if b["value"] is not None and b.get("note", "").startswith("a="):
-                a = float(b["note"].split()[0][2:])
-                ax.plot(Rs, [math.exp(a) * R ** b["value"] for R in Rs], "-", color=color, lw=1)
-            if not cot and means[0]:
-                ax.plot(Rs, [means[0] * (R / Rs[0]) ** k for R in Rs], ":", color="gray", label="∝ R^k")
-                ax.plot(Rs, [means[0] * (R / Rs[0]) ** (k / 2) for R in Rs], "--", color="lightgray",
-                        label="∝ R^(k/2)")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log", base=2)
-        for axis in (ax.xaxis, ax.yaxis):
-            axis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.set_xlabel("relations R")
-        ax.set_ylabel("d* (smallest d reaching 100%)")
-        ax.set_title(f"k = {k}, N = {summary['config']['subjects']}, {len(summary['config']['seeds'])} seeds")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    write_figure(path, fig)
-    return path
-
-
-
-# -------------------------------------------------------------------------------------------------------- CLI
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in str(text).split(",") if x.strip()]
-
-
-def add_multihop_parser(synth_subparsers) -> None:
-    p = synth_subparsers.add_parser(
-        "multihop", help="k-hop: smallest d reaching 100%% with and without chain-of-thought",
-        description="Trains one-layer models on k-hop queries and finds the smallest width d (and MLP width) that "
-                    "reaches 100%, with and without chain-of-thought. Resumable (points.jsonl in --out).")
-    p.add_argument("--subjects", "-N", type=int, default=64)
-    p.add_argument("--relations", "-R", type=int, default=2)
-    p.add_argument("--hops", default="1,2,3", help="comma list of k (default %(default)s)")
-    p.add_argument("--d-grid", default=",".join(map(str, D_GRID)))
-    p.add_argument("--mlp-ratio", type=float, default=4.0, help="d_mlp = ratio * d in the d* search")
-    p.add_argument("--width-hops", type=int, default=2, help="k of the MLP-width sweep")
-    p.add_argument("--width-d", default="8,16,32", help="d values of the MLP-width sweep ('' = skip)")
-    p.add_argument("--m-grid", default=",".join(map(str, M_GRID)))
-    p.add_argument("--attention", choices=["uniform", "learned"], default="learned")
-    p.add_argument("--restarts", type=int, default=1, help="model seeds per point (success = any)")
-    p.add_argument("--seed", type=int, default=0, help="task seed")
-    p.add_argument("--lr", type=float, default=0.03)
-    p.add_argument("--max-steps", type=int, default=2000)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--img-dir", default=None, help="also write the plot here as mech_multihop.png")
-    p.add_argument("--out", required=True, help="output folder (points.jsonl, summary.json, table.md, plot)")
-    p.set_defaults(func=cmd_multihop)
-
-    p = synth_subparsers.add_parser(
-        "multihop-seeds", help="k-hop: d* per k, CoT, R and seed, with the growth fit d* ~ R^b",
-        description="d* (smallest d reaching 100%%) for every k x CoT x R x seed (seed = fact table + init; the "
-                    "seeds of a cell trained together), then log d* = a + b log R per k with a bootstrap interval "
-                    "over seeds within R. Resumable (points.jsonl in --out); writes seeds.json, seeds.md and the "
-                    "figure.")
-    p.add_argument("--subjects", "-N", type=int, default=16)
-    p.add_argument("--relations", "-R", default="2,4,8", help="comma list of R (default %(default)s)")
-    p.add_argument("--hops", default="1,2,3", help="comma list of k (default %(default)s)")
-    p.add_argument("--seeds", default="0,1,2", help="comma list of seeds (default %(default)s)")
-    p.add_argument("--d-grid", default=",".join(map(str, D_GRID)))
-    p.add_argument("--mlp-ratio", type=float, default=4.0, help="d_mlp = ratio * d")
-    p.add_argument("--attention", choices=["uniform", "learned"], default="learned")
-    p.add_argument("--lr", type=float, default=0.03)
-    p.add_argument("--max-steps", type=int, default=2000)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--cot", default="no,yes", help="which cells: no,yes (default), no or yes (one-hop without CoT "
-                                                    "is always searched)")
-    p.add_argument("--no-train", action="store_true", help="summarise the points in --out only (open searches "
-                                                            "end bracketed by the points trained so far)")
-    p.add_argument("--img", default=None, help="also write the figure to this path")
-    p.add_argument("--out", required=True, help="output folder (points.jsonl, seeds.json, seeds.md, seeds.png)")
-    p.set_defaults(func=cmd_multihop_seeds)
-
-
-def cmd_multihop(args) -> dict:
-    cfg = MultihopConfig(subjects=args.subjects, relations=args.relations, hops=_ints(args.hops), seed=args.seed,
-                         restarts=args.restarts, attention=args.attention, mlp_ratio=args.mlp_ratio,
-                         d_grid=_ints(args.d_grid), width_hops=args.width_hops, width_d=_ints(args.width_d),
-                         m_grid=_ints(args.m_grid), lr=args.lr, max_steps=args.max_steps, threads=args.threads)
-    summary = run_multihop(cfg, args.out)
-    path = plot(summary, os.path.join(args.out, "multihop.png"))
-    if args.img_dir:
-        import shutil
-
-        os.makedirs(args.img_dir, exist_ok=True)
-        shutil.copyfile(path, os.path.join(args.img_dir, "mech_multihop.png"))
-    print(table_markdown(summary))
-    print(f"summary: {os.path.join(args.out, 'summary.json')} ({summary['wall_s']} s)")
-    return summary
-
-
-def cmd_multihop_seeds(args) -> dict:
-    cfg = SeedsConfig(subjects=args.subjects, relations=_ints(args.relations), hops=_ints(args.hops),
-                      seeds=_ints(args.seeds), attention=args.attention, mlp_ratio=args.mlp_ratio,
-                      d_grid=_ints(args.d_grid), lr=args.lr, max_steps=args.max_steps, threads=args.threads,
-                      cot=[{"no": False, "yes": True}[c.strip()] for c in args.cot.split(",")],
-                      train=not args.no_train)
-    summary = run_seeds(cfg, args.out)
-    write_text(os.path.join(args.out, "seeds.md"), seeds_markdown(summary))
-    plot_seeds(summary, os.path.join(args.out, "seeds.png"))
-    if args.img:
-        plot_seeds(summary, args.img)
-    print(seeds_markdown(summary))
-    print(f"summary: {os.path.join(args.out, SEEDS_FILE)} ({summary['wall_s']} s)")
-    return summary
-

@@ -7,7 +7,7 @@ fact table across subjects: for bijections, new random bijections onto the same 
 * ``swap``: e'_s = c + sum_r W_r u_{a'_r(s)}, with c and W_r from :class:`llmprobe.geometry.SuperpositionFit` fitted
   on the trained embeddings (the learned attribute directions W_r u_a; u_a = unembedding rows).
 * ``random_init``: fresh embeddings drawn as at model initialisation, N(0, embed_std^2): the subject embeddings of
-  :func:`synthetic.mechanisms.untrained_like` (the re-initialisation baseline). ``random_matched``: random
+  :func:`llmprobe.model.random_init.random_init` at model seed + new-table seed + 101 (the re-initialisation baseline). ``random_matched``: random
   directions with the norms of the ``swap`` embeddings (:func:`llmprobe.geometry.random_direction_like`, the
   random-direction control of every edit).
 * ``construction``: the explicit construction's encoding rule (:mod:`synthetic.construction`: e_s = sum_q P_q c_{a_q(s)},
@@ -31,16 +31,21 @@ which every new fact is answered.
 from __future__ import annotations
 
 import copy
+import math
+import os
 import time
 
 import torch
+from scipy.stats import t as student_t
 
 from llmprobe.geometry import ALPHA_GRID, SuperpositionFit, random_direction_like, ridge_fit, shuffle_table
-from llmprobe.io import append_jsonl, read_jsonl, write_figure, write_json
+from llmprobe.io import append_jsonl, read_jsonl, write_json
 from llmprobe.metric import wilson
+from llmprobe.model.random_init import random_init
+from llmprobe.names import SWAP_MODES
 from synthetic.construction import build_construction, construction_accuracy, smallest_construction
-from synthetic.mechanisms import _round, local_table, readout_inputs, untrained_like
-from synthetic.model import FactRecallModel
+from synthetic.mechanisms import _round, local_table, readout_inputs
+from synthetic.model import FactRecallModel, mode_flags
 from synthetic.tasks import FactTask, random_bijections, random_functions
 from synthetic.train import TrainConfig, model_config_for, train
 
@@ -221,7 +226,7 @@ def freeze_and_swap(model: FactRecallModel, task: FactTask, seed: int = 1, steps
     H, A, _ = readout_inputs(model, task)
     fresh = new_table(task, seed)
     E_swap = swapped_embeddings(fit, fresh)
-    E_rand = untrained_like(model, seed_offset=seed + 101).subject_embeddings().detach().float()
+    E_rand = random_init(model, model.config.seed + seed + 101).subject_embeddings().detach().float()
     E_match = random_direction_like(E_swap, torch.Generator().manual_seed(seed + 101))
     built = {
         "swap": lambda: (E_swap, fresh),
@@ -283,7 +288,7 @@ DSTAR = {(256, 1): {"trainable": 3, "frozen": 3},     # (256, 1): measured here 
          (256, 2): {"trainable": 4, "frozen": 7}, (256, 4): {"trainable": 7, "frozen": 11},
          (512, 2): {"trainable": 4, "frozen": 8}, (512, 4): {"trainable": 8, "frozen": 14},
          (1024, 4): {"trainable": 9, "frozen": 18}}
-MODES = {"trainable": {}, "frozen": {"frozen_subjects": True}, "frozen_unembed": {"frozen_unembed": True}}
+MODES = SWAP_MODES
 SWEEP_STEPS = (0, 10, 25, 50, 100, 300)
 
 
@@ -293,7 +298,10 @@ def sweep_points(subjects, relations, ratios=(1, 2, 4, 8), seeds=(0, 1, 2), mode
     """One dict per trained model: N, R, mode, ratio d/d*, d, seed (table and init) and the training recipe.
     ``frozen_unembed`` (subject embeddings learned, unembedding frozen) uses the trainable d*. ``n_attributes``:
     many-to-one maps onto a shared set of that size (:func:`synthetic.tasks.random_functions`, N/|A| subjects per
-    attribute) instead of bijections."""
+    attribute) instead of bijections. ``modes``: of :data:`MODES` (ValueError otherwise)."""
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown swap-sweep mode(s) {unknown}; choose from {', '.join(MODES)}")
     pts = []
     for N in subjects:
         for R in relations:
@@ -317,7 +325,7 @@ def run_point(p: dict, steps=SWEEP_STEPS, lr: float = 0.03) -> dict:
     (new table seed = seed + 1000)."""
     task = random_bijections(p["N"], p["R"], p["seed"]) if not p.get("n_attributes") else \
         random_functions(p["N"], p["R"], p["n_attributes"], p["seed"], shared=True)
-    cfg = model_config_for(task, p["d"], seed=p["seed"], **MODES[p["mode"]])
+    cfg = model_config_for(task, p["d"], seed=p["seed"], **mode_flags(p["mode"]))
     tc = TrainConfig(lr=0.03, max_steps=p["max_steps"], weight_decay=p["weight_decay"],
                      target_acc=1.0 if p["stop_at_100"] else 1.01, progress=False)
     t0 = time.process_time()
@@ -333,8 +341,6 @@ def swap_sweep(out_dir: str, points: list[dict], steps=SWEEP_STEPS, lr: float = 
                control_seeds=(0, 1, 2), progress: bool = True) -> dict:
     """Run every point not yet in ``out_dir/results.jsonl`` (resumable), plus the construction control per (N, R)
     and seed in ``control_seeds``; write ``out_dir/summary.json`` (:func:`summarize_sweep`) and return it."""
-    import os
-
     path = os.path.join(out_dir, "results.jsonl")
     done = {r["key"] for r in read_jsonl(path)}
     todo = [p for p in points if p["key"] not in done]
@@ -367,10 +373,6 @@ def swap_sweep(out_dir: str, points: list[dict], steps=SWEEP_STEPS, lr: float = 
 def _mean_ci(values: list[float], level: float = 0.95) -> dict:
     """Mean with a Student-t interval over ``values`` (seeds; accuracies, so clipped to [0, 1]); the interval is
     None for a single value."""
-    import math
-
-    from scipy.stats import t as student_t
-
     n = len(values)
     mean = sum(values) / n
     if n < 2:
@@ -413,90 +415,6 @@ def summarize_sweep(rows: list[dict]) -> dict:
             g["crosstalk"] = {k: _mean_ci([c[k] for c in ct]) for k in ct[0] if ct[0][k] is not None}
         out[setting] = g
     return {"settings": out, "n_rows": len(rows)}
-
-
-def plot_swap_sweep(summary: dict, path: str, N: int = 256, R: int = 4, weight_decay: float = 1e-4,
-                    max_steps: int = 1000) -> None:
-    """Figure of a sweep summary, default training recipe only: (1) zero-shot accuracy vs d/d* at (N, R) per encoder
-    and mode, 95% t intervals over seeds, chance line, the construction control; (2) the ``swap`` encoder at every
-    (N, R) in the summary; (3) few-step curves at (N, R), trainable mode. Written atomically to ``path``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sets = list(summary["settings"].values())
-    every = [g for g in sets if g["mode"] != "construction" and g["weight_decay"] == weight_decay
-             and g["max_steps"] == max_steps and not g["stop_at_100"]]
-    base = [g for g in every if not g.get("n_attributes")]
-
-    def series(cells, mode, cond):
-        cells = sorted((g for g in cells if g["mode"] == mode and cond in g["conditions"]), key=lambda g: g["ratio"])
-        x = [g["ratio"] for g in cells]
-        z = [g["conditions"][cond]["zero_shot"] for g in cells]
-        y = [v["mean"] for v in z]
-        err = [[v["mean"] - (v["ci"] or [v["mean"]] * 2)[0] for v in z], [(v["ci"] or [v["mean"]] * 2)[1] - v["mean"]
-                                                                          for v in z]]
-        return x, y, err
-
-    fig, axes = plt.subplots(1, 3, figsize=(17, 6.8))
-    below = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.13), "ncol": 2, "fontsize": 7}
-    ax = axes[0]
-    here = [g for g in base if g["N"] == N and g["R"] == R]
-    colors = {"swap": "C0", "construction": "C1", "random_init": "C7"}
-    labels = {"swap": "(a) least-squares fit", "construction": "(b) construction rule", "random_init": "(c) random re-init"}
-    styles = {"trainable": ("-", "o"), "frozen": ("--", "s"), "frozen_unembed": (":", "^")}
-    for mode, (ls, mk) in styles.items():
-        for cond, col in colors.items():
-            x, y, err = series(here, mode, cond)
-            if x:
-                ax.errorbar(x, y, yerr=err, color=col, ls=ls, marker=mk, capsize=3, label=f"{labels[cond]}, {mode}")
-    ctrl = [g for g in sets if g["mode"] == "construction" and g["N"] == N and g["R"] == R]
-    for g in ctrl:
-        ax.plot([g["ratio"]], [g["conditions"]["native"]["zero_shot"]["mean"]], "k*", ms=13,
-                label=f"construction's own model, new codes (d={g['d']})")
-    if here:
-        ax.axhline(here[0]["chance"], color="k", lw=0.8, ls=":", label=f"chance 1/{N}")
-    ax.set_xscale("log", base=2)
-    ax.set_ylim(-0.02, 1.05)
-    ax.set_xlabel("d / d*")
-    ax.set_ylabel("zero-shot accuracy on new bijections")
-    ax.set_title(f"freeze-and-swap, N={N}, R={R} (mean, 95% t CI over seeds)")
-    ax.legend(**below)
-
-    ax = axes[1]
-    for i, (n, r, a) in enumerate(sorted({(g["N"], g["R"], g.get("n_attributes") or 0) for g in every})):
-        for mode in ("trainable", "frozen"):
-            x, y, err = series([g for g in every if (g["N"], g["R"], g.get("n_attributes") or 0) == (n, r, a)],
-                               mode, "swap")
-            if x:
-                what = f"|A|={a} ({n // a} subjects/attribute)" if a else "bijections"
-                ax.errorbar(x, y, yerr=err, color=f"C{i}", ls=styles[mode][0], marker=styles[mode][1], capsize=3,
-                            label=f"N={n}, R={r}, {what}, {mode}")
-    ax.set_xscale("log", base=2)
-    ax.set_ylim(-0.02, 1.05)
-    ax.set_xlabel("d / d*")
-    ax.set_title("(a) least-squares encoder at each (N, R, |A|)")
-    ax.legend(**{**below, "ncol": 1})
-
-    ax = axes[2]
-    tr = sorted((g for g in here if g["mode"] == "trainable"), key=lambda g: g["ratio"])
-    for i, g in enumerate(tr):
-        for cond, ls in (("swap", "-"), ("random_init", ":")):
-            c = g["conditions"][cond]["curve"]
-            ks = sorted(c, key=int)
-            ax.plot([max(int(k), 1) for k in ks], [c[k]["mean"] for k in ks], color=f"C{i}", ls=ls, marker=".",
-                    label=f"d/d*={g['ratio']:g}, {'(a) fit' if cond == 'swap' else '(c) re-init'}")
-    if here:
-        ax.axhline(here[0]["chance"], color="k", lw=0.8, ls=":")
-    ax.set_xscale("log")
-    ax.set_ylim(-0.02, 1.05)
-    ax.set_xlabel("steps of training the new embeddings alone (Adam lr 0.03; 0 plotted at 1)")
-    ax.set_ylabel("accuracy on new bijections")
-    ax.set_title(f"few-step curves, N={N}, R={R}, trainable")
-    ax.legend(**below)
-    fig.tight_layout()
-    write_figure(path, fig)
 
 
 def sweep_markdown(summary: dict) -> str:

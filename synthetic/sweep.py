@@ -21,8 +21,8 @@ searches advance in lockstep, each round's widths (``per_round`` per search) tra
 
 :func:`summarize` fits ``d* = c * R * log2 N`` by least squares through the origin with a bootstrap interval over
 cells, the same c per N and ``d* = c R (log2 N)^p`` with p free, and flags drift when c moves with N
-(:func:`fit_trend`; a power law ``d* = a N^alpha R^beta`` in log space beside it), and :func:`plot` draws accuracy
-against d and d* against R log2 N.
+(:func:`fit_trend`; a power law ``d* = a N^alpha R^beta`` in log space beside it);
+:func:`synthetic.render.sweep_figures` draws accuracy against d and d* against R log2 N.
 """
 from __future__ import annotations
 
@@ -34,15 +34,18 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from llmprobe.io import append_jsonl, file_lock, read_jsonl, write_figure, write_json, write_text
+from llmprobe.io import append_jsonl, file_lock, read_jsonl, write_json, write_text
 from llmprobe.metric import bootstrap, nan_metric
+from llmprobe.names import SWEEP_MODES
 from synthetic.batched import train_batched
-from synthetic.bounds import min_d
 from synthetic.executors import process_map, ray_map
+from synthetic.model import ModelConfig, mode_flags
+from synthetic.render import sweep_figures
 from synthetic.tasks import random_bijections
-from synthetic.train import TrainConfig, model_config_for, train
+from synthetic.train import RunResult, TrainConfig, model_config_for, train
 
 RESULTS = "results.jsonl"
 
@@ -70,7 +73,7 @@ class SweepConfig:
     train: TrainConfig = field(default_factory=lambda: TrainConfig(progress=False))
 
 
-MODES = ("trainable", "frozen", "frozen_all")
+MODES = SWEEP_MODES          # in table and figure order
 EXECUTORS = ("process", "ray")
 
 
@@ -267,11 +270,21 @@ def config_key(cfg: SweepConfig) -> str:
     return point_key(0, 0, 0, "trainable", 0, cfg)
 
 
+def width_config(task, mode: str, d: int, cfg: SweepConfig, seed: int = 0, init: int = 0) -> ModelConfig:
+    """The model of one search point: width ``d``, the MLP width of ``cfg``'s rule, ``mode``'s frozen parts
+    (:func:`synthetic.model.mode_flags`) and model seed ``seed + init * INIT_OFFSET`` (initialisation ``init``)."""
+    return model_config_for(task, d, d_mlp=_d_mlp(d, cfg), attention=cfg.attention, seed=seed + INIT_OFFSET * init,
+                            **mode_flags(mode))
+
+
+def train_width(task, mode: str, d: int, cfg: SweepConfig, seed: int = 0, init: int = 0) -> RunResult:
+    """Train the model of :func:`width_config` on ``task`` with ``cfg.train`` (the trained model at
+    ``result.model``): one point of a threshold search, the sweep's and the matched controls'."""
+    return train(task, model_config=width_config(task, mode, d, cfg, seed, init), config=cfg.train)
+
+
 def _run_point(N, R, seed, mode, d, cfg: SweepConfig, init: int = 0) -> dict:
-    task = random_bijections(N, R, seed)
-    res = train(task, d, config=cfg.train, frozen_subjects=mode != "trainable",
-                frozen_unembed=mode == "frozen_all", d_mlp=_d_mlp(d, cfg), attention=cfg.attention,
-                seed=seed + INIT_OFFSET * init)
+    res = train_width(random_bijections(N, R, seed), mode, d, cfg, seed, init)
     return _point_row(res, N, R, seed, mode, d, cfg, init)
 
 
@@ -356,10 +369,7 @@ def _batched_unit(N: int, R: int, modes: tuple, cfg: SweepConfig, out_dir: str, 
                 if point_key(N, R, seed, mode, d, cfg, init) not in cache]
         if todo:
             tasks = [random_bijections(N, R, seed) for seed, _, _, _ in todo]
-            configs = [model_config_for(task, d, frozen_subjects=mode != "trainable",
-                                        frozen_unembed=mode == "frozen_all", d_mlp=_d_mlp(d, cfg),
-                                        attention=cfg.attention, seed=seed + INIT_OFFSET * init)
-                       for task, (seed, mode, d, init) in zip(tasks, todo)]
+            configs = [width_config(task, mode, d, cfg, seed, init) for task, (seed, mode, d, init) in zip(tasks, todo)]
             for (seed, mode, d, init), res in zip(todo, train_batched(tasks, configs, cfg.train)):
                 row = _point_row(res, N, R, seed, mode, d, cfg, init)
                 append_once(out_dir, row)
@@ -427,7 +437,7 @@ def run_sweep(cfg: SweepConfig, out_dir: str) -> dict:
     write_json(os.path.join(out_dir, "summary.json"), summary)
     write_text(os.path.join(out_dir, "table.md"), table_markdown(summary))
     try:
-        plot(out_dir, summary)
+        sweep_figures(load_results(out_dir), summary, out_dir)
     except ImportError:  # pragma: no cover - matplotlib missing
         pass
     return summary
@@ -467,8 +477,6 @@ def _free_exponent(parts, which: int) -> float:
     then log c_N = log c + (p - 1) log log2 N by least squares over the N. Returns p (which=1) or c (which=0);
     NaN with fewer than two distinct N. (Per-N linear fits weigh the large cells, where d*'s integer rounding
     matters least; a log-space fit over cells lets the rounding of d* = 3 or 4 fake a trend.)"""
-    import numpy as np
-
     Ls = sorted(set(parts[:, 0].tolist()))
     if len(Ls) < 2:
         return float("nan")
@@ -484,8 +492,6 @@ def _free_exponent(parts, which: int) -> float:
 def fit_constant(points: list[tuple[float, float]], n_boot: int = 2000, seed: int = 0):
     """d* = c x (x = R log2 N) by least squares through the origin: a :class:`llmprobe.metric.Metric` whose
     interval is a percentile bootstrap over the points (cells); ``note`` carries the fit's R^2."""
-    import numpy as np
-
     if not points:
         return nan_metric("bootstrap")
     parts = np.asarray(points, dtype=np.float64)
@@ -506,8 +512,6 @@ def fit_trend(points: list[tuple[int, int, int]], n_boot: int = 2000, seed: int 
     * ``drift``: True when two ``c_by_n`` intervals do not overlap or ``p``'s interval excludes 1 -- the constant
       is then not constant over N, and ``c`` alone would hide it; ``drift_reason`` says which, in a sentence.
     Every number is a :class:`llmprobe.metric.Metric` in its JSON form."""
-    import numpy as np
-
     c = fit_constant([(R * math.log2(N), d) for N, R, d in points], n_boot, seed)
     ys = np.asarray([d for _, _, d in points], dtype=np.float64)
     ss_tot = float(((ys - ys.mean()) ** 2).sum()) if len(ys) else 0.0
@@ -625,8 +629,6 @@ def summarize(out_dir: str, cfg: SweepConfig | None = None, confirm: int = CONFI
 
 def fit_power(points: list[tuple[int, int, float]]) -> dict:
     """Least squares ``log d = log a + alpha log N + beta log R`` over (N, R, d) points (None when degenerate)."""
-    import numpy as np
-
     if len(points) < 3:
         return {"a": None, "alpha": None, "beta": None}
     X = np.array([[1.0, math.log(N), math.log(R)] for N, R, _ in points])
@@ -694,103 +696,6 @@ def table_markdown(summary: dict) -> str:
                          f"p = {p['value']:.2f} ({_ci_text(p, 2)})  ")
         lines.append(f"{fit.get('drift_reason', '')}  ")
     return "\n".join(lines) + "\n"
-
-
-
-CAPACITY_REFERENCES = ((2.0, "--", "Allen-Zhu & Li 2024"), (3.6, ":", "Morris et al. 2025"))
-
-
-def capacity_reference(cells: list[dict], bits_per_param: float, mlp_ratio: float = 8.0) -> dict:
-    """The width at which the trainable model's parameters hold the facts' bits at ``bits_per_param``
-    (``synthetic.bounds.min_d``), for every (N, R) of ``cells``: {N: [(R log2 N, d), ...] sorted by R}."""
-    out: dict = {}
-    for N, R in sorted({(c["N"], c["R"]) for c in cells}):
-        out.setdefault(N, []).append((R * math.log2(N), min_d(N, R, bits_per_param, mlp_ratio=mlp_ratio)))
-    return out
-
-def plot(out_dir: str, summary: dict | None = None, img_dir: str | None = None, prefix: str = "") -> list[str]:
-    """``{prefix}accuracy_vs_d.png`` and ``{prefix}dstar_vs_RlogN.png`` in ``img_dir`` (default ``out_dir``),
-    written atomically."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    summary = summary or summarize(out_dir)
-    rows = load_results(out_dir)
-    img_dir = img_dir or out_dir
-    os.makedirs(img_dir, exist_ok=True)
-    paths = []
-    Ns = sorted({r["n_subjects"] for r in rows})
-    Rs = sorted({r["n_relations"] for r in rows})
-    if not rows:
-        return paths
-    fig, axes = plt.subplots(1, len(Ns), figsize=(4.2 * len(Ns), 3.4), squeeze=False, sharey=True)
-    cmap = plt.get_cmap("viridis")
-    for i, N in enumerate(Ns):
-        ax = axes[0, i]
-        for j, R in enumerate(Rs):
-            color = cmap(j / max(1, len(Rs) - 1))
-            for mode, style in (("trainable", "-o"), ("frozen", "--s"), ("frozen_all", ":^")):
-                pts: dict[int, list[float]] = {}
-                for r in rows:
-                    if r["n_subjects"] == N and r["n_relations"] == R and r["mode"] == mode:
-                        pts.setdefault(r["d_model"], []).append(r["accuracy"])
-                if pts:
-                    xs = sorted(pts)
-                    ax.plot(xs, [sum(pts[x]) / len(pts[x]) for x in xs], style, color=color, ms=3, lw=1,
-                            label=f"R={R} {mode}" if i == 0 else None)
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"N={N}")
-        ax.set_xlabel("d (embedding width)")
-        ax.grid(alpha=0.3)
-    axes[0, 0].set_ylabel("train accuracy")
-    n_modes = len({r["mode"] for r in rows})
-    fig.legend(loc="lower center", ncol=min(4, n_modes * len(Rs)), fontsize=7, frameon=False)
-    n_rows_legend = math.ceil(n_modes * len(Rs) / 4)
-    fig.tight_layout(rect=(0, min(0.4, 0.06 * n_rows_legend + 0.02), 1, 1))
-    paths.append(str(write_figure(os.path.join(img_dir, f"{prefix}accuracy_vs_d.png"), fig)))
-
-    fig, ax = plt.subplots(figsize=(7.6, 4.0))
-    markers = {N: m for N, m in zip(Ns, "os^Dv<>")}
-    for mode, color in (("trainable", "tab:blue"), ("frozen", "tab:red"), ("frozen_all", "tab:gray")):
-        for c in summary["cells"]:
-            if c["mode"] != mode:
-                continue
-            for d in c["d_star"]:
-                ax.scatter(c["R_log2N"], d, color=color, marker=markers.get(c["N"], "o"), s=18, alpha=0.8)
-        for c in summary["cells"]:                  # unconfirmed d* (d*-1 not yet failed twice): hollow
-            for d in c["upper_bounds"] if c["mode"] == mode else ():
-                ax.scatter(c["R_log2N"], d, marker=markers.get(c["N"], "o"), s=22, facecolors="none",
-                           edgecolors=color, linewidths=1)
-        fit = summary["fit"].get(mode) or {}
-        c = (fit.get("c") or {}).get("value")
-        r2 = fit.get("r2")
-        if c is not None and (r2 is None or r2 >= 0.5):
-            xs = [0, max(c_["R_log2N"] for c_ in summary["cells"])]
-            drift = " (drifts with N: see c per N)" if fit.get("drift") else ""
-            ax.plot(xs, [c * x for x in xs], color=color, lw=1, label=f"{mode}: d* = {c:.2f} R log2 N{drift}")
-        elif c is not None:                     # not linear in R log N: show the power law instead
-            pw = (summary.get("power_fits") or {}).get(mode) or {}
-            label = mode if pw.get("alpha") is None else \
-                f"{mode}: d* ~ N^{pw['alpha']:.2f} R^{pw['beta']:.2f} (no linear fit)"
-            ax.scatter([], [], color=color, s=18, label=label)
-    ratio = (summary.get("config") or {}).get("mlp_ratio") or 8.0
-    for bits, style, source in CAPACITY_REFERENCES:
-        for i, (N, points) in enumerate(capacity_reference(summary["cells"], bits, ratio).items()):
-            ax.plot(*zip(*points), color="black", ls=style, lw=0.8, alpha=0.7,
-                    label=f"{bits} bits/param ({source}), trainable, per N" if i == 0 else None)
-    for N, m in markers.items():
-        ax.scatter([], [], color="gray", marker=m, s=18, label=f"N={N}")
-    if any(c["upper_bounds"] for c in summary["cells"]):
-        ax.scatter([], [], facecolors="none", edgecolors="gray", s=22, label="hollow: upper bound (not confirmed)")
-    ax.set_xlabel("R log2 N")
-    ax.set_ylabel("threshold width d*")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    paths.append(str(write_figure(os.path.join(img_dir, f"{prefix}dstar_vs_RlogN.png"), fig)))
-    return paths
 
 
 def _cfg_dict(cfg: SweepConfig) -> dict:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmprobe.datasets import FactTable, load_relations  # lazy: the instrument side is optional here
+from llmprobe.datasets import FactTable, load_relations
 from llmprobe.io import write_text
 
 
@@ -95,9 +95,6 @@ class FactTask:
     def vocab_size(self) -> int:
         """Size of the input id space (subjects then relations)."""
         return self.n_subjects + self.n_relations
-
-    def relation_token(self, r) -> torch.Tensor | int:
-        return r + self.n_subjects
 
     def relation_attributes(self, r: int) -> torch.Tensor:
         """Output ids that relation r can take (all outputs for bijections onto the shared set)."""

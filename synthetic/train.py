@@ -13,7 +13,9 @@ written atomically, so weights and optimizer state can never come from different
 repeats that state for readers (a resume reads the safetensors file; older checkpoints without the metadata fall
 back to it), and ``task.json`` holds the fact table. All writes are atomic (temp file + ``os.replace``).
 A run started on a directory that holds a checkpoint resumes from it (``resume=False`` starts over). ``run.json``
-records the result: accuracy, steps, wall time, parameter counts and bits per trainable parameter.
+records the result: accuracy, steps, wall time, parameter counts and bits per trainable parameter. The batched
+trainer (:mod:`synthetic.batched`) builds its results with the same :func:`run_result` and saves them with the same
+:func:`save_run`; its loop is its own (its Adam update is written out, so it is not bit-identical to this one).
 """
 from __future__ import annotations
 
@@ -24,6 +26,9 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save
+from tqdm.auto import tqdm
 
 from llmprobe.io import write_bytes, write_json
 from synthetic.model import FactRecallModel, ModelConfig
@@ -142,7 +147,6 @@ def train(task: FactTask | KHopTask, d_model: int | None = None, *, model_config
                 raise ValueError("give d_model, model_config or model")
             model_config = model_config_for(task, d_model, **model_kw)
         model = FactRecallModel(model_config)
-    mcfg = model.config
     device = torch.device(cfg.device)
     model.to(device)
     data = task.data().to(device)
@@ -235,22 +239,40 @@ def train(task: FactTask | KHopTask, d_model: int | None = None, *, model_config
     if not history or history[-1][0] != step:
         record()
     wall = time.perf_counter() - t0
+    result = run_result(task, model, cfg, steps=step, accuracy=acc, loss=loss_val, history=history, wall_s=wall,
+                        cpu_s=time.process_time() - cpu0, time_to_target_s=t_target, facts_per_step=bs)
+    if out_dir:
+        save_run(out_dir, result, adam_moments(opt, params), wall, cfg)
+    return result
+
+
+def run_result(task, model: FactRecallModel, cfg: TrainConfig, *, steps: int, accuracy: float, loss: float,
+               history: list, wall_s: float, cpu_s: float, time_to_target_s: float | None, facts_per_step: int,
+               batch_models: int = 1) -> RunResult:
+    """The :class:`RunResult` of ``model`` trained on ``task`` (the trained model at ``result.model``), from what
+    the training loop counted (this trainer's or :func:`synthetic.batched.train_batched`'s)."""
+    mcfg = model.config
     n = model.n_params()
     bits = task.bits()
     result = RunResult(
-        accuracy=acc, success=acc >= cfg.target_acc, steps=step, wall_time_s=round(wall, 3),
+        accuracy=accuracy, success=accuracy >= cfg.target_acc, steps=steps, wall_time_s=round(wall_s, 3),
         n_params=n["total"], n_trainable=n["trainable"], bits=round(bits, 1),
-        bits_per_param=float(f"{bits / max(1, n['trainable']):.4g}"), loss=loss_val,
-        facts_per_s=round(step * bs / max(wall, 1e-9), 1), n_subjects=mcfg.n_subjects, n_relations=mcfg.n_relations,
-        d_model=mcfg.d_model, d_mlp=mcfg.d_mlp, frozen_subjects=mcfg.frozen_subjects, attention=mcfg.attention,
-        task_kind=task.kind, train=cfg.to_dict(), history=history,
-        time_to_target_s=None if t_target is None else round(t_target, 3),
-        cpu_time_s=round(time.process_time() - cpu0, 3))
-    if out_dir:
-        _save_checkpoint(out_dir, model, adam_moments(opt, params), step, wall, history, acc, loss_val, cfg)
-        write_json(os.path.join(out_dir, RUN), {**result.to_dict(), "model_config": mcfg.to_dict()})
+        bits_per_param=float(f"{bits / max(1, n['trainable']):.4g}"), loss=loss,
+        facts_per_s=round(steps * facts_per_step / max(wall_s, 1e-9), 1), n_subjects=mcfg.n_subjects,
+        n_relations=mcfg.n_relations, d_model=mcfg.d_model, d_mlp=mcfg.d_mlp, frozen_subjects=mcfg.frozen_subjects,
+        attention=mcfg.attention, task_kind=task.kind, train=cfg.to_dict(), history=list(history),
+        time_to_target_s=None if time_to_target_s is None else round(time_to_target_s, 3),
+        cpu_time_s=round(cpu_s, 3), batch_models=batch_models)
     result.model = model
     return result
+
+
+def save_run(out_dir: str, result: RunResult, moments: dict, elapsed: float, cfg: TrainConfig) -> None:
+    """The finished run in ``out_dir``: its checkpoint (parameters, Adam ``moments``, state after ``elapsed``
+    seconds) and ``run.json``."""
+    _save_checkpoint(out_dir, result.model, moments, result.steps, elapsed, result.history, result.accuracy,
+                     result.loss, cfg)
+    write_json(os.path.join(out_dir, RUN), {**result.to_dict(), "model_config": result.model.config.to_dict()})
 
 
 def load_run(out_dir: str, device: str = "cpu") -> tuple[FactRecallModel, FactTask | KHopTask, dict]:
@@ -260,8 +282,6 @@ def load_run(out_dir: str, device: str = "cpu") -> tuple[FactRecallModel, FactTa
         with open(os.path.join(out_dir, STATE)) as f:
             state = json.load(f)
     model = FactRecallModel(ModelConfig.from_dict(state["model_config"]))
-    from safetensors.torch import load_file
-
     tensors = load_file(os.path.join(out_dir, CHECKPOINT), device=device)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -276,13 +296,7 @@ def load_run(out_dir: str, device: str = "cpu") -> tuple[FactRecallModel, FactTa
 def _progress(cfg: TrainConfig, start: int):
     if not cfg.progress:
         return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover
-        return None
     return tqdm(total=cfg.max_steps, initial=start, desc="train", unit="step", leave=False, mininterval=0.5)
-
-
 
 
 def _save_task(task, out_dir: str) -> None:
@@ -306,8 +320,6 @@ def _load_task(out_dir: str):
 def _checkpoint_state(out_dir) -> dict | None:
     """The training state stored in the metadata of ``checkpoint.safetensors`` (None: no file, or an older
     checkpoint without it)."""
-    from safetensors import safe_open
-
     path = os.path.join(out_dir, CHECKPOINT)
     if not os.path.exists(path):
         return None
@@ -328,8 +340,6 @@ def adam_moments(opt, params: dict) -> dict:
 
 def _save_checkpoint(out_dir, model, moments: dict, step, elapsed, history, acc, loss, cfg) -> None:
     """Parameters, Adam ``moments`` ({name: (exp_avg, exp_avg_sq, step)}) and the training state, atomically."""
-    from safetensors.torch import save
-
     tensors = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters()}
     opt_step = {}
     for name, (exp_avg, exp_avg_sq, opt_steps) in moments.items():
@@ -347,8 +357,6 @@ def _save_checkpoint(out_dir, model, moments: dict, step, elapsed, history, acc,
 def read_checkpoint(out_dir, model) -> tuple[dict, dict]:
     """Load a checkpoint's parameters into ``model`` (same config, else ValueError); returns (state, moments
     {name: (exp_avg, exp_avg_sq, step)} on the model's device)."""
-    from safetensors.torch import load_file
-
     state = _checkpoint_state(out_dir)
     if state is None:                       # a checkpoint written before the state moved into it
         with open(os.path.join(out_dir, STATE)) as f:

@@ -43,14 +43,15 @@ def test_threshold_on_a_table_is_confirmed_with_a_second_initialisation(block):
 
 
 def test_controls_train_on_the_device_they_are_given(monkeypatch, table):
-    """``device`` reaches every training (a GPU for a large model's controls); the block records it."""
-    import synthetic.controls as module
+    """``device`` reaches every training (a GPU for a large model's controls; every control trains through
+    synthetic.sweep.train_width); the block records it."""
+    import synthetic.sweep as module
 
     seen, real = [], module.train
 
-    def spy(task, d, config, **kwargs):
+    def spy(task, model_config, config):
         seen.append(config.device)
-        return real(task, d, config=config, **kwargs)
+        return real(task, model_config=model_config, config=config)
 
     monkeypatch.setattr(module, "train", spy)
     out = train_controls(table, d_model=4, max_steps=50, modes=("trainable",), at_model_width=False, n_boot=20,

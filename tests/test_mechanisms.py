@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 
+from llmprobe.model.random_init import random_init
 from synthetic import mechanisms as M
 from synthetic.analyze import analyze, control_config, train_control
 from synthetic.multihop import MultihopConfig, run_multihop, smallest_on_grid
@@ -109,17 +110,17 @@ def test_swap_edit_flips_relation_r_on_a_planted_selector_and_a_random_direction
     assert rand["success"]["ci"][1] < se["success"]["ci"][0]           # the intervals do not overlap
     assert rand["others_kept"]["value"] >= 0.95          # same norm, no direction: (almost) nothing moves
     # the untrained model of the same architecture has nothing to edit
-    untrained = M.swap_edits(M.untrained_like(model), task, max_edits=60)
+    untrained = M.swap_edits(random_init(model, model.config.seed + 1), task, max_edits=60)
     assert untrained["success"]["value"] < 0.1
 
 
-def test_untrained_like_is_the_config_rebuilt_with_a_new_seed(trainable):
-    """The synthetic random-init control goes through llmprobe.model.random_init.random_init:
-    the architecture rebuilt from its config with seed + offset, as before; the global RNG is not touched."""
+def test_random_init_control_is_the_config_rebuilt_with_a_new_seed(trainable):
+    """The synthetic random-init control is llmprobe.model.random_init.random_init: the architecture rebuilt from
+    its config with the given seed; the global RNG is not touched."""
     from synthetic.model import ModelConfig
 
     state = torch.random.get_rng_state()
-    fresh = M.untrained_like(trainable, seed_offset=5)
+    fresh = random_init(trainable, trainable.config.seed + 5)
     assert torch.equal(torch.random.get_rng_state(), state) and not fresh.training
     assert fresh.config == ModelConfig.from_dict({**trainable.config.to_dict(), "seed": trainable.config.seed + 5})
     expected = M.FactRecallModel(fresh.config)
@@ -247,16 +248,21 @@ def test_control_config_freezes_parts(trainable):
     assert kv.frozen_subjects and kv.frozen_unembed and kv.d_model == trainable.config.d_model
 
 
-def test_cli_registers_on_synth_group():
+def test_cli_registers_every_synth_subcommand():
+    """synthetic.cli.add_parser alone registers the whole synth group; a bad int list is a usage error (2)."""
     import argparse
 
-    from synthetic.analyze import add_analyze_parser, cmd_analyze
-    from synthetic.cli import add_parser
-    from synthetic.multihop import cmd_multihop
+    from synthetic.cli import add_parser, cmd_analyze, cmd_multihop
 
     parser = argparse.ArgumentParser(prog="llmprobe")
     synth = add_parser(parser.add_subparsers(dest="command"))
-    add_analyze_parser(synth.synth_subparsers)
+    assert set(synth.synth_subparsers.choices) == {"train", "sweep", "construct", "bounds", "analyze", "swap-sweep",
+                                                   "multihop", "multihop-seeds"}
+    for bad in (["multihop", "--out", "X", "--hops", "1,x"], ["multihop-seeds", "--out", "X", "--seeds", "-1"],
+                ["swap-sweep", "OUT", "--relations", ""]):
+        with pytest.raises(SystemExit) as stop:
+            parser.parse_args(["synth", *bad])
+        assert stop.value.code == 2
     args = parser.parse_args(["synth", "analyze", "RUN", "--controls", "frozen_all", "-N", "16", "-R", "2",
                               "--d", "8"])
     assert args.func is cmd_analyze and args.run_dir == "RUN" and args.subjects == 16

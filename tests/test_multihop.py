@@ -8,13 +8,13 @@ import numpy as np
 from synthetic.multihop import (
     SeedsConfig,
     fit_growth,
-    plot_seeds,
     resample_within,
     run_seeds,
     search_grid,
     seeds_markdown,
     smallest_on_grid,
 )
+from synthetic.render import seeds_figure
 
 
 def _planted(k, c=3.0, noise=0.1, seed=0):
@@ -84,7 +84,7 @@ def test_run_seeds_tiny_grid_resumes(tmp_path):
     again = run_seeds(cfg, str(tmp_path), log=lambda m: None)      # nothing retrained
     assert again["d_star"] == s["d_star"] and again["train_cpu_s"] == s["train_cpu_s"]
     assert "| k | CoT |" in seeds_markdown(again) and set(again["pooled_vs_Rk"]) == {"direct", "cot"}
-    assert os.path.getsize(plot_seeds(again, str(tmp_path / "seeds.png"))) > 1000
+    assert os.path.getsize(seeds_figure(again, str(tmp_path / "seeds.png"))) > 1000
     # drop the last trained point: without training, that search ends open, bracketed by its other points
     lines = (tmp_path / "points.jsonl").read_text().splitlines()
     (tmp_path / "points.jsonl").write_text("\n".join(lines[:-1]) + "\n")

@@ -138,6 +138,26 @@ def test_fused_cross_entropy_matches_torch():
     assert int(correct) == int(((h @ w.T).argmax(1) == y).sum())
 
 
+def test_one_cross_entropy_kernel_for_one_model_and_a_stack():
+    """softmax_cross_entropy takes one model ([B, d]) or a stack ([M, B, D], synthetic.batched): each stacked model
+    gets its own loss, correct count and gradients, as alone (with a bias, in chunks)."""
+    torch.manual_seed(0)
+    h = torch.randn(3, 50, 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 11, 6, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, 11, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 11, (3, 50))
+    loss, correct = softmax_cross_entropy(h, w, b, y, chunk=16)
+    assert loss.shape == correct.shape == (3,)
+    (loss * torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)).sum().backward()
+    for i in range(3):
+        hi, wi, bi = (t.detach()[i].clone().requires_grad_() for t in (h, w, b))
+        one, right = softmax_cross_entropy(hi, wi, bi, y[i], chunk=16)
+        ((i + 1.0) * one).backward()
+        assert torch.allclose(loss[i], one) and int(correct[i]) == int(right)
+        assert torch.allclose(h.grad[i], hi.grad) and torch.allclose(w.grad[i], wi.grad)
+        assert torch.allclose(b.grad[i], bi.grad)
+
+
 def test_a_tie_is_not_correct():
     """Strict argmax: with identical unembedding rows every logit ties, and no prediction counts as correct."""
     h = torch.randn(6, 4)
@@ -279,6 +299,49 @@ def test_bisection_api_step_by_step():
     assert search.next() is None and search.d_star == 8 and search.exact
 
 
+def test_one_width_config_for_sweep_controls_and_modes():
+    """A search point's model (synthetic.sweep.width_config, what the sweep, its batched rounds and the matched
+    controls train): the mode's frozen parts from llmprobe.names.EMBEDDING_MODES, the MLP rule, the init's seed."""
+    from llmprobe.names import CONTROL_MODES, EMBEDDING_MODES, SWAP_MODES, SWEEP_MODES
+    from synthetic import controls, swap
+    from synthetic.model import mode_flags
+    from synthetic.sweep import MODES, width_config
+
+    task = random_bijections(16, 2, seed=0)
+    mc = width_config(task, "frozen_all", 5, SweepConfig(mlp_ratio=8.0), seed=3, init=1)
+    assert (mc.frozen_subjects, mc.frozen_unembed, mc.d_model, mc.d_mlp, mc.seed) == (True, True, 5, 40, 1003)
+    mc = width_config(task, "frozen", 5, SweepConfig(d_mlp=7, attention="learned"))
+    assert (mc.frozen_subjects, mc.frozen_unembed, mc.d_mlp, mc.attention, mc.seed) == (True, False, 7, "learned", 0)
+    assert mode_flags("trainable") == {} and mode_flags("frozen_unembed") == {"frozen_unembed": True}
+    with pytest.raises(ValueError, match="unknown embedding mode"):
+        mode_flags("frozen_subjects")
+    assert (MODES, controls.MODES, swap.MODES) == (SWEEP_MODES, CONTROL_MODES, SWAP_MODES)
+    assert set(SWEEP_MODES) | set(CONTROL_MODES) | set(SWAP_MODES) == set(EMBEDDING_MODES)
+    with pytest.raises(ValueError, match="unknown swap-sweep mode"):
+        swap.sweep_points([256], [2], modes=("frozen_all",))
+
+
+def test_sweep_figures_draw_without_pyplot(tmp_path):
+    """synthetic.render draws with llmprobe.io.subplots: pyplot is never imported (so no backend is chosen)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from synthetic.render import sweep_figures\n"
+            "rows = [{'n_subjects': 16, 'n_relations': 2, 'mode': m, 'd_model': d, 'accuracy': a}\n"
+            "        for m in ('trainable', 'frozen') for d, a in ((2, 0.5), (4, 1.0))]\n"
+            "cells = [{'N': 16, 'R': 2, 'mode': m, 'R_log2N': 8.0, 'd_star': [4], 'upper_bounds': []}\n"
+            "         for m in ('trainable', 'frozen')]\n"
+            "fit = {'c': {'value': 0.5}, 'r2': 0.9}\n"
+            f"paths = sweep_figures(rows, {{'cells': cells, 'fit': {{'trainable': fit}}}}, {str(tmp_path)!r})\n"
+            "assert 'matplotlib.pyplot' not in sys.modules\n"
+            "print(len(paths))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "2"
+    assert all((tmp_path / name).stat().st_size > 1000 for name in ("accuracy_vs_d.png", "dstar_vs_RlogN.png"))
+
+
 def test_later_seeds_do_not_inherit_a_wrong_exact_threshold(tmp_path, monkeypatch):
     """Seed 0 (d* 12) starts seed 1 (true d* 9, whose first initialisation fails once at 9)."""
     import synthetic.sweep as sw
@@ -404,9 +467,7 @@ def test_cli_train_and_parsers(tmp_path, capsys):
 
     parser = argparse.ArgumentParser(prog="llmprobe")
     subs = parser.add_subparsers(dest="command")
-    synth = add_parser(subs)
-    analyze = synth.synth_subparsers.add_parser("analyze", help="placeholder")
-    analyze.set_defaults(func=lambda a: "analyzed")
+    add_parser(subs)
     out = str(tmp_path / "run")
     args = parser.parse_args(["synth", "train", "--subjects", "32", "--relations", "2", "--d", "12",
                               "--out", out, "--no-progress", "--max-steps", "400"])
@@ -419,9 +480,17 @@ def test_cli_train_and_parsers(tmp_path, capsys):
     args = parser.parse_args(["synth", "train", "--subjects", "8", "--relations", "2", "--d", "4", "--hops", "2",
                               "--cot", "--out", out])
     assert args.hops == 2 and args.cot
-    assert parser.parse_args(["synth", "analyze"]).func(None) == "analyzed"
     args = parser.parse_args(["synth", "bounds", "-N", "4", "-R", "3"])
     assert args.func(args)["bits_one_hop"] == pytest.approx(3 * math.log2(24))
+
+
+def test_int_list_is_the_one_int_list_parser():
+    from llmprobe.checks import UsageError, int_list
+
+    assert int_list("256, 512,", "--subjects") == [256, 512] and int_list("0", "--seeds", minimum=0) == [0]
+    for bad, minimum in (("", 1), (" , ", 1), ("2,x", 1), ("0", 1), ("1.5", 1), ("-1", 0)):
+        with pytest.raises(UsageError, match="--x"):
+            int_list(bad, "--x", minimum)
 
 
 def test_cli_sweep_takes_seed_zero_and_exits_0(tmp_path):
@@ -440,8 +509,7 @@ def test_cli_sweep_takes_seed_zero_and_exits_0(tmp_path):
 def test_capacity_reference_lines_hold_the_facts_bits_at_their_rate():
     """The 2 and 3.6 bits/param lines of the d* plot: at each (N, R) the smallest width whose trainable parameters
     times the rate cover the facts' bits (one less does not), lower at the higher rate."""
-    from synthetic.bounds import bits_needed, trainable_params
-    from synthetic.sweep import capacity_reference
+    from synthetic.bounds import bits_needed, capacity_reference, trainable_params
 
     cells = [{"N": N, "R": R} for N in (256, 1024) for R in (2, 8)]
     lines = {b: capacity_reference(cells, b) for b in (2.0, 3.6)}
