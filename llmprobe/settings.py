@@ -1,6 +1,7 @@
-"""One settings layer for ``llmprobe probe``, ``run`` and ``rerun``.
+"""One settings object for ``llmprobe probe``, ``run`` and ``rerun`` (layer 5; imports no torch).
 
-Settings come in three sections, each a dataclass whose fields (names, types, defaults) are the settings:
+:class:`Settings` holds three sections, each a dataclass whose fields (name, type, default, comment) are the
+settings, written nowhere else:
 
 * ``run``: what to load and probe (:class:`RunSettings`: model, relations, layers, device, seed, ...);
 * ``analysis``: every field of :class:`llmprobe.analyses.AnalysisSettings` but ``seed`` (the one seed is
@@ -10,19 +11,23 @@ Settings come in three sections, each a dataclass whose fields (names, types, de
 They are resolved in this order, each overriding the one before: the defaults, ``--config FILE.toml`` (tables
 ``[run]``, ``[analysis]``, ``[controls]``), ``--set SECTION.KEY=VALUE`` (repeatable; VALUE is a TOML value, or
 the text written where the setting takes text: ``run.layers=0,6``), then the explicit command-line flags
-(``--layers``, ``--protocol``, ...). TOML has no null: the string ``"none"`` stands for None where a setting
-allows it. An unknown key, a value of the wrong type or a malformed file raises :class:`UsageError` naming the
-key (or the file's line). ``probe`` and ``run`` record the resolved settings in report.json (``settings``), from
-which :func:`rerun` reproduces the report. ``docs/config.md`` shows every key with its default
-(:func:`settings_toml`).
+(``--layers``, ``--protocol``, ...; :func:`resolve`). The Python API's keywords (``probe(layers=..., max_facts=...,
+analysis_options={...})``) go through the same checks (:func:`from_options`). TOML has no null: the string
+``"none"`` stands for None where a setting allows it. An unknown key, a value of the wrong type or out of range,
+or a malformed file raises :class:`UsageError` naming the key (or the file's line); :func:`check` is the one
+place of the checks. ``probe`` and ``run`` record the settings in report.json (:meth:`Settings.record`), from
+which ``llmprobe rerun`` reproduces the report (:func:`from_record`). ``docs/config.md`` shows every key with its
+default (:func:`settings_toml`).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import inspect
 import json
 import math
+import os
 import re
 import types
 import typing
@@ -31,13 +36,13 @@ from pathlib import Path
 import tomllib
 
 from llmprobe.analyses.settings import AnalysisSettings, settings_from
-from llmprobe.checks import DEVICE_MAPS, DTYPES, QUANTIZE, UsageError, parse_max_memory
-from llmprobe.names import CONTROL_MODES
+from llmprobe.checks import DEVICE_MAPS, DTYPES, QUANTIZE, UsageError, analysis_names, layer_spec, parse_max_memory
+from llmprobe.names import ANALYSES, CONTROL_MODES
 
 
 @dataclasses.dataclass
 class RunSettings:
-    """What ``probe`` and ``run`` load and check (the arguments of ``llmprobe.jobs.probe.probe``)."""
+    """What ``probe`` and ``run`` load and check."""
 
     model: str | None = None                # hub name, local folder or .gguf file; none = embedded SmolLM2-135M
     gguf_file: str | None = None            # GGUF file inside the model folder or hub repo
@@ -60,7 +65,8 @@ class RunSettings:
 
 @dataclasses.dataclass
 class ControlSettings:
-    """The matched synthetic controls of ``llmprobe run`` (arguments of ``synthetic.controls.train_controls``)."""
+    """The matched synthetic controls of ``llmprobe run`` (the job passes each to
+    ``synthetic.controls.train_controls``)."""
 
     enabled: bool = True                    # false: skip the controls (--no-controls)
     at_model_width: bool = True             # false: train only at d*, not also up to the model's d_model
@@ -72,8 +78,91 @@ class ControlSettings:
 
 SECTIONS = {"run": RunSettings, "analysis": AnalysisSettings, "controls": ControlSettings}
 SHARED = {"analysis": ("seed",)}            # fields set through another section (analysis.seed is run.seed)
-COMMAND_ANALYSES = {"probe": (), "run": ("lre", "ridge", "superposition")}   # run.analyses = none
+COMMAND_ANALYSES = {"probe": (), "run": ANALYSES}                          # run.analyses = none
 PLACEMENT = ("device_map", "max_memory", "offload_folder", "quantize")     # run settings that place the model
+TRAINING = ("max_steps", "d_max", "n_boot", "modes")                       # control settings of the training
+# Python API keywords beside the run settings (which are keywords by their own names): keyword -> section (a
+# dict of that section's settings) or "section.key"
+API_KEYWORDS = {"probe": {"analysis_options": "analysis"},
+                "run": {"analysis_options": "analysis", "controls": "controls.enabled",
+                        "at_model_width": "controls.at_model_width", "control_options": "controls"}}
+
+
+@dataclasses.dataclass
+class Settings:
+    """Every setting of one ``probe`` or ``run``: ``settings.run.layers``, ``settings.analysis.n_splits``,
+    ``settings.controls.max_steps`` (``analysis.seed`` is not one: ``run.seed`` is the seed)."""
+
+    run: RunSettings = dataclasses.field(default_factory=RunSettings)
+    analysis: AnalysisSettings = dataclasses.field(default_factory=AnalysisSettings)
+    controls: ControlSettings = dataclasses.field(default_factory=ControlSettings)
+
+    def section(self, name: str) -> dict:
+        """{setting: value} of one section, in field order."""
+        block = getattr(self, name)
+        return {key: getattr(block, key) for key in field_types(name)}
+
+    def changed(self, name: str) -> dict:
+        """The settings of section ``name`` that differ from their defaults (the only ones in the stage keys, so
+        that the resume keys of default settings stay as they were)."""
+        default = Settings().section(name)
+        return {k: v for k, v in self.section(name).items() if v != default[k]}
+
+    def set(self, section: str, key: str, value, where: str) -> None:
+        """Set ``section.key`` to ``value`` (checked and converted to the setting's type); UsageError naming
+        ``where`` and the key otherwise."""
+        hint = _known_key(section, key, where)
+        setattr(getattr(self, section), key, coerce(f"{where}: {section}.{key}", value, hint))
+
+    def update(self, tree: dict, where: str) -> Settings:
+        """Set the settings of ``tree`` ({section: {setting: value}}, as a TOML file or report.json holds them);
+        returns self."""
+        for section, table in tree.items():
+            if section not in SECTIONS and not isinstance(table, dict):
+                raise UsageError(f"{where}: {section} is outside the sections; put each setting under "
+                                 f"{', '.join(f'[{name}]' for name in SECTIONS)}")
+            if section not in SECTIONS:
+                _known_key(section, "", where)
+            if not isinstance(table, dict):
+                raise UsageError(f"{where}: {section} must be a table of settings ([{section}]), got "
+                                 f"{json.dumps(table, default=str)}")
+            for key, value in table.items():
+                self.set(section, key, value, where)
+        return self
+
+    def analyses(self, command: str) -> tuple[str, ...]:
+        """The analyses to run: ``run.analyses``, or the command's default when it is none."""
+        names = self.run.analyses if self.run.analyses is not None else COMMAND_ANALYSES[command]
+        return analysis_names(names, ANALYSES)
+
+    def analysis_options(self) -> dict:
+        """Keyword arguments of ``run_analyses`` beside ``seed``: the changed analysis settings, and
+        ``run.batch_size`` as every analysis stage's batch size (at most the default 16 for the Jacobians) where
+        the batch sizes are left at their defaults."""
+        return {"batch_size": self.run.batch_size,
+                "jacobian_batch_size": min(AnalysisSettings.jacobian_batch_size, self.run.batch_size),
+                **self.changed("analysis")}
+
+    def control_arguments(self) -> dict:
+        """Keyword arguments of ``synthetic.controls.train_controls`` that are settings (every one given)."""
+        return {"seed": self.run.seed, "at_model_width": self.controls.at_model_width,
+                **{key: getattr(self.controls, key) for key in TRAINING}}
+
+    def record(self, command: str, model: str | None) -> dict:
+        """The ``settings`` block of report.json: {"command", "run", "analysis", "controls"} with every setting of
+        each section (``model`` as recorded; ``run.analyses`` the analyses run; ``analysis`` as the analyses
+        used it; local paths absolute; ``controls`` null for ``probe``)."""
+        run = {**self.section("run"), "model": _absolute(model), "analyses": self.analyses(command)}
+        if run["offload_folder"] is not None:
+            run["offload_folder"] = str(Path(run["offload_folder"]).expanduser().resolve())
+        if run["relations"] is not None:
+            run["relations"] = [_absolute(r) for r in run["relations"]]
+        analysis = {**self.section("analysis"), **self.analysis_options()}
+        controls = self.section("controls") if command == "run" else None
+        return {"command": command,
+                **{name: None if block is None else {k: list(v) if isinstance(v, tuple) else v
+                                                     for k, v in block.items()}
+                   for name, block in (("run", run), ("analysis", analysis), ("controls", controls))}}
 
 
 def field_types(section: str) -> dict:
@@ -81,12 +170,6 @@ def field_types(section: str) -> dict:
     hints = typing.get_type_hints(SECTIONS[section])
     return {f.name: hints[f.name] for f in dataclasses.fields(SECTIONS[section])
             if f.name not in SHARED.get(section, ())}
-
-
-def defaults() -> dict:
-    """{section: {setting: default}} of every setting."""
-    return {section: {name: getattr(cls(), name) for name in field_types(section)}
-            for section, cls in SECTIONS.items()}
 
 
 # ------------------------------------------------------------------------------------------------ values
@@ -110,8 +193,9 @@ def type_name(hint) -> str:
 
 
 def coerce(key: str, value, hint):
-    """``value`` (from TOML, JSON or the command line) as the type ``hint`` says (lists become tuples, ints
-    become floats where floats are wanted, None or "none" where None is allowed); UsageError naming ``key``."""
+    """``value`` (from TOML, JSON, the command line or the Python API) as the type ``hint`` says (lists become
+    tuples, ints become floats where floats are wanted, None or "none" where None is allowed); UsageError naming
+    ``key``."""
     options = _options(hint)
     if (value is None or value == "none") and type(None) in options:
         return None
@@ -143,23 +227,6 @@ def _known_key(section: str, key: str, where: str):
                          + (f" (did you mean {', '.join(section + '.' + c for c in close)}?)" if close else "")
                          + "; docs/config.md lists every setting")
     return hints[key]
-
-
-def update(values: dict, tree: dict, where: str) -> dict:
-    """Set the settings of ``tree`` ({section: {setting: value}}, as a TOML file or report.json holds them) in
-    ``values`` (checked and converted); returns ``values``."""
-    for section, table in tree.items():
-        if section not in SECTIONS and not isinstance(table, dict):
-            raise UsageError(f"{where}: {section} is outside the sections; put each setting under "
-                             f"{', '.join(f'[{name}]' for name in SECTIONS)}")
-        if section not in SECTIONS:
-            _known_key(section, "", where)
-        if not isinstance(table, dict):
-            raise UsageError(f"{where}: {section} must be a table of settings ([{section}]), got "
-                             f"{json.dumps(table, default=str)}")
-        for key, value in table.items():
-            values[section][key] = coerce(f"{where}: {section}.{key}", value, _known_key(section, key, where))
-    return values
 
 
 def read_toml(path: str | Path) -> dict:
@@ -199,78 +266,99 @@ def parse_set(text: str) -> tuple[str, str, object]:
     return section, key, raw
 
 
-def resolve(config: str | Path | None = None, sets=(), flags: dict | None = None) -> dict:
+def resolve(config: str | Path | None = None, sets=(), flags: dict | None = None) -> Settings:
     """The settings: defaults <- ``config`` (a TOML file) <- ``sets`` (``SECTION.KEY=VALUE`` texts) <- ``flags``
-    ({"section.key": value} given explicitly on the command line). Checked; returns {section: {setting: value}}."""
-    values = defaults()
+    ({"section.key": value} given explicitly on the command line), checked."""
+    settings = Settings()
     if config is not None:
-        update(values, read_toml(config), f"--config {str(config)!r}")
+        settings.update(read_toml(config), f"--config {str(config)!r}")
     for text in sets:
         section, key, value = parse_set(text)
-        values[section][key] = value
+        setattr(getattr(settings, section), key, value)
     for name, value in (flags or {}).items():
         section, key = name.split(".")
-        values[section][key] = coerce(name, value, _known_key(section, key, "command line"))
-    check(values)
-    return values
+        settings.set(section, key, value, "command line")
+    return check(settings)
 
 
-def check(values: dict) -> None:
-    """Checks beyond the types: choices and ranges (UsageError naming the setting)."""
-    run, controls = values["run"], values["controls"]
+def from_options(command: str, settings: Settings | None, options: dict) -> Settings:
+    """The settings of a Python API call: a copy of ``settings`` (default: the defaults) with ``options``, the
+    keywords of ``probe`` or ``run`` (``command``): every run setting by its name, and :data:`API_KEYWORDS`
+    (``analysis_options={"n_splits": 2}``, ...); checked. The API's other forms of a value are taken too:
+    ``layers`` a list of layers or None (all), ``analyses`` a comma list, ``max_memory`` a text or a dict, paths
+    as ``os.PathLike``. An unknown keyword raises UsageError naming it."""
+    settings = copy.deepcopy(settings) if settings is not None else Settings()
+    where, run_keys, extra = f"{command}()", field_types("run"), API_KEYWORDS[command]
+    unknown = sorted(set(options) - set(run_keys) - set(extra))
+    if unknown:
+        raise UsageError(f"{where}: unknown keyword(s) {', '.join(unknown)}; the settings are "
+                         f"{', '.join([*run_keys, *extra])} (docs/config.md)")
+    for keyword, value in options.items():
+        target = extra.get(keyword, f"run.{keyword}")
+        if "." in target:
+            section, key = target.split(".")
+            settings.set(section, key, _api_form(key, value) if section == "run" else value, where)
+        elif value is not None:
+            if not isinstance(value, dict):
+                raise UsageError(f"{where}: {keyword} must be a dict of {target} settings, got "
+                                 f"{json.dumps(value, default=str)}")
+            settings.update({target: value}, f"{where} {keyword}")
+    return check(settings)
+
+
+def _api_form(key: str, value):
+    """A run setting given to the Python API in another form, as the setting's own type takes it."""
+    if isinstance(value, os.PathLike):
+        return str(value)
+    if key == "layers" and not isinstance(value, str):
+        try:
+            return "all" if value is None else ",".join(str(int(layer)) for layer in value)
+        except (TypeError, ValueError):
+            raise UsageError(f"layers: expected all, every:K, a comma list or a list of integers, got "
+                             f"{value!r}") from None
+    if key == "analyses" and isinstance(value, str):
+        return [name.strip() for name in value.split(",") if name.strip()]
+    if key == "relations" and isinstance(value, (list, tuple)):
+        return [str(item) if isinstance(item, os.PathLike) else item for item in value]
+    if key == "max_memory" and isinstance(value, (str, dict)):
+        items = value.items() if isinstance(value, dict) else [(value, None)]
+        return [f"{k}={v}" if v is not None else str(k) for k, v in items]
+    return value
+
+
+def check(settings: Settings) -> Settings:
+    """The checks beyond the types: names, choices and ranges (UsageError naming the setting); returns the
+    settings."""
+    run, controls = settings.run, settings.controls
     for key, choices in (("dtype", DTYPES), ("device_map", DEVICE_MAPS), ("quantize", QUANTIZE)):
-        if run[key] is not None and run[key] not in choices:
-            raise UsageError(f"run.{key} must be one of {', '.join(choices)}, got {run[key]!r}")
+        value = getattr(run, key)
+        if value is not None and value not in choices:
+            raise UsageError(f"run.{key} must be one of {', '.join(choices)}, got {value!r}")
     try:
-        parse_max_memory(None if run["max_memory"] is None else list(run["max_memory"]))
+        parse_max_memory(None if run.max_memory is None else list(run.max_memory))
     except ValueError as error:
         raise UsageError(f"run.max_memory: {error}") from None
-    for key in ("batch_size", "max_facts", "max_prompt_tokens"):
-        if run[key] is not None and run[key] < 1:
-            raise UsageError(f"run.{key} must be at least 1, got {run[key]}")
-    for key in ("max_steps", "d_max", "n_boot"):
-        if controls[key] is not None and controls[key] < 1:
-            raise UsageError(f"controls.{key} must be at least 1, got {controls[key]}")
-    unknown = [m for m in controls["modes"] if m not in CONTROL_MODES]
-    if unknown or not controls["modes"]:
+    layer_spec(run.layers)
+    if run.analyses is not None:
+        analysis_names(run.analyses, ANALYSES)
+    for section, keys in (("run", ("batch_size", "max_facts", "max_prompt_tokens")),
+                          ("controls", ("max_steps", "d_max", "n_boot"))):
+        for key in keys:
+            value = getattr(getattr(settings, section), key)
+            if value is not None and value < 1:
+                raise UsageError(f"{section}.{key} must be at least 1, got {value}")
+    unknown = [m for m in controls.modes if m not in CONTROL_MODES]
+    if unknown or not controls.modes:
         raise UsageError(f"controls.modes must be a non-empty list of {', '.join(CONTROL_MODES)}, got "
-                         f"{list(controls['modes'])}")
+                         f"{list(controls.modes)}")
     try:
-        settings_from(seed=run["seed"], **values["analysis"])
+        settings_from(seed=run.seed, **settings.section("analysis"))
     except (TypeError, ValueError) as error:
         raise UsageError(f"analysis settings: {error}") from None
-
-
-def changed(values: dict, section: str) -> dict:
-    """The settings of ``section`` that differ from their defaults (what ``probe``/``run`` take as options, so
-    that the resume keys of default settings stay as they were)."""
-    default = defaults()[section]
-    return {k: v for k, v in values[section].items() if v != default[k]}
-
-
-def probe_arguments(values: dict, command: str) -> dict:
-    """Keyword arguments of ``llmprobe.jobs.probe.probe`` (``command="probe"``) or ``llmprobe.jobs.main.run`` (``"run"``)."""
-    run = values["run"]
-    arguments = {k: run[k] for k in ("model", "gguf_file", "layers", "device", "dtype", "batch_size", "max_facts",
-                                      "max_prompt_tokens", "seed", "offload_folder")}
-    arguments.update(device_map=run["device_map"], quantize=run["quantize"],
-                     max_memory=None if run["max_memory"] is None else list(run["max_memory"]))
-    arguments["relations"] = list(run["relations"]) if run["relations"] is not None else None
-    arguments["analyses"] = run["analyses"] if run["analyses"] is not None else COMMAND_ANALYSES[command]
-    arguments["analysis_options"] = changed(values, "analysis")
-    if command == "run":
-        controls = values["controls"]
-        arguments.update(controls=controls["enabled"], at_model_width=controls["at_model_width"],
-                         control_options={k: v for k, v in changed(values, "controls").items()
-                                          if k not in ("enabled", "at_model_width")})
-    return arguments
+    return settings
 
 
 # ----------------------------------------------------------------------------------------- report.json
-def _json_ready(value):
-    return list(value) if isinstance(value, tuple) else value
-
-
 def _absolute(name: str | None) -> str | None:
     """A local path as an absolute path (so a rerun from another folder finds it); other names as given."""
     if name is None:
@@ -279,35 +367,13 @@ def _absolute(name: str | None) -> str | None:
     return str(path.resolve()) if path.exists() else name
 
 
-def settings_record(command: str, run: dict, analysis_options: dict | None,
-                    control_options: dict | None = None) -> dict:
-    """The ``settings`` block of report.json: {"command", "run", "analysis", "controls"} with every setting of
-    each section (defaults filled in; local paths made absolute; ``controls`` null for ``probe``)."""
-    run = {**defaults()["run"], **run}
-    if isinstance(run["max_memory"], (str, dict)):   # the Python API takes "0=70GiB,cpu=8GiB" and dicts too
-        items = run["max_memory"].items() if isinstance(run["max_memory"], dict) else [(run["max_memory"], None)]
-        run["max_memory"] = [f"{k}={v}" if v is not None else str(k) for k, v in items]
-    if run["offload_folder"] is not None:
-        run["offload_folder"] = str(Path(run["offload_folder"]).expanduser().resolve())
-    if not isinstance(run["layers"], str):          # the Python API takes a list of layers too
-        run["layers"] = "all" if run["layers"] is None else ",".join(str(int(l)) for l in run["layers"])
-    run["model"], run["relations"] = _absolute(run["model"]), (None if run["relations"] is None else
-                                                              [_absolute(r) for r in run["relations"]])
-    analysis = {**defaults()["analysis"], **{k: v for k, v in (analysis_options or {}).items() if k != "seed"}}
-    controls = None if control_options is None else {**defaults()["controls"], **control_options}
-    return {"command": command,
-            **{name: None if block is None else {k: _json_ready(v) for k, v in block.items()}
-               for name, block in (("run", run), ("analysis", analysis), ("controls", controls))}}
-
-
-def from_record(block: dict, where: str = "report.json settings") -> tuple[str, dict]:
+def from_record(block: dict, where: str = "report.json settings") -> tuple[str, Settings]:
     """(command, settings) from a report's ``settings`` block, checked like a settings file."""
     if not isinstance(block, dict) or block.get("command") not in COMMAND_ANALYSES:
         raise UsageError(f"{where}: no recorded settings of probe or run (reports written before settings were "
                          f"recorded cannot be rerun)")
-    values = update(defaults(), {k: v for k, v in block.items() if k != "command" and v is not None}, where)
-    check(values)
-    return block["command"], values
+    settings = Settings().update({k: v for k, v in block.items() if k != "command" and v is not None}, where)
+    return block["command"], check(settings)
 
 
 # ------------------------------------------------------------------------------------------------ TOML
@@ -338,19 +404,19 @@ def _comments(cls) -> dict:
     return comments
 
 
-def settings_toml(values: dict | None = None) -> str:
-    """``values`` (default: the defaults) as a TOML settings file, every setting with its comment; reading it
+def settings_toml(settings: Settings | None = None) -> str:
+    """``settings`` (default: the defaults) as a TOML settings file, every setting with its comment; reading it
     back gives the same settings."""
-    values = values or defaults()
+    settings = settings or Settings()
     lines = []
     for section, cls in SECTIONS.items():
         comments = _comments(cls)
         lines += ["" if lines else None, f"[{section}]"]
-        for key, value in values[section].items():
+        for key, value in settings.section(section).items():
             note = comments.get(key)
             lines.append(f"{key} = {_toml_value(value)}" + (f"  # {note}" if note else ""))
     return "\n".join(line for line in lines if line is not None) + "\n"
 
 
-__all__ = ["RunSettings", "ControlSettings", "SECTIONS", "defaults", "resolve", "parse_set", "read_toml",
-           "update", "coerce", "changed", "probe_arguments", "settings_record", "from_record", "settings_toml"]
+__all__ = ["Settings", "RunSettings", "ControlSettings", "SECTIONS", "resolve", "from_options", "check",
+           "parse_set", "read_toml", "coerce", "from_record", "settings_toml"]

@@ -14,18 +14,24 @@ import tomllib
 from test_analyses import _relations
 from tiny_models import CONFIGS, save_tiny
 
+import llmprobe.jobs.main
 import llmprobe.jobs.probe
 from llmprobe import settings as config
-from llmprobe.jobs import rerun as rerun_job
 from llmprobe.analyses.settings import AnalysisSettings
+from llmprobe.checks import UsageError
 from llmprobe.cli import build_parser, main
+from llmprobe.commands import settings_of as command_settings
+from llmprobe.jobs import rerun as rerun_job
+from llmprobe.jobs.main import run
+from llmprobe.jobs.probe import load_options, probe
 from llmprobe.model.families import ALL, FAMILIES, TESTED, families
+from llmprobe.names import ANALYSES
 
 ROOT = Path(__file__).resolve().parents[1]
 # a valid value other than the default for every analysis setting; a new AnalysisSettings field must get one here
 NOT_DEFAULT = {
     "n_splits": 2, "max_subjects": 40, "min_known": 4, "n_jacobian": 2, "test_fraction": 0.3, "val_fraction": 0.3,
-    "min_val_per_candidate": 1, "betas": (1.0, 2.0), "ranks": (None, 8), "edit_ranks": (4, 8), "max_val_pairs": 3,
+    "min_val_per_candidate": 1, "selection_folds": 3, "betas": (1.0, 2.0), "ranks": (None, 8), "edit_ranks": (4, 8), "max_val_pairs": 3,
     "max_test_pairs": 5, "ridge_alphas": (0.1, 10.0), "protocol": "lre", "n_icl": 2, "scoring": "sequence",
     "lre_layers": (1,), "max_lre_layers": 2, "causality_layers": (1,), "superposition_facts": "known",
     "neutral_templates": ("Tell me about {}.",), "attribute_vectors": "mean", "max_superposition_subjects": 20,
@@ -76,10 +82,8 @@ def write_toml(path: Path, sections: dict) -> str:
     return str(path)
 
 
-def settings_of(argv: list[str]) -> dict:
-    from llmprobe.cli import _settings
-
-    return _settings(build_parser(synth=False).parse_args(argv))
+def settings_of(argv: list[str]) -> config.Settings:
+    return command_settings(build_parser(synth=False).parse_args(argv))
 
 
 # ------------------------------------------------------------------------------------- every setting
@@ -87,7 +91,7 @@ def test_every_analysis_setting_has_a_test_value_and_every_field_a_known_type():
     fields = {f.name for f in dataclasses.fields(AnalysisSettings)} - {"seed"}
     assert set(NOT_DEFAULT) == fields, f"give NOT_DEFAULT a value for {sorted(fields - set(NOT_DEFAULT))}"
     for section in config.SECTIONS:
-        for key, value in config.defaults()[section].items():
+        for key, value in config.Settings().section(section).items():
             assert config.coerce(key, value, config.field_types(section)[key]) == value   # defaults type-check
     for key, value in NOT_DEFAULT.items():
         assert value != getattr(AnalysisSettings(), key), key
@@ -95,11 +99,12 @@ def test_every_analysis_setting_has_a_test_value_and_every_field_a_known_type():
 
 def test_every_analysis_setting_from_toml_and_from_set(tmp_path):
     from_file = config.resolve(write_toml(tmp_path / "s.toml", {"analysis": NOT_DEFAULT}))
-    assert from_file["analysis"] == NOT_DEFAULT
+    assert from_file.section("analysis") == NOT_DEFAULT
     sets = [f"analysis.{key}={toml_value(value)}" for key, value in NOT_DEFAULT.items()]
-    assert config.resolve(sets=sets)["analysis"] == NOT_DEFAULT
-    assert config.changed(from_file, "analysis") == NOT_DEFAULT
-    assert config.changed(config.resolve(), "analysis") == {}
+    assert config.resolve(sets=sets).section("analysis") == NOT_DEFAULT
+    assert config.from_options("probe", None, {"analysis_options": NOT_DEFAULT}).section("analysis") == NOT_DEFAULT
+    assert from_file.changed("analysis") == NOT_DEFAULT
+    assert config.resolve().changed("analysis") == {}
 
 
 def test_settings_from_a_file_reach_the_analyses_and_land_in_report_json(tiny, tmp_path, all_known):
@@ -130,23 +135,30 @@ def test_flags_override_set_which_overrides_the_file(tmp_path):
                                             "controls": {"max_steps": 7, "at_model_width": True}})
     values = settings_of(["run", "--config", path, "--set", "analysis.n_splits=4", "--set", "run.layers=2",
                           "--set", "analysis.n_icl=4", "--layers", "-1", "--n-icl", "6", "--no-model-width"])
-    assert values["run"]["layers"] == "-1" and values["run"]["batch_size"] == 4 and values["run"]["seed"] == 1
-    assert values["analysis"]["n_splits"] == 4 and values["analysis"]["protocol"] == "lre"
-    assert values["analysis"]["n_icl"] == 6
-    assert values["controls"]["max_steps"] == 7 and values["controls"]["at_model_width"] is False
-    arguments = config.probe_arguments(values, "run")
-    assert arguments["layers"] == "-1" and arguments["analyses"] == ("lre", "ridge", "superposition")
-    assert arguments["analysis_options"] == {"n_splits": 4, "protocol": "lre", "n_icl": 6}
-    assert arguments["control_options"] == {"max_steps": 7} and arguments["at_model_width"] is False
-    assert config.probe_arguments(settings_of(["probe"]), "probe")["analyses"] == ()
-    assert settings_of(["probe", "--set", "run.analyses=['ridge']"])["run"]["analyses"] == ("ridge",)
-    placed = config.probe_arguments(settings_of(
+    assert values.run.layers == "-1" and values.run.batch_size == 4 and values.run.seed == 1
+    assert values.analysis.n_splits == 4 and values.analysis.protocol == "lre" and values.analysis.n_icl == 6
+    assert values.controls.max_steps == 7 and values.controls.at_model_width is False
+    assert values.analyses("run") == ANALYSES and values.analyses("probe") == ()
+    assert values.changed("analysis") == {"n_splits": 4, "protocol": "lre", "n_icl": 6}
+    assert values.analysis_options() == {"batch_size": 4, "jacobian_batch_size": 4, "n_splits": 4, "protocol": "lre",
+                                         "n_icl": 6}
+    assert values.control_arguments() == {"seed": 1, "at_model_width": False, "max_steps": 7, "d_max": None,
+                                          "n_boot": 500, "modes": ("trainable", "frozen")}
+    assert settings_of(["probe"]).analyses("probe") == () and settings_of(["run"]).analyses("run") == ANALYSES
+    assert settings_of(["run", "--analyses", ""]).analyses("run") == ()
+    assert settings_of(["probe", "--set", "run.analyses=['ridge']"]).run.analyses == ("ridge",)
+    assert settings_of(["probe", "--analyses", "lre, ridge,lre"]).analyses("probe") == ("lre", "ridge")
+    placed = load_options(settings_of(
         ["probe", "--set", "run.max_memory=['cpu=1GiB']", "--max-memory", "0=2GiB,cpu=3GiB", "--device-map", "auto",
-         "--set", "run.quantize=8bit", "--set", "run.offload_folder=/tmp/x"]), "probe")
+         "--set", "run.quantize=8bit", "--set", "run.offload_folder=/tmp/x"]).run)
     assert {k: placed[k] for k in config.PLACEMENT} == {"device_map": "auto", "max_memory": ["0=2GiB,cpu=3GiB"],
                                                         "offload_folder": "/tmp/x", "quantize": "8bit"}
     values = settings_of(["probe", "--set", "run.max_facts=none", "--set", "run.device=cpu", "--set", "run.layers=2"])
-    assert values["run"]["device"] == "cpu" and values["run"]["layers"] == "2" and values["run"]["max_facts"] is None
+    assert values.run.device == "cpu" and values.run.layers == "2" and values.run.max_facts is None
+    with pytest.raises(UsageError, match=r"unknown analysis name\(s\) 'ridgee'"):
+        settings_of(["probe", "--analyses", "lre,ridgee"])
+    with pytest.raises(UsageError, match=r"every:K needs a whole number"):
+        settings_of(["probe", "--set", "run.layers=every:0"])
 
 
 def test_cli_flags_over_a_file_land_in_report_json(tiny, tmp_path):
@@ -209,8 +221,6 @@ def test_a_missing_settings_file_is_a_usage_error(tmp_path, capsys):
 def test_control_settings_reach_the_controls_worker(tiny, tmp_path, all_known, monkeypatch):
     """controls.* from --set reach train_controls' arguments and settings.controls (the worker is replaced by a
     recorder: training itself is tested in test_controls.py)."""
-    import llmprobe.jobs.main
-
     seen = {}
 
     class Recorder:
@@ -283,27 +293,84 @@ def test_rerun_needs_recorded_settings(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------------- defaults
-def test_defaults_agree_with_probe_run_and_the_controls():
-    from llmprobe.jobs.main import run
+# a valid value other than the default for every run setting, as the Python API takes it; a new RunSettings field
+# must get one here
+API_RUN = {"model": "some/model", "gguf_file": "m.gguf", "relations": ["capital", Path("/no/such/rel.json")],
+           "layers": [0, -1], "analyses": "ridge, lre", "device": "cpu", "dtype": "float32", "device_map": "auto",
+           "max_memory": {"cpu": "1GiB", 0: "2GiB"}, "offload_folder": Path("/no/such/offload"), "quantize": "8bit",
+           "batch_size": 4, "max_facts": 3, "max_prompt_tokens": 40, "seed": 7}
+AS_SETTINGS = {**API_RUN, "relations": ("capital", "/no/such/rel.json"), "layers": "0,-1", "analyses": ("ridge", "lre"),
+               "max_memory": ("cpu=1GiB", "0=2GiB"), "offload_folder": "/no/such/offload"}
+
+
+def test_the_python_api_takes_every_setting_by_name_and_names_an_unknown_keyword(tmp_path):
+    assert set(API_RUN) == set(config.field_types("run")), "give API_RUN a value for the new run setting"
+    settings = config.from_options("run", None, {**API_RUN, "controls": False, "at_model_width": False,
+                                                 "analysis_options": {"n_splits": 2},
+                                                 "control_options": {"max_steps": 9, "modes": ["frozen"]}})
+    assert settings.section("run") == AS_SETTINGS
+    assert settings.analysis.n_splits == 2 and settings.controls == config.ControlSettings(
+        enabled=False, at_model_width=False, max_steps=9, modes=("frozen",))
+    assert config.from_options("probe", None, {"layers": None}).run.layers == "all"
+    # over given settings, which stay as they were
+    base = config.resolve(sets=["run.seed=3", "analysis.n_splits=4"])
+    over = config.from_options("probe", base, {"max_facts": 2})
+    assert (over.run.seed, over.run.max_facts, over.analysis.n_splits, base.run.max_facts) == (3, 2, 4, None)
+    # refused before anything is loaded, naming the keyword or the setting
+    for call, message in ((lambda: probe("no/such-model", max_fact=3, out=tmp_path), r"unknown keyword\(s\) max_fact;"),
+                          (lambda: probe("no/such-model", control_options={}, out=tmp_path), "control_options"),
+                          (lambda: run("no/such-model", controlz=False, out=tmp_path), "controlz"),
+                          (lambda: probe("no/such-model", batch_size="8", out=tmp_path), r"run\.batch_size: expected int"),
+                          (lambda: run("no/such-model", control_options={"max_step": 3}, out=tmp_path),
+                           r"unknown setting controls\.max_step \(did you mean controls\.max_steps"),
+                          (lambda: probe("no/such-model", analysis_options={"seed": 1}, out=tmp_path),
+                           r"analysis\.seed is set as run\.seed"),
+                          (lambda: probe("no/such-model", layers=["x"], out=tmp_path), "list of integers")):
+        with pytest.raises(UsageError, match=message):
+            call()
+    assert not (tmp_path / "report.json").exists()
+
+
+def test_the_api_and_the_command_line_record_the_same_settings(tiny, tmp_path):
+    """The same probe through probe(...) (lists, dicts and paths as the API takes them) and through the command
+    line: the same settings block, and the same stage keys."""
+    folder, relations = tiny
+    api = probe(Path(folder), relations=[Path(relations[0])], layers=[0, -1], device="cpu", max_facts=4,
+                batch_size=2, analysis_options={"n_splits": 2}, out=tmp_path / "api")
+    assert main(["probe", folder, "--relations", relations[0], "--layers", "0,-1", "--device", "cpu",
+                 "--max-facts", "4", "--batch-size", "2", "--set", "analysis.n_splits=2",
+                 "--out", str(tmp_path / "cli")]) == 0
+    cli = json.loads((tmp_path / "cli" / "report.json").read_text())
+    assert api["settings"] == cli["settings"] and api["stages"] == cli["stages"]
+    assert cli["settings"]["run"]["layers"] == "0,-1" and cli["settings"]["analysis"]["batch_size"] == 2
+
+
+def test_the_control_defaults_agree_with_train_controls():
+    """The job passes every control setting to train_controls; its own defaults (the synthetic API) agree."""
     from synthetic import controls
 
-    signature = {**inspect.signature(run).parameters, **inspect.signature(llmprobe.jobs.probe.probe).parameters}
-    for key, value in config.defaults()["run"].items():
-        if key != "analyses":
-            assert signature[key].default == value, key
     trained = inspect.signature(controls.train_controls).parameters
-    block = config.defaults()["controls"]
-    assert block["max_steps"] == trained["max_steps"].default and block["n_boot"] == trained["n_boot"].default
-    assert block["d_max"] == trained["d_max"].default and block["modes"] == trained["modes"].default
-    assert block["at_model_width"] == signature["at_model_width"].default and config.CONTROL_MODES == controls.MODES
+    block = config.Settings().section("controls")
+    for key in config.TRAINING + ("at_model_width",):
+        assert block[key] == trained[key].default, key
+    assert set(config.Settings().control_arguments()) <= set(trained) and config.CONTROL_MODES == controls.MODES
+
+
+def test_importing_the_settings_loads_no_torch():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "import sys, llmprobe.settings; print('torch' in sys.modules)"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr[-2000:]
 
 
 def test_the_doc_lists_every_setting_with_its_default():
     doc = (ROOT / "docs" / "config.md").read_text(encoding="utf-8")
     example = config.settings_toml()
     assert example in doc, "docs/config.md is out of date: paste `llmprobe config` output into it"
-    values = config.update(config.defaults(), tomllib.loads(example), "docs/config.md")
-    assert values == config.defaults()
+    values = config.Settings().update(tomllib.loads(example), "docs/config.md")
+    assert values == config.Settings()
     for section in config.SECTIONS:
         for key in config.field_types(section):
             assert re.search(rf"^{key} = ", example, re.M), f"{section}.{key}"
@@ -315,8 +382,8 @@ def test_config_command_prints_resolved_settings_that_read_back(tmp_path, capsys
     path = tmp_path / "printed.toml"
     path.write_text(text)
     values = config.resolve(path)
-    assert values["analysis"]["betas"] == (2.0,) and values["run"]["layers"] == "all"
-    assert values["analysis"]["ridge_alphas"] == AnalysisSettings().ridge_alphas
+    assert values.analysis.betas == (2.0,) and values.run.layers == "all"
+    assert values.analysis.ridge_alphas == AnalysisSettings().ridge_alphas
 
 
 # --------------------------------------------------------------------------------------------- models

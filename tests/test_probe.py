@@ -4,9 +4,10 @@ import json
 import pytest
 from tiny_models import save_tiny, tiny_tokenizer
 
-from llmprobe.model import subjects as subjects_module
 from llmprobe.cli import main
 from llmprobe.jobs.probe import parse_layers, probe
+from llmprobe.jobs.stages import earlier_stage, mark_interrupted, stage_key, start_stage
+from llmprobe.model import subjects as subjects_module
 from llmprobe.model.known import first_token_ids, is_known, object_token_sequences
 from llmprobe.model.subjects import SubjectNotFoundError
 from llmprobe.report.schema import REPORT_SCHEMA_VERSION
@@ -56,6 +57,28 @@ def test_unlocatable_subject_is_reported_and_the_run_goes_on(tiny_folder, relati
     report = probe(tiny_folder, relations=[relation_file], layers="-1", device="cpu", out=tmp_path)
     assert report["relations"]["capital"]["n_facts"] == 3
     assert any("'Japan'" in e and "capital" in e for e in report["errors"])
+
+
+def test_the_stage_protocol_keys_resumes_and_marks_an_interrupt():
+    """A stage is taken over only under the same key; an interrupt marks the unfinished stages once, and a report
+    whose stages are all done is not partial."""
+    key = stage_key({"weights": "sha256:1"}, [0, 2], ("lre",))
+    assert key == stage_key({"weights": "sha256:1"}, [0, 2], ["lre"]) != stage_key({"weights": "sha256:2"}, [0, 2])
+    report = {"stages": {}, "errors": ["capital: fact skipped", "interrupted during known_facts: old"],
+              "partial": True}
+    stage = start_stage(report, "known_facts", key)
+    assert report["stages"]["known_facts"] == {"key": key, "done": False, "resumed": False}
+    start_stage(report, "analyses", "k2", resumed_relations=[])
+    stage["done"] = True
+    mark_interrupted(report)
+    assert report["partial"] is True and report["errors"][0] == "capital: fact skipped"
+    assert [e for e in report["errors"] if e.startswith("interrupted")] == [
+        "interrupted during analyses: finished stages are kept in this report; rerun with --resume to finish the rest"]
+    assert earlier_stage(report, "known_facts", key) is stage and earlier_stage(report, "known_facts", "k2") is None
+    assert earlier_stage({}, "analyses", "k2") is None
+    report["stages"]["analyses"]["done"] = True
+    mark_interrupted(report)
+    assert report["partial"] is False and report["errors"] == ["capital: fact skipped"]
 
 
 def test_known_is_case_and_space_insensitive_prefix():

@@ -162,7 +162,7 @@ def test_a_cpu_allocation_failure_is_out_of_memory(models, capital, tmp_path, mo
     def allocate(*args, **kwargs):
         raise cpu
 
-    monkeypatch.setattr("llmprobe.cli.probe", allocate)
+    monkeypatch.setattr("llmprobe.commands.probe", allocate)
     assert main(["probe", models["qwen2"], "--relations", capital, "--out", str(tmp_path / "oom")]) == 3
     assert "out of memory" in capsys.readouterr().err
 
@@ -176,7 +176,7 @@ def test_out_of_memory_at_a_batch_of_one_does_not_advise_a_smaller_batch(models,
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return run_batched(fail, 4, 1, stage="known facts")
 
-    monkeypatch.setattr("llmprobe.cli.probe", allocate)
+    monkeypatch.setattr("llmprobe.commands.probe", allocate)
     assert main(["probe", models["qwen2"], "--relations", capital, "--out", str(tmp_path / "oom1")]) == 3
     err = capsys.readouterr().err
     assert "known facts: out of memory with a micro-batch of 1" in err and "--device-map auto" in err

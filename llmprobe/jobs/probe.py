@@ -5,6 +5,7 @@ import datetime
 import hashlib
 import importlib.metadata
 import json
+import os
 import platform
 import random
 import time
@@ -15,17 +16,15 @@ from tqdm.auto import tqdm
 
 from llmprobe.analyses import run as analyses_run
 from llmprobe.analyses.saved import read_fits, save_decoders
-from llmprobe.analyses.settings import AnalysisSettings, settings_from
-from llmprobe.checks import UsageError, analysis_names, layer_spec, output_folder, positive_int
+from llmprobe.checks import UsageError, layer_spec, output_folder
 from llmprobe.datasets import DatasetError, Relation, load_relations
-from llmprobe.io import write_json
+from llmprobe.jobs.stages import checkpoint, earlier_stage, mark_interrupted, previous_report, stage_key, start_stage
 from llmprobe.model.interop import as_loaded_model
 from llmprobe.model.known import FactResult, known_facts
 from llmprobe.model.loading import LoadedModel
 from llmprobe.model.subjects import fill, locate_errors
-from llmprobe.names import ANALYSES
 from llmprobe.report.schema import REPORT_SCHEMA_VERSION
-from llmprobe.settings import settings_record
+from llmprobe.settings import RunSettings, Settings, from_options
 
 LIBRARIES = ("llmprobe", "torch", "transformers", "accelerate", "datasets", "scikit-learn", "transformer-lens",
              "safetensors", "gguf", "numpy")
@@ -123,11 +122,6 @@ def fitting(lm: LoadedModel, relation: Relation, max_prompt_tokens: int | None =
     return ok, errors
 
 
-def _digest(*parts) -> str:
-    blob = json.dumps(parts, sort_keys=True, default=str, ensure_ascii=False)
-    return "sha256:" + hashlib.sha256(blob.encode("utf-8")).hexdigest()
-
-
 def model_identity(info: dict) -> dict:
     """What identifies a loaded model's numbers: its weights (hash, or hub name and revision), dtype and device."""
     return {"weights": info.get("weights_hash") or f"{info.get('name')}@{info.get('revision')}",
@@ -135,22 +129,217 @@ def model_identity(info: dict) -> dict:
             "device": str(info.get("device", "")).split(":")[0]}
 
 
-def previous_report(out: str | Path | None) -> dict:
-    """report.json already in ``out`` (for ``resume``), or {} when there is none or it cannot be read."""
-    if out is None:
-        return {}
-    try:
-        report = json.loads((Path(out) / "report.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return report if isinstance(report, dict) else {}
+
+def load_options(run: RunSettings) -> dict:
+    """Keyword arguments of ``load_model`` that are run settings (the model's name aside)."""
+    return {"gguf_file": run.gguf_file, "device": run.device, "dtype": run.dtype, "device_map": run.device_map,
+            "max_memory": None if run.max_memory is None else list(run.max_memory),
+            "offload_folder": run.offload_folder, "quantize": run.quantize}
 
 
-def _previous_known(out: Path, previous: dict, key: str) -> dict:
-    """relation -> [FactResult] from ``out/known_facts.json`` when the previous run's known-fact stage had ``key``."""
-    stage = (previous.get("stages") or {}).get("known_facts") or {}
-    if stage.get("key") != key:
-        return {}
+def job_settings(command: str, model, settings: Settings | None, options: dict) -> Settings:
+    """The checked settings of a ``probe`` or ``run`` call (``command``): ``settings`` with the call's keywords
+    (``llmprobe.settings.from_options``); a model given by name (not an object) is ``run.model``."""
+    if isinstance(model, (str, os.PathLike)):
+        options = {**options, "model": model}
+    return from_options(command, settings, options)
+
+
+def probe(model=None, *, settings: Settings | None = None, out: str | Path | None = None, tokenizer=None,
+          lm: LoadedModel | None = None, trust_remote_code: bool = False, allow_pickle: bool = False,
+          resume: bool = False, on_known=None, **options) -> dict:
+    """Probe ``model`` (None = ``settings.run.model``, default the embedded model) on the relations; returns the
+    report.
+
+    ``model``: a name or folder, or a model object with ``tokenizer`` (a transformers model, a TransformerBridge,
+    an nnsight LanguageModel: ``llmprobe.model.interop.as_loaded_model``); ``lm``: an already loaded model
+    (``model`` is then only recorded). ``options``: every run setting by its name (``relations``, ``layers``,
+    ``analyses``, ``device``, ``max_facts``, ``seed``, ...: ``llmprobe.settings.RunSettings``) and
+    ``analysis_options`` (fields of ``llmprobe.analyses.AnalysisSettings``, e.g. ``{"protocol": "lre"}``), over
+    ``settings`` (a ``llmprobe.settings.Settings``; default: the defaults). An unknown keyword raises UsageError.
+
+    Every setting, the relations and the output folder are checked before the model is loaded (UsageError,
+    DatasetError). Writes ``out/report.json`` and ``out/known_facts.json`` when ``out`` is given: after the
+    known facts, at the end, and on an interrupt (KeyboardInterrupt; the report then says ``"partial": true``
+    and which ``stages`` are done); during the analyses report.json is rewritten after each relation's decoders
+    and after the superposition analysis, so an interrupt keeps the finished ones (``analyses.partial`` true).
+    ``resume`` takes the finished stages (and the known facts of finished relations, and the finished relations
+    and superposition analysis of an interrupted analyses stage) from ``out`` when their key (model hash and
+    settings) matches, instead of recomputing them; ``stages.analyses`` says what was taken over
+    (``llmprobe.jobs.stages``). ``max_facts`` keeps the first facts of each relation (country relations list the
+    most populous first). Facts whose prompt does not fit the model's context or ``max_prompt_tokens`` are
+    skipped and listed in ``errors``. ``on_known(report, known, lm, relations)`` is called once the known facts
+    are checked, before the analyses (``llmprobe run`` starts its controls there). ``report["settings"]`` records
+    every setting (``Settings.record``), from which ``llmprobe rerun`` repeats the run.
+    """
+    job = ProbeJob("probe", job_settings("probe", model, settings, options), out, resume)
+    job.load(model, tokenizer, lm, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+    return job.run(on_known)
+
+
+class ProbeJob:
+    """One probe (alone, or the probe of ``run``: ``command``): its settings and output folder, the report being
+    written, and what the stages computed."""
+
+    def __init__(self, command: str, settings: Settings, out: str | Path | None, resume: bool):
+        self.start = time.perf_counter()
+        self.command, self.settings = command, settings
+        self.out = output_folder(out) if out is not None else None
+        self.previous = previous_report(self.out) if resume else {}
+        self.lm: LoadedModel | None = None
+        self.relations: list[Relation] = []
+        self.report: dict = {}
+        self.known: dict = {}      # relation -> [FactResult] of its located facts
+        self.analysed: list = []   # the relations without the facts that do not fit the context (the analyses' input)
+        self.fitted: dict = {}     # relation -> decoder -> the fit at its chosen layer (decoders.safetensors)
+
+    def load(self, model, tokenizer, lm: LoadedModel | None, **load_flags) -> None:
+        """Seed the RNGs, read the relations, load the model (unless ``lm``) and start the report."""
+        run = self.settings.run
+        random.seed(run.seed)
+        torch.manual_seed(run.seed)
+        relations = load_relations(None if run.relations is None else list(run.relations))
+        self.relations = [r.with_facts(r.facts[:run.max_facts]) for r in relations] if run.max_facts else relations
+        named = model is None or isinstance(model, (str, os.PathLike))
+        self.lm = lm if lm is not None else as_loaded_model(run.model if named else model, tokenizer,
+                                                           **load_options(run), **load_flags)
+        if not named:                           # a model object is recorded by its name_or_path
+            recorded = self.lm.info["name"]
+        elif run.model is not None or self.lm.info.get("source") == "embedded":
+            recorded = run.model
+        else:                                   # lm= without a model name
+            recorded = self.lm.info.get("name")
+        timings = {"load_s": round(time.perf_counter() - self.start, 1)}
+        self.report = new_report(self.command, self.settings, self.lm, self.relations, recorded, timings)
+
+    def run(self, on_known=None) -> dict:
+        """The stages: known facts, ``on_known``, the analyses; report.json written after each and at the end."""
+        try:
+            self.check_known()
+            self.save()   # checkpoint: the known facts are safe before the analyses
+            if on_known is not None:
+                on_known(self.report, self.known, self.lm, self.analysed)
+            if self.settings.analyses(self.command):
+                self.analyse()
+        except KeyboardInterrupt:
+            mark_interrupted(self.report)
+            self.write_decoders()
+            self.save()
+            raise
+        self.report["partial"] = False
+        self.write_decoders()
+        self.save()
+        return self.report
+
+    def save(self, known: bool = True) -> None:
+        """Write report.json (and known_facts.json unless only the analyses moved on since the last save)."""
+        self.report["wall_seconds"] = round(time.perf_counter() - self.start, 1)
+        files = {"known_facts.json": {name: [r.to_dict() for r in results] for name, results in self.known.items()}}
+        checkpoint(self.out, self.report, files if known else None)
+
+    def check_known(self) -> None:
+        """The known-fact stage: each relation's facts that fit the context and whose subject is located, checked
+        (or taken from the previous known_facts.json when its stage key matches and the subjects are the same)."""
+        run, report, t = self.settings.run, self.report, time.perf_counter()
+        key = stage_key(model_identity(self.lm.info), report["dataset"]["hash"], run.max_facts,
+                        run.max_prompt_tokens, run.batch_size, run.seed)
+        stage = start_stage(report, "known_facts", key)
+        taken = _previous_known(self.out) if earlier_stage(self.previous, "known_facts", key) else {}
+        reused = 0
+        for relation in tqdm(self.relations, desc="known facts", unit="relation"):
+            fit, errors = fitting(self.lm, relation, run.max_prompt_tokens)
+            self.analysed.append(relation.with_facts(fit))
+            facts, unlocated = locatable(self.lm, self.analysed[-1])
+            report["errors"] += errors + unlocated
+            if not facts:
+                report["errors"].append(f"{relation.name}: no fact whose subject could be located (and whose "
+                                        f"prompt fits); relation skipped")
+                continue
+            results = taken.get(relation.name)
+            if results is not None and [r.subject for r in results] == [f.subject for f in facts]:
+                reused += 1
+            else:
+                results = known_facts(self.lm, relation.with_facts(facts), batch_size=run.batch_size)
+            self.known[relation.name] = results
+            report["relations"][relation.name] = relation_entry(relation, results)
+        report["timings"]["known_facts_s"] = round(time.perf_counter() - t, 1)
+        stage.update(done=True, resumed=bool(reused) and reused == len(self.known))
+
+    def analyse(self) -> None:
+        """The analyses stage: taken over whole from the previous report when its key matches and it was done;
+        otherwise ``run_analyses``, given the finished relations of an interrupted earlier stage of the same key."""
+        report, analyses, t = self.report, self.settings.analyses(self.command), time.perf_counter()
+        key = stage_key(report["stages"]["known_facts"]["key"], report["layers"], analyses,
+                        sorted(self.settings.changed("analysis").items()))
+        stage = start_stage(report, "analyses", key, resumed_relations=[], resumed_superposition=False)
+        before = earlier_stage(self.previous, "analyses", key)
+        earlier = self.previous.get("analyses") if before is not None else None
+        earlier = earlier if isinstance(earlier, dict) else None
+        if earlier is not None and self.out is not None:   # the decoders of the relations taken over
+            self.fitted.update(read_fits(self.out))
+        if earlier is not None and before.get("done"):
+            report["analyses"] = earlier
+            earlier.setdefault("partial", False)
+            stage.update(resumed=True, resumed_relations=list(earlier.get("relations") or {}),
+                         resumed_superposition="superposition" in earlier)
+        else:
+            if earlier is not None:          # an interrupted run's finished parts (same key: same settings)
+                report["analyses"] = {**earlier, "partial": True}   # kept should this run be interrupted too
+                stage.update(taken_over(earlier, self.analysed, analyses))
+            report["analyses"] = analyses_run.run_analyses(
+                self.lm, self.analysed, self.known, report["layers"], analyses=analyses,
+                seed=self.settings.run.seed, on_progress=self.analyses_progress, done=earlier, fitted=self.fitted,
+                **self.settings.analysis_options())
+        report["timings"]["analyses_s"] = round(time.perf_counter() - t, 1)
+        stage["done"] = True
+
+    def analyses_progress(self, partial: dict) -> None:
+        """``run_analyses``' checkpoint: the finished relations are safe from an interrupt."""
+        self.report["analyses"] = partial
+        self.save(known=False)     # known_facts.json was written after the known facts
+
+    def write_decoders(self) -> None:
+        """The fitted decoders beside report.json: decoders.safetensors + decoders.json (``llmprobe.report.notebook``)."""
+        if self.out is not None and self.fitted:
+            save_decoders(self.out, self.fitted, {**model_identity(self.lm.info), "name": self.lm.info.get("name")})
+
+
+def new_report(command: str, settings: Settings, lm: LoadedModel, relations: list[Relation], model: str | None,
+               timings: dict) -> dict:
+    """The report of a probe before its stages (``partial`` until they are done); ``model`` as recorded."""
+    run = settings.run
+    return {
+        "schema_version": REPORT_SCHEMA_VERSION,
+        "kind": "pretrained",
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": lm.info,
+        "dataset": {"hash": dataset_hash(relations), "relations": [r.name for r in relations],
+                    "max_facts": run.max_facts, "max_prompt_tokens": run.max_prompt_tokens},
+        "scoring": "first token of the object; a fact is known when the greedy continuation starts with the object "
+                   "(case and leading space ignored)",
+        "relations": {},
+        "layers": parse_layers(run.layers, lm.adapter.n_layers),
+        "versions": library_versions(),
+        "seed": run.seed,
+        "settings": settings.record(command, model),
+        "timings": timings,
+        "errors": [],
+        "partial": True,
+        "stages": {},
+    }
+
+
+def relation_entry(relation: Relation, results: list[FactResult]) -> dict:
+    """``report["relations"][name]``: the known-fact counts and the relation's templates and properties."""
+    n_known = sum(r.known for r in results)
+    return {"n_facts": len(results), "n_known": n_known, "known_rate": n_known / len(results),
+            "templates": relation.templates, "template_used": relation.templates[0],
+            "neutral_templates": relation.neutral_templates, "properties": relation.properties,
+            "source": relation.source}
+
+
+def _previous_known(out: Path) -> dict:
+    """relation -> [FactResult] from ``out/known_facts.json`` ({} when it cannot be read)."""
     try:
         data = json.loads((out / "known_facts.json").read_text(encoding="utf-8"))
         return {name: [FactResult(**r) for r in rows] for name, rows in data.items()}
@@ -158,222 +347,16 @@ def _previous_known(out: Path, previous: dict, key: str) -> dict:
         return {}
 
 
-def probe(
-    model=None,
-    *,
-    tokenizer=None,
-    gguf_file: str | None = None,
-    relations: list[str] | None = None,
-    layers: str | list[int] | None = "every:3",
-    analyses: tuple[str, ...] | str = (),
-    device: str = "auto",
-    dtype: str = "auto",
-    device_map: str | dict | None = None,
-    max_memory: str | dict | list | None = None,
-    offload_folder: str | Path | None = None,
-    quantize: str | None = None,
-    batch_size: int = 32,
-    max_facts: int | None = None,
-    max_prompt_tokens: int | None = None,
-    seed: int = 0,
-    out: str | Path | None = None,
-    trust_remote_code: bool = False,
-    allow_pickle: bool = False,
-    resume: bool = False,
-    lm: LoadedModel | None = None,
-    on_known=None,
-    analysis_options: dict | None = None,
-    controls_settings: dict | None = None,
-) -> dict:
-    """Probe ``model`` (None = embedded default) on ``relations`` (None = all bundled); returns the report.
-
-    ``model``: a name or folder, or a model object with ``tokenizer`` (a transformers model, a TransformerBridge,
-    an nnsight LanguageModel: ``llmprobe.model.interop.as_loaded_model``).
-
-    Every option, the relations and the output folder are checked before the model is loaded (UsageError,
-    DatasetError). Writes ``out/report.json`` and ``out/known_facts.json`` when ``out`` is given: after the
-    known facts, at the end, and on an interrupt (KeyboardInterrupt; the report then says ``"partial": true``
-    and which ``stages`` are done); during the analyses report.json is rewritten after each relation's decoders
-    and after the superposition analysis, so an interrupt keeps the finished ones (``analyses.partial`` true).
-    ``resume`` takes the finished stages (and the known facts of finished relations, and the finished relations
-    and superposition analysis of an interrupted analyses stage) from ``out`` when their key (model hash and
-    settings) matches, instead of recomputing them; ``stages.analyses`` says what was taken over.
-    ``max_facts`` keeps the first facts of each relation (country relations list the most populous first).
-    Facts whose prompt does not fit the model's context or ``max_prompt_tokens`` are skipped and listed in
-    ``errors``. ``on_known(report, known, lm, relations)`` is called once the known facts are checked, before the
-    analyses (``llmprobe run`` starts its controls there). ``analysis_options``: fields of
-    ``llmprobe.analyses.AnalysisSettings`` (e.g. ``{"protocol": "lre"}``), checked before the model loads.
-    ``report["settings"]`` records every setting (``llmprobe.settings.settings_record``; ``controls_settings``, the
-    matched controls' settings, is given by ``llmprobe run``), from which ``llmprobe rerun`` repeats the run.
-    """
-    start = time.perf_counter()
-    analyses = analysis_names(analyses, ANALYSES)
-    batch_size = positive_int(batch_size, "--batch-size")
-    max_facts = positive_int(max_facts, "--max-facts", allow_none=True)
-    max_prompt_tokens = positive_int(max_prompt_tokens, "--max-prompt-tokens", allow_none=True)
-    if analysis_options:
-        try:
-            settings_from(**analysis_options)
-        except (TypeError, ValueError) as error:
-            raise UsageError(f"analysis settings: {error}") from None
-    layer_spec(layers)
-    if out is not None:
-        out = output_folder(out)
-    previous = previous_report(out) if resume else {}
-    random.seed(seed)
-    torch.manual_seed(seed)
-    rels = load_relations(relations)
-    if max_facts:
-        rels = [Relation(r.name, r.templates, r.neutral_templates, r.facts[:max_facts], r.properties, r.source)
-                for r in rels]
-    lm = lm or as_loaded_model(model, tokenizer, gguf_file=gguf_file, device=device, dtype=dtype,
-                               device_map=device_map, max_memory=max_memory, offload_folder=offload_folder,
-                               quantize=quantize, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
-    if not isinstance(model, (str, Path, type(None))):
-        model = lm.info["name"]           # a model object is recorded by its name_or_path
-    timings = {"load_s": round(time.perf_counter() - start, 1)}
-    layer_ids = parse_layers(layers, lm.adapter.n_layers)
-    data_hash = dataset_hash(rels)
-    report = {
-        "schema_version": REPORT_SCHEMA_VERSION,
-        "kind": "pretrained",
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "model": lm.info,
-        "dataset": {"hash": data_hash, "relations": [r.name for r in rels], "max_facts": max_facts,
-                    "max_prompt_tokens": max_prompt_tokens},
-        "scoring": "first token of the object; a fact is known when the greedy continuation starts with the object "
-                   "(case and leading space ignored)",
-        "relations": {},
-        "layers": layer_ids,
-        "versions": library_versions(),
-        "seed": seed,
-        "settings": settings_record("run" if controls_settings is not None else "probe", {
-            "model": model if model is not None or lm.info.get("source") == "embedded" else lm.info.get("name"),
-            "gguf_file": gguf_file, "relations": relations, "layers": layers, "analyses": analyses,
-            "device": device, "dtype": dtype, "device_map": device_map, "max_memory": max_memory,
-            "offload_folder": offload_folder, "quantize": quantize, "batch_size": batch_size,
-            "max_facts": max_facts, "max_prompt_tokens": max_prompt_tokens, "seed": seed},
-            batch_options(batch_size, analysis_options), controls_settings),
-        "timings": timings,
-        "errors": [],
-        "partial": True,
-        "stages": {},
-    }
-    stages = report["stages"]
-    known_key = _digest(model_identity(lm.info), data_hash, max_facts, max_prompt_tokens, batch_size, seed)
-    stages["known_facts"] = {"key": known_key, "done": False, "resumed": False}
-    previous_known = _previous_known(out, previous, known_key) if previous else {}
-    known: dict = {}
-    fitted: dict = {}   # relation -> decoder -> the fit at its chosen layer (decoders.safetensors)
-    analysed = []   # the relations without the facts that do not fit the context (the analyses' input)
-
-    def save(known_changed: bool = True) -> None:
-        """Write report.json (and known_facts.json unless only the analyses moved on since the last save)."""
-        report["wall_seconds"] = round(time.perf_counter() - start, 1)
-        if out is not None:
-            if known_changed:
-                write_json(out / "known_facts.json", {name: [r.to_dict() for r in results]
-                                                      for name, results in known.items()})
-            write_json(out / "report.json", report)
-
-    try:
-        t = time.perf_counter()
-        reused = 0
-        for relation in tqdm(rels, desc="known facts", unit="relation"):
-            fit, errors = fitting(lm, relation, max_prompt_tokens)
-            analysed.append(Relation(relation.name, relation.templates, relation.neutral_templates, fit,
-                                     relation.properties, relation.source))
-            facts, unlocated = locatable(lm, analysed[-1])
-            report["errors"] += errors + unlocated
-            if not facts:
-                report["errors"].append(f"{relation.name}: no fact whose subject could be located (and whose "
-                                        f"prompt fits); relation skipped")
-                continue
-            located = Relation(relation.name, relation.templates, relation.neutral_templates, facts,
-                               relation.properties, relation.source)
-            results = previous_known.get(relation.name)
-            if results is not None and [r.subject for r in results] == [f.subject for f in facts]:
-                reused += 1
-            else:
-                results = known_facts(lm, located, batch_size=batch_size)
-            known[relation.name] = results
-            n_known = sum(r.known for r in results)
-            report["relations"][relation.name] = {
-                "n_facts": len(results),
-                "n_known": n_known,
-                "known_rate": n_known / len(results),
-                "templates": relation.templates,
-                "template_used": relation.templates[0],
-                "neutral_templates": relation.neutral_templates,
-                "properties": relation.properties,
-                "source": relation.source,
-            }
-        timings["known_facts_s"] = round(time.perf_counter() - t, 1)
-        stages["known_facts"].update(done=True, resumed=bool(reused) and reused == len(known))
-        save()   # checkpoint: the known facts are safe before the analyses
-        if on_known is not None:
-            on_known(report, known, lm, analysed)
-        if analyses:
-            key = _digest(known_key, layer_ids, analyses, sorted((analysis_options or {}).items()))
-            stage = stages["analyses"] = {"key": key, "done": False, "resumed": False, "resumed_relations": [],
-                                          "resumed_superposition": False}
-            before = (previous.get("stages") or {}).get("analyses") or {}
-            earlier = previous.get("analyses") if before.get("key") == key else None
-            earlier = earlier if isinstance(earlier, dict) else None
-            if earlier is not None and out is not None:   # the decoders of the relations taken over
-
-                fitted.update(read_fits(out))
-            t = time.perf_counter()
-            if earlier is not None and before.get("done"):
-                report["analyses"] = earlier
-                earlier.setdefault("partial", False)
-                stage.update(resumed=True, resumed_relations=list(earlier.get("relations") or {}),
-                             resumed_superposition="superposition" in earlier)
-            else:
-                def checkpoint(partial: dict) -> None:   # the finished relations are safe from an interrupt
-                    report["analyses"] = partial
-                    save(known_changed=False)     # known_facts.json was written after the known facts
-
-                if earlier is not None:          # an interrupted run's finished parts (same key: same settings)
-                    report["analyses"] = {**earlier, "partial": True}   # kept should this run be interrupted too
-                    taken = earlier.get("relations") or {}
-                    decoders = bool({"lre", "ridge"} & set(analyses))
-                    stage["resumed_relations"] = [r.name for r in analysed
-                                                  if decoders and isinstance(taken.get(r.name), dict)]
-                    stage["resumed_superposition"] = ("superposition" in analyses
-                                                      and isinstance(earlier.get("superposition"), dict))
-                    stage["resumed"] = (len(stage["resumed_relations"]) == (len(analysed) if decoders else 0)
-                                        and stage["resumed_superposition"] == ("superposition" in analyses))
-                report["analyses"] = analyses_run.run_analyses(lm, analysed, known, layer_ids,
-                                                                  analyses=analyses, seed=seed,
-                                                                  on_progress=checkpoint, done=earlier, fitted=fitted,
-                                                                  **batch_options(batch_size, analysis_options))
-            timings["analyses_s"] = round(time.perf_counter() - t, 1)
-            stage["done"] = True
-    except KeyboardInterrupt:
-        unfinished = [name for name, stage in stages.items() if not stage["done"]]
-        report["errors"].append(f"interrupted during {', '.join(unfinished) or 'the end'}: finished stages are kept "
-                                f"in this report; rerun with --resume to finish the rest")
-        _write_decoders(out, fitted, lm)
-        save()
-        raise
-    report["partial"] = False
-    _write_decoders(out, fitted, lm)
-    save()
-    return report
-
-
-def _write_decoders(out: Path | None, fitted: dict, lm: LoadedModel) -> None:
-    """The fitted decoders beside report.json: decoders.safetensors + decoders.json (``llmprobe.report.notebook``)."""
-    if out is not None and fitted:
-        save_decoders(out, fitted, {**model_identity(lm.info), "name": lm.info.get("name")})
-
-
-def batch_options(batch_size: int, analysis_options: dict | None) -> dict:
-    """The analysis options with ``batch_size`` (``--batch-size``) as every analysis stage's batch size (at most
-    the default 16 for the Jacobians), unless the options set their own."""
-    return {"batch_size": batch_size, "jacobian_batch_size": min(AnalysisSettings.jacobian_batch_size, batch_size),
-            **(analysis_options or {})}
+def taken_over(earlier: dict, relations: list[Relation], analyses: tuple[str, ...]) -> dict:
+    """What an interrupted analyses stage of the same key leaves to take over: the ``resumed_relations`` (their
+    decoders), ``resumed_superposition``, and ``resumed`` when that is everything asked for."""
+    taken = earlier.get("relations") or {}
+    decoders = bool({"lre", "ridge"} & set(analyses))
+    names = [r.name for r in relations if decoders and isinstance(taken.get(r.name), dict)]
+    superposition = "superposition" in analyses and isinstance(earlier.get("superposition"), dict)
+    return {"resumed_relations": names, "resumed_superposition": superposition,
+            "resumed": (len(names) == (len(relations) if decoders else 0)
+                        and superposition == ("superposition" in analyses))}
 
 
 def summary_table(report: dict) -> str:
@@ -384,4 +367,4 @@ def summary_table(report: dict) -> str:
     return "\n".join(rows)
 
 
-__all__ = ["probe", "parse_layers", "library_versions", "summary_table", "DatasetError"]
+__all__ = ["probe", "ProbeJob", "parse_layers", "library_versions", "summary_table", "DatasetError"]

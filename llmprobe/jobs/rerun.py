@@ -7,9 +7,9 @@ from pathlib import Path
 
 from llmprobe.checks import UsageError, output_folder
 from llmprobe.jobs.main import run
-from llmprobe.jobs.probe import probe
+from llmprobe.jobs.probe import load_options, probe
 from llmprobe.model.loading import load_model
-from llmprobe.settings import PLACEMENT, from_record, probe_arguments
+from llmprobe.settings import from_record
 
 TIME_KEY = re.compile(r"second|time|_s$")     # keys of wall-clock times, which a rerun does not reproduce
 
@@ -70,24 +70,20 @@ def rerun(folder: str | Path, out: str | Path | None = None, allow_different_wei
                          ) from None
     if not isinstance(old, dict):
         raise UsageError(f"rerun: {folder / 'report.json'} is not a report (a JSON object)")
-    command, values = from_record(old.get("settings"), f"{folder / 'report.json'} settings")
+    command, settings = from_record(old.get("settings"), f"{folder / 'report.json'} settings")
     out = Path(out) if out is not None else folder.parent / f"{folder.resolve().name}-rerun"
     if out.resolve() == folder.resolve():
         raise UsageError(f"rerun: --out {str(out)!r} is the report's own folder; give another one")
     output_folder(out)
-    arguments = probe_arguments(values, command)
-    lm = load_model(arguments["model"], gguf_file=arguments["gguf_file"], device=arguments["device"],
-                    dtype=arguments["dtype"], **{k: arguments[k] for k in PLACEMENT},
-                    trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+    lm = load_model(settings.run.model, **load_options(settings.run), trust_remote_code=trust_remote_code,
+                    allow_pickle=allow_pickle)
     recorded, loaded = (old.get("model") or {}).get("weights_hash"), lm.info.get("weights_hash")
     weights = "not recorded" if recorded is None else "same" if recorded == loaded else "different"
     if weights == "different" and not allow_different_weights:
-        raise UsageError(f"rerun: the weights of {arguments['model'] or lm.info['name']!r} differ from the report's "
-                         f"({loaded} now, {recorded} recorded); pass --allow-different-weights to rerun anyway")
-    if command == "probe":
-        report = probe(**arguments, out=out, lm=lm)
-    else:
-        report = run(**arguments, out=out, lm=lm)
+        raise UsageError(f"rerun: the weights of {settings.run.model or lm.info['name']!r} differ from the "
+                         f"report's ({loaded} now, {recorded} recorded); pass --allow-different-weights to rerun "
+                         f"anyway")
+    report = (probe if command == "probe" else run)(settings=settings, out=out, lm=lm)
     return {"command": command, "out": str(out), "weights": weights, "report": report,
             "comparison": compare_numbers(old, json.loads((out / "report.json").read_text(encoding="utf-8")))}
 

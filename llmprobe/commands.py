@@ -1,0 +1,229 @@
+"""The ``llmprobe`` commands: one handler per subcommand (``args.func``, set by ``llmprobe.cli``), the settings
+of a parsed command line, and the one error handler (exit statuses) every command runs under (layer 6)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import sys
+from contextlib import contextmanager
+
+import torch
+
+from llmprobe.checks import (
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_OUT_OF_MEMORY,
+    EXIT_USAGE,
+    UsageError,
+    is_out_of_memory,
+    output_folder,
+)
+from llmprobe.jobs.main import run
+from llmprobe.jobs.probe import probe, summary_table
+from llmprobe.jobs.rerun import rerun
+from llmprobe.model.batching import OutOfMemoryAtOne
+from llmprobe.model.families import embedded, families, models_text
+from llmprobe.model.loading import ModelLoadError
+from llmprobe.report.render import compare, export
+from llmprobe.settings import Settings, resolve, settings_toml
+from synthetic.executors import ray_map
+
+MODEL = "run.model"   # the dest of the MODEL argument (every setting's flag has its settings key as dest)
+
+
+def settings_of(args) -> Settings:
+    """The resolved settings: defaults <- --config <- --set <- the setting flags given (their argparse dest is
+    the settings key, ``run.layers``; ``llmprobe.cli.SETTING_FLAGS``)."""
+    flags = {key: value for key, value in vars(args).items()
+             if "." in key and value is not None and value != []}     # [] : run's MODEL... left out
+    return resolve(args.config, args.sets, flags)
+
+
+def _probe(args) -> int:
+    report = probe(settings=settings_of(args), out=args.out, trust_remote_code=args.trust_remote_code,
+                   allow_pickle=args.allow_pickle, resume=args.resume)
+    print(summary_table(report))
+    for error in report["errors"]:
+        print(f"warning: {error}", file=sys.stderr)
+    print(f"report: {os.path.join(args.out, 'report.json')} ({report['wall_seconds']} s)")
+    return 0
+
+
+def _run(args) -> int:
+    models = getattr(args, MODEL)
+    models = models if isinstance(models, list) else [models]
+    if len(models) > 1 or getattr(args, "executor", "process") == "ray":
+        return _run_models(args, models or [None])
+    setattr(args, MODEL, models[0] if models else None)
+
+    report = run(settings=settings_of(args), out=args.out, trust_remote_code=args.trust_remote_code,
+                 allow_pickle=args.allow_pickle, resume=args.resume)
+    print(summary_table(report))
+    for line in _control_lines(report.get("controls")):
+        print(line)
+    for error in report["errors"]:
+        print(f"warning: {error}", file=sys.stderr)
+    print(f"report: {os.path.join(args.out, 'report.html')} (and report.json, report.md, metrics.csv; "
+          f"{report['wall_seconds']} s)")
+    return 0
+
+
+def _run_one(args) -> str:
+    """One model of ``llmprobe run A B ...`` into its own ``args.out`` (a Ray task, or a plain call)."""
+    _run(args)
+    return args.out
+
+
+def _run_models(args, models: list) -> int:
+    """``llmprobe run A B ... [--executor ray]``: one report per model in OUT/<model>, run here one after the other
+    or as Ray tasks (synthetic.executors.ray_map), then their compare page in OUT/compare."""
+    jobs, names = [], []
+    for model in models:
+        text = str(model or "embedded").rstrip("/\\")
+        text = os.path.basename(text) if os.path.exists(text) else text      # a local folder or file: its name
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "--", text).strip("-.") or "model"
+        name = name if name not in names else f"{name}-{len(names)}"
+        names.append(name)
+        jobs.append(argparse.Namespace(**{**vars(args), MODEL: model, "executor": "process",
+                                          "out": os.path.join(args.out, name)}))
+    if args.executor == "ray":
+        ray_map(_run_one, jobs, address=args.address)
+    else:
+        for job in jobs:
+            _run_one(job)
+    for path in compare([job.out for job in jobs], os.path.join(args.out, "compare")):
+        print(path)
+    return 0
+
+
+def _rerun(args) -> int:
+    result = rerun(args.dir, args.out, allow_different_weights=args.allow_different_weights,
+                   trust_remote_code=args.trust_remote_code, allow_pickle=args.allow_pickle)
+    comparison = result["comparison"]
+    print(f"reran {result['command']} of {args.dir} into {result['out']} (weights: {result['weights']})")
+    for path, old, new in comparison["differences"][:20]:
+        print(f"  differs: {path}: {old} -> {new}")
+    print(f"numbers {'match' if comparison['match'] else 'differ'}: {comparison['n_numbers']} compared, "
+          f"{len(comparison['differences'])} differ, largest difference {comparison['max_abs_difference']:.3g}")
+    return EXIT_OK if comparison["match"] else EXIT_FAILURE
+
+
+def _models(args) -> int:
+    print(json.dumps({"default": embedded(), "families": families()}, indent=1) if args.json else models_text())
+    return 0
+
+
+def _config(args) -> int:
+    print(settings_toml(settings_of(args)), end="")
+    return 0
+
+
+def _compare(args) -> int:
+    for path in compare(args.dirs, args.out, args.format):
+        print(path)
+    return 0
+
+
+def _report(args) -> int:
+    for path in export(args.dir, args.format, args.out):
+        print(path)
+    return 0
+
+
+def _number(value, spec: str = ".3f") -> str:
+    return format(value, spec) if isinstance(value, (int, float)) else "n/a"
+
+
+def _control_lines(block) -> list[str]:
+    """One summary line per trained matched control (the ``controls`` block of ``synthetic.controls``)."""
+    lines = []
+    for mode, entry in ((block or {}).get("modes") or {}).items() if isinstance(block, dict) else ():
+        d_star = (entry.get("threshold") or {}).get("d_star")
+        for point in entry.get("points") or []:
+            r2, train = point.get("r2") or {}, point.get("train") or {}
+            shuffled = ((r2.get("controls") or {}).get("shuffled") or {}).get("value")
+            label = f"synthetic {mode} d={point.get('d')}" + (" (d*)" if point.get("d") == d_star else "")
+            lines.append(f"{label:<36} train acc {_number(train.get('accuracy'))}  bits/param "
+                         f"{_number(train.get('bits_per_param'), '.3g')}  superposition R^2 {_number(r2.get('value'))}"
+                         f" (shuffled {_number(shuffled)})")
+    return lines
+
+
+# folders a command writes into: checked (created, writable, not a file) before any work starts
+OUTPUT_ARGS = (("out", "--out"), ("run_dir", "RUN_DIR"), ("img_dir", "--img-dir"))
+
+
+def check_outputs(args) -> None:
+    """Create and check every output folder named in ``args`` (UsageError on a file or an unwritable folder).
+    ``llmprobe report DIR`` without --out writes into DIR, which must then exist (it holds the input)."""
+    for attr, flag in OUTPUT_ARGS:
+        value = getattr(args, attr, None)
+        if value is not None:
+            output_folder(value, flag)
+    if getattr(args, "command", None) == "report" and args.out is None and os.path.isdir(args.dir):
+        output_folder(args.dir, "DIR")
+
+
+@contextmanager
+def interrupts_raise():
+    """SIGTERM (and SIGINT, which background shells may ignore) raise KeyboardInterrupt in the main thread, so
+    every command stops the same way: finished work written, child processes stopped, exit status 130."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    old = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            old[sig] = signal.signal(sig, handler)
+        except ValueError:       # not the main thread: leave signals alone
+            break
+    try:
+        yield
+    finally:
+        for sig, previous in old.items():
+            signal.signal(sig, previous)
+
+
+def run_command(args) -> int:
+    """Run a parsed command with the one error handler: 0 ok, 2 bad input or refused model, 3 out of memory,
+    130 interrupted; any other exception is a bug and keeps its traceback (status 1). Results go to files; the
+    command prints a short summary."""
+    try:
+        with interrupts_raise():
+            check_outputs(args)
+            if getattr(args, "threads", None):
+                torch.set_num_threads(args.threads)
+            status = args.func(args)
+        return status if isinstance(status, int) and not isinstance(status, bool) else EXIT_OK
+    except KeyboardInterrupt as error:
+        how = f" by {error.args[0]}" if error.args and str(error.args[0]).startswith("SIG") else ""
+        where = getattr(args, "out", None) or getattr(args, "run_dir", None)
+        print(f"llmprobe: interrupted{how}; finished work is kept" + (f" in {where}" if where else "") +
+              (" (rerun with --resume to finish)" if getattr(args, "command", None) in ("run", "probe") else ""),
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (UsageError, FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError) as error:
+        # DatasetError is a ValueError
+        print(f"llmprobe: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except (RuntimeError, MemoryError) as error:
+        if isinstance(error, ModelLoadError):
+            print(f"llmprobe: error: {error}", file=sys.stderr)
+            return EXIT_USAGE
+        if not is_out_of_memory(error):
+            raise
+
+        if isinstance(error, OutOfMemoryAtOne):   # the batches already went down to one item: its message says why
+            print(f"llmprobe: error: {error} Results already written are kept.", file=sys.stderr)
+            return EXIT_OUT_OF_MEMORY
+        print(f"llmprobe: error: out of memory ({str(error).splitlines()[0][:300]}). Try a smaller --batch-size, "
+              f"--max-prompt-tokens, --dtype bfloat16, fewer --layers, or --device cpu. Results already written "
+              f"are kept.", file=sys.stderr)
+        return EXIT_OUT_OF_MEMORY
+
+
+__all__ = ["run_command", "settings_of", "check_outputs", "interrupts_raise"]
