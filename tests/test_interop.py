@@ -1,6 +1,8 @@
-"""Bring your own model: a transformers object, a TransformerBridge and an nnsight LanguageModel give the same
+"""Bring your own model: a transformers object, a TransformerBridge and an nnsight TransformersModel (and its
+deprecated LanguageModel, while nnsight has it) give the same
 states and the same probe report as the same weights loaded by path; hook names translate to and from
 TransformerLens'; unsupported objects and missing tokenizers fail clearly."""
+import contextlib
 import json
 
 import pytest
@@ -85,9 +87,21 @@ def _plain_bridge(folder):
 
 
 def _nnsight(folder):
+    """What nnsight recommends: TransformersModel(model, task='text-generation')."""
     nnsight = pytest.importorskip("nnsight")
     model, tokenizer = _hf(folder)
-    return nnsight.LanguageModel(model, tokenizer=tokenizer)
+    return nnsight.TransformersModel(model, tokenizer=tokenizer, task="text-generation")
+
+
+def _nnsight_language_model(folder):
+    """nnsight's older class, deprecated upstream (it warns): kept working while nnsight has it."""
+    nnsight = pytest.importorskip("nnsight")
+    if not hasattr(nnsight, "LanguageModel"):
+        pytest.skip("this nnsight no longer has LanguageModel")
+    model, tokenizer = _hf(folder)
+    with pytest.warns(FutureWarning, match="LanguageModel is deprecated") if hasattr(nnsight, "TransformersModel") \
+            else contextlib.nullcontext():
+        return nnsight.LanguageModel(model, tokenizer=tokenizer)
 
 
 def _processed_bridge(folder):
@@ -99,7 +113,8 @@ def _processed_bridge(folder):
 KINDS = {"transformers": lambda folder: _hf(folder), "bridge": lambda folder: (_bridge(folder), None),
          "plain_bridge": lambda folder: (_plain_bridge(folder), None),
          "processed_bridge": lambda folder: (_processed_bridge(folder), None),
-         "nnsight": lambda folder: (_nnsight(folder), None)}
+         "nnsight": lambda folder: (_nnsight(folder), None),
+         "nnsight_language_model": lambda folder: (_nnsight_language_model(folder), None)}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -198,6 +213,29 @@ def test_unsupported_objects_and_missing_tokenizers_are_clear_errors(tmp_path):
     hooked = type("HookedTransformer", (), {"__module__": "transformer_lens.HookedTransformer"})()
     with pytest.raises(ModelLoadError, match="HookedTransformer .*cannot map them back"):
         as_loaded_model(hooked)
+
+
+def test_nnsight_transformers_model_is_probed_and_one_made_for_another_task_is_refused(tmp_path):
+    """TransformersModel(..., task='text-generation') is what nnsight now recommends: it gives the weights of the
+    folder (undispatched from a name, or around a model object); one made for another task wraps a model without
+    a language-model head, and the error says how to make the right one."""
+    nnsight = pytest.importorskip("nnsight")
+    if not hasattr(nnsight, "TransformersModel"):
+        pytest.skip("this nnsight has no TransformersModel")
+    from transformers import AutoModel
+
+    folder = str(save_tiny("llama", tmp_path / "llama"))
+    by_path = load_model(folder, device="cpu")
+    lazy = nnsight.TransformersModel(folder, tokenizer=AutoTokenizer.from_pretrained(folder), task="text-generation")
+    lm = as_loaded_model(lazy)                       # made from a name: dispatched (its weights loaded) here
+    assert lm.info["weights_hash"] == state_dict_hash(by_path.model)
+    assert lm.info["object_class"] == "nnsight.modeling.transformers.TransformersModel"
+    assert torch.equal(_states(lm)["blocks.1.resid_post"], _states(by_path)["blocks.1.resid_post"])
+    headless = nnsight.TransformersModel(AutoModel.from_pretrained(folder), tokenizer=lm.tokenizer,
+                                         task="feature-extraction")
+    with pytest.raises(ModelLoadError, match="'feature-extraction' task.*TransformersModel\\(repo_id, "
+                                             "task='text-generation'\\)"):
+        as_loaded_model(headless)
 
 
 def test_a_processed_bridge_without_a_folder_is_refused(tmp_path):

@@ -18,7 +18,7 @@ from llmprobe.jobs.probe import probe
 
 # small and fast; ranks=(4,) with one candidate forces a truncated W (so J is saved for the edits)
 OPTIONS = dict(n_splits=2, n_boot=50, folds=3, max_val_pairs=3, max_test_pairs=5, max_swap_subjects=3,
-               random_control=False, betas=(1.0,), ranks=(4,), edit_ranks=(8, 16), min_val_per_candidate=1,
+               random_control=False, betas=(1.0,), ranks=(4,), edit_ranks=(8, 16),
                ridge_alphas=(0.1, 10.0))
 
 
@@ -106,10 +106,11 @@ def test_load_report_shows_the_summary_a_tidy_frame_and_plots(run):
     folder, _, _ = run
     report = llmprobe.load_report(folder)
     page = report._repr_html_()
-    assert page.startswith("<div><section id='summary'>") and page.count("data:image/png;base64,") == 3
+    assert page.startswith("<div><section id='summary'>") and page.count("data:image/png;base64,") == 4
     assert "capital<b>" not in page and "LRE edits causal" in page
     frame = report.to_frame()
-    assert list(frame.columns) == ["source", "relation", "layer", "measure", "value", "lo", "hi", "n", "control"]
+    assert list(frame.columns) == ["source", "kind", "relation", "layer", "depth", "measure", "control", "value",
+                                   "lo", "hi", "n"]
     faith = frame[(frame.measure == "ridge.faithfulness") & frame.control.isna()]
     assert sorted(faith.layer) == [0, 1, 2] and (faith.lo <= faith.value).all() and (faith.value <= faith.hi).all()
     data = report.data["analyses"]["relations"]["capital<b>"]["layers"]["1"]["ridge"]["faithfulness"]

@@ -15,7 +15,7 @@ from llmprobe.report.render import (
     render_html,
     render_markdown,
 )
-from llmprobe.report.schema import REPORT_SCHEMA_VERSION, read_report
+from llmprobe.report.schema import REPORT_SCHEMA_VERSION, missing_stages, read_report
 
 
 def _typed(value, controls=None, half=0.05):
@@ -42,12 +42,14 @@ def _report(tmp_path, name, relation="capital<script>", known=0.5):
 
 def test_metric_rows_flatten_layers_and_controls(tmp_path):
     rows = metric_rows(read_report(_report(tmp_path, "m")))
-    layered = [r for r in rows if r["metric"] == "lre.faithfulness"]
-    assert [r["layer"] for r in layered] == [0, 2, 4]
-    assert [r["depth"] for r in layered] == [0.0, 0.5, 1.0]
-    assert all(r["control"] == "shuffled" and r["control_value"] == 0.1 for r in layered)
-    assert layered[2]["value"] == pytest.approx(0.4) and layered[2]["hi"] == pytest.approx(0.45)
-    known = [r for r in rows if r["metric"] == "known_rate"]
+    layered = [r for r in rows if r["measure"] == "lre.faithfulness"]
+    values, controls = layered[0::2], layered[1::2]             # each value row, then its control's row
+    assert [r["layer"] for r in values] == [0, 2, 4] and [r["layer"] for r in controls] == [0, 2, 4]
+    assert [r["depth"] for r in values] == [0.0, 0.5, 1.0]
+    assert all(r["control"] is None for r in values)
+    assert all(r["control"] == "shuffled" and r["value"] == 0.1 and r["hi"] == pytest.approx(0.15) for r in controls)
+    assert values[2]["value"] == pytest.approx(0.4) and values[2]["hi"] == pytest.approx(0.45)
+    known = [r for r in rows if r["measure"] == "known_rate"]
     assert known[0]["value"] == 0.5 and known[0]["n"] == 10
 
 
@@ -61,7 +63,7 @@ def test_export_escapes_user_strings_and_writes_all_formats(tmp_path):
     assert page.count("data:image/png;base64,") == 1  # one metric plot
     with open(folder / "metrics.csv") as handle:
         rows = list(csv.DictReader(handle))
-    assert len([r for r in rows if not r["metric"].startswith("claim: ")]) == 4 and len(rows) == 4 + 5
+    assert len([r for r in rows if not r["measure"].startswith("claim: ")]) == 1 + 3 * 2 and len(rows) == 7 + 5
 
 
 def test_compare_aligns_sources(tmp_path):
@@ -317,12 +319,13 @@ def test_metrics_csv_has_one_row_per_claim(tmp_path):
     folder.mkdir()
     (folder / "report.json").write_text(json.dumps(_claims_report()))
     export(folder, formats=("csv",))
-    rows = [r for r in csv.DictReader(open(folder / "metrics.csv")) if r["metric"].startswith("claim: ")]
+    rows = [r for r in csv.DictReader(open(folder / "metrics.csv")) if r["measure"].startswith("claim: ")]
     assert [r["verdict"] for r in rows] == ["not measured", "supported", "not measured", "not measured",
                                             "not measured"]
     causal = rows[1]
-    assert causal["metric"] == "claim: LRE edits causal" and causal["relation"] == "capital" and causal["layer"] == "2"
-    assert float(causal["value"]) == 0.8 and causal["control"] == "random_operator" and causal["n_tests"] == "1"
+    assert causal["measure"] == "claim: LRE edits causal" and causal["relation"] == "capital" and causal["layer"] == "2"
+    assert float(causal["value"]) == 0.8 and causal["null"] == "random_operator" and causal["n_tests"] == "1"
+    assert causal["control"] == "" and float(causal["null_value"]) == pytest.approx(0.04)
     assert float(causal["difference"]) == pytest.approx(0.76) and float(causal["difference_lo"]) > 0.1
     assert causal["min_effect"] == "0.1" and float(causal["p_holm"]) < 0.025
 
@@ -334,3 +337,141 @@ def test_long_tables_fold_into_details():
     assert f"<details><summary>{LONG_TABLE + 1} rows" in page
     report["relations"] = {f"r{i}": {"n_facts": 10, "n_known": 5, "known_rate": 0.5} for i in range(LONG_TABLE)}
     assert "<details><summary>" not in render_html([report], "t")
+
+
+# ------------------------------------------------------------------------------ presentation (issue 25)
+def page_report(name, relations, n_layers=4, widths=(4, 8, 16, 32), n_facts=30, n_boot=100):
+    """A finished ``run`` report of model folder ``name``: per relation and layer LRE faithfulness and causality,
+    superposition R^2 and readouts per layer, and a controls block of both modes at ``widths`` (d* the first),
+    each point with readouts and MLP ablations. Numbers are made up but every one has its interval and n."""
+    def m(value, **controls):
+        return _typed(value, controls, half=0.05)
+
+    layers = {str(l): {"lre": {"faithfulness": m(0.2 + 0.1 * l, shuffled=0.1),
+                               "causality": m(0.1 + 0.05 * l, random_direction=0.02)}} for l in range(n_layers)}
+    relation_entries = {r: {"layers": layers, "selected": {"lre": {"layer": 1, "causality_layer": 2}}}
+                        for r in relations}
+    superposition = {str(l): {"r2": m(0.1 + 0.05 * l, shuffled=0.0), "readout": {r: m(0.3 + 0.02 * i + 0.05 * l,
+                                                                                        shuffled=0.1)
+                                                                              for i, r in enumerate(relations)}}
+                     for l in range(n_layers)}
+    k = len(relations)
+
+    def point(d, mode):
+        drop = [[0.9 if i == j else 0.1 for j in range(k)] for i in range(k)]
+        fall = 1 / (1 + d / widths[-1])                       # readouts fall with width, from 1 to 1/2
+        return {"d": d, "d_over_dstar": d / widths[0], "d_mlp": 4 * d, "r2": m(0.8 * fall, shuffled=0.0),
+                "readout": {r: m(0.9 * fall) for r in relations}, "readout_mean": m(0.9 * fall),
+                "train": {"accuracy": 1.0, "steps": 100, "bits_per_param": 1.6},
+                "selector": {"relations": list(relations), "ablation_drop": drop, "random_ablation_drop": drop,
+                             "gate_transplant": {"same_relation": 0.9, "same_subject": 0.1},
+                             "relation_gating": {"mean": 0.8}}}
+
+    block = {"compared_with": "made-up controls", "place": "e_s", "d_model": widths[-1],
+             "table": {"n_subjects": n_facts, "relations": list(relations), "n_facts": n_facts * k, "bits": 100.0},
+             "training": {"max_steps": 500},
+             "modes": {mode: {"threshold": {"d_star": widths[0], "exact": True},
+                              "points": [point(d, mode) for d in widths]} for mode in ("trainable", "frozen")}}
+    return {"schema_version": REPORT_SCHEMA_VERSION, "kind": "pretrained", "partial": False,
+            "model": {"name": name, "n_layers": n_layers, "d_model": widths[-1], "architecture": "X"},
+            "dataset": {"relations": list(relations)},
+            "relations": {r: {"n_facts": n_facts, "n_known": n_facts // 2, "known_rate": 0.5} for r in relations},
+            "settings": {"command": "run", "run": {"analyses": ["lre", "superposition"], "layers": "all", "seed": 0,
+                                                   "max_facts": n_facts},
+                         "analysis": {"n_boot": n_boot, "folds": 3}, "controls": {"enabled": True, "max_steps": 500}},
+            "stages": {s: {"key": "k", "done": True, "resumed": False} for s in ("known_facts", "analyses", "controls")},
+            "analyses": {"relations": relation_entries, "superposition": {"relations": list(relations),
+                                                                          "layers": superposition}},
+            "controls": block, "errors": []}
+
+
+def write_report(folder, report):
+    folder.mkdir(parents=True)
+    (folder / "report.json").write_text(json.dumps(report))
+    return folder
+
+
+def test_a_partial_report_says_at_the_top_which_stages_are_missing(tmp_path):
+    """An interrupted run: the known facts done, the analyses cut after one of three relations (no superposition),
+    the controls never finished. The page and the Markdown say so first, one line per missing stage."""
+    report = page_report("/runs/models/tiny", ["capital", "continent", "language"])
+    report.update(partial=True, errors=["interrupted during analyses, controls: ..."])
+    report["stages"]["analyses"]["done"] = report["stages"]["controls"]["done"] = False
+    del report["controls"], report["analyses"]["superposition"]
+    for relation in ("continent", "language"):
+        del report["analyses"]["relations"][relation]
+    folder = write_report(tmp_path / "run", report)
+    export(folder)
+    page = (folder / "report.html").read_text()
+    banner = page[page.index("class='partial'"):page.index("Summary: the paper")]
+    items = banner.split("<li>")[1:]
+    assert len(items) == 2
+    assert items[0].startswith("analyses not finished: decoders of 1 of 3 relations (capital); superposition "
+                               "readouts missing")
+    assert items[1].startswith("controls not finished: no matched synthetic controls")
+    text = (folder / "report.md").read_text()
+    assert text.index("**Partial report**") < text.index("## Summary") and "- analyses not finished" in text
+    report["stages"].pop("controls")                      # never started: still named, as not started
+    assert [line.split(":")[0] for line in missing_stages(report)] == ["analyses not finished", "controls not started"]
+    finished = write_report(tmp_path / "done", page_report("/runs/models/tiny", ["capital"]))
+    export(finished)
+    assert "Partial report" not in (finished / "report.html").read_text()
+
+
+def test_the_compare_page_puts_claims_side_by_side_and_warns_of_every_difference(tmp_path):
+    """Two runs that measured different relations, facts and bootstrap settings: short names in the title (no
+    synthetic widths, no paths), one column per model in the summary (its path on hover), and one warning line
+    per difference; two runs of the same measurement warn of nothing."""
+    a = write_report(tmp_path / "a", page_report("/data/models/llama-tiny", ["capital", "continent", "subregion"]))
+    b = write_report(tmp_path / "b", page_report("/data/models/qwen-tiny", ["capital", "continent", "language"],
+                                                 n_facts=20, n_boot=500))
+    compare([a, b], tmp_path / "cmp")
+    page = (tmp_path / "cmp" / "report.html").read_text()
+    title = page[page.index("<h1>") + 4:page.index("</h1>")]
+    assert title == "llmprobe comparison: llama-tiny vs qwen-tiny (and 16 matched synthetic controls)"
+    summary = page[page.index("<section id='summary'>"):page.index("</section>")]
+    head = summary[summary.index("<thead>"):summary.index("</thead>")]
+    assert head == ("<thead><tr><th>claim</th><th title='/data/models/llama-tiny'>llama-tiny</th>"
+                    "<th title='/data/models/qwen-tiny'>qwen-tiny</th></tr>")
+    body = summary[summary.index("<tbody>"):summary.index("</tbody>")]
+    assert body.count("<tr>") == 5 and all(row.count("<td") == 3 for row in body.split("<tr>")[1:])
+    warnings = [w.split("</li>")[0] for w in summary.split("<li class='warn'>")[1:]]
+    assert warnings == [
+        "relations differ: in all: capital, continent; only in llama-tiny: subregion; only in qwen-tiny: language",
+        "facts differ: capital has 30 vs 20 facts; continent has 30 vs 20 facts (llama-tiny vs qwen-tiny)",
+        "run.max_facts differ: llama-tiny: 30; qwen-tiny: 20",
+        "analysis.n_boot differ: llama-tiny: 100; qwen-tiny: 500",
+        "matched controls differ: llama-tiny: trainable d = 4, 8, 16, 32; frozen d = 4, 8, 16, 32 on 30 subjects x 3 "
+        "relations (90 facts); qwen-tiny: trainable d = 4, 8, 16, 32; frozen d = 4, 8, 16, 32 on 20 subjects x 3 "
+        "relations (60 facts)"]
+    text = (tmp_path / "cmp" / "report.md").read_text()
+    assert "| claim | llama-tiny | qwen-tiny |" in text and "- relations differ: in all: capital" in text
+    same = write_report(tmp_path / "c", page_report("/other/llama-tiny", ["capital", "continent", "subregion"]))
+    compare([a, same], tmp_path / "same")
+    page = (tmp_path / "same" / "report.html").read_text()
+    assert "class='warn'" not in page and "<th title='/other/llama-tiny'>llama-tiny (c)</th>" in page
+
+
+def test_metrics_csv_and_to_frame_share_one_tidy_schema(tmp_path):
+    """metrics.csv and Report.to_frame have the same columns (``measure``, not ``metric``); a measure's value row
+    and each control's row are distinct: the control row holds the control's own value, interval and n."""
+    pd = pytest.importorskip("pandas")
+    from llmprobe.report.notebook import Report
+    from llmprobe.report.render import CLAIM_FIELDS
+    from llmprobe.report.schema import ROW_FIELDS
+
+    folder = write_report(tmp_path / "run", page_report("/m/tiny", ["capital"]))
+    export(folder, formats=("csv",))
+    with open(folder / "metrics.csv", newline="") as handle:
+        reader = csv.DictReader(handle)
+        rows = list(reader)
+    assert tuple(reader.fieldnames) == ROW_FIELDS + CLAIM_FIELDS
+    at = [r for r in rows if r["source"] == "tiny" and r["measure"] == "lre.faithfulness" and r["layer"] == "3"]
+    assert [(r["control"], float(r["value"]), float(r["hi"])) for r in at] == [
+        ("", pytest.approx(0.5), pytest.approx(0.55)), ("shuffled", 0.1, pytest.approx(0.15))]
+    frame = Report(read_report(folder)).to_frame()
+    assert tuple(frame.columns) == ROW_FIELDS and len(frame) == len([r for r in rows if not r["verdict"]])
+    at = frame[(frame.source == "tiny") & (frame.measure == "lre.faithfulness") & (frame.layer == 3)]
+    assert at.control.isna().tolist() == [True, False] and at.control.iloc[1] == "shuffled"
+    assert at.value.tolist() == pytest.approx([0.5, 0.1]) and at.hi.tolist() == pytest.approx([0.55, 0.15])
+    assert pd.api.types.is_float_dtype(frame.value)

@@ -13,7 +13,9 @@
   same weights by path. A bridge whose weights were processed (``enable_compatibility_mode()`` folds norms and
   centres the residual stream, which changes every state) is reloaded from its local folder; with no folder it
   is an error;
-* an nnsight ``LanguageModel``: the module it wraps (dispatched first if its weights are not loaded yet).
+* an nnsight ``TransformersModel(repo_id, task='text-generation')`` (what nnsight recommends) or its deprecated
+  ``LanguageModel`` (while nnsight has it): the module it wraps (dispatched first if its weights are not loaded
+  yet); one made for another task (``feature-extraction``, ...) wraps no language-model head and is refused.
 
 transformer_lens and nnsight objects are recognised by their class's module, so neither package is imported
 unless such an object is passed. The object is probed where it is (its device and dtype); it is put in eval mode.
@@ -42,7 +44,9 @@ from llmprobe.model.loading import (
 )
 
 ACCEPTED = ("a model name or folder, a LoadedModel, a transformers PreTrainedModel (with its tokenizer), a "
-            "TransformerLens TransformerBridge or an nnsight LanguageModel")
+            "TransformerLens TransformerBridge or an nnsight TransformersModel(repo_id, task='text-generation') (or its "
+            "older LanguageModel)")
+NNSIGHT_TASK = "text-generation"          # the nnsight TransformersModel task of a causal language model
 
 
 def as_loaded_model(obj, tokenizer=None, **load_options) -> LoadedModel:
@@ -78,6 +82,10 @@ def as_loaded_model(obj, tokenizer=None, **load_options) -> LoadedModel:
     elif cls.__module__.startswith("nnsight"):
         if not hasattr(obj, "_module"):
             raise ModelLoadError(f"cannot probe a {object_class}: expected {ACCEPTED}")
+        task = getattr(obj, "task", None)            # LanguageModel pins text-generation; older nnsight has no task
+        if task not in (None, NNSIGHT_TASK):
+            raise ModelLoadError(f"this {object_class} was made for the {task!r} task, which has no language-model "
+                                 f"head to probe; make it with TransformersModel(repo_id, task={NNSIGHT_TASK!r})")
         if not getattr(obj, "dispatched", True):
             obj.dispatch()          # a LanguageModel made from a name holds meta tensors until dispatched
         tokenizer = tokenizer or getattr(obj, "tokenizer", None)

@@ -12,12 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from llmprobe.report.claims import summary_claims
-from llmprobe.report.figures import layer_figures, measure_figure
-from llmprobe.report.render import figure_html, label_apart, metric_rows, summary_html, with_controls
-from llmprobe.report.schema import read_report, source_name
+from llmprobe.report.figures import KEY_MEASURES, depth_measures, depth_plot, figure_key, png_data_uri, relation_colors
+from llmprobe.report.render import figure_html, label_apart, summary_html, with_controls
+from llmprobe.report.schema import ROW_FIELDS, metric_rows, read_report, source_name
 
-FRAME_COLUMNS = ("source", "relation", "layer", "measure", "value", "lo", "hi", "n", "control")
-KEY_MEASURES = ("lre.faithfulness", "lre.causality", "superposition.r2")     # the plots _repr_html_ shows
+FRAME_COLUMNS = ROW_FIELDS           # to_frame's columns: those of metrics.csv's metric rows
 
 
 # ------------------------------------------------------------------------------------------------ the report
@@ -46,35 +45,32 @@ class Report:
 
     def _repr_html_(self) -> str:
         """The summary section and the key per-depth plots (``KEY_MEASURES``), every user string escaped."""
-        figures = layer_figures([row for row in self.rows if row["metric"] in KEY_MEASURES])
+        colors = relation_colors(self.sources)
+        figures = [(measure, depth_plot(self.sources, measure, colors=colors)) for measure in depth_measures(self.sources)
+                   if measure in KEY_MEASURES]
         return "<div>" + summary_html(self.sources, f"llmprobe report: {source_name(self.data)}") + "".join(
-            figure_html(f"{measure} by depth", uri) for measure, uri in figures) + "</div>"
+            figure_html(f"{measure} by depth", png_data_uri(figure), figure_key(figure)) for measure, figure in figures
+        ) + "</div>"
 
     def to_frame(self):
-        """Tidy pandas DataFrame, one row per number (``FRAME_COLUMNS``): each measure's value with its interval
-        and n (control empty), then each of its controls (control = its name, value = the control's value)."""
+        """Tidy pandas DataFrame, one row per number, the columns of metrics.csv (``FRAME_COLUMNS``): each
+        measure's value row (``control`` empty; its interval and n), then a row per control of it (``control`` =
+        its name; ``value``, ``lo``, ``hi``, ``n`` = the control's own)."""
         import pandas as pd
 
-        records, seen = [], set()
-        for row in self.rows:
-            place = (row["source"], row["relation"], row["layer"], row["metric"])
-            if place not in seen:
-                seen.add(place)
-                records.append([*place, row["value"], row["lo"], row["hi"], row["n"], None])
-            if row["control"] is not None:
-                records.append([*place, row["control_value"], None, None, row["n"], row["control"]])
-        frame = pd.DataFrame(records, columns=list(FRAME_COLUMNS))
-        return frame.astype({"layer": "Int64", "n": "Int64", "value": float, "lo": float, "hi": float})
+        frame = pd.DataFrame(self.rows, columns=list(FRAME_COLUMNS))
+        return frame.astype({"layer": "Int64", "n": "Int64", "value": float, "lo": float, "hi": float,
+                             "depth": float})
 
     def plot(self, measure: str):
-        """A matplotlib figure of ``measure`` by layer: a line per (source, relation), its 95% interval as a band,
-        its primary control dashed (``llmprobe.report.figures.measure_figure``), built without pyplot: the
-        notebook's backend stays as it is and pyplot holds no new figure (Jupyter shows it as the cell's value).
-        Raises ValueError naming the measures."""
-        measures = sorted({r["metric"] for r in self.rows if r["layer"] is not None})
+        """A matplotlib figure of ``measure`` by layer: a panel per source, a line per relation, its 95% interval
+        as a band, its primary control dashed, the matched controls beside it against width
+        (``llmprobe.report.figures.depth_plot``), built without pyplot: the notebook's backend stays as it is and
+        pyplot holds no new figure (Jupyter shows it as the cell's value). Raises ValueError naming the measures."""
+        measures = depth_measures(self.sources)
         if measure not in measures:
             raise ValueError(f"no measure {measure!r} by layer in this report; measures: {', '.join(measures)}")
-        return measure_figure(self.rows, measure, x="layer")
+        return depth_plot(self.sources, measure, x="layer")
 
 
 def load_report(path: str | Path) -> Report:

@@ -1,8 +1,7 @@
 """Reports: report.json -> self-contained HTML (plots embedded), Markdown and CSV tables; side-by-side comparison.
-The claims' verdicts are :mod:`llmprobe.report.claims`, the plots :mod:`llmprobe.report.figures`.
-
-Every measured number is first flattened into *metric rows* (one dict per source x relation x layer x metric,
-with its interval and control), so the same renderers serve a single run and a comparison of many.
+The claims' verdicts are :mod:`llmprobe.report.claims`, the plots :mod:`llmprobe.report.figures`, the tidy metric
+rows (one per number: a measure's value, then each of its controls) :func:`llmprobe.report.schema.metric_rows`,
+so the same renderers serve a single run and a comparison of many.
 """
 from __future__ import annotations
 
@@ -10,77 +9,31 @@ import base64
 import csv
 import html
 import io
+import json
 from pathlib import Path
 
 from llmprobe.io import write_json, write_text
-from llmprobe.metric import iter_metrics
 from llmprobe.report.claims import VERDICT_RULE, claims_block
-from llmprobe.report.figures import report_figures
-from llmprobe.report.schema import control_sources, read_report, source_name
+from llmprobe.report.figures import figure_key, png_data_uri, report_figures
+from llmprobe.report.schema import (
+    ROW_FIELDS,
+    control_sources,
+    metric_rows,
+    missing_stages,
+    read_report,
+    source_name,
+)
 
-ROW_FIELDS = ("source", "kind", "relation", "layer", "depth", "metric", "value", "lo", "hi", "control",
-              "control_value", "n")
-CLAIM_FIELDS = ("verdict", "difference", "difference_lo", "difference_hi", "difference_interval", "min_effect",
-                "p_holm", "n_tests", "comparison", "comparison_value", "note")   # claim rows only (claim_rows)
-
-
-def metric_rows(report: dict) -> list[dict]:
-    """Flatten every measured number of a report into rows with the keys in ``ROW_FIELDS``.
-
-    Known-fact rates become rows with metric ``known_rate`` and no layer; every typed metric of the analyses
-    (pretrained, or a synthetic control's readouts in the same layout) contributes one row per control (or one
-    row when it has none), found by its place in the report: ``relations.R.layers.L.DECODER.MEASURE``,
-    ``superposition.layers.L.r2``, ``superposition.layers.L.readout.R`` and the swap edit's scales.
-    """
-    source, kind = source_name(report), report.get("kind", "pretrained")
-    n_layers = max(report.get("model", {}).get("n_layers") or 1, 1)
-    rows = []
-    for name, rel in report.get("relations", {}).items():
-        rows.append(_row(source, kind, name, None, None, "known_rate", rel.get("known_rate"), n=rel.get("n_facts")))
-    analyses = report.get("analyses") or {}
-    for path, m in iter_metrics(analyses):
-        place = _metric_place(path, analyses)
-        if place is None:
-            continue
-        relation, layer, metric = place
-        depth = layer / (n_layers - 1) if n_layers > 1 else 0.0
-        lo, hi = (m.get("ci") or [None, None])[:2]
-        controls = m.get("controls") or {}
-        common = (source, kind, relation, layer, depth, metric, m["value"], lo, hi)
-        if not controls:
-            rows.append(_row(*common, n=m.get("n")))
-        for control, c in controls.items():
-            rows.append(_row(*common, control, c.get("value"), n=m.get("n")))
-    return rows
-
-
-def _metric_place(path: tuple, analyses: dict) -> tuple[str, int, str] | None:
-    """(relation, layer, metric name) of the metric at ``path`` in a report's analyses; None for metrics that are
-    not per-layer rows."""
-    if len(path) == 6 and path[0] == "relations" and path[2] == "layers":             # decoders
-        return path[1], int(path[3]), f"{path[4]}.{path[5]}"
-    if len(path) >= 4 and path[:2] == ("superposition", "layers"):
-        layer, rest = int(path[2]), path[3:]
-        if rest == ("r2",):
-            return "(all)", layer, "superposition.r2"
-        if len(rest) == 2 and rest[0] == "readout":
-            return rest[1], layer, "superposition.readout_accuracy"
-        if len(rest) == 4 and rest[:2] == ("swap", "by_scale"):            # x1 = the fitted edit, then x4, x16
-            scale = analyses["superposition"]["layers"][path[2]]["swap"]["by_scale"][int(rest[2])]["scale"]
-            return "(all)", layer, f"superposition.swap_{rest[3]}" + ("" if scale == 1 else f"_x{scale:g}")
-    return None
-
-
-def _row(source, kind, relation, layer, depth, metric, value, lo=None, hi=None, control=None, control_value=None,
-         n=None) -> dict:
-    return dict(zip(ROW_FIELDS, (source, kind, relation, layer, depth, metric, value, lo, hi, control,
-                                 control_value, n)))
+CLAIM_FIELDS = ("verdict", "null", "null_value", "difference", "difference_lo", "difference_hi",
+                "difference_interval", "min_effect", "p_holm", "n_tests", "comparison", "comparison_value",
+                "note")   # claim rows only (claim_rows)
 
 
 def claim_rows(report: dict) -> list[dict]:
-    """One row per claim of a pretrained report's claims block (:func:`llmprobe.report.claims.claims_block`), in
-    the metric rows' columns (``metric`` = "claim: ...", relation and layer shown, the number, its null as the
-    control) and ``CLAIM_FIELDS``; none for a synthetic report."""
+    """One row per claim of a pretrained report's claims block (:func:`llmprobe.report.claims.claims_block`): a
+    value row of the metric rows' columns (``measure`` = "claim: ...", relation and layer shown, the number, its
+    interval and n; ``control`` empty) and ``CLAIM_FIELDS`` (its hardest null in ``null``, ``null_value``);
+    none for a synthetic report."""
     if report.get("kind") == "synthetic":
         return []
     block = claims_block(report)
@@ -91,15 +44,16 @@ def claim_rows(report: dict) -> list[dict]:
         lo, hi = (metric.get("ci") or [None, None])[:2]
         diff, comparison = line["difference"] or {}, line["comparison"] or {}
         layer = line["layer"]
-        row = _row(source_name(report), report.get("kind", "pretrained"), line["relation"], layer,
-                   None if layer is None else layer / (n_layers - 1) if n_layers > 1 else 0.0,
-                   f"claim: {line['claim']}", metric.get("value"), lo, hi, line["null_name"], null.get("value"),
-                   metric.get("n"))
+        row = dict(zip(ROW_FIELDS, (source_name(report), report.get("kind", "pretrained"), line["relation"], layer,
+                                    None if layer is None else layer / (n_layers - 1) if n_layers > 1 else 0.0,
+                                    f"claim: {line['claim']}", None, metric.get("value"), lo, hi, metric.get("n")),
+                       strict=True))
         d_lo, d_hi = (diff.get("ci") or [None, None])[:2]
         rows.append(row | dict(zip(CLAIM_FIELDS, (
-            line["verdict"], diff.get("value"), d_lo, d_hi, diff.get("interval"), line["min_effect"],
-            line["p_holm"], block["n_tests"], " ".join(filter(None, [comparison.get("word"), comparison.get("name")]))
-            or None, (comparison.get("metric") or {}).get("value"), line["note"] or None))))
+            line["verdict"], line["null_name"], null.get("value"), diff.get("value"), d_lo, d_hi,
+            diff.get("interval"), line["min_effect"], line["p_holm"], block["n_tests"],
+            " ".join(filter(None, [comparison.get("word"), comparison.get("name")])) or None,
+            (comparison.get("metric") or {}).get("value"), line["note"] or None), strict=True)))
     return rows
 
 
@@ -232,13 +186,14 @@ def control_rows(report: dict) -> list[list]:
 def summary_tables(reports: list[dict], rows: list[dict]) -> list[tuple[str, list[str], list[list]]]:
     """(title, header, body) tables shared by the HTML and Markdown renderers."""
     tables = []
-    models = [[source_name(r), r.get("kind"), r.get("model", {}).get("architecture"),
+    models = [[source_name(r), r.get("kind"), _model_path(r), r.get("model", {}).get("architecture"),
                r.get("model", {}).get("n_layers"), r.get("model", {}).get("d_model"),
                (r.get("model", {}).get("weights_hash") or "")[:19],
                f"{r['wall_seconds']:.1f}" if isinstance(r.get("wall_seconds"), (int, float)) else None]
               for r in reports]
-    tables.append(("Sources", ["source", "kind", "architecture", "layers", "d_model", "weights", "wall s"], models))
-    known = [[r["source"], r["relation"], r["n"], r["value"]] for r in rows if r["metric"] == "known_rate"]
+    tables.append(("Sources", ["source", "kind", "model (name or path)", "architecture", "layers", "d_model",
+                               "weights", "wall s"], models))
+    known = [[r["source"], r["relation"], r["n"], r["value"]] for r in rows if r["measure"] == "known_rate"]
     if known:
         tables.append(("Known facts (greedy continuation starts with the object)",
                        ["source", "relation", "facts", "known rate"], known))
@@ -262,6 +217,12 @@ def summary_tables(reports: list[dict], rows: list[dict]) -> list[tuple[str, lis
                         "mean readout accuracy", "relation gating", "gate transplant (same relation)",
                         "gate transplant (other relation)"], controls))
     return tables
+
+
+def _model_path(report: dict) -> str | None:
+    """The model's name or path as recorded, where the source's short name leaves part of it out."""
+    name = report.get("model", {}).get("name")
+    return name if report.get("kind") != "synthetic" and name != source_name(report) else None
 
 
 SUMMARY_HEADER = ["claim", "measure", "shown", "number [95% CI] (n)", "null", "difference [95% CI]",
@@ -298,39 +259,153 @@ def summary_rows(reports: list[dict]) -> list[list]:
     return rows
 
 
+def partial_lines(reports: list[dict]) -> list[str]:
+    """One line per stage a pretrained report of the page lacks (:func:`llmprobe.report.schema.missing_stages`),
+    its source first when the page has several."""
+    pretrained = [r for r in reports if r.get("kind") != "synthetic"]
+    return [f"{source_name(r) + ': ' if len(pretrained) > 1 else ''}{line}" for r in pretrained
+            for line in missing_stages(r)]
+
+
+RUN_SETTINGS = ("layers", "seed", "max_facts", "max_prompt_tokens")     # run settings that change what is measured
+
+
+def measured_differences(reports: list[dict]) -> list[str]:
+    """One warning per difference in what the pretrained reports of a comparison measured: their relations, the
+    facts of the relations they share, the analyses and the settings that change numbers (``RUN_SETTINGS``,
+    every analysis setting), and their matched controls (present, settings, fact table); [] for one report."""
+    pretrained = [r for r in reports if r.get("kind") != "synthetic"]
+    if len(pretrained) < 2:
+        return []
+    names = [source_name(r) for r in pretrained]
+    lines = []
+    relations = [list(r.get("relations") or {}) for r in pretrained]
+    shared = [n for n in relations[0] if all(n in rs for rs in relations)]
+    if any(set(rs) != set(shared) for rs in relations):
+        lines.append("relations differ: " + "; ".join(
+            [f"in all: {', '.join(shared) or 'none'}"] + [f"only in {name}: {', '.join(n for n in rs if n not in shared)}"
+                                                         for name, rs in zip(names, relations) if set(rs) != set(shared)]))
+    counts = {n: [(r["relations"][n] or {}).get("n_facts") for r in pretrained] for n in shared}
+    if any(len(set(c)) > 1 for c in counts.values()):
+        lines.append("facts differ: " + "; ".join(f"{n} has {' vs '.join(map(str, c))} facts" for n, c in counts.items()
+                                                  if len(set(c)) > 1) + f" ({' vs '.join(names)})")
+    settings = [r.get("settings") or {} for r in pretrained]
+    sections = [("analyses run", [(s.get("run") or {}).get("analyses") for s in settings])]
+    sections += [(f"run.{key}", [(s.get("run") or {}).get(key) for s in settings]) for key in RUN_SETTINGS]
+    analysis_keys = sorted({k for s in settings for k in (s.get("analysis") or {})})
+    sections += [(f"analysis.{key}", [(s.get("analysis") or {}).get(key) for s in settings]) for key in analysis_keys]
+    control_keys = sorted({k for s in settings for k in (s.get("controls") or {})})
+    sections += [(f"controls.{key}", [(s.get("controls") or {}).get(key) for s in settings]) for key in control_keys]
+    sections.append(("matched controls", [_controls_text(r) for r in pretrained]))
+    for what, values in sections:
+        if len({json.dumps(v, sort_keys=True, default=str) for v in values}) > 1:
+            lines.append(f"{what} differ: " + "; ".join(f"{name}: {_fmt(v) if not isinstance(v, list) else ', '.join(map(str, v)) or 'none'}"
+                                                     for name, v in zip(names, values)))
+    return lines
+
+
+def _controls_text(report: dict) -> str:
+    """What a report's matched controls were: their modes, widths and fact table, or none."""
+    block = report.get("controls")
+    if not block:
+        return "none"
+    if not isinstance(block, dict):
+        return f"{len(block)} controls (an older report)"
+    table = block.get("table") or {}
+    modes = "; ".join(f"{mode} d = {', '.join(str(p['d']) for p in entry.get('points') or [])}"
+                      for mode, entry in (block.get("modes") or {}).items())
+    return (f"{modes} on {table.get('n_subjects')} subjects x {len(table.get('relations') or [])} relations "
+            f"({table.get('n_facts')} facts)")
+
+
+def side_by_side_rows(reports: list[dict]) -> tuple[list[str], list[list]]:
+    """(the pretrained sources, one row per claim): the claim, then per source (verdict, its text: relation and
+    layer shown, number, null, difference)."""
+    pretrained = [r for r in reports if r.get("kind") != "synthetic"]
+    blocks = [claims_block(r)["lines"] for r in pretrained]
+    rows = []
+    for index, claim in enumerate(line["claim"] for line in blocks[0]):
+        cells = []
+        for lines in blocks:
+            line = lines[index]
+            shown = ", ".join(filter(None, [line["relation"], None if line["layer"] is None else f"layer {line['layer']}"]))
+            text = [f"{shown + ': ' if shown else ''}{_with_ci(line['metric'])}"] if line["metric"] else []
+            if line["null_name"]:
+                text.append(f"null {line['null_name']}: {_with_ci(line['null'])}")
+            if line["difference"]:
+                text.append(f"difference {_difference_text(line['difference'])}")
+            cells.append((line["verdict"], text))
+        rows.append([claim, *cells])
+    return [source_name(r) for r in pretrained], rows
+
+
 def summary_html(reports: list[dict], title: str) -> str:
-    """``<section id="summary">``: the title, one line per claim with its number, null, difference, verdict and
-    comparison, then the rule."""
-    rows = summary_rows(reports)
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in SUMMARY_HEADER)
-    cell = lambda i, c: (f"<td class='verdict {c.replace(' ', '-')}'>" if i == VERDICT_COLUMN else "<td>") + \
-        f"{html.escape(_fmt(c))}</td>"
-    body = "".join("<tr>" + "".join(cell(i, c) for i, c in enumerate(row)) + "</tr>" for row in rows)
-    table = f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>" if rows else \
-        "<p>No pretrained report: no claim is measured on this page.</p>"
-    return (f"<section id='summary'><h1>{html.escape(title)}</h1><h2>Summary: the paper's claims</h2>{table}"
-            f"<p class='rule'>{html.escape(VERDICT_RULE)}</p></section>")
+    """``<section id="summary">``: the title, a line per stage a partial report lacks, a warning per difference in
+    what compared reports measured, one line per claim (one report: number, null, difference, verdict and
+    comparison; several: a column per pretrained source, the full lines folded below), then the rule."""
+    parts = [f"<section id='summary'><h1>{html.escape(title)}</h1>"]
+    partial = partial_lines(reports)
+    if partial:
+        parts.append("<div class='partial'><p><b>Partial report</b>: stages are missing (rerun with --resume to "
+                     "finish them).</p><ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in partial) +
+                     "</ul></div>")
+    differences = measured_differences(reports)
+    if differences:
+        parts.append("<div class='differences'><p><b>These reports measured different things</b>; compare their "
+                     "numbers with care:</p><ul>" + "".join(f"<li class='warn'>{html.escape(line)}</li>"
+                                                            for line in differences) + "</ul></div>")
+    parts.append("<h2>Summary: the paper's claims</h2>")
+    pretrained = [r for r in reports if r.get("kind") != "synthetic"]
+    if len(pretrained) > 1:
+        sources, rows = side_by_side_rows(reports)
+        paths = [_model_path(r) or source_name(r) for r in pretrained]
+        head = "<th>claim</th>" + "".join(f"<th title='{html.escape(path)}'>{html.escape(name)}</th>"
+                                          for name, path in zip(sources, paths))
+        body = "".join("<tr><td>" + html.escape(row[0]) + "</td>" + "".join(
+            f"<td class='verdict {verdict.replace(' ', '-')}'><b>{html.escape(verdict)}</b>" +
+            "".join(f"<br>{html.escape(t)}" for t in text) + "</td>" for verdict, text in row[1:]) + "</tr>"
+            for row in rows)
+        parts.append(f"<table class='side-by-side'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+    else:
+        rows = summary_rows(reports)
+        head = "".join(f"<th>{html.escape(h)}</th>" for h in SUMMARY_HEADER)
+        cell = lambda i, c: (f"<td class='verdict {c.replace(' ', '-')}'>" if i == VERDICT_COLUMN else "<td>") + \
+            f"{html.escape(_fmt(c))}</td>"
+        body = "".join("<tr>" + "".join(cell(i, c) for i, c in enumerate(row)) + "</tr>" for row in rows)
+        parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>" if rows else
+                     "<p>No pretrained report: no claim is measured on this page.</p>")
+    parts.append(f"<p class='rule'>{html.escape(VERDICT_RULE)}</p></section>")
+    if len(pretrained) > 1:
+        full = summary_rows(reports)
+        parts.append(f"<h2>The claims in full</h2><details><summary>{len(full)} lines (click to open)</summary>"
+                     f"{_table_html(SUMMARY_HEADER, full)}</details>")
+    return "".join(parts)
 
 
-def figure_html(caption: str, uri: str) -> str:
+def figure_html(caption: str, uri: str, key: dict | None = None) -> str:
+    """A figure of the page: its caption's first sentence as the heading, the rest as a paragraph, the image;
+    ``key`` (:func:`llmprobe.report.figures.figure_key`: its panels and legend entries) as ``data-`` attributes."""
     title, _, rest = caption.partition(". ")          # a long caption: its first sentence heads the figure
-    return (f"<h2>{html.escape(title)}</h2>" + (f"<p>{html.escape(rest)}</p>" if rest else "") +
-            f"<img alt='{html.escape(title)}' src='{uri}'>")
+    data = "".join(f" data-{name}='{html.escape(json.dumps(value))}'" for name, value in (key or {}).items())
+    return (f"<figure{data}><h2>{html.escape(title)}</h2>" + (f"<p>{html.escape(rest)}</p>" if rest else "") +
+            f"<img alt='{html.escape(title)}' src='{uri}'></figure>")
 
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}
 table{border-collapse:collapse;margin:1em 0;font-size:13px}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}
-th{background:#f3f3f3}img{max-width:100%;border:1px solid #eee;margin:.5em 0}.err{color:#a00}
+th{background:#f3f3f3}img{max-width:100%;border:1px solid #eee;margin:.5em 0}.err{color:#a00}figure{margin:0}
 h1{font-size:1.6em}h2{font-size:1.2em;margin-top:1.6em}summary{cursor:pointer;color:#555}
 .rule{font-size:12px;color:#555}.supported{background:#dff0d8}.not-shown{background:#f2dede}
 .weak,.inconclusive{background:#fcf8e3}.not-measured,.null-not-measured,.not-comparable{color:#888}
-#summary td:nth-child(3){white-space:nowrap}"""
+.partial,.differences{border-left:4px solid #c90;background:#fff8e6;padding:.3em 1em;margin:1em 0}
+.partial ul,.differences ul{margin:.3em 0}th[title]{text-decoration:underline dotted}
+#summary td:nth-child(3){white-space:nowrap}#summary .side-by-side td{white-space:normal;vertical-align:top}"""
 
 
 def render_html(reports: list[dict], title: str, extra_images: list[tuple[str, str]] = ()) -> str:
     """A self-contained page, the answer first: the summary of the paper's claims (``<section id="summary">``),
-    then per-depth curves with intervals and controls and any extra images, then the tables (long ones folded
-    in ``<details>``). No JavaScript.
+    then the plots (per-depth curves with intervals and controls, the less central ones folded in ``<details>``)
+    and any extra images, then the tables (long ones folded). No JavaScript.
 
     ``extra_images``: (caption, data URI or path to a PNG) pairs, e.g. synthetic capacity plots. Every user
     string is escaped.
@@ -338,7 +413,13 @@ def render_html(reports: list[dict], title: str, extra_images: list[tuple[str, s
     rows = [row for report in reports for row in metric_rows(report)]
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
              f"<style>{STYLE}</style></head><body>{summary_html(reports, title)}"]
-    parts += [figure_html(caption, uri) for caption, uri in report_figures(reports, rows)]
+    figures = [(caption, figure_html(caption, png_data_uri(figure), figure_key(figure)), folded)
+               for caption, figure, folded in report_figures(reports)]
+    parts += [page for _, page, folded in figures if not folded]
+    folded = [(caption, page) for caption, page, fold in figures if fold]
+    if folded:
+        parts.append(f"<h2>{len(folded)} more figures</h2><details><summary>{html.escape(', '.join(c for c, _ in folded))}"
+                     f" (click to open)</summary>{''.join(page for _, page in folded)}</details>")
     for caption, image in extra_images:
         if not image.startswith("data:"):
             path = Path(image)
@@ -361,12 +442,27 @@ def render_html(reports: list[dict], title: str, extra_images: list[tuple[str, s
 
 
 def render_markdown(reports: list[dict], title: str) -> str:
-    """The Markdown report, the answer first: the summary of the claims with the verdict rule, then the tables."""
+    """The Markdown report, the answer first: the missing stages of a partial report, the differences in what
+    compared reports measured, the summary of the claims (a column per source when there are several) with the
+    verdict rule, then the tables."""
     rows = [row for report in reports for row in metric_rows(report)]
-    summary = summary_rows(reports)
-    parts = [f"# {_md(title)}", "## Summary: the paper's claims\n\n" + (
-        _table_md(SUMMARY_HEADER, summary) if summary else "No pretrained report: no claim is measured here.") +
-        f"\n\n{_md(VERDICT_RULE)}"]
+    parts = [f"# {_md(title)}"]
+    partial = partial_lines(reports)
+    if partial:
+        parts.append("**Partial report**: stages are missing (rerun with --resume to finish them).\n\n" +
+                     "\n".join(f"- {_md(line)}" for line in partial))
+    differences = measured_differences(reports)
+    if differences:
+        parts.append("**These reports measured different things**; compare their numbers with care:\n\n" +
+                     "\n".join(f"- {_md(line)}" for line in differences))
+    if len([r for r in reports if r.get("kind") != "synthetic"]) > 1:
+        sources, side = side_by_side_rows(reports)
+        summary = _table_md(["claim", *sources], [[row[0], *(f"{verdict}: {'; '.join(text)}" if text else verdict
+                                                            for verdict, text in row[1:])] for row in side])
+    else:
+        full = summary_rows(reports)
+        summary = _table_md(SUMMARY_HEADER, full) if full else "No pretrained report: no claim is measured here."
+    parts.append(f"## Summary: the paper's claims\n\n{summary}\n\n{_md(VERDICT_RULE)}")
     for caption, header, body in summary_tables(reports, rows):
         parts.append(f"## {_md(caption)}\n\n{_table_md(header, body)}")
     errors = [e for report in reports for e in report.get("errors", [])]
@@ -385,14 +481,26 @@ def export(report_dir: str | Path, formats: tuple[str, ...] = ("html", "md", "cs
 
 def with_controls(reports: list[dict]) -> list[dict]:
     """The reports followed by the matched synthetic controls inside them (each trained point a source of its own,
-    see :func:`control_sources`)."""
-    return list(reports) + [dict(c, _path=r.get("_path")) for r in reports
+    see :func:`control_sources`; ``_owner``: the report it belongs to)."""
+    return list(reports) + [dict(c, _path=r.get("_path"), _owner=r) for r in reports
                             for c in control_sources(r.get("controls"), r["schema_version"])]
 
 
 def label_apart(reports: list[dict]) -> list[dict]:
     """Sources that share a name (two runs of one model, or their controls) get the report folder's name after
-    it (and a number where the folder names repeat too), so their rows and plot lines stay apart."""
+    it (and a number where the folder names repeat too), so their rows and plot lines stay apart. With several
+    pretrained reports, each matched control is named after its report first (``llama: synthetic ...``)."""
+    pretrained = [r for r in reports if r.get("kind") != "synthetic"]
+    _apart(pretrained)
+    if len(pretrained) > 1:
+        for report in reports:
+            if report.get("kind") == "synthetic" and report.get("_owner") is not None:
+                report["_label"] = f"{source_name(report['_owner'])}: {report.get('label') or 'synthetic'}"
+    _apart(reports)
+    return reports
+
+
+def _apart(reports: list[dict]) -> None:
     groups: dict[str, list[dict]] = {}
     for report in reports:
         groups.setdefault(source_name(report), []).append(report)
@@ -402,17 +510,21 @@ def label_apart(reports: list[dict]) -> list[dict]:
         folders = [Path(r.get("_path") or "").name or "?" for r in group]
         for index, (report, folder) in enumerate(zip(group, folders), 1):
             report["_label"] = f"{name} ({folder})" if folders.count(folder) == 1 else f"{name} ({folder} #{index})"
-    return reports
 
 
 def compare(report_dirs: list[str | Path], out: str | Path, formats: tuple[str, ...] = ("html", "md", "csv"),
             ) -> list[Path]:
-    """Side-by-side page of any number of reports, aligned on relations and normalised depth."""
+    """Side-by-side page of any number of reports, aligned on relations and normalised depth: the claims a column
+    per report, a warning per difference in what they measured; titled by the pretrained models' short names."""
     if len(report_dirs) < 1:
         raise ValueError("compare needs at least one report directory")
     reports = label_apart(with_controls([read_report(d) for d in report_dirs]))
-    names = " vs ".join(dict.fromkeys(source_name(r) for r in reports))
-    return write_all(reports, Path(out), f"llmprobe comparison: {names}", formats)
+    pretrained = [source_name(r) for r in reports if r.get("kind") != "synthetic"]
+    n_controls = len(reports) - len(pretrained)
+    title = f"llmprobe comparison: {' vs '.join(pretrained) or 'synthetic sources'}" + (
+        f" (and {n_controls} matched synthetic control{'s' if n_controls > 1 else ''})" if n_controls and pretrained
+        else "")
+    return write_all(reports, Path(out), title, formats)
 
 
 def write_all(reports: list[dict], out: Path, title: str, formats: tuple[str, ...],

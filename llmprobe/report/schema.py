@@ -1,9 +1,14 @@
 """The report.json schema: its version, the one reader that checks a report before anything uses it, a report's
-name and its controls block expanded into sources in the per-source layout (what claims, figures and tables read)."""
+name, the stages a partial report lacks, its controls block expanded into sources in the per-source layout, and
+every measured number flattened into tidy *metric rows* (what claims, figures and tables read)."""
 from __future__ import annotations
 
 import json
+import re
+import sys
 from pathlib import Path
+
+from llmprobe.metric import iter_metrics
 
 REPORT_SCHEMA_VERSION = 2      # 2: typed metrics everywhere, test_subjects per relation, reference causality
 
@@ -20,6 +25,11 @@ def read_report(path: str | Path) -> dict:
         raise ValueError(f"{file}: not valid JSON ({error})") from None
     except UnicodeDecodeError as error:
         raise ValueError(f"{file}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+    except RecursionError:
+        raise ValueError(f"{file}: nested too deeply to read; not an llmprobe report") from None
+    except ValueError:               # json's int conversion: more digits than sys.get_int_max_str_digits()
+        raise ValueError(f"{file}: not valid JSON (a number of more than {sys.get_int_max_str_digits()} "
+                         f"digits)") from None
     if not isinstance(report, dict):
         raise ValueError(f"{file}: not an llmprobe report (a JSON {type(report).__name__}, expected an object)")
     if "schema_version" not in report:
@@ -30,13 +40,50 @@ def read_report(path: str | Path) -> dict:
         raise ValueError(f"{file}: schema_version {version!r} is not supported by this llmprobe (supported: "
                          f"{', '.join(map(str, supported))}); open it with the llmprobe version that wrote it, or "
                          f"run the model again")
-    for key, kinds in (("model", dict), ("relations", dict), ("analyses", dict), ("errors", list),
-                       ("controls", (dict, list))):
-        if report.get(key) is not None and not isinstance(report[key], kinds):
-            raise ValueError(f"{file}: malformed report: {key!r} is a JSON {type(report[key]).__name__}, expected "
-                             f"{'a list' if kinds is list else 'an object'}")
+    check_shape(report, file)
     report.setdefault("_path", str(file.parent))
     return report
+
+
+# the types of report.json where its readers rely on them: dotted path ("*": every key) -> expected JSON type
+SHAPES = (("model", dict), ("relations", dict), ("relations.*", dict), ("analyses", dict),
+          ("analyses.relations", dict), ("analyses.relations.*", dict), ("analyses.relations.*.layers", dict),
+          ("analyses.superposition", dict), ("analyses.superposition.layers", dict), ("errors", list),
+          ("controls", (dict, list)), ("stages", dict), ("stages.*", dict), ("stages.*.done", bool),
+          ("settings", dict), ("timings", dict))
+LAYER_KEYED = ("analyses.relations.*.layers", "analyses.superposition.layers")    # keys: layer indices
+JSON_TYPES = {dict: "object", list: "list", str: "str", int: "int", float: "float", bool: "bool"}
+
+
+def check_shape(report: dict, file: Path) -> None:
+    """ValueError naming ``file``, the path and what is wrong where ``report`` does not have the ``SHAPES`` (a
+    null passes), a layer key is not a layer index, or a controls list holds other things than objects."""
+    for path, kinds in SHAPES:
+        for where, value in _at(report, path):
+            if value is not None and not isinstance(value, kinds):
+                wanted = {bool: "true or false", list: "a list", dict: "an object"}.get(kinds, "an object or a list")
+                raise ValueError(f"{file}: malformed report: {where!r} is a JSON "
+                                 f"{JSON_TYPES.get(type(value), type(value).__name__)}, expected {wanted}")
+    for path in LAYER_KEYED:
+        for where, layers in _at(report, path):
+            bad = [key for key in layers or {} if not re.fullmatch(r"\d+", key, re.ASCII)]
+            if bad:
+                raise ValueError(f"{file}: malformed report: {where}: layer key {bad[0]!r} is not a layer index "
+                                 f"(a whole number)"[:300])
+    controls = report.get("controls")
+    if isinstance(controls, list) and not all(isinstance(c, dict) for c in controls):
+        kinds = sorted({JSON_TYPES.get(type(c), type(c).__name__) for c in controls if not isinstance(c, dict)})
+        raise ValueError(f"{file}: malformed report: 'controls' is a list of {', '.join(kinds)}, expected a list of "
+                         f"objects or an object")
+
+
+def _at(report: dict, path: str) -> list[tuple[str, object]]:
+    """(dotted path, value) of every value at ``path`` in ``report`` ("*": every key of an object)."""
+    found = [("", report)]
+    for part in path.split("."):
+        found = [(f"{where}.{key}" if where else key, node[key]) for where, node in found if isinstance(node, dict)
+                 for key in (node if part == "*" else [part] if part in node else [])]
+    return found
 
 
 def supported_schema_versions() -> tuple[int, ...]:
@@ -45,13 +92,67 @@ def supported_schema_versions() -> tuple[int, ...]:
 
 
 def source_name(report: dict) -> str:
-    """A short label for a report: the model name, or the synthetic control's description (``_label`` when
-    ``llmprobe.report.render.compare`` had to tell two sources of one name apart)."""
+    """A short label for a report: the model's short name (:func:`short_model_name`), or the synthetic control's
+    description (``_label`` when ``llmprobe.report.render.label_apart`` had to tell two sources of one name apart,
+    or named a control's model on a compare page)."""
     if report.get("_label"):
         return report["_label"]
     if report.get("kind") == "synthetic":
         return report.get("label") or "synthetic"
-    return report.get("model", {}).get("name", "model")
+    return short_model_name(report.get("model", {}).get("name", "model"))
+
+
+def short_model_name(name: str) -> str:
+    """The last part of a local path (``/runs/models/llama`` -> ``llama``); a hub id (``org/model``) as it is."""
+    name = str(name)
+    if name.count("/") == 1 and "\\" not in name and not name.startswith((".", "/", "~")):
+        return name
+    return re.split(r"[\\/]", name.rstrip("/\\"))[-1] or name
+
+
+def missing_stages(report: dict) -> list[str]:
+    """One line per stage a partial report lacks (``partial`` true, or a stage in ``stages`` not done): what is
+    missing and which numbers that leaves out; [] for a finished report. Expected stages: ``known_facts``,
+    ``analyses`` when ``settings.run.analyses`` asks for any, ``controls`` in an enabled ``run``."""
+    stages = report.get("stages") or {}
+    if not report.get("partial") and all(stage.get("done") for stage in stages.values()):
+        return []
+    settings = report.get("settings") or {}
+    requested = (settings.get("run") or {}).get("analyses") or []
+    expected = ["known_facts"] + (["analyses"] if requested else []) + (
+        ["controls"] if settings.get("command") == "run" and (settings.get("controls") or {}).get("enabled", True)
+        else [])
+    lines = []
+    for name in expected + [n for n in stages if n not in expected]:
+        stage = stages.get(name)
+        if stage is not None and stage.get("done"):
+            continue
+        state = "not started" if stage is None else "not finished"
+        lines.append(f"{name} {state}: {_what_is_missing(report, name, requested)}")
+    return lines or ["the report says partial: true, but records no unfinished stage"]
+
+
+def _what_is_missing(report: dict, stage: str, requested: list[str]) -> str:
+    """What an unfinished ``stage`` of ``report`` leaves out (one sentence)."""
+    relations = list(report.get("relations") or {})
+    wanted = list((report.get("dataset") or {}).get("relations") or relations)
+    if stage == "known_facts":
+        return (f"{len(relations)} of {len(wanted)} relations checked; no analysis or matched control ran, so every "
+                f"claim is not measured")
+    if stage == "analyses":
+        analyses = report.get("analyses") or {}
+        done = [r for r in relations if r in (analyses.get("relations") or {})]
+        parts = []
+        if {"lre", "ridge"} & set(requested):
+            parts.append(f"decoders of {len(done)} of {len(relations)} relations"
+                         + (f" ({', '.join(done)})" if done else ""))
+        if "superposition" in requested:
+            parts.append("superposition readouts " + ("done" if analyses.get("superposition") else "missing"))
+        return "; ".join(parts) + "; claims on the missing parts are not measured or rest on the relations done"
+    if stage == "controls":
+        return ("no matched synthetic controls: the selector and capacity claims are not measured and the readouts "
+                "have no matched control beside them")
+    return "its numbers are missing"
 
 
 def control_sources(block: dict | list | None, schema_version: int | None = None) -> list[dict]:
@@ -79,3 +180,61 @@ def control_sources(block: dict | list | None, schema_version: int | None = None
                              "selector": point.get("selector") or {}},
                 "wall_seconds": point.get("wall_seconds")})
     return out
+
+
+# --------------------------------------------------------------------------------------------- metric rows
+ROW_FIELDS = ("source", "kind", "relation", "layer", "depth", "measure", "control", "value", "lo", "hi", "n")
+ALL_RELATIONS = "(all)"          # the relation of the measures over every relation (R^2, swap edit)
+
+
+def metric_rows(report: dict) -> list[dict]:
+    """Every measured number of a report as tidy rows with the keys in ``ROW_FIELDS``: a *value row* per measure
+    (``control`` None; ``value``, ``lo``, ``hi``, ``n`` the measure's) followed by a *control row* per control of
+    it (``control`` its name; ``value``, ``lo``, ``hi``, ``n`` the control's own), the primary control first.
+
+    Known-fact rates are value rows with measure ``known_rate`` and no layer; every typed metric of the analyses
+    (pretrained, or a synthetic control's readouts in the same layout) is found by its place in the report:
+    ``relations.R.layers.L.DECODER.MEASURE``, ``superposition.layers.L.r2``, ``superposition.layers.L.readout.R``
+    and the swap edit's scales (relation ``(all)`` for the measures over every relation).
+    """
+    source, kind = source_name(report), report.get("kind", "pretrained")
+    n_layers = max(report.get("model", {}).get("n_layers") or 1, 1)
+    rows = []
+    for name, rel in report.get("relations", {}).items():
+        rows.append(_row(source, kind, name, None, None, "known_rate", None, rel.get("known_rate"), None, None,
+                         rel.get("n_facts")))
+    analyses = report.get("analyses") or {}
+    for path, m in iter_metrics(analyses):
+        place = _metric_place(path, analyses)
+        if place is None:
+            continue
+        relation, layer, measure = place
+        where = (source, kind, relation, layer, layer / (n_layers - 1) if n_layers > 1 else 0.0, measure)
+        rows.append(_row(*where, None, m["value"], *(m.get("ci") or [None, None])[:2], m.get("n")))
+        controls = m.get("controls") or {}
+        for control in sorted(controls, key=lambda name: name != m.get("control")):       # the primary first
+            c = controls[control]
+            rows.append(_row(*where, control, c.get("value"), *(c.get("ci") or [None, None])[:2],
+                             c.get("n", m.get("n"))))
+    return rows
+
+
+def _metric_place(path: tuple, analyses: dict) -> tuple[str, int, str] | None:
+    """(relation, layer, measure name) of the metric at ``path`` in a report's analyses; None for metrics that are
+    not per-layer rows."""
+    if len(path) == 6 and path[0] == "relations" and path[2] == "layers":             # decoders
+        return path[1], int(path[3]), f"{path[4]}.{path[5]}"
+    if len(path) >= 4 and path[:2] == ("superposition", "layers"):
+        layer, rest = int(path[2]), path[3:]
+        if rest == ("r2",):
+            return ALL_RELATIONS, layer, "superposition.r2"
+        if len(rest) == 2 and rest[0] == "readout":
+            return rest[1], layer, "superposition.readout_accuracy"
+        if len(rest) == 4 and rest[:2] == ("swap", "by_scale"):            # x1 = the fitted edit, then x4, x16
+            scale = analyses["superposition"]["layers"][path[2]]["swap"]["by_scale"][int(rest[2])]["scale"]
+            return ALL_RELATIONS, layer, f"superposition.swap_{rest[3]}" + ("" if scale == 1 else f"_x{scale:g}")
+    return None
+
+
+def _row(*values) -> dict:
+    return dict(zip(ROW_FIELDS, values, strict=True))
