@@ -19,6 +19,11 @@ Intervals (95% by default):
   recomputed on each resample; the value is the statistic on all items. A percentile interval that would not
   contain the value (a skewed bootstrap) is extended to it; one of zero width (all resamples equal, e.g. a single
   item) becomes the statistic's ``bounds``; the ``interval`` field then says "bootstrap (widened)".
+* cross-fitted statistics (the superposition readouts): the grouped **jackknife** with refits
+  (:func:`jackknife`): the items are cut into G groups, the statistic is recomputed with each group left out
+  *and every fit redone*, so the interval includes the variation that refitting on other subjects brings (a
+  bootstrap of out-of-fold values holds the fits fixed and under-covers: ``benchmarks/coverage.py``). The G
+  replicate values travel with the metric (``jackknife``) so that :func:`pooled` can pool them.
 
 Nothing here imports torch, a model loader, the analyses or the report code: this is the ground module that the
 geometry, the analyses, the synthetic controls and the reports all read.
@@ -31,8 +36,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["LEVEL", "Metric", "wilson", "proportion", "bootstrap", "paired_difference", "is_metric",
-           "iter_metrics", "nan_metric"]
+__all__ = ["LEVEL", "Metric", "wilson", "proportion", "bootstrap", "paired_difference", "jackknife", "t_quantile",
+           "is_metric", "iter_metrics", "nan_metric"]
 
 LEVEL = 0.95
 _FIELDS = ("value", "ci", "n", "interval")
@@ -42,6 +47,17 @@ def _z(level: float) -> float:
     from statistics import NormalDist
 
     return NormalDist().inv_cdf(0.5 + level / 2)
+
+
+def t_quantile(level: float, df: int) -> float:
+    """Two-sided Student-t quantile t_{df, (1 + level) / 2} (Cornish-Fisher series, Abramowitz & Stegun 26.7.5; at
+    95%: within 2e-5 of the exact value for df >= 9, 0.03% at df = 4)."""
+    z = _z(level)
+    if df < 1:
+        return float("inf")
+    return (z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+            + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * df ** 3)
+            + (79 * z ** 9 + 776 * z ** 7 + 1482 * z ** 5 - 1920 * z ** 3 - 945 * z) / (92160 * df ** 4))
 
 
 def wilson(mean: float, n: int, level: float = LEVEL) -> tuple[float, float]:
@@ -60,7 +76,9 @@ def wilson(mean: float, n: int, level: float = LEVEL) -> tuple[float, float]:
 @dataclass
 class Metric:
     """One reported number. ``ci`` brackets ``value``; ``n`` test items; ``spread`` {"sd", "values"} over
-    re-fits (None when no re-fit was made); ``controls`` {name: Metric}; ``control`` the name shown beside it."""
+    re-fits (None when no re-fit was made); ``controls`` {name: Metric}; ``control`` the name shown beside it;
+    ``jackknife``: the statistic with each group of items left out and every fit redone (:func:`jackknife`; None
+    for other intervals), aligned with the other metrics of the same measurement."""
 
     value: float
     ci: tuple[float, float]
@@ -70,6 +88,7 @@ class Metric:
     controls: dict[str, "Metric"] = field(default_factory=dict)
     control: str | None = None
     note: str | None = None
+    jackknife: list[float] | None = None
 
     def with_controls(self, controls: dict[str, "Metric"], primary: str | None = None) -> "Metric":
         """Attach controls (same type); ``primary`` (default: the first) is the one shown beside the value."""
@@ -83,13 +102,15 @@ class Metric:
                "controls": {name: m.to_dict() for name, m in self.controls.items()}}
         if self.note:
             out["note"] = self.note
+        if self.jackknife is not None:
+            out["jackknife"] = [float(v) for v in self.jackknife]
         return out
 
     @classmethod
     def from_dict(cls, d: dict) -> "Metric":
         return cls(d["value"], tuple(d["ci"]), d["n"], d["interval"], d.get("spread"),
                    {k: cls.from_dict(v) for k, v in (d.get("controls") or {}).items()}, d.get("control"),
-                   d.get("note"))
+                   d.get("note"), d.get("jackknife"))
 
 
 def _float(x) -> float | None:
@@ -170,6 +191,38 @@ def paired_difference(a: Sequence[float], b: Sequence[float], *, n_boot: int = 1
     return bootstrap(a[keep] - b[keep], n_boot=n_boot, seed=seed, level=level, bounds=(-1.0, 1.0), note=note)
 
 
+def jackknife(value: float, replicates: Sequence[float], n: int, *, proportion: bool = False,
+              bounds: tuple[float, float] = (-math.inf, math.inf), level: float = LEVEL,
+              refits: Sequence[float] | None = None, note: str | None = None) -> Metric:
+    """Grouped (delete-a-group) jackknife interval. ``replicates``: the statistic with each of G groups of items
+    left out, every fit redone; ``n``: the items of ``value``.
+
+    se = sqrt((G - 1) / G * sum_g (theta_g - mean_g theta)^2); ci = value -+ t_{G-1} se, clipped to ``bounds``
+    ("jackknife"; of zero width -> ``bounds``, "jackknife (widened)"). proportion: the Wilson interval at the
+    effective number of items n_eff = min(n, p (1 - p) / (t se / z)^2) ("wilson (jackknife)"): value -+ t se away
+    from 0 and 1, never narrower than Wilson with n items, never of zero width."""
+    reps = np.asarray([float(v) for v in replicates], dtype=np.float64)
+    reps = reps[np.isfinite(reps)]
+    if n < 1 or not math.isfinite(float(value)):
+        return nan_metric("wilson (jackknife)" if proportion else "jackknife", note)
+    g = reps.size
+    se = math.sqrt((g - 1) / g * float(((reps - reps.mean()) ** 2).sum())) if g > 1 else math.inf
+    if se <= 1e-12 * max(1.0, abs(float(value))):                       # every replicate equal (up to rounding)
+        se = 0.0
+    t = t_quantile(level, g - 1)
+    if proportion:
+        p = min(1.0, max(0.0, float(value)))
+        n_eff = n if se == 0 or p in (0.0, 1.0) else min(n, p * (1 - p) / (t * se / _z(level)) ** 2)
+        lo, hi = wilson(p, 1, level) if n_eff < 1 else wilson(p, n_eff, level)
+        return Metric(float(value), (lo, hi), int(n), "wilson (jackknife)", _spread(refits), note=note,
+                      jackknife=reps.tolist())
+    if se == 0 or not math.isfinite(se):
+        return Metric(float(value), bounds, int(n), "jackknife (widened)", _spread(refits), note=note,
+                      jackknife=reps.tolist())
+    lo, hi = max(bounds[0], value - t * se), min(bounds[1], value + t * se)
+    return Metric(float(value), (lo, hi), int(n), "jackknife", _spread(refits), note=note, jackknife=reps.tolist())
+
+
 def pooled_readout(readout: dict | None) -> dict | None:
     """Readout accuracy pooled over relations (every subject-relation fact counts once): see :func:`pooled`."""
     return pooled(readout, "pooled over relations (each subject-relation fact once)")
@@ -177,7 +230,9 @@ def pooled_readout(readout: dict | None) -> dict | None:
 
 def pooled(metrics: dict | None, note: str) -> dict | None:
     """Proportions pooled over relations ({relation: metric}, each item counts once): a typed metric (JSON form)
-    with a Wilson interval on the pooled n, and the same pooling for every control all relations have."""
+    and the same pooling for every control all relations have. Interval: when every metric carries aligned
+    jackknife replicates (one measurement's relations), the pooled replicates' :func:`jackknife` interval (so the
+    dependence between relations, which share subjects and fits, is kept); else Wilson on the pooled n."""
     entries = [m for m in (metrics or {}).values() if m and m.get("value") is not None and m.get("n")]
     if not entries:
         return None
@@ -185,6 +240,10 @@ def pooled(metrics: dict | None, note: str) -> dict | None:
     def pool(items):
         n = sum(int(m["n"]) for m in items)
         value = sum(float(m["value"]) * int(m["n"]) for m in items) / n
+        reps = [m.get("jackknife") for m in items]
+        if all(reps) and len({len(r) for r in reps}) == 1:
+            pooled_reps = np.asarray(reps, dtype=np.float64).T @ np.asarray([m["n"] for m in items]) / n
+            return jackknife(value, pooled_reps, n, proportion=True, note=note)
         return Metric(value, wilson(min(1.0, max(0.0, value)), n), n, "wilson", note=note)
 
     out = pool(entries)

@@ -6,7 +6,17 @@ import math
 import numpy as np
 import pytest
 
-from llmprobe.metric import Metric, bootstrap, iter_metrics, paired_difference, proportion, wilson
+from llmprobe.metric import (
+    Metric,
+    bootstrap,
+    iter_metrics,
+    jackknife,
+    paired_difference,
+    pooled_readout,
+    proportion,
+    t_quantile,
+    wilson,
+)
 
 
 @pytest.mark.parametrize("hits", [[1] * 9, [0] * 5, [1], [0], [1, 0, 1], [0.5, 1, 0.25, 0.75]])
@@ -58,3 +68,50 @@ def test_refits_give_the_spread_and_json_round_trips():
     assert Metric.from_dict(d).to_dict() == d
     found = dict(iter_metrics({"a": {"b": d}, "c": [d]}))
     assert set(found) == {("a", "b"), ("c", "0")}                            # controls are not descended
+
+
+def test_t_quantile_matches_the_tables():
+    assert t_quantile(0.95, 19) == pytest.approx(2.0930, abs=1e-4)
+    assert t_quantile(0.95, 9) == pytest.approx(2.2622, abs=1e-4)
+    assert t_quantile(0.95, 10 ** 6) == pytest.approx(1.95996, abs=1e-4)
+
+
+def test_jackknife_of_a_mean_is_the_classical_interval():
+    """Delete-one replicates of a mean: the jackknife standard error is exactly sd / sqrt(n)."""
+    x = np.random.default_rng(0).standard_normal(25) + 2.0
+    reps = (x.sum() - x) / (len(x) - 1)
+    m = jackknife(x.mean(), reps, len(x))
+    half = t_quantile(0.95, 24) * x.std(ddof=1) / math.sqrt(len(x))
+    assert m.ci == pytest.approx((x.mean() - half, x.mean() + half)) and m.interval == "jackknife"
+    assert m.jackknife == pytest.approx(list(reps)) and Metric.from_dict(m.to_dict()).jackknife == m.jackknife
+    flat = jackknife(0.3, [0.3] * 10, 40, bounds=(-1.0, 1.0))
+    assert flat.ci == (-1.0, 1.0) and flat.interval == "jackknife (widened)"
+
+
+def test_jackknife_proportion_is_wilson_at_the_effective_n():
+    """A proportion's jackknife interval: value -+ t se away from the bounds, never narrower than Wilson with n
+    items (the binomial part alone), never of zero width."""
+    hits = np.r_[np.ones(60), np.zeros(40)]
+    wide = jackknife(0.6, 0.6 + 0.02 * np.random.default_rng(1).standard_normal(20), 100, proportion=True)
+    se = math.sqrt(19 / 20 * ((np.asarray(wide.jackknife) - np.mean(wide.jackknife)) ** 2).sum())
+    assert wide.interval == "wilson (jackknife)" and wide.ci[1] - wide.ci[0] > wilson(0.6, 100)[1] - wilson(0.6, 100)[0]
+    assert (wide.ci[1] - wide.ci[0]) / 2 == pytest.approx(t_quantile(0.95, 19) * se, rel=0.05)
+    tight = jackknife(hits.mean(), [0.6] * 20, 100, proportion=True)
+    assert tight.ci == pytest.approx(wilson(0.6, 100))
+    perfect = jackknife(1.0, [1.0] * 20, 9, proportion=True)
+    assert perfect.ci == pytest.approx(wilson(1.0, 9)) and perfect.ci[0] < 1.0
+
+
+def test_pooled_uses_aligned_jackknife_replicates():
+    """Relations measured together carry aligned replicates: the pooled interval comes from the pooled replicates
+    (keeping their correlation); without replicates it is Wilson on the pooled n."""
+    rng = np.random.default_rng(2)
+    shared = 0.03 * rng.standard_normal(20)                                  # the relations move together
+    a = jackknife(0.7, 0.7 + shared, 100, proportion=True)
+    b = jackknife(0.5, 0.5 + shared, 100, proportion=True)
+    pooled = pooled_readout({"a": a.to_dict(), "b": b.to_dict()})
+    assert pooled["value"] == pytest.approx(0.6) and pooled["interval"] == "wilson (jackknife)"
+    assert pooled["jackknife"] == pytest.approx(list(0.6 + shared))
+    plain = pooled_readout({"a": proportion([1] * 70 + [0] * 30).to_dict(), "b": proportion([1, 0] * 50).to_dict()})
+    assert plain["interval"] == "wilson" and plain["ci"] == pytest.approx(wilson(0.6, 200))
+    assert pooled["ci"][1] - pooled["ci"][0] > 1.5 * (plain["ci"][1] - plain["ci"][0])

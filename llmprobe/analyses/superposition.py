@@ -4,9 +4,11 @@ real forward passes (``docs/measures.md``).
 The subjects shared by several relations (the largest group with one ``subject_type``) form a fact table A
 [n_subjects, n_relations]; u_a = the unembedding row of attribute a's first token (``attribute_vectors="first"``)
 or the mean of its tokens' rows (``"mean"``). ``llmprobe.geometry.superposition_readout`` measures per-relation
-readout accuracy and the held-out R^2 of h_s ~ c + sum_r W_r u_{a_r(s)}, beside the shuffled-table control and
-the same architecture with random weights. The same table trains the matched synthetic controls
-(:func:`superposition_table` needs only the tokenizer).
+readout accuracy and the held-out R^2 of h_s ~ c + sum_r W_r u_{a_r(s)}, beside the shuffled-table control, random
+vectors of the true norms (``random_attributes``: the reported effect is the gain over it), the chance rate and
+the same architecture with random weights. Attributes whose first tokens collide have one u vector with
+``"first"``: they are merged into one answer and listed (``merged_attributes``). The same table trains the matched
+synthetic controls (:func:`superposition_table` needs only the tokenizer).
 """
 from __future__ import annotations
 
@@ -17,7 +19,13 @@ import torch
 
 from llmprobe.analyses.settings import AnalysisError, AnalysisSettings, Log
 from llmprobe.datasets import FactTable
-from llmprobe.geometry import SuperpositionFit, kfold_indices, random_direction_like, superposition_readout
+from llmprobe.geometry import (
+    SuperpositionFit,
+    kfold_indices,
+    merge_equal_attributes,
+    random_direction_like,
+    superposition_readout,
+)
 from llmprobe.metric import proportion
 from llmprobe.model.capture import module_weight
 from llmprobe.model.lre import layer_sequences, next_token_predictions, subject_states
@@ -139,6 +147,18 @@ def attribute_vectors(lm, attributes: list[list[str]], how: str) -> tuple[list[t
     return U, collisions
 
 
+def merged_attributes(table: SuperpositionTable, U: list[torch.Tensor]) -> dict[str, list[list[str]]]:
+    """Per relation, the groups of attributes with one u vector (colliding first tokens), which every readout
+    measures as one answer (``merge_equal_attributes``); relations without a merge are left out."""
+    _, _, maps = merge_equal_attributes(table.A, U)
+    out = {}
+    for name, attrs, new in zip(table.names, table.attributes, maps):
+        groups = [[attrs[i] for i in torch.nonzero(new == j).flatten().tolist()] for j in range(int(new.max()) + 1)]
+        if any(len(g) > 1 for g in groups):
+            out[name] = [g for g in groups if len(g) > 1]
+    return out
+
+
 def superposition(lm, table: SuperpositionTable, layers: list[int], swap_layers: list[int], cfg: AnalysisSettings,
                   log: Log) -> dict:
     """Readouts, R^2 and (at ``swap_layers``) swap edits per layer: JSON-ready dict of typed metrics."""
@@ -162,30 +182,34 @@ def superposition(lm, table: SuperpositionTable, layers: list[int], swap_layers:
                               "mean of the unembedding rows of the attribute's tokens (' ' + attribute)"),
         "n_attributes": {nm: len(a) for nm, a in zip(names, table.attributes)},
         "first_token_collisions": dict(zip(names, collisions)),
+        "merged_attributes": merged_attributes(table, U),
         "layers": {}, "error": None,
     }
     for layer in layers:
         controls = {"random_init": (controls_H[layer], U_c)} if controls_H is not None else None
         rep = superposition_readout(H[layer], A, U, controls=controls, relation_names=names, k=cfg.folds,
-                                    seed=cfg.seed, n_boot=cfg.n_boot, decode=False)
-        r2 = rep.measure("r2").to_dict()
+                                    seed=cfg.seed, n_boot=cfg.n_boot, decode=False,
+                                    jackknife_groups=cfg.jackknife_groups)
+        r2 = rep.measure("r2", primary="random_attributes").to_dict()
         r2["margins"] = {c: m["r2"].to_dict() for c, m in rep.margins.items()}
+        r2["gain"] = r2["margins"]["random_attributes"]
         readout = {}
         for nm in names:
-            m = rep.measure("readout_acc", nm)
+            m = rep.measure("readout_acc", nm, primary="random_attributes")
             if m is None:
                 continue
             entry = m.to_dict()
             entry["chance"] = rep.conditions["real"]["chance"][nm].value
             entry["margins"] = {c: x["readout_acc"][nm].to_dict() for c, x in rep.margins.items()
                                 if x["readout_acc"][nm] is not None}
+            entry["gain"] = entry["margins"].get("random_attributes")
             readout[nm] = entry
         entry = {"r2": r2, "readout": readout, "alpha_per_fold": rep.conditions["real"]["alpha_per_fold"]}
         if layer in swap_layers:
             entry["swap"] = swap(lm, table, U, H[layer], layer, cfg)
         out["layers"][str(layer)] = entry
-        log(f"superposition: layer {layer} done (R^2 {r2['value']:.3f}, shuffled "
-            f"{r2['controls']['shuffled']['value']:.3f})")
+        log(f"superposition: layer {layer} done (R^2 {r2['value']:.3f}, random_attributes "
+            f"{r2['controls']['random_attributes']['value']:.3f}, shuffled {r2['controls']['shuffled']['value']:.3f})")
     out["seconds"] = round(time.perf_counter() - t0, 1)
     return out
 

@@ -13,7 +13,14 @@ from llmprobe.geometry.decoders import (
                        random_spectrum_like,
                        topk_hits,
 )
-from llmprobe.geometry.readouts import RelationReadout, SuperpositionFit, SuperpositionReport, superposition_readout
+from llmprobe.geometry.readouts import (
+                       RelationReadout,
+                       SuperpositionFit,
+                       SuperpositionReport,
+                       merge_equal_attributes,
+                       random_attributes,
+                       superposition_readout,
+)
 from llmprobe.geometry.stats import (
                        ALPHA_GRID,
                        cross_val_score,
@@ -31,7 +38,8 @@ __all__ = [
     "LinearRelationOperator", "LinearRelationDecoder", "RidgeDecoder", "random_direction_like", "random_spectrum_like",
     "random_spectrum_factors",
     "topk_hits",
-    "RelationReadout", "SuperpositionFit", "SuperpositionReport", "superposition_readout",
+    "RelationReadout", "SuperpositionFit", "SuperpositionReport", "superposition_readout", "random_attributes",
+    "merge_equal_attributes",
     "ALPHA_GRID", "cross_val_score", "kfold_indices", "pinv_rank", "r2_score",
     "ridge_fit", "ridge_fit_cv", "shuffle_table", "train_test_split", "truncate_rank",
 ]

@@ -8,8 +8,9 @@ measures pretrained and synthetic models.
 * ``RelationReadout``: per-relation linear map h -> u-space, answer = nearest of that relation's attributes.
 * ``SuperpositionFit``: h_s ~ c + sum_r W_r u_{a_r(s)}; held-out R^2, components, swap edits, and ``decode``
   (recover every attribute from h using the fitted W_r).
-* ``superposition_readout``: both of the above cross-fitted over subjects, beside the shuffled-table control and
-  any supplied control states (e.g. a random-init model of the same architecture), with bootstrap CIs.
+* ``superposition_readout``: both of the above cross-fitted over subjects, beside the shuffled-table control, the
+  ``random_attributes`` control (random vectors of the true norms) and any supplied control states (e.g. a
+  random-init model of the same architecture), with grouped-jackknife intervals that redo every fit.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from sklearn.base import BaseEstimator
@@ -32,9 +34,10 @@ from llmprobe.geometry.stats import (
     shuffle_table,
     truncate_rank,
 )
-from llmprobe.metric import Metric, bootstrap, paired_difference, proportion
+from llmprobe.metric import Metric, bootstrap, jackknife, paired_difference, proportion
 
-__all__ = ["RelationReadout", "SuperpositionFit", "superposition_readout", "SuperpositionReport"]
+__all__ = ["RelationReadout", "SuperpositionFit", "superposition_readout", "SuperpositionReport", "random_attributes",
+           "merge_equal_attributes", "decode_components"]
 
 _METRICS = ("cosine", "euclidean", "dot")
 
@@ -152,13 +155,6 @@ class RelationReadout(BaseEstimator):
         """Accuracy over rows with a present attribute (a >= 0)."""
         h = self.hits(H, a)
         return float(h.double().mean()) if h.numel() else float("nan")
-
-    def chance_score(self, a: Any) -> float:
-        """Accuracy on labels a of always answering the training majority attribute."""
-        self._check_fitted()
-        a = _check_labels(a, self.n_attr_)
-        a = a[a >= 0]
-        return float((a == self.majority_).double().mean()) if a.numel() else float("nan")
 
 
 # ------------------------------------------------------------------------------------------------ superposition
@@ -302,38 +298,7 @@ class SuperpositionFit(BaseEstimator):
         self._check_fitted()
         H = self._check_H(H).to(self.c_.device, torch.float64)
         P = [U_r @ W_r.T for U_r, W_r in zip(self.U_, self.W_)]            # [n_attr_r, d]
-        g = torch.Generator().manual_seed(seed)
-        best, best_obj = None, None
-        for start in range(max(1, n_restarts)):
-            if start == 0:
-                A_hat = torch.full((H.shape[0], self.n_relations_), -1, dtype=torch.long, device=H.device)
-                comps = [p.mean(0).expand(H.shape[0], -1).clone() for p in P]
-            else:
-                A_hat = torch.stack([torch.randint(0, p.shape[0], (H.shape[0],), generator=g) for p in P], 1)
-                A_hat = A_hat.to(H.device)
-                comps = [p[A_hat[:, r]] for r, p in enumerate(P)]
-            A_hat, obj = self._descend(H, P, A_hat, comps, n_iter)
-            if best is None:
-                best, best_obj = A_hat, obj
-            else:
-                better = obj < best_obj
-                best[better], best_obj = A_hat[better], torch.minimum(obj, best_obj)
-        return best
-
-    def _descend(self, H, P, A_hat, comps, n_iter):
-        total = self.c_ + sum(comps)
-        for _ in range(max(1, n_iter)):
-            changed = False
-            for r, p in enumerate(P):
-                resid = H - (total - comps[r])                              # [n, d]
-                a = (resid @ p.T - 0.5 * (p * p).sum(1)).argmax(1)
-                changed |= not torch.equal(a, A_hat[:, r])
-                A_hat[:, r] = a
-                total = total - comps[r] + p[a]
-                comps[r] = p[a]
-            if not changed:
-                break
-        return A_hat, ((H - total) ** 2).sum(1)
+        return decode_components(H, P, self.c_, n_iter, n_restarts, seed)
 
     def decode_hits(self, H: Any, A: Any, n_iter: int = 10) -> torch.Tensor:
         """BoolTensor [n, R]: decode(H) == A (False where A is missing; mask with A >= 0)."""
@@ -350,25 +315,239 @@ class SuperpositionFit(BaseEstimator):
         return hits.sum(0) / present.sum(0)
 
 
+def decode_components(H: torch.Tensor, P: list[torch.Tensor], c: torch.Tensor, n_iter: int = 10,
+                      n_restarts: int = 8, seed: int = 0) -> torch.Tensor:
+    """``SuperpositionFit.decode`` given the components: H [n, d] (float64), P list of R [n_attr_r, d] (row a =
+    W_r u_a), c [d] -> A_hat LongTensor [n, R] (the lowest objective over the starts)."""
+    g = torch.Generator().manual_seed(seed)
+    best, best_obj = None, None
+    for start in range(max(1, n_restarts)):
+        if start == 0:
+            A_hat = torch.full((H.shape[0], len(P)), -1, dtype=torch.long, device=H.device)
+            comps = [p.mean(0).expand(H.shape[0], -1).clone() for p in P]
+        else:
+            A_hat = torch.stack([torch.randint(0, p.shape[0], (H.shape[0],), generator=g) for p in P], 1)
+            A_hat = A_hat.to(H.device)
+            comps = [p[A_hat[:, r]] for r, p in enumerate(P)]
+        A_hat, obj = _descend(H, P, c, A_hat, comps, n_iter)
+        if best is None:
+            best, best_obj = A_hat, obj
+        else:
+            better = obj < best_obj
+            best[better], best_obj = A_hat[better], torch.minimum(obj, best_obj)
+    return best
+
+
+def _descend(H, P, c, A_hat, comps, n_iter):
+    total = c + sum(comps)
+    for _ in range(max(1, n_iter)):
+        changed = False
+        for r, p in enumerate(P):
+            resid = H - (total - comps[r])                                  # [n, d]
+            a = (resid @ p.T - 0.5 * (p * p).sum(1)).argmax(1)
+            changed |= not torch.equal(a, A_hat[:, r])
+            A_hat[:, r] = a
+            total = total - comps[r] + p[a]
+            comps[r] = p[a]
+        if not changed:
+            break
+    return A_hat, ((H - total) ** 2).sum(1)
+
+
+
 def _pooled_r2(parts) -> float:
-    """1 - sum SSE / sum SST over subjects; parts [n, 2] (tensor or array)."""
-    sst = float(parts[:, 1].sum())
-    return 1.0 - float(parts[:, 0].sum()) / sst if sst > 0 else float("nan")
+    """1 - sum SSE / sum SST over subjects; parts [n, 2] (tensor or array; rows with NaN, left out, are dropped)."""
+    x = np.asarray(parts, dtype=np.float64)
+    x = x[~np.isnan(x).any(1)]
+    sst = float(x[:, 1].sum())
+    return 1.0 - float(x[:, 0].sum()) / sst if sst > 0 else float("nan")
 
 
 def _r2_diff(parts) -> float:
     return _pooled_r2(parts[:, :2]) - _pooled_r2(parts[:, 2:])
 
 
+# ------------------------------------------------------------------------------------- controls of the vectors
+def random_attributes(U: Sequence[Any], seed: int = 0) -> list[torch.Tensor]:
+    """The ``random_attributes`` control: per relation, Gaussian directions (seeded) with the norms of U's rows,
+    [n_attr_r, d_u_r] each. W_r is a free map, so a fit on these keeps only which subjects share an attribute (an
+    additive one-hot model where n_attr_r <= d_u_r): what the true vectors add is the gain over this control."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for U_r in _check_attrs(U):
+        direction = F.normalize(torch.randn(U_r.shape, generator=g, dtype=torch.float64), dim=1)
+        out.append((direction * U_r.to(torch.float64).norm(dim=1, keepdim=True)).to(U_r.dtype))
+    return out
+
+
+def merge_equal_attributes(A: Any, U: Sequence[Any]) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """Attributes of a relation with equal vectors become one answer (no readout of u can tell them apart, e.g.
+    attributes sharing the first token whose unembedding row is u): A [n, R] remapped to the merged attributes
+    (numbered in order of first occurrence), U to their vectors, and per relation the map [n_attr_r] from each
+    original attribute to its merged one (the identity where nothing merges)."""
+    U = _check_attrs(U)
+    A = _check_table(A, U).clone()
+    merged_U, maps = [], []
+    for r, U_r in enumerate(U):
+        row_id = torch.unique(U_r.cpu(), dim=0, return_inverse=True)[1].tolist()   # equal rows, equal ids
+        order: dict[int, int] = {}
+        new = torch.tensor([order.setdefault(u, len(order)) for u in row_id], dtype=torch.long)
+        keep = torch.tensor([row_id.index(u) for u in order], dtype=torch.long)     # first of each group
+        merged_U.append(U_r[keep.to(U_r.device)])
+        maps.append(new)
+        present = A[:, r] >= 0
+        A[present, r] = new.to(A.device)[A[present, r]]
+    return A, merged_U, maps
+
+
+def _merge_like(U_c: list[torch.Tensor], maps: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A control's vectors merged as the real ones were: the mean over each merged group."""
+    out = []
+    for U_r, new in zip(U_c, maps):
+        m = int(new.max()) + 1
+        summed = torch.zeros(m, U_r.shape[1], dtype=torch.float64).index_add_(0, new, U_r.cpu().to(torch.float64))
+        out.append((summed / torch.bincount(new, minlength=m)[:, None]).to(U_r.device, U_r.dtype))
+    return out
+
+
+# ----------------------------------------------------------------------------------- refits in the dual form
+def _centred(K: torch.Tensor, train: torch.Tensor, test: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Kernel K [n, n] = X X^T -> the (train x train, test x train) kernels of X centred on the train rows' mean and
+    the test rows' squared norms after that centring [n_test]."""
+    Ktt, Ket = K[train][:, train], K[test][:, train]
+    col, row = Ktt.mean(0), Ket.mean(1)
+    mm = col.mean()
+    return (Ktt - col[:, None] - col[None, :] + mm, Ket - row[:, None] - col[None, :] + mm,
+            K[test, test] - 2 * row + mm)
+
+
+def _smoother(Ktt: torch.Tensor, Ket: torch.Tensor, alpha: float) -> torch.Tensor:
+    """S [n_test, n_train] = Ket (Ktt + alpha I)^-1: dual ridge predictions are mean + S (Y_train - mean) (the
+    pseudo-inverse at alpha = 0, as ``ridge_fit``)."""
+    if alpha == 0:
+        return Ket @ torch.linalg.pinv(Ktt)
+    G = Ktt.clone()
+    G.diagonal().add_(alpha)
+    L, info = torch.linalg.cholesky_ex(G)
+    if int(info):                                                         # not numerically positive definite
+        return torch.linalg.solve(G, Ket.T).T
+    return torch.cholesky_solve(Ket.T, L).T
+
+
+class _DualFits:
+    """One condition's subjects in dual form, to redo every fit of the cross-fitting on any subset of subjects at
+    given alphas with n x n systems (the estimators solve d x d ones): what the jackknife refits use. Equal to
+    ``SuperpositionFit`` / ``RelationReadout`` at the same alphas (tests). rank truncation has no dual form."""
+
+    def __init__(self, H: torch.Tensor, A: torch.Tensor, U: list[torch.Tensor], readout_kw: dict):
+        H = H.to("cpu", torch.float64)
+        self.H = H - H.mean(0)                                             # [n, d]; fits centre per train set
+        self.KH = self.H @ self.H.T                                        # [n, n]
+        self.A, self.present = A.cpu(), A.cpu() >= 0
+        self.metric = readout_kw.get("metric", "cosine")
+        prepare = RelationReadout(**readout_kw)._prepare
+        self.U = [U_r.to("cpu", torch.float64) for U_r in U]
+        targets = [prepare(U_r) for U_r in self.U]                         # readout targets [n_attr_r, d_u_r]
+        self.KT = [T @ T.T for T in targets]                               # their Gram [n_attr_r, n_attr_r]
+        self.complete = [bool(self.present[:, r].all()) for r in range(A.shape[1])]
+        self.KX = {}                       # superposition features' kernel [n, n]: relations with missing facts
+        self.KX_complete = torch.zeros_like(self.KH)                      # ... and the sum over the others
+        for r, U_r in enumerate(self.U):
+            a, p = self.A[:, r].clamp_min(0), self.present[:, r].to(torch.float64)
+            K = (U_r @ U_r.T)[a][:, a] * (p[:, None] * p[None, :])
+            if self.complete[r]:
+                self.KX_complete += K
+            else:
+                self.KX[r] = K
+
+    def cross_fit(self, rows: torch.Tensor, fold: torch.Tensor, alphas: list, readout_alphas: list,
+                  decode: bool) -> torch.Tensor:
+        """Out-of-fold values [len(rows), 2 + 3R] (as ``_cross_fit``) of the subjects ``rows`` with fold labels
+        ``fold``, fold f fitted at alphas[f] and readout_alphas[f][r] (None: no readout)."""
+        R = self.A.shape[1]
+        out = torch.full((len(rows), 2 + 3 * R), float("nan"), dtype=torch.float64)
+        for f in fold.unique().tolist():
+            at = fold == f
+            out[at] = self._fold(rows[~at], rows[at], alphas[f], readout_alphas[f], decode)
+        return out
+
+    def _fold(self, train, test, alpha, readout_alphas, decode):
+        """One fold's values [n_test, 2 + 3R]. Everything in n x n and attribute space: the superposition fit's
+        SSE from the centred kernel of H, a readout's scores from the Gram of its targets."""
+        R = self.A.shape[1]
+        Ktt, Ket, _ = _centred(self.KX_complete, train, test)
+        indicator = [not bool(self.present[train, r].all()) for r in range(R)]
+        for r, K in self.KX.items():
+            kt, ke, _ = _centred(K, train, test)
+            if indicator[r]:                                # the missing indicator (kernel of 1 - present)
+                missing = (~self.present[:, r]).to(torch.float64)
+                it, ie, _ = _centred(missing[:, None] * missing[None, :], train, test)
+                kt, ke = kt + it, ke + ie
+            else:                                           # no indicator: a missing test fact gets the train mean
+                ke = ke * self.present[test, r].to(torch.float64)[:, None]
+            Ktt, Ket = Ktt + kt, Ket + ke
+        S = _smoother(Ktt, Ket, alpha)                                     # [n_test, m]
+        Htt, Het, sst = _centred(self.KH, train, test)
+        out = torch.full((len(test), 2 + 3 * R), float("nan"), dtype=torch.float64)
+        out[:, 0] = sst - 2 * (S * Het).sum(1) + ((S @ Htt) * S).sum(1)  # ||h - mean - S (H_train - mean)||^2
+        out[:, 1] = sst
+        if decode:
+            mean = self.H[train].mean(0)
+            beta = _smoother(Ktt, torch.eye(len(train), dtype=torch.float64), alpha) @ (self.H[train] - mean)
+            out[:, 2 + R:2 + 2 * R] = self._decode(train, test, beta, mean, indicator)
+        for r in range(R):
+            keep_train, keep = self.present[train, r], self.present[test, r]
+            if readout_alphas[r] is None or int(keep_train.sum()) < 3 or not bool(keep.any()):
+                continue
+            if bool(keep_train.all()) and bool(keep.all()):
+                kt, ke = Htt, Het
+            else:
+                kt, ke, _ = _centred(self.KH, train[keep_train], test[keep])
+            a_tr, a_te = self.A[train[keep_train], r], self.A[test[keep], r]
+            n_attr = self.KT[r].shape[0]
+            S_r = _smoother(kt, ke, readout_alphas[r])                     # [n_te, m_r]
+            freq = torch.bincount(a_tr, minlength=n_attr).to(torch.float64) / len(a_tr)
+            # Z = sum_a M[., a] t_a: prediction in target space as weights over the targets t_a
+            M = freq + torch.zeros(len(a_te), n_attr, dtype=torch.float64).index_add_(1, a_tr, S_r) \
+                - S_r.sum(1, keepdim=True) * freq
+            dots = M @ self.KT[r]                                          # Z . t_a  [n_te, n_attr]
+            sq = (dots * M).sum(1, keepdim=True)                           # ||Z||^2
+            if self.metric == "cosine":
+                scores = dots / sq.clamp_min(0).sqrt().clamp_min(1e-12)
+            elif self.metric == "euclidean":
+                scores = 2 * dots - self.KT[r].diagonal()                  # -||Z - t_a||^2 + ||Z||^2
+            else:
+                scores = dots
+            out[keep, 2 + r] = (scores.argmax(1) == a_te).to(torch.float64)
+            out[keep, 2 + 2 * R + r] = (a_te == freq.argmax()).to(torch.float64)
+        return out
+
+    def _decode(self, train, test, beta, mean, indicator):
+        """``SuperpositionFit.decode_hits`` from the dual coefficients: P_r = U_r Xc_r^T beta, c = intercept."""
+        P, shift = [], torch.zeros(len(train), dtype=torch.float64)
+        for r, U_r in enumerate(self.U):
+            p = self.present[train, r].to(torch.float64)
+            X = U_r[self.A[train, r].clamp_min(0)] * p[:, None]             # train features [m, d_u]
+            x_mean = X.mean(0)
+            P.append((U_r @ (X - x_mean).T) @ beta)                         # [n_attr_r, d]
+            shift += (X - x_mean) @ x_mean
+            if indicator[r]:
+                shift += (1.0 - p - (1.0 - p).mean()) * (1.0 - p).mean()
+        c = mean - beta.T @ shift
+        hits = (decode_components(self.H[test], P, c) == self.A[test]).to(torch.float64)
+        return torch.where(self.present[test], hits, torch.nan)
+
+
 # -------------------------------------------------------------------------------------- measurement with controls
 @dataclass
 class SuperpositionReport:
-    """Cross-fitted superposition readouts per condition ("real", "shuffled", supplied controls) and the margins
-    real - control with paired bootstrap intervals over subjects; every number a :class:`llmprobe.metric.Metric`.
+    """Cross-fitted superposition readouts per condition ("real", "shuffled", "random_attributes", supplied
+    controls) and the margins real - control over the same subjects; every number a
+    :class:`llmprobe.metric.Metric`.
 
     ``conditions[name]``: {"r2": Metric, "readout_acc": {relation: Metric | None}, "decode_acc": {...} | None,
     "chance": {...}, "alpha_per_fold": [...]}; ``margins[control]``: {"r2": Metric, "readout_acc": {...},
-    "decode_acc": {...} | None}."""
+    "decode_acc": {...} | None}. The reported effect of the attribute vectors is :meth:`gain`."""
     conditions: dict = field(default_factory=dict)
     margins: dict = field(default_factory=dict)
     settings: dict = field(default_factory=dict)
@@ -378,15 +557,24 @@ class SuperpositionReport:
 
     def measure(self, key: str, relation: str | None = None, primary: str = "shuffled") -> Metric | None:
         """The real condition's ``key`` ("r2", "readout_acc", "decode_acc"; per ``relation`` for the last two)
-        with every other condition attached as a named control (``primary`` shown beside it)."""
-        def pick(condition):
-            entry = self.conditions[condition].get(key)
+        with every other condition attached as a named control (``primary`` shown beside it); a readout also
+        gets its chance rate (the training fold's majority answer) as the control ``chance``."""
+        def pick(condition, name=key):
+            entry = self.conditions[condition].get(name)
             return entry.get(relation) if relation is not None and entry is not None else entry
         real = pick("real")
         if real is None:
             return None
         controls = {name: m for name in self.conditions if name != "real" for m in [pick(name)] if m is not None}
+        if key == "readout_acc" and pick("real", "chance") is not None:
+            controls["chance"] = pick("real", "chance")
         return copy.copy(real).with_controls(controls, primary if primary in controls else None)
+
+    def gain(self, key: str = "r2", relation: str | None = None) -> Metric | None:
+        """real - random_attributes (``key`` as in :meth:`measure`): what the attribute vectors explain beyond
+        which subjects share an attribute, with the paired interval over the same subjects."""
+        entry = self.margins.get("random_attributes", {}).get(key)
+        return entry.get(relation) if relation is not None and entry is not None else entry
 
 
 def _as_json(tree):
@@ -402,34 +590,48 @@ def _jsonable(alpha):
 
 
 def _cross_fit(H, A, U, splits, alpha, rank, readout_kw, do_decode):
-    """Out-of-fold per-subject values: parts [n, 2], readout hits [n, R], decode hits [n, R], chance hits [n, R]
-    (NaN where the fact is missing or the relation had no training facts in that fold), the fold of each subject
-    [n], and the chosen alphas."""
+    """Out-of-fold per-subject values [n, 2 + 3R]: parts (SSE, SST), readout hits [R], decode hits [R], chance hits
+    [R] (NaN where the fact is missing or the relation had no training facts in that fold), and per fold the
+    chosen superposition alpha and readout alphas (None: no readout)."""
     n, R = A.shape
-    parts = torch.zeros(n, 2, dtype=torch.float64)
-    fold = torch.zeros(n, dtype=torch.long)
-    alphas = []
-    nan = torch.full((n, R), float("nan"), dtype=torch.float64)
-    readout, decoded, chance = nan.clone(), nan.clone(), nan.clone()
-    for f, (train, test) in enumerate(splits):
+    out = torch.full((n, 2 + 3 * R), float("nan"), dtype=torch.float64)
+    alphas, readout_alphas = [], []
+    for train, test in splits:
         fit = SuperpositionFit(alpha=alpha, rank=rank).fit(H[train], A[train], U)
-        parts[test] = fit.residual_parts(H[test], A[test]).cpu()
-        fold[test] = f
+        out[test, :2] = fit.residual_parts(H[test], A[test]).cpu()
         alphas.append(fit.alpha_)
         if do_decode:
             dec = fit.decode_hits(H[test], A[test]).double()
-            decoded[test] = torch.where(A[test].cpu() >= 0, dec, torch.nan)
+            out[test, 2 + R:2 + 2 * R] = torch.where(A[test].cpu() >= 0, dec, torch.nan)
+        chosen = []
         for r in range(R):
             a_tr, a_te = A[train, r], A[test, r]
             if int((a_tr >= 0).sum()) < 3:                                  # too few facts to fit a readout
+                chosen.append(None)
                 continue
             ro = RelationReadout(**readout_kw).fit(H[train], a_tr, U[r])
+            chosen.append(ro.alpha_)
             present = (a_te >= 0).cpu()
             rows = test[present]
             if rows.numel():
-                readout[rows, r] = ro.predict(H[test][present.to(H.device)]).cpu().eq(a_te[present].cpu()).double()
-                chance[rows, r] = a_te[present].cpu().eq(ro.majority_).double()
-    return parts, readout, decoded, chance, fold, alphas
+                out[rows, 2 + r] = ro.predict(H[test][present.to(H.device)]).cpu().eq(a_te[present].cpu()).double()
+                out[rows, 2 + 2 * R + r] = a_te[present].cpu().eq(ro.majority_).double()
+        readout_alphas.append(chosen)
+    return out, alphas, readout_alphas
+
+
+def _measure(H, A, U, splits, fold, groups, alpha, rank, readout_kw, decode):
+    """One draw of one condition: out-of-fold values [n, 2 + 3R], and per jackknife group [G, n, 2 + 3R] the same
+    with the group's subjects left out (NaN rows) and every fit redone at the fold's chosen alphas."""
+    values, alphas, readout_alphas = _cross_fit(H, A, U, splits, alpha, rank, readout_kw, decode)
+    if groups is None:
+        return values, None, alphas
+    dual = _DualFits(H, A, U, readout_kw)
+    reps = torch.full((int(groups.max()) + 1, *values.shape), float("nan"), dtype=torch.float64)
+    for g in range(reps.shape[0]):
+        rows = torch.nonzero(groups != g).flatten()
+        reps[g, rows] = dual.cross_fit(rows, fold[rows], alphas, readout_alphas, decode)
+    return values, reps, alphas
 
 
 def _per_fold(values: torch.Tensor, fold: torch.Tensor, statistic) -> list[float]:
@@ -442,28 +644,38 @@ def _nanmean(x: torch.Tensor) -> float:
     return float(x.mean()) if x.numel() else float("nan")
 
 
+JACKKNIFE_GROUPS = 20       # refits per condition: coverage >= 0.93 at n = 193 (benchmarks/coverage.py), 10 is not
+
+
 def superposition_readout(H: Any, A: Any, U: Sequence[Any], *, controls: dict | None = None,
                           relation_names: Sequence[str] | None = None,
                           alpha: float | Sequence[float] = ALPHA_GRID,
                           rank: int | None = None, readout_alpha: float | Sequence[float] | None = None,
                           metric: str = "cosine",
                           k: int = 5, n_shuffles: int = 1, seed: int = 0, n_boot: int = 1000,
-                          level: float = 0.95, decode: bool = True) -> SuperpositionReport:
+                          level: float = 0.95, decode: bool = True, n_random: int = 1,
+                          jackknife_groups: int = JACKKNIFE_GROUPS) -> SuperpositionReport:
     """Measure superposition readouts with their controls (``docs/measures.md``).
 
     H [n, d] relation-free subject states, A [n, R] fact table (-1 = missing), U list of R [n_attr_r, d_u_r].
-    controls: {name: H_c} or {name: (H_c, U_c)}: states of the same subjects from a control model (e.g. the same
-    architecture with random weights), measured identically (with U_c, else U). The shuffled-table control
-    (``shuffle_table``, n_shuffles seeds, per-subject values averaged over seeds) is always included.
+    Attributes of a relation with equal vectors are merged into one answer first (``merge_equal_attributes``;
+    listed in ``settings["merged_attributes"]``). controls: {name: H_c} or {name: (H_c, U_c)}: states of the same
+    subjects from a control model (e.g. the same architecture with random weights), measured identically (with
+    U_c, merged as U, else U). Always included: the shuffled table (``shuffle_table``, n_shuffles seeds) and
+    ``random_attributes`` (n_random draws of :func:`random_attributes`; 0 = none); per-subject values are averaged
+    over the draws.
 
     k-fold cross-fitting over subjects gives every subject out-of-fold values; nothing is fitted on the rows it
-    is scored on. Per condition: "r2" (pooled held-out R^2 of the superposition fit; percentile bootstrap over
-    subjects), per relation "readout_acc" (RelationReadout), "decode_acc" (SuperpositionFit.decode), "chance"
-    (training-majority answer): proportions with Wilson intervals, n = subjects with that fact. Spread: the
-    statistic per cross-fitting fold. Margins: real minus each control, paired bootstrap over the same subjects.
-    alpha / readout_alpha (default: alpha): ridge penalties, or sequences chosen from by leave-one-out error
-    inside each training fold (default: the grid 1e-4 ... 1e5); the chosen superposition alphas per fold are
-    reported as "alpha_per_fold".
+    is scored on. Per condition: "r2" (pooled held-out R^2 of the superposition fit), per relation "readout_acc"
+    (RelationReadout), "decode_acc" (SuperpositionFit.decode), "chance" (training-majority answer); n = subjects
+    (with that fact). Margins: real minus each control over the same subjects. Intervals: the grouped jackknife
+    with refits (``llmprobe.metric.jackknife``): subjects cut into ``jackknife_groups`` groups, the whole
+    cross-fitting redone without each group (at each fold's chosen alphas; proportions get Wilson at the
+    effective n); jackknife_groups = 0: the percentile bootstrap of out-of-fold values (``n_boot``) and Wilson
+    intervals, which hold the fits fixed and under-cover (``benchmarks/coverage.py``). Spread: the statistic per
+    cross-fitting fold. alpha / readout_alpha (default: alpha): ridge penalties, or sequences chosen from by
+    leave-one-out error inside each training fold (default: the grid 1e-4 ... 1e5); the chosen superposition
+    alphas per fold are reported as "alpha_per_fold".
     """
     H = as_float(H, "H", 2)
     U = _check_attrs(U)
@@ -473,58 +685,116 @@ def superposition_readout(H: Any, A: Any, U: Sequence[Any], *, controls: dict | 
     names = list(relation_names) if relation_names is not None else [f"r{r}" for r in range(R)]
     if len(names) != R:
         raise ValueError(f"relation_names has {len(names)} names but A has {R} relations")
+    if jackknife_groups and rank is not None:
+        raise ValueError("rank truncation has no refit (jackknife) interval; pass jackknife_groups=0")
+    if jackknife_groups < 0 or jackknife_groups == 1:
+        raise ValueError(f"jackknife_groups must be 0 (no refits) or >= 2, got {jackknife_groups}")
+    A, U, maps = merge_equal_attributes(A, U)
+    merged = {nm: [torch.nonzero(new == j).flatten().tolist() for j in range(int(new.max()) + 1)
+                   if int((new == j).sum()) > 1] for nm, new in zip(names, maps)}
     readout_kw = {"alpha": alpha if readout_alpha is None else readout_alpha, "metric": metric}
     splits = kfold_indices(n, k, seed)
+    fold = torch.zeros(n, dtype=torch.long)
+    for f, (_, test) in enumerate(splits):
+        fold[test] = f
+    groups = None
+    if jackknife_groups:
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 7))
+        groups = torch.empty(n, dtype=torch.long)
+        groups[perm] = torch.arange(n) % min(jackknife_groups, n)
 
-    conds: dict[str, tuple] = {}
-    conds["real"] = _cross_fit(H, A, U, splits, alpha, rank, readout_kw, decode)
-    shuf = [_cross_fit(H, shuffle_table(A, seed + 1 + i), U, splits, alpha, rank, readout_kw, decode)
-            for i in range(n_shuffles)]
-    conds["shuffled"] = tuple(torch.stack(x).mean(0) for x in list(zip(*shuf))[:4]) + tuple(shuf[0][4:])
+    draws: dict[str, list] = {"real": [(H, A, U)],
+                              "shuffled": [(H, shuffle_table(A, seed + 1 + i), U) for i in range(n_shuffles)]}
+    if n_random:
+        draws["random_attributes"] = [(H, A, random_attributes(U, seed + 1000 + i)) for i in range(n_random)]
     for name, ctrl in (controls or {}).items():
-        H_c, U_c = (ctrl if isinstance(ctrl, (tuple, list)) else (ctrl, U))
+        H_c, U_c = (ctrl if isinstance(ctrl, (tuple, list)) else (ctrl, None))
         H_c = as_float(H_c, f"controls[{name!r}]", 2)
         check_rows("H", H, f"controls[{name!r}]", H_c)
-        U_c = _check_attrs(U_c)
-        _check_table(A, U_c)
-        conds[name] = _cross_fit(H_c, A, U_c, splits, alpha, rank, readout_kw, decode)
+        if U_c is None:
+            U_c = U
+        else:
+            U_c = _check_attrs(U_c)
+            if [U_r.shape[0] for U_r in U_c] != [new.numel() for new in maps]:
+                raise ValueError(f"controls[{name!r}]: U_c must have U's relations and attribute counts")
+            U_c = _merge_like(U_c, maps)
+        draws[name] = [(H_c, A, U_c)]
+
+    conds = {}
+    for name, items in draws.items():
+        measured = [_measure(H_d, A_d, U_d, splits, fold, groups, alpha, rank, readout_kw, decode)
+                    for H_d, A_d, U_d in items]
+        values = torch.stack([m[0] for m in measured]).mean(0)
+        reps = torch.stack([m[1] for m in measured]).mean(0) if groups is not None else None
+        conds[name] = (values, reps, measured[0][2])
 
     boot = dict(n_boot=n_boot, level=level, seed=seed)
+    cols = {"readout_acc": 2, "decode_acc": 2 + R, "chance": 2 + 2 * R}
 
-    def per_relation(x: torch.Tensor, fold: torch.Tensor) -> dict:
+    def r2_metric(values, reps):
+        refits = _per_fold(values[:, :2], fold, _pooled_r2)
+        if reps is None:
+            return bootstrap(values[:, :2].numpy(), _pooled_r2, bounds=(-math.inf, 1.0), refits=refits, **boot)
+        return jackknife(_pooled_r2(values[:, :2]), [_pooled_r2(x[:, :2]) for x in reps],
+                         int((~torch.isnan(values[:, :2]).any(1)).sum()), bounds=(-math.inf, 1.0), level=level,
+                         refits=refits)
+
+    def per_relation(values, reps, start) -> dict:
         out = {}
         for r, nm in enumerate(names):
-            col = x[:, r]
+            col = values[:, start + r]
             keep = ~torch.isnan(col)
-            out[nm] = proportion(col[keep].tolist(), refits=_per_fold(col, fold, _nanmean), level=level) \
-                if bool(keep.any()) else None
+            if not bool(keep.any()):
+                out[nm] = None
+                continue
+            refits = _per_fold(col, fold, _nanmean)
+            out[nm] = proportion(col[keep].tolist(), refits=refits, level=level) if reps is None else \
+                jackknife(_nanmean(col), [_nanmean(x[:, start + r]) for x in reps], int(keep.sum()),
+                          proportion=True, level=level, refits=refits)
         return out
 
-    def margin(a: torch.Tensor, b: torch.Tensor) -> dict:
-        return {nm: paired_difference(a[:, r].tolist(), b[:, r].tolist(), **boot)
-                if bool((~torch.isnan(a[:, r] - b[:, r])).any()) else None for r, nm in enumerate(names)}
+    def margin(a, a_reps, b, b_reps, start) -> dict:
+        out = {}
+        for r, nm in enumerate(names):
+            x, y = a[:, start + r], b[:, start + r]
+            keep = ~torch.isnan(x - y)
+            if not bool(keep.any()):
+                out[nm] = None
+            elif a_reps is None:
+                out[nm] = paired_difference(x.tolist(), y.tolist(), **boot)
+            else:
+                diff = a_reps[:, :, start + r] - b_reps[:, :, start + r]
+                out[nm] = jackknife(_nanmean(x - y), [_nanmean(d) for d in diff], int(keep.sum()),
+                                    bounds=(-1.0, 1.0), level=level)
+        return out
 
-    report = SuperpositionReport(settings={"n_subjects": n, "n_relations": R, "relations": names, "k": k,
-                                           "alpha": _jsonable(alpha), "rank": rank,
-                                           "readout": {**readout_kw, "alpha": _jsonable(readout_kw["alpha"])},
-                                           "n_shuffles": n_shuffles, "seed": seed, "n_boot": n_boot,
-                                           "level": level})
-    for name, (parts, readout, decoded, chance, fold, alphas) in conds.items():
+    report = SuperpositionReport(settings={
+        "n_subjects": n, "n_relations": R, "relations": names, "k": k, "alpha": _jsonable(alpha), "rank": rank,
+        "readout": {**readout_kw, "alpha": _jsonable(readout_kw["alpha"])}, "n_shuffles": n_shuffles,
+        "n_random": n_random, "seed": seed, "level": level, "jackknife_groups": jackknife_groups,
+        "n_boot": None if jackknife_groups else n_boot,
+        "merged_attributes": {nm: groups_ for nm, groups_ in merged.items() if groups_}})
+    for name, (values, reps, alphas) in conds.items():
         report.conditions[name] = {
             "alpha_per_fold": alphas,
-            "r2": bootstrap(parts.numpy(), _pooled_r2, bounds=(-math.inf, 1.0),
-                            refits=_per_fold(parts, fold, _pooled_r2), **boot),
-            "readout_acc": per_relation(readout, fold),
-            "decode_acc": per_relation(decoded, fold) if decode else None,
-            "chance": per_relation(chance, fold),
+            "r2": r2_metric(values, reps),
+            "readout_acc": per_relation(values, reps, cols["readout_acc"]),
+            "decode_acc": per_relation(values, reps, cols["decode_acc"]) if decode else None,
+            "chance": per_relation(values, reps, cols["chance"]),
         }
-    real = conds["real"]
-    for name, other in conds.items():
+    real, real_reps, _ = conds["real"]
+    for name, (other, other_reps, _) in conds.items():
         if name == "real":
             continue
+        if real_reps is None:
+            r2 = bootstrap(torch.cat([real[:, :2], other[:, :2]], 1).numpy(), _r2_diff, **boot)
+        else:
+            r2 = jackknife(_pooled_r2(real[:, :2]) - _pooled_r2(other[:, :2]),
+                           [_pooled_r2(x[:, :2]) - _pooled_r2(y[:, :2]) for x, y in zip(real_reps, other_reps)],
+                           n, level=level)
         report.margins[name] = {
-            "r2": bootstrap(torch.cat([real[0], other[0]], 1).numpy(), _r2_diff, **boot),
-            "readout_acc": margin(real[1], other[1]),
-            "decode_acc": margin(real[2], other[2]) if decode else None,
+            "r2": r2,
+            "readout_acc": margin(real, real_reps, other, other_reps, cols["readout_acc"]),
+            "decode_acc": margin(real, real_reps, other, other_reps, cols["decode_acc"]) if decode else None,
         }
     return report
