@@ -5,6 +5,7 @@ import argparse
 import os
 import sys
 
+from llmprobe import __version__
 from llmprobe import commands as handlers
 from llmprobe.checks import DEVICE_MAPS, DTYPES, QUANTIZE, UsageError, layer_spec, parse_max_memory, positive_int
 from llmprobe.commands import run_command
@@ -67,7 +68,8 @@ SETTING_FLAGS = (
         "help": "bundled relation names, files (our JSON, LRE JSON, CSV), folders or hf:DATASET"}),
     ("--layers", "run.layers", ("probe", "run"), {"type": _arg(_layers),
                                                   "help": "all | every:K | comma list like 0,6,12 | -1"}),
-    ("--analyses", "run.analyses", ("probe", "run"), {"type": _names, "help": f"comma list of {','.join(ANALYSES)}"}),
+    ("--analyses", "run.analyses", ("probe", "run"), {
+        "type": _names, "help": f"comma list of {','.join(ANALYSES)}; '' for known facts only"}),
     ("--device", "run.device", ("probe", "run"), {"help": "auto | cpu | cuda | cuda:N"}),
     ("--dtype", "run.dtype", ("probe", "run"), {"choices": DTYPES}),
     ("--batch-size", "run.batch_size", ("probe", "run"), {
@@ -125,7 +127,7 @@ def _add_setting_flags(parser: argparse.ArgumentParser, command: str) -> None:
                 "metavar": flag.lstrip("-").replace("-", "_").upper()}     # as argparse names a flag's value
             parser.add_argument(flag, dest=key, **{**shown, **options,
                                                    "help": options.get("help", "") + _default(command, key)})
-    _add_settings_args(parser)
+    _add_settings_args(parser, flags=True)
 
 
 def _add_model_args(parser: argparse.ArgumentParser, command: str) -> None:
@@ -137,6 +139,8 @@ def _add_model_args(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--threads", type=positive("--threads"), help="torch CPU threads")
     parser.add_argument("--resume", action="store_true",
                         help="take finished stages from --out when model and settings match, instead of recomputing")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="clear another run's files from --out (its manifest.json names them) instead of refusing")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub (off)")
     parser.add_argument("--allow-pickle", action="store_true",
                         help="allow pickle weights (pytorch_model.bin, loaded with weights_only=True); default: "
@@ -144,13 +148,14 @@ def _add_model_args(parser: argparse.ArgumentParser, command: str) -> None:
     _add_setting_flags(parser, command)
 
 
-def _add_settings_args(parser: argparse.ArgumentParser) -> None:
+def _add_settings_args(parser: argparse.ArgumentParser, flags: bool) -> None:
+    """--config and --set; ``flags``: the command also has setting flags (--layers, ...), which override both."""
     parser.add_argument("--config", metavar="FILE.toml",
                         help="settings file with [run], [analysis] and [controls] tables (docs/config.md lists every "
-                             "key); --set and the flags above override it")
+                             "key); --set " + ("and the setting flags above override it" if flags else "overrides it"))
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="sets",
                         help="one setting, e.g. --set analysis.n_splits=5 or --set 'analysis.ridge_alphas=[0.1, 1]' "
-                             "(a TOML value; repeatable); flags override it")
+                             "(a TOML value; repeatable)" + ("; the setting flags override it" if flags else ""))
 
 
 def _formats(text: str) -> tuple[str, ...]:
@@ -166,15 +171,17 @@ def build_parser(synth: bool = True) -> argparse.ArgumentParser:
     seconds to import (torch, scikit-learn): main() builds the group only for ``llmprobe synth ...``, so the
     other commands check their options and output folder at once. The handlers are ``llmprobe.commands``'."""
     parser = argparse.ArgumentParser(prog="llmprobe", description="Measure how language models store facts.")
+    parser.add_argument("--version", action="version", version=f"llmprobe {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    probe = commands.add_parser("probe", help="known facts (and analyses) of a pretrained model -> report.json")
+    probe = commands.add_parser("probe", help="known facts, decoders and readouts of a pretrained model -> "
+                                              "report.html, report.json (no matched controls: see run)")
     _add_model_args(probe, "probe")
-    probe.add_argument("--out", default="runs/probe", help="output folder")
+    probe.add_argument("--out", default="runs/probe", help="output folder (default runs/probe)")
     probe.set_defaults(func=handlers._probe)
     run = commands.add_parser("run", help="the main job: probe + matched synthetic controls -> one report")
     _add_model_args(run, "run")
-    run.add_argument("--out", default="runs/main", help="output folder (with several models: one folder each in it, "
-                                                        "and compare/)")
+    run.add_argument("--out", default="runs/main", help="output folder (default runs/main; with several models: one "
+                                                        "folder each in it, and compare/)")
     run.add_argument("--executor", choices=["process", "ray"], default="process",
                      help="several models: one after the other here (default) or one Ray task each")
     run.add_argument("--address", help="with --executor ray: the Ray cluster to join (default: Ray on this machine)")
@@ -183,12 +190,12 @@ def build_parser(synth: bool = True) -> argparse.ArgumentParser:
     compare.add_argument("dirs", nargs="+", help="report folders (each with report.json)")
     compare.add_argument("--out", required=True, help="output folder")
     compare.add_argument("--format", default="html,md,csv", type=_arg(_formats),
-                         help="comma list of html, md, json, csv")
+                         help="comma list of html, md, json, csv (default html,md,csv)")
     compare.set_defaults(func=handlers._compare)
     report = commands.add_parser("report", help="export a report folder as html, md, json or csv")
     report.add_argument("dir", help="report folder (with report.json)")
     report.add_argument("--format", default="html,md,csv", type=_arg(_formats),
-                        help="comma list of html, md, json, csv")
+                        help="comma list of html, md, json, csv (default html,md,csv)")
     report.add_argument("--out", help="output folder (default: the report folder)")
     report.set_defaults(func=handlers._report)
     rerun = commands.add_parser("rerun", help="repeat the probe or run of a report folder with its recorded settings "
@@ -206,7 +213,7 @@ def build_parser(synth: bool = True) -> argparse.ArgumentParser:
     models.set_defaults(func=handlers._models)
     config = commands.add_parser("config", help="print the settings probe and run would use (defaults <- --config "
                                                 "<- --set) as a TOML file")
-    _add_settings_args(config)
+    _add_settings_args(config, flags=False)
     config.set_defaults(func=handlers._config)
 
     if not synth:

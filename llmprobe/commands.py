@@ -3,6 +3,7 @@ of a parsed command line, and the one error handler (exit statuses) every comman
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import re
@@ -22,12 +23,14 @@ from llmprobe.checks import (
     is_out_of_memory,
     output_folder,
 )
+from llmprobe.io import file_lock
 from llmprobe.jobs.main import run
 from llmprobe.jobs.probe import probe, summary_table
 from llmprobe.jobs.rerun import rerun
 from llmprobe.model.batching import OutOfMemoryAtOne
 from llmprobe.model.families import embedded, families, models_text
-from llmprobe.model.loading import ModelLoadError
+from llmprobe.model.loading import DEFAULT_MODEL, ModelLoadError, check_hub_reachable
+from llmprobe.report.claims import claims_block, claims_text
 from llmprobe.report.render import compare, export
 from llmprobe.settings import Settings, resolve, settings_toml
 from synthetic.executors import ray_map
@@ -45,12 +48,10 @@ def settings_of(args) -> Settings:
 
 def _probe(args) -> int:
     report = probe(settings=settings_of(args), out=args.out, trust_remote_code=args.trust_remote_code,
-                   allow_pickle=args.allow_pickle, resume=args.resume)
-    print(summary_table(report))
-    for error in report["errors"]:
-        print(f"warning: {error}", file=sys.stderr)
-    print(f"report: {os.path.join(args.out, 'report.json')} ({report['wall_seconds']} s)")
-    return 0
+                   allow_pickle=args.allow_pickle, resume=args.resume, overwrite=args.overwrite)
+    export(args.out)
+    print_summary(report, args.out)
+    return finished(report)
 
 
 def _run(args) -> int:
@@ -61,15 +62,40 @@ def _run(args) -> int:
     setattr(args, MODEL, models[0] if models else None)
 
     report = run(settings=settings_of(args), out=args.out, trust_remote_code=args.trust_remote_code,
-                 allow_pickle=args.allow_pickle, resume=args.resume)
+                 allow_pickle=args.allow_pickle, resume=args.resume, overwrite=args.overwrite)
+    print_summary(report, args.out)
+    return finished(report)
+
+
+def finished(report: dict) -> int:
+    """The exit status of a probe or run that returned: 0, or 1 when its report is partial (a stage failed, e.g.
+    the controls worker died), said on stderr."""
+    if not report.get("partial"):
+        return EXIT_OK
+    unfinished = [name for name, stage in report["stages"].items() if not stage["done"]]
+    print(f"llmprobe: error: the report is partial: {', '.join(unfinished)} did not finish (see the warnings); "
+          f"rerun with --resume to finish it", file=sys.stderr)
+    return EXIT_FAILURE
+
+
+MAX_WARNINGS = 10    # warnings printed at the end of a probe or run; report.json's errors hold them all
+
+
+def print_summary(report: dict, out: str) -> None:
+    """The end of ``probe`` and ``run``: known-fact rates, the matched controls, the warnings (on stderr, at most
+    ``MAX_WARNINGS``), one line per claim with its number, interval, null and verdict, and report.html's path."""
     print(summary_table(report))
     for line in _control_lines(report.get("controls")):
         print(line)
-    for error in report["errors"]:
+    errors = report["errors"]
+    for error in errors[:MAX_WARNINGS]:
         print(f"warning: {error}", file=sys.stderr)
-    print(f"report: {os.path.join(args.out, 'report.html')} (and report.json, report.md, metrics.csv; "
-          f"{report['wall_seconds']} s)")
-    return 0
+    if len(errors) > MAX_WARNINGS:
+        print(f"warning: ... and {len(errors) - MAX_WARNINGS} more (report.json, \"errors\")", file=sys.stderr)
+    sys.stderr.flush()
+    print(claims_text(report.get("claims") or claims_block(report)))
+    print(f"report: {os.path.abspath(os.path.join(out, 'report.html'))} (and report.json, report.md, metrics.csv "
+          f"beside it; {report['wall_seconds']} s)")
 
 
 def _run_one(args) -> str:
@@ -91,7 +117,16 @@ def _run_models(args, models: list) -> int:
         jobs.append(argparse.Namespace(**{**vars(args), MODEL: model, "executor": "process",
                                           "out": os.path.join(args.out, name)}))
     if args.executor == "ray":
-        ray_map(_run_one, jobs, address=args.address)
+        try:
+            ray_map(_run_one, jobs, address=args.address)
+        except Exception as error:
+            if not type(error).__module__.startswith("ray."):
+                raise
+            text = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+            print(f"llmprobe: error: Ray failed ({type(error).__name__}: {text}); the models that finished have "
+                  f"their reports in {args.out}/<model>; run again with --resume to finish the others",
+                  file=sys.stderr)
+            return EXIT_USAGE
     else:
         for job in jobs:
             _run_one(job)
@@ -166,6 +201,45 @@ def check_outputs(args) -> None:
             output_folder(value, flag)
     if getattr(args, "command", None) == "report" and args.out is None and os.path.isdir(args.dir):
         output_folder(args.dir, "DIR")
+    if getattr(args, "command", None) == "compare" and any(
+            os.path.realpath(args.out) == os.path.realpath(folder) for folder in args.dirs):
+        raise UsageError(f"compare: --out {args.out!r} is one of the compared folders: its own report.html, "
+                         f"report.md and metrics.csv would be overwritten; give another folder")
+
+
+LOCK = os.path.join(".locks", "llmprobe.lock")   # held in an output folder by the command writing into it
+LOCKING = ("probe", "run", "rerun", "compare", "report", "synth train", "synth construct")
+
+
+@contextmanager
+def output_lock(args):
+    """Hold the lock of the folder the command writes into (``--out``; ``report``'s DIR without it) for the
+    command's duration: a second command into the same folder is refused (UsageError) instead of mixing its files
+    with the first one's. ``synth sweep`` (and the other synth commands) share their folders by design."""
+    command = " ".join(filter(None, (getattr(args, "command", None), getattr(args, "synth_command", None))))
+    folder = getattr(args, "out", None) or (args.dir if command == "report" else None)
+    if command not in LOCKING or folder is None:
+        yield
+        return
+    with file_lock(os.path.join(folder, LOCK), block=False) as held:
+        if not held:
+            raise UsageError(f"--out {folder} is in use by another llmprobe command (it holds "
+                             f"{os.path.join(folder, LOCK)}); wait for it to finish, or choose another folder")
+        yield
+
+
+def check_models(args) -> None:
+    """``probe`` and ``run``: fail (ModelLoadError) before any output folder is made when a MODEL (or the
+    --config file's) is no embedded model, existing file or folder, nor a hub name that is cached or reachable.
+    The settings are checked first (a bad one is the error to report)."""
+    if getattr(args, "command", None) not in ("probe", "run"):
+        return
+    models = getattr(args, MODEL, None)
+    models = [m for m in (models if isinstance(models, list) else [models]) if m is not None]
+    settings = settings_of(argparse.Namespace(**{**vars(args), MODEL: models[0] if models else None}))
+    for name in models or [settings.run.model]:
+        if name is not None and name != DEFAULT_MODEL and not os.path.exists(os.path.expanduser(name)):
+            check_hub_reachable(name, None)
 
 
 @contextmanager
@@ -188,16 +262,21 @@ def interrupts_raise():
             signal.signal(sig, previous)
 
 
+FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)   # a write failed for want of room (exit 2)
+
+
 def run_command(args) -> int:
     """Run a parsed command with the one error handler: 0 ok, 2 bad input or refused model, 3 out of memory,
     130 interrupted; any other exception is a bug and keeps its traceback (status 1). Results go to files; the
     command prints a short summary."""
     try:
         with interrupts_raise():
+            check_models(args)
             check_outputs(args)
             if getattr(args, "threads", None):
                 torch.set_num_threads(args.threads)
-            status = args.func(args)
+            with output_lock(args):
+                status = args.func(args)
         return status if isinstance(status, int) and not isinstance(status, bool) else EXIT_OK
     except KeyboardInterrupt as error:
         how = f" by {error.args[0]}" if error.args and str(error.args[0]).startswith("SIG") else ""
@@ -209,6 +288,13 @@ def run_command(args) -> int:
     except (UsageError, FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError) as error:
         # DatasetError is a ValueError
         print(f"llmprobe: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as error:
+        if error.errno not in FULL:
+            raise
+        print(f"llmprobe: error: {error.strerror}: cannot write {error.filename}; results already written are kept"
+              + (" (make room, then rerun with --resume to finish)" if getattr(args, "command", None) in
+                 ("run", "probe") else ""), file=sys.stderr)
         return EXIT_USAGE
     except (RuntimeError, MemoryError) as error:
         if isinstance(error, ModelLoadError):
@@ -226,4 +312,4 @@ def run_command(args) -> int:
         return EXIT_OUT_OF_MEMORY
 
 
-__all__ = ["run_command", "settings_of", "check_outputs", "interrupts_raise"]
+__all__ = ["run_command", "settings_of", "check_models", "check_outputs", "interrupts_raise", "print_summary"]

@@ -18,7 +18,8 @@ except ImportError:  # Windows: appends are not locked
 
 
 def write_bytes(path: str | Path, data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically (a reader sees the old file or the new one, never half)."""
+    """Write ``data`` to ``path`` atomically (a reader sees the old file or the new one, never half). An OSError
+    (a full disk: ENOSPC) names ``path``, not the temp file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -31,9 +32,11 @@ def write_bytes(path: str | Path, data: bytes) -> Path:
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600 files; results should read like any other file
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as error:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(error, OSError) and error.filename in (None, tmp):    # a full disk: name the target
+            raise OSError(error.errno, error.strerror, str(path)) from None
         raise
     _remove_stale_tmp(path)
     return path

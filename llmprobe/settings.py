@@ -29,6 +29,7 @@ import json
 import math
 import os
 import re
+import sys
 import types
 import typing
 from pathlib import Path
@@ -49,7 +50,7 @@ class RunSettings:
     relations: tuple[str, ...] | None = None    # bundled names, files, folders or hf:DATASET; none = all bundled
     layers: str = "every:3"                 # all | every:K | comma list like "0,6,12" | "-1"
     analyses: tuple[str, ...] | None = None     # of lre, ridge, superposition; none = the command's default
-                                                # (probe: no analyses; run: all three)
+                                                # (probe: lre, ridge, superposition; run: all; [] = none)
     device: str = "auto"                    # auto | cpu | cuda | cuda:N
     dtype: str = "auto"                     # auto | float32 | bfloat16 | float16
     device_map: str | None = None           # auto | balanced | balanced_low_0 | sequential: blocks spread over
@@ -78,7 +79,7 @@ class ControlSettings:
 
 SECTIONS = {"run": RunSettings, "analysis": AnalysisSettings, "controls": ControlSettings}
 SHARED = {"analysis": ("seed",)}            # fields set through another section (analysis.seed is run.seed)
-COMMAND_ANALYSES = {"probe": (), "run": ANALYSES}                          # run.analyses = none
+COMMAND_ANALYSES = {"probe": ("lre", "ridge", "superposition"), "run": ANALYSES}   # run.analyses = none
 PLACEMENT = ("device_map", "max_memory", "offload_folder", "quantize")     # run settings that place the model
 TRAINING = ("max_steps", "d_max", "n_boot", "modes")                       # control settings of the training
 # Python API keywords beside the run settings (which are keywords by their own names): keyword -> section (a
@@ -211,7 +212,9 @@ def coerce(key: str, value, hint):
         if typing.get_origin(option) is tuple and isinstance(value, (list, tuple)):
             item = typing.get_args(option)[0]
             return tuple(coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value))
-    raise UsageError(f"{key}: expected {type_name(hint)}, got {json.dumps(value, default=str)}")
+    shown = json.dumps(value, default=str)
+    shown = shown if len(shown) <= 200 else f"{shown[:200]}... ({len(shown)} characters)"
+    raise UsageError(f"{key}: expected {type_name(hint)}, got {shown}")
 
 
 def _known_key(section: str, key: str, where: str):
@@ -246,7 +249,7 @@ def parse_set(text: str) -> tuple[str, str, object]:
     """``"analysis.ridge_alphas=[0.1, 1]"`` -> ("analysis", "ridge_alphas", (0.1, 1.0)), checked and converted.
     The value is read as TOML; where the setting takes text, a value that is not of the setting's type is
     taken as the text written (``cpu``, ``0,6,12``, ``-1``), and ``none`` is None where None is allowed."""
-    where = f"--set {text!r}"
+    where = f"--set {text!r}" if len(text) <= 100 else f"--set {text[:100]!r}... ({len(text)} characters)"
     name, equals, raw = text.partition("=")
     section, dot, key = name.strip().partition(".")
     if not equals or not dot or not key:
@@ -258,6 +261,9 @@ def parse_set(text: str) -> tuple[str, str, object]:
         value = tomllib.loads(f"value = {raw}")["value"]
     except tomllib.TOMLDecodeError:
         value = raw
+    except ValueError:           # an int of more digits than Python converts
+        raise UsageError(f"{where}: {section}.{key}: a number of more than {sys.get_int_max_str_digits()} "
+                         f"digits") from None
     try:
         return section, key, coerce(f"{where}: {section}.{key}", value, hint)
     except UsageError:
@@ -326,6 +332,56 @@ def _api_form(key: str, value):
     return value
 
 
+SEED_MAX = 2 ** 32 - 1     # the largest seed every generator takes (numpy's; derived seeds stay within int64)
+# The allowed range of every number setting: key -> (lowest, highest, bounds excluded); None: no bound. A list
+# setting's items must each lie in it, and the list must not be empty (``(None, None, False)``: only that); a
+# setting that is none passes where its type allows none (:func:`check`).
+RANGES = {
+    "run.batch_size": (1, None, False), "run.max_facts": (1, None, False), "run.max_prompt_tokens": (1, None, False),
+    "run.seed": (0, SEED_MAX, False),
+    "analysis.n_splits": (1, None, False), "analysis.max_subjects": (1, None, False),
+    "analysis.min_known": (1, None, False), "analysis.n_jacobian": (1, None, False),
+    "analysis.test_fraction": (0, 1, True), "analysis.val_fraction": (0, 1, True),
+    "analysis.selection_folds": (2, None, False), "analysis.betas": (0, None, True),
+    "analysis.ranks": (1, None, False), "analysis.edit_ranks": (1, None, False),
+    "analysis.max_val_pairs": (1, None, False), "analysis.max_test_pairs": (1, None, False),
+    "analysis.ridge_alphas": (0, None, True), "analysis.n_icl": (0, None, False),
+    "analysis.lre_betas": (0, None, False), "analysis.lre_edit_ranks": (0, None, False),
+    "analysis.lre_layers": (None, None, False), "analysis.max_lre_layers": (1, None, False),
+    "analysis.causality_layers": (None, None, False), "analysis.max_superposition_subjects": (1, None, False),
+    "analysis.folds": (2, None, False), "analysis.swap_layers": (None, None, False),
+    "analysis.max_swap_subjects": (1, None, False), "analysis.swap_scales": (0, None, True),
+    "analysis.n_boot": (1, None, False), "analysis.jackknife_groups": (0, None, False),
+    "analysis.batch_size": (1, None, False), "analysis.jacobian_batch_size": (1, None, False),
+    "analysis.jacobian_chunk": (1, None, False), "analysis.jacobian_oversample": (0, None, False),
+    "controls.max_steps": (1, None, False), "controls.d_max": (1, None, False), "controls.n_boot": (1, None, False),
+}
+
+
+def _check_range(key: str, value, bounds: tuple) -> None:
+    """UsageError naming ``key`` and its allowed range (``RANGES``) when ``value`` (a number, a list of numbers,
+    or None) lies outside it; floats must also be finite."""
+    low, high, excluded = bounds
+    if value is None:
+        return
+    if isinstance(value, tuple) and not value:
+        raise UsageError(f"{key} must list at least one value, got []")
+    for item in value if isinstance(value, tuple) else (value,):
+        if item is None or isinstance(item, str):         # ranks' none; jacobian_rank's text is checked elsewhere
+            continue
+        inside = ((low is None or (item > low if excluded else item >= low))
+                  and (high is None or (item < high if excluded else item <= high))
+                  and (not isinstance(item, float) or math.isfinite(item)))
+        if not inside:
+            where = f"each value of {key}" if isinstance(value, tuple) else key
+            if excluded:
+                parts = [f"above {low}" if low is not None else "", f"below {high}" if high is not None else ""]
+            else:
+                parts = [f"at least {low}" if low is not None else "", f"at most {high}" if high is not None else ""]
+            kind = "a finite number " if isinstance(item, float) or excluded else ""
+            raise UsageError(f"{where} must be {kind}{' and '.join(p for p in parts if p)}, got {item!r}"[:300])
+
+
 def check(settings: Settings) -> Settings:
     """The checks beyond the types: names, choices and ranges (UsageError naming the setting); returns the
     settings."""
@@ -341,12 +397,9 @@ def check(settings: Settings) -> Settings:
     layer_spec(run.layers)
     if run.analyses is not None:
         analysis_names(run.analyses, ANALYSES)
-    for section, keys in (("run", ("batch_size", "max_facts", "max_prompt_tokens")),
-                          ("controls", ("max_steps", "d_max", "n_boot"))):
-        for key in keys:
-            value = getattr(getattr(settings, section), key)
-            if value is not None and value < 1:
-                raise UsageError(f"{section}.{key} must be at least 1, got {value}")
+    for key, bounds in RANGES.items():
+        section, name = key.split(".")
+        _check_range(key, getattr(getattr(settings, section), name), bounds)
     unknown = [m for m in controls.modes if m not in CONTROL_MODES]
     if unknown or not controls.modes:
         raise UsageError(f"controls.modes must be a non-empty list of {', '.join(CONTROL_MODES)}, got "

@@ -30,6 +30,7 @@ import os
 import time
 
 from llmprobe.io import write_json, write_text
+from llmprobe.metric import pooled, pooled_readout
 from llmprobe.model.random_init import random_init
 from synthetic import mechanisms as mech
 from synthetic.model import FactRecallModel, ModelConfig, mode_flags
@@ -169,7 +170,8 @@ def analyze(run_dir: str, *, controls=CONTROLS, swap: bool = True, n_boot: int =
                                       (("readout_acc", "readout_acc"), ("superposition_r2", "r2"),
                                        ("decode_acc", "decode_acc"))})
     result["table"] = table
-    result["table_md"] = mech.compare(table)
+    result["table_intervals"] = table_intervals(result)
+    result["table_md"] = table_markdown(table, result["table_intervals"])
     result["plots"] = []
     if plots:
         result["plots"] = analysis_figures(run_dir, result, unit_stats, img_dir=img_dir)
@@ -177,6 +179,100 @@ def analyze(run_dir: str, *, controls=CONTROLS, swap: bool = True, n_boot: int =
     write_json(os.path.join(run_dir, ANALYSIS), result)
     write_text(os.path.join(run_dir, "analysis.md"), markdown(result))
     return result
+
+
+# one line per measure of the analysis table (``mech.key_numbers`` and the rows analyze adds); the swap rows'
+# names carry their step count (swap_after_25_steps)
+LEGEND = {
+    "train_accuracy": "fraction of the table's facts whose argmax answer is right after training",
+    "readout_acc": "per-relation linear readout of a_r(s) from the subject embedding e_s (nearest attribute "
+                   "vector, cross-fitted over subjects), mean over relations",
+    "superposition_r2": "held-out R^2 of e_s ~ c + sum_r W_r u_{a_r(s)} (cross-fitted over subjects)",
+    "decode_acc": "attributes recovered by decoding e_s with the fitted superposition components, mean over relations",
+    "shuffled_readout_acc": "readout_acc with the table shuffled across subjects (control)",
+    "shuffled_r2": "superposition_r2 with the table shuffled across subjects (control)",
+    "swap_edit_success": "swap edits e_s + W_r (u_a' - u_a) that make relation r answer a' and keep the others",
+    "swap_edit_random_flip": "edits along a random direction of the same norm that make r answer a' (control)",
+    "selectivity_index": "MLP units' (mu_max - mean of the other relations' mu) / (sum of both), mean over live units",
+    "relation_gating": "I(unit on/off; relation) / H(unit on/off): how much of a unit's gating the relation "
+                       "explains, mean over units",
+    "ablation_diag_dominant_rows": "relations r whose units, zeroed, drop r's accuracy more than any other's",
+    "ablation_diag_minus_offdiag": "zeroing relation r's units: mean accuracy drop on r minus that on the others",
+    "random_ablation_diag_minus_offdiag": "the same with as many random live units zeroed (control)",
+    "exclusive_units": "units firing for >= half of one relation's facts and < half of every other's",
+    "exclusive_ablation_diag_drop": "zeroing relation r's exclusive units: mean accuracy drop on r",
+    "exclusive_ablation_offdiag_drop": "zeroing relation r's exclusive units: mean accuracy drop on the other "
+                                       "relations",
+    "gate_transplant_same_relation": "accuracy with the MLP's on/off mask of another subject, same relation (a "
+                                     "selector keeps it high)",
+    "gate_transplant_same_subject": "accuracy with the mask of the same subject, another relation (control: low)",
+    "relation_patch_follows_new": "MLP input shifted from relation r to r2: answers that follow r2",
+    "relation_patch_keeps_old": "the same shift: answers still r's (where the two differ)",
+    "relation_operator_r2": "R^2 of the final state as a linear map of e_s with the relation fixed, mean over "
+                            "relations (1 = linear)",
+    "logit_own": "right answer's logit lift from the queried relation's component of e_s",
+    "logit_cross_trained_table": "lift from the other relations' components, on the trained table",
+    "logit_cross_new_table": "the same on a new random table (what swapped embeddings face)",
+    "swap_zero_shot": "frozen model, new subject embeddings c + sum_r W_r u_a'(s) for a new table: accuracy "
+                      "before any training",
+    "random_init_zero_shot": "the same with freshly initialised subject embeddings (control)",
+    "swap_after": "swap_zero_shot's embeddings after that many steps of training them alone",
+    "random_init_after": "random_init_zero_shot's after that many steps (control)",
+}
+MODELS = {"trainable": "every parameter trained (the run)", "frozen": "subject embeddings frozen at init",
+          "frozen_all": "subject embeddings and unembedding frozen (associative memory)",
+          "untrained": "the run's architecture at random init"}
+
+
+def table_intervals(result: dict) -> dict:
+    """{model: {measure: [lo, hi]}}: the 95% intervals of the table's numbers that the analysis measured (R^2:
+    jackknife over subjects; readout and decode accuracy: pooled over relations; swap edits: Wilson over edits).
+    The selector, logit and freeze-and-swap numbers are one measurement over all facts, without an interval."""
+    sup = result["superposition"]
+    conditions = sup["report"]["conditions"]
+    out = {}
+    for name in result["table"]:
+        measured = conditions.get("real" if name == "trainable" else name) or {}
+        shuffled = (conditions.get("shuffled") or {}) if name == "trainable" else {}
+        edit = sup.get("swap_edit" if name == "trainable" else f"swap_edit_{name}") or {}
+        metrics = {"superposition_r2": measured.get("r2"), "readout_acc": pooled_readout(measured.get("readout_acc")),
+                   "decode_acc": pooled(measured.get("decode_acc"), "pooled over relations"),
+                   "shuffled_r2": shuffled.get("r2"),
+                   "shuffled_readout_acc": pooled_readout(shuffled.get("readout_acc")),
+                   "swap_edit_success": edit.get("success"),
+                   "swap_edit_random_flip": ((edit.get("flip") or {}).get("controls") or {}).get("random_direction")
+                   if name == "trainable" else None}
+        out[name] = {key: [round(m["ci"][0], 4), round(m["ci"][1], 4)] for key, m in metrics.items()
+                     if m and m.get("ci") and None not in m["ci"][:2] and key in result["table"][name]}
+    return out
+
+
+def legend(key: str) -> str:
+    """What a measure of the analysis table means (``LEGEND``; the swap rows by their prefix)."""
+    for prefix in ("swap_after", "random_init_after"):
+        if key.startswith(prefix + "_"):
+            return LEGEND[prefix]
+    return LEGEND.get(key, "")
+
+
+def table_markdown(table: dict, intervals: dict) -> str:
+    """The side-by-side table (a column per model, a row per measure; a 95% interval beside the numbers that
+    have one), then what each column and each measure is."""
+    names = list(table)
+    keys = list(dict.fromkeys(k for row in table.values() for k in row))
+    lines = ["| measure | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for key in keys:
+        cells = []
+        for name in names:
+            value, ci = table[name].get(key), intervals.get(name, {}).get(key)
+            text = "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
+            cells.append(text + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci and value is not None else ""))
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    lines += ["", "Columns: " + "; ".join(f"{name} = {MODELS.get(name, name)}" for name in names) + ". [95% "
+              "interval] where measured (R^2: jackknife over subjects; accuracies: pooled over relations; swap "
+              "edits: Wilson).", ""]
+    lines += [f"* {key}: {legend(key)}" for key in keys]
+    return "\n".join(lines)
 
 
 def markdown(result: dict) -> str:

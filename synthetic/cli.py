@@ -117,7 +117,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                        description="Bisection on d for every (N, R, seed, trainable/frozen); resumable.")
     p.add_argument("--subjects", default="256,512", type=_int_text("--subjects"),
                    help="comma-separated N values (default: a small grid, ~4 min of CPU; the README's full grid is "
-                        "256,512,1024 x 2,4,8,16 x seeds 0,1, ~31 min on 2 cores with --workers 2)")
+                        "256,512,1024 x 2,4,8,16 x seeds 0,1, over 38 min on 2 cores with --workers 2: docs/synthetic.md)")
     p.add_argument("--relations", default="2,4,8", type=_int_text("--relations"), help="comma-separated R values")
     p.add_argument("--seeds", default="0", type=_int_text("--seeds", minimum=0), help="comma-separated seeds")
     p.add_argument("--frozen-subjects", action="store_true", help="only the frozen regime")
@@ -315,7 +315,7 @@ def _task_from_args(args):
 def cmd_train(args) -> dict:
     task = _task_from_args(args)
     m = args.mlp_width or 8 * args.d
-    # Ctrl-C / SIGTERM raise KeyboardInterrupt (llmprobe.cli.run_command): train() checkpoints, the CLI exits 130
+    # Ctrl-C / SIGTERM raise KeyboardInterrupt (llmprobe.commands.run_command): train() checkpoints, the CLI exits 130
     res = train(task, args.d, config=_train_config(args, progress=not args.no_progress), out_dir=args.out,
                 resume=not args.fresh, frozen_subjects=args.frozen_subjects,
                 frozen_unembed=args.frozen_unembed, d_mlp=m, attention=args.attention,

@@ -31,13 +31,14 @@ ROOT = Path(__file__).resolve().parents[1]
 # a valid value other than the default for every analysis setting; a new AnalysisSettings field must get one here
 NOT_DEFAULT = {
     "n_splits": 2, "max_subjects": 40, "min_known": 4, "n_jacobian": 2, "test_fraction": 0.3, "val_fraction": 0.3,
-    "min_val_per_candidate": 1, "selection_folds": 3, "betas": (1.0, 2.0), "ranks": (None, 8), "edit_ranks": (4, 8), "max_val_pairs": 3,
+    "selection_folds": 3, "betas": (1.0, 2.0), "ranks": (None, 8), "edit_ranks": (4, 8), "max_val_pairs": 3,
     "max_test_pairs": 5, "ridge_alphas": (0.1, 10.0), "protocol": "lre", "n_icl": 2, "scoring": "sequence",
     "lre_layers": (1,), "max_lre_layers": 2, "causality_layers": (1,), "superposition_facts": "known",
     "neutral_templates": ("Tell me about {}.",), "attribute_vectors": "mean", "max_superposition_subjects": 20,
     "folds": 3, "random_control": False, "swap_layers": (1,), "max_swap_subjects": 3, "swap_scales": (1.0, 2.0),
     "n_boot": 50, "batch_size": 8, "jacobian_batch_size": 4, "jacobian_chunk": 16, "jacobian_rank": 8,
-    "jacobian_oversample": 5,
+    "jacobian_oversample": 5, "lre_selection": "as-published", "lre_betas": (0.0, 1.0), "lre_edit_ranks": (0, 8),
+    "jackknife_groups": 10,
 }
 NOT_DEFAULT = {k: v for k, v in NOT_DEFAULT.items() if k in AnalysisSettings.__dataclass_fields__}
 FAST = {"n_splits": 1, "n_boot": 50, "folds": 3, "max_val_pairs": 3, "max_test_pairs": 5, "max_swap_subjects": 3,
@@ -138,13 +139,14 @@ def test_flags_override_set_which_overrides_the_file(tmp_path):
     assert values.run.layers == "-1" and values.run.batch_size == 4 and values.run.seed == 1
     assert values.analysis.n_splits == 4 and values.analysis.protocol == "lre" and values.analysis.n_icl == 6
     assert values.controls.max_steps == 7 and values.controls.at_model_width is False
-    assert values.analyses("run") == ANALYSES and values.analyses("probe") == ()
+    assert values.analyses("run") == ANALYSES and values.analyses("probe") == ("lre", "ridge", "superposition")
     assert values.changed("analysis") == {"n_splits": 4, "protocol": "lre", "n_icl": 6}
     assert values.analysis_options() == {"batch_size": 4, "jacobian_batch_size": 4, "n_splits": 4, "protocol": "lre",
                                          "n_icl": 6}
     assert values.control_arguments() == {"seed": 1, "at_model_width": False, "max_steps": 7, "d_max": None,
                                           "n_boot": 500, "modes": ("trainable", "frozen")}
-    assert settings_of(["probe"]).analyses("probe") == () and settings_of(["run"]).analyses("run") == ANALYSES
+    assert settings_of(["probe"]).analyses("probe") == ("lre", "ridge", "superposition")
+    assert settings_of(["run"]).analyses("run") == ANALYSES and settings_of(["probe", "--analyses", ""]).analyses("probe") == ()
     assert settings_of(["run", "--analyses", ""]).analyses("run") == ()
     assert settings_of(["probe", "--set", "run.analyses=['ridge']"]).run.analyses == ("ridge",)
     assert settings_of(["probe", "--analyses", "lre, ridge,lre"]).analyses("probe") == ("lre", "ridge")
@@ -433,3 +435,44 @@ def config_embedded():
     from llmprobe.model.families import EMBEDDED
 
     return EMBEDDED[2]
+
+
+# ------------------------------------------------------------------- issue 23, row 12: ranges, checked in one place
+@pytest.mark.parametrize("text, message", [
+    ("analysis.betas=[]", r"analysis\.betas must list at least one value, got \[\]"),
+    ("analysis.ridge_alphas=[-1]", r"each value of analysis\.ridge_alphas must be a finite number above 0, got -1"),
+    ("analysis.max_lre_layers=0", r"analysis\.max_lre_layers must be at least 1, got 0"),
+    ("analysis.jacobian_batch_size=0", r"analysis\.jacobian_batch_size must be at least 1, got 0"),
+    ("analysis.test_fraction=1.5", r"analysis\.test_fraction must be a finite number above 0 and below 1, got 1\.5"),
+    ("analysis.folds=1", r"analysis\.folds must be at least 2, got 1"),
+    ("analysis.n_boot=-1", r"analysis\.n_boot must be at least 1, got -1"),
+    ("analysis.betas=[1.0, nan]", r"each value of analysis\.betas must be a finite number above 0, got nan"),
+    ("analysis.val_fraction=-0.5", r"analysis\.val_fraction must be a finite number above 0 and below 1, got -0\.5"),
+    ("analysis.edit_ranks=[0]", r"each value of analysis\.edit_ranks must be at least 1, got 0"),
+    ("analysis.lre_layers=[]", r"analysis\.lre_layers must list at least one value"),
+    ("run.seed=99999999999999999999", r"run\.seed must be at least 0 and at most 4294967295, got 9{20}"),
+    ("run.seed=-1", r"run\.seed must be at least 0 and at most 4294967295, got -1"),
+    ("controls.n_boot=0", r"controls\.n_boot must be at least 1, got 0"),
+])
+def test_settings_out_of_range_are_refused_naming_the_key_and_the_range(text, message, tmp_path, capsys):
+    """Row 12: these were checked for their type only, and ran with every analysis failing (exit 0), or wrote a
+    decoders.json that load_decoder could not read (betas=[nan])."""
+    assert main(["probe", str(tmp_path / "no-model"), "--set", text, "--out", str(tmp_path / "o")]) == 2
+    assert re.search(message, capsys.readouterr().err)
+    name, raw = text.split("=", 1)
+    section, key = name.split(".")
+    value = tomllib.loads(f"v = {raw}")["v"]
+    options = {key: value} if section == "run" else {f"{section}_options" if section == "analysis" else
+                                                     "control_options": {key: value}}
+    with pytest.raises(UsageError, match=message):                   # the Python API: the same check
+        config.from_options("run", None, options)
+
+
+def test_every_range_names_a_number_setting_and_its_edges_are_allowed():
+    for key in config.RANGES:
+        section, name = key.split(".")
+        assert name in config.field_types(section), key
+    edges = ["run.seed=4294967295", "run.seed=0", "analysis.lre_edit_ranks=[0, 8]", "analysis.lre_betas=[0.0]",
+             "analysis.n_icl=0", "analysis.jackknife_groups=0", "analysis.jacobian_oversample=0",
+             "analysis.ranks=[1]", "analysis.test_fraction=0.01", "analysis.selection_folds=2"]
+    assert config.resolve(sets=edges).run.seed == 0

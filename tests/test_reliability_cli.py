@@ -5,9 +5,17 @@ Each test failed on the code before the fix (row 1: ``synth`` exited 1 printing 
 failed after the work with a traceback; row 3: negative/zero numbers were taken silently; row 4: SIGTERM left the
 controls worker running and wrote nothing; row 5: a 150-word subject gave an IndexError on GPT-2). The commands run
 as subprocesses where the exit status, stdout or a signal matters.
+
+Issue 23, rows 1, 3, 5, 11: decoders written with each relation's checkpoint (and refit on --resume when missing),
+a disk-full failure, a tampered report.json under --resume, a seed out of range and a dead Ray raylet exit 2 with a
+message, one command at a time per output folder, a dead controls worker leaves a partial report (exit 1). Each
+failed on the code before its fix.
 """
+import dataclasses
+import functools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,8 +24,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_analyses import FAST
 from tiny_models import save_tiny
 
+import llmprobe.analyses.run
+import llmprobe.jobs.probe
 from llmprobe.checks import UsageError, analysis_names, is_out_of_memory
 from llmprobe.cli import main
 from llmprobe.jobs.probe import probe
@@ -473,3 +484,247 @@ def test_run_analyses_reports_progress_and_takes_over_what_is_done(tmp_path, mon
     assert again["relations"] == done["relations"] and again["superposition"] == done["superposition"]
     assert again["errors"] == first["errors"] and len(again["errors"]) == 1 and again["partial"] is False
     assert len(seen) == 4
+
+
+# ------------------------------------------------------------------------ issue 23, rows 1-5, 11-13
+SUBJECTS = ["Kalomi", "Neruta", "Vozika", "Mitalo", "Rukane", "Tazimo", "Lavoni", "Suketa", "Pamiro", "Zunela"]
+RELATIONS = ("capital", "continent", "language")
+
+
+@pytest.fixture
+def three_relations(tmp_path):
+    """Three relations of 10 made-up subjects (enough known facts for the decoders once forced known)."""
+    values = {"capital": ["Paris", "Tokyo", "Rome"], "continent": ["Europe", "Asia", "Africa"],
+              "language": ["Spanish", "German"]}
+    return [_relation(tmp_path / f"{name}.json", [(s, vals[i % len(vals)]) for i, s in enumerate(SUBJECTS)], name)
+            for name, vals in values.items()]
+
+
+@pytest.fixture
+def fast_known(monkeypatch):
+    """In-process probe and run: every fact known (a random model knows nothing) and fast analysis settings."""
+    real_known = llmprobe.jobs.probe.known_facts
+    monkeypatch.setattr(llmprobe.jobs.probe, "known_facts", lambda lm, relation, **kw: [
+        dataclasses.replace(r, known=True) for r in real_known(lm, relation, **kw)])
+    monkeypatch.setattr(llmprobe.analyses.run, "run_analyses",
+                        functools.partial(llmprobe.analyses.run.run_analyses, progress=False, **FAST))
+
+
+def _disk_full_at(monkeypatch, name: str, nth: int = 1) -> list:
+    """Make the ``nth`` and later atomic writes of a file called ``name`` fail as on a full disk (ENOSPC)."""
+    import errno
+
+    real, seen = os.replace, []
+
+    def replace(src, dst, *args, **kwargs):
+        if Path(dst).name == name:
+            seen.append(dst)
+            if len(seen) >= nth:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real(src, dst, *args, **kwargs)
+    monkeypatch.setattr(os, "replace", replace)
+    return seen
+
+
+def test_disk_full_is_exit_2_naming_the_file_and_resume_keeps_every_decoder(models, three_relations, fast_known,
+                                                                             tmp_path, monkeypatch, capsys):
+    """Rows 1 and 11: decoders were written only at the end, so a disk-full failure there (a traceback, exit 1)
+    left none, and --resume, which took every relation over, wrote none either. Now each relation's decoders are
+    written with its checkpoint: the disk fills while the second relation's are written, the command exits 2
+    naming the file, the first relation stays safe, and --resume computes the other two and writes all three."""
+    from llmprobe.analyses.saved import load_decoder
+
+    out = tmp_path / "probe"
+    args = ["probe", models["qwen2"], "--relations", *three_relations, "--analyses", "lre", "--layers", "all",
+            "--device", "cpu", "--out", str(out)]
+    with monkeypatch.context() as patch:
+        _disk_full_at(patch, "decoders.safetensors", nth=2)
+        assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and str(out / "decoders.safetensors") in err and "--resume" in err
+    assert list(json.loads((out / "report.json").read_text())["analyses"]["relations"]) == ["capital"]
+    saved = load_decoder(out, "capital")
+    assert main(args + ["--resume"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["stages"]["analyses"]["resumed_relations"] == ["capital"] and report["partial"] is False
+    assert torch.equal(load_decoder(out, "capital").operator.W, saved.operator.W)
+    assert [load_decoder(out, name).info["relation"] for name in RELATIONS] == list(RELATIONS)
+    with monkeypatch.context() as patch:                    # `llmprobe report`: the same
+        _disk_full_at(patch, "report.html")
+        assert main(["report", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and str(out / "report.html") in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(not POSIX_PROC, reason="signals a subprocess")
+def test_kill_9_after_a_relation_keeps_its_decoders_and_a_missing_decoder_is_refit(three_relations, tmp_path):
+    """Row 1: kill -9 after the first relation, then --resume: exit 0 and equal numbers, but decoders.json lacked
+    that relation (load_decoder: KeyError). Now its decoders were written with its checkpoint and are taken over;
+    a relation taken over whose decoders are missing all the same (here removed by hand) is computed again, and
+    ``stages.analyses.refit_relations`` says so."""
+    from llmprobe.analyses.saved import load_decoder
+
+    folder = save_tiny("qwen2", tmp_path / "qwen2")
+    (tmp_path / "wrapper.py").write_text(WRAPPER)
+    out = tmp_path / "run"
+    args = [sys.executable, str(tmp_path / "wrapper.py"), "run", str(folder), "--relations", *three_relations,
+            "--analyses", "lre", "--layers", "all", "--device", "cpu", "--no-controls", "--out", str(out)]
+    logs = [tmp_path / f"decoders{i}.log" for i in range(3)]
+    proc = subprocess.Popen(args, env={**ENV, "HOLD_AFTER_RELATIONS": "1", "DECODERS_LOG": str(logs[0])},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (out / "report.json").is_file() and (json.loads((out / "report.json").read_text()).get("analyses") or
+                                                {}).get("relations"):
+            break
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail(f"the run did not finish a relation's decoders: {proc.communicate()[1][-2000:]}")
+    proc.kill()
+    proc.communicate(timeout=30)
+    capital = load_decoder(out, "capital")
+    done = subprocess.run(args + ["--resume"], env={**ENV, "DECODERS_LOG": str(logs[1])}, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert _logged(logs[1]) == ["continent", "language"]
+    stage = json.loads((out / "report.json").read_text())["stages"]["analyses"]
+    assert stage["resumed_relations"] == ["capital"] and stage["refit_relations"] == []
+    assert torch.equal(load_decoder(out, "capital").operator.W, capital.operator.W)
+    index = json.loads((out / "decoders.json").read_text())
+    assert [e["relation"] for e in index["decoders"]] == list(RELATIONS)
+    index["decoders"] = [e for e in index["decoders"] if e["relation"] != "continent"]
+    (out / "decoders.json").write_text(json.dumps(index))
+    done = subprocess.run(args + ["--resume"], env={**ENV, "DECODERS_LOG": str(logs[2])}, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert _logged(logs[2]) == ["continent"]
+    report = json.loads((out / "report.json").read_text())
+    assert report["stages"]["analyses"]["refit_relations"] == ["continent"]
+    assert any("continent" in e and "decoders" in e and "computed again" in e for e in report["errors"])
+    assert [load_decoder(out, name).info["relation"] for name in RELATIONS] == list(RELATIONS)
+
+
+@pytest.mark.skipif(not POSIX_PROC, reason="signals a subprocess")
+def test_two_commands_into_one_folder_the_second_is_refused(models, capital, tmp_path):
+    """Row 3: two probes (or two synth trains) into one --out both ran and the last writer won; the second is now
+    refused at once (exit 2) while the first holds the folder, whose files it leaves alone."""
+    (tmp_path / "wrapper.py").write_text(WRAPPER)
+    out = tmp_path / "probe"
+    first = subprocess.Popen([sys.executable, str(tmp_path / "wrapper.py"), "probe", models["qwen2"], "--relations",
+                              capital, "--analyses", "ridge", "--device", "cpu", "--out", str(out)],
+                             env={**ENV, "SLOW_ANALYSES": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    train = tmp_path / "train"
+    trainer = subprocess.Popen([sys.executable, "-m", "llmprobe.cli", "synth", "train", "-N", "512", "-R", "8",
+                                "--d", "4", "--max-steps", "1000000", "--no-progress", "--out", str(train)],
+                               env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not ((out / "report.json").is_file() and (train / "task.json").is_file()):
+            assert first.poll() is None and trainer.poll() is None
+            time.sleep(0.2)
+        before = (out / "report.json").read_text()
+        second = cli("probe", models["gpt2"], "--relations", capital, "--device", "cpu", "--out", out)
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert f"{out} is in use by another llmprobe command" in second.stderr and "Traceback" not in second.stderr
+        assert (out / "report.json").read_text() == before
+        again = cli("synth", "train", "-N", "8", "-R", "2", "--d", "8", "--max-steps", "5", "--no-progress",
+                    "--out", train)
+        assert again.returncode == 2 and f"{train} is in use by another llmprobe command" in again.stderr
+    finally:
+        for proc in (first, trainer):
+            proc.kill()
+            proc.communicate(timeout=30)
+    done = cli("probe", models["qwen2"], "--relations", capital, "--device", "cpu", "--out", out)
+    assert done.returncode == 0, done.stderr[-2000:]                      # the lock went with its holder
+
+
+CONTROLS_WRAPPER = WRAPPER.replace('if __name__ == "__main__":', '''
+import llmprobe.jobs.controls
+
+real_controls = llmprobe.jobs.controls.train_controls
+
+
+def slow_controls(*args, **kw):     # in the worker (spawn runs this file there too): wait for the test's kill -9
+    if os.environ.get("SLOW_CONTROLS"):
+        time.sleep(120)
+    return real_controls(*args, **kw)
+
+
+llmprobe.jobs.controls.train_controls = slow_controls
+if __name__ == "__main__":''')
+
+
+@pytest.mark.skipif(not POSIX_PROC, reason="reads /proc")
+def test_a_dead_controls_worker_leaves_a_partial_report_and_exit_1(run_args, tmp_path):
+    """Row 5: a controls worker killed by kill -9 left "partial": false and exit 0 with stages.controls.done
+    false. Now the report is partial, the command says so and exits 1, and --resume trains the controls."""
+    out = tmp_path / "run"
+    (tmp_path / "wrapper.py").write_text(CONTROLS_WRAPPER)
+    proc = subprocess.Popen(run_args, env={**ENV, "SLOW_CONTROLS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline, workers = time.monotonic() + 90, []
+    while time.monotonic() < deadline and proc.poll() is None and not workers:
+        workers = [pid for pid, cmd in _children(proc.pid).items() if "spawn_main" in cmd]
+        time.sleep(0.2)
+    assert workers, proc.communicate()[1][-2000:]
+    os.kill(workers[0], signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1, stderr[-2000:]
+    assert "Traceback" not in stderr and "partial" in stderr and "controls" in stderr and "--resume" in stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["partial"] is True and report["stages"]["controls"]["done"] is False
+    assert report["stages"]["analyses"]["done"] is True
+    assert any("controls worker died" in e for e in report["errors"])
+    done = subprocess.run(run_args + ["--resume"], env=ENV, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["partial"] is False and report["stages"]["controls"]["done"] and report["controls"]["modes"]
+    assert report["stages"]["analyses"]["resumed"] and not any("died" in e for e in report["errors"])
+
+
+@pytest.mark.parametrize("tamper, problem", [
+    (lambda r: r.update(stages=["known_facts"]), r"'stages' is a JSON list, expected an object"),
+    (lambda r: r["stages"].update(known_facts="done"), r"'stages\.known_facts' is a JSON str, expected an object"),
+    (lambda r: r.update(relations=[1]), r"'relations' is a JSON list, expected an object"),
+    (lambda r: r["stages"]["known_facts"].update(done="yes"), r"'stages\.known_facts\.done' is a JSON str, "
+                                                              r"expected true or false"),
+])
+def test_a_tampered_report_under_resume_is_exit_2_naming_the_file(tamper, problem, models, capital, tmp_path,
+                                                                 capsys):
+    """Row 11: a report.json of the wrong shape under --resume gave TypeError/AttributeError tracebacks."""
+    out = tmp_path / "probe"
+    args = ["probe", models["qwen2"], "--relations", capital, "--device", "cpu", "--out", str(out)]
+    assert main(args) == 0
+    report = json.loads((out / "report.json").read_text())
+    tamper(report)
+    (out / "report.json").write_text(json.dumps(report))
+    capsys.readouterr()
+    assert main(args + ["--resume"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(f"{re.escape(str(out / 'report.json'))}: .*{problem}", err), err
+    assert "--resume" in err
+
+
+def test_seed_out_of_range_and_a_dead_ray_raylet_are_exit_2_with_a_message(models, capital, tmp_path, monkeypatch,
+                                                                          capsys):
+    """Row 11: ``--set run.seed=9999...`` failed after loading with "Overflow when unpacking long long"; a raylet
+    that died under ``run --executor ray`` gave a traceback (exit 1)."""
+    import ray.exceptions
+
+    import llmprobe.commands
+
+    done = cli("probe", models["qwen2"], "--relations", capital, "--set", "run.seed=99999999999999999999",
+               "--out", tmp_path / "seed")
+    assert done.returncode == 2 and "Traceback" not in done.stderr and "Loading" not in done.stderr
+    assert "run.seed must be at least 0 and at most 4294967295, got 99999999999999999999" in done.stderr
+
+    def raylet_died(fn, jobs, **kwargs):
+        raise ray.exceptions.LocalRayletDiedError()
+    monkeypatch.setattr(llmprobe.commands, "ray_map", raylet_died)
+    capsys.readouterr()
+    assert main(["run", models["qwen2"], models["gpt2"], "--executor", "ray", "--relations", capital,
+                 "--out", str(tmp_path / "ray")]) == 2
+    err = capsys.readouterr().err
+    assert "Ray failed (LocalRayletDiedError: The task's local raylet died" in err and str(tmp_path / "ray") in err

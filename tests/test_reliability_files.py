@@ -1,10 +1,14 @@
 """Reliability of what llmprobe reads and writes (issue 11, rows 6-10): safe exports, clear loading errors,
 locked sweeps and whole files, readable datasets; (issue 23, rows 6-8, 10, 11) models that are what they say and
-hostile files read back. Each test failed before its fix."""
+hostile files read back; (issue 23, rows 2, 4, 11, 13) a folder holds one run's files, compare and rerun write
+beside their inputs, malformed report.json files say what is wrong. Each test failed before its fix."""
 import csv
+import dataclasses
+import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -14,10 +18,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_analyses import FAST
 from tiny_models import save_tiny
 
+import llmprobe.analyses.run
+import llmprobe.jobs.probe
+from llmprobe.analyses.saved import load_decoder
+from llmprobe.cli import main
 from llmprobe.datasets import DatasetError, load_relations
 from llmprobe.io import append_jsonl, read_jsonl, write_json
+from llmprobe.jobs.probe import probe
+from llmprobe.jobs.rerun import rerun
 from llmprobe.model.loading import ModelLoadError, load_model
 from llmprobe.report.render import compare, metric_rows, render_markdown, write_csv
 from llmprobe.report.schema import REPORT_SCHEMA_VERSION, read_report
@@ -509,3 +520,120 @@ def test_deeply_nested_relation_files_name_the_file(tmp_path, suffix):
     path.write_text("[" * 100_000 + "]" * 100_000 + "\n")
     with pytest.raises(DatasetError, match=f"deep{suffix}: (line 1 is )?nested too deeply to read"):
         load_relations([str(path)])
+
+
+# ------------------------------------------------------------------------ issue 23, rows 1-5, 11-13
+def _forced_probe(monkeypatch):
+    """In-process probes below: every fact known (a random model knows nothing), fast analysis settings."""
+    real_known = llmprobe.jobs.probe.known_facts
+    monkeypatch.setattr(llmprobe.jobs.probe, "known_facts", lambda lm, relation, **kw: [
+        dataclasses.replace(r, known=True) for r in real_known(lm, relation, **kw)])
+    monkeypatch.setattr(llmprobe.analyses.run, "run_analyses",
+                        functools.partial(llmprobe.analyses.run.run_analyses, progress=False, **FAST))
+
+
+def _ten_facts(tmp_path) -> str:
+    path = tmp_path / "capital10.json"
+    subjects = ["Kalomi", "Neruta", "Vozika", "Mitalo", "Rukane", "Tazimo", "Lavoni", "Suketa", "Pamiro", "Zunela"]
+    path.write_text(json.dumps({"name": "capital", "templates": ["The capital of {} is"], "neutral_templates": ["{}"],
+                                "facts": [{"subject": s, "object": ["Paris", "Tokyo", "Rome"][i % 3]}
+                                          for i, s in enumerate(subjects)]}))
+    return str(path)
+
+
+def test_a_folder_of_another_models_run_is_refused_cleared_when_asked_and_decoders_must_match(
+        tiny_gpt2, tmp_path, monkeypatch, capsys):
+    """Row 2: a gpt2 probe into a folder that held a qwen2 run left qwen2's decoders, report.html, report.md and
+    metrics.csv beside gpt2's report.json, and load_decoder served qwen2's W. Now manifest.json records what a run
+    wrote and for which weights: another model's files are refused (exit 2) unless ``overwrite=True`` clears
+    them, a repeat of the same model clears its earlier files first, and load_decoder checks that decoders.json
+    and report.json name the same weights."""
+    _forced_probe(monkeypatch)
+    qwen2, relation, out = str(save_tiny("qwen2", tmp_path / "qwen2")), _ten_facts(tmp_path), tmp_path / "out"
+    probe_args = ["--relations", relation, "--layers", "0", "--device", "cpu", "--out", str(out)]
+    assert main(["probe", qwen2, "--analyses", "lre", *probe_args]) == 0
+    assert main(["report", str(out)]) == 0
+    written = {"report.json", "known_facts.json", "decoders.json", "decoders.safetensors", "manifest.json",
+               "report.html", "report.md", "metrics.csv"}
+    assert written <= {p.name for p in out.iterdir()}
+    manifest = json.loads((out / "manifest.json").read_text())
+    qwen2_weights = json.loads((out / "report.json").read_text())["model"]["weights_hash"]
+    assert manifest["weights"] == qwen2_weights and set(manifest["files"]) >= {"report.json", "decoders.json"}
+    saved = {name: (out / name).read_bytes() for name in ("decoders.json", "decoders.safetensors")}
+    capsys.readouterr()
+    assert main(["probe", str(tiny_gpt2), *probe_args]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out} holds the files of another run" in err and qwen2_weights in err and "decoders.json" in err
+    assert json.loads((out / "report.json").read_text())["model"]["weights_hash"] == qwen2_weights
+
+    probe(qwen2, relations=[relation], layers="0", device="cpu", out=out, analyses=[])   # the same model again
+    assert {p.name for p in out.iterdir() if not p.name.startswith(".")} == {"report.json", "known_facts.json",
+                                                                             "manifest.json"}
+    report = probe(str(tiny_gpt2), relations=[relation], layers="0", device="cpu", out=out, overwrite=True)
+    assert json.loads((out / "manifest.json").read_text())["weights"] == report["model"]["weights_hash"]
+    for name, data in saved.items():                          # qwen2's decoders put back beside gpt2's report
+        (out / name).write_bytes(data)
+    with pytest.raises(ValueError, match=f"decoders.json: the decoders of weights {qwen2_weights}, but .*report.json "
+                                         f"is the report of weights {report['model']['weights_hash']}"):
+        load_decoder(out, "capital")
+
+
+def test_compare_refuses_to_write_into_a_compared_folder(tmp_path, capsys):
+    """Row 4: ``compare A B --out A`` overwrote A's own report.html, report.md and metrics.csv."""
+    a, b = _report_dir(tmp_path / "a", _plain("m1")), _report_dir(tmp_path / "b", _plain("m2"))
+    (a / "report.html").write_text("A's own page")
+    for out in (a, tmp_path / "b" / ".." / "a", b):
+        assert main(["compare", str(a), str(b), "--out", str(out)]) == 2
+        assert "is one of the compared folders" in capsys.readouterr().err
+    assert (a / "report.html").read_text() == "A's own page" and not (b / "report.html").exists()
+    assert main(["compare", str(a), str(b), "--out", str(tmp_path / "cmp")]) == 0
+
+
+@pytest.mark.parametrize("change, problem", [
+    (lambda r: r["analyses"]["relations"]["capital"]["layers"].update(x={}),
+     r"analyses\.relations\.capital\.layers: layer key 'x' is not a layer index"),
+    (lambda r: r["analyses"]["superposition"]["layers"].update({"-": {}}),
+     r"analyses\.superposition\.layers: layer key '-' is not a layer index"),
+    (lambda r: r.update(controls=["a", "b"]), r"'controls' is a list of str, expected a list of objects"),
+    (lambda r: r["relations"].update(capital="x"), r"'relations\.capital' is a JSON str, expected an object"),
+    (lambda r: r["analyses"].update(relations=[]), r"'analyses\.relations' is a JSON list, expected an object"),
+    ("digits", r"not valid JSON \(a number of more than \d+ digits\)"),
+    ("nested", r"nested too deeply to read"),
+])
+def test_malformed_report_json_says_what_is_wrong(change, problem, tmp_path, capsys):
+    """Row 11: a layer key "x", controls as a list of strings, a 5000-digit int and deep nesting gave messages that
+    did not say what was wrong (or a traceback); each is now a ValueError naming the file and the problem, exit 2."""
+    report = dict(_plain(), analyses={"relations": {"capital": {"layers": {"0": {}}}},
+                                      "superposition": {"layers": {"0": {}}}})
+    if change == "digits":
+        text = json.dumps(report).replace('"n_facts": 4', '"n_facts": ' + "7" * 5000)
+    elif change == "nested":
+        text = json.dumps(report)[:-1] + ', "deep": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    else:
+        change(report)
+        text = json.dumps(report)
+    folder = _report_dir(tmp_path / "bad", text)
+    with pytest.raises(ValueError, match=f"report.json: .*{problem}"):
+        read_report(folder)
+    capsys.readouterr()
+    assert main(["report", str(folder), "--out", str(tmp_path / "export")]) == 2
+    err = capsys.readouterr().err
+    assert re.search(problem, err) and str(folder / "report.json") in err and "Traceback" not in err
+
+
+def test_a_reruns_offload_folder_stays_inside_its_own_folder(tmp_path):
+    """Row 13: ``rerun`` created the recorded offload_folder wherever it pointed (a report from elsewhere names any
+    path); now the rerun offloads into ``OUT/offload`` and says so, with the same numbers."""
+    folder, first = str(save_tiny("llama", tmp_path / "llama")), tmp_path / "first"
+    probe(folder, relations=[_relation_file(tmp_path)], layers="0", device_map="sequential",
+          max_memory="cpu=150000", offload_folder=tmp_path / "offload", out=first)
+    report = json.loads((first / "report.json").read_text())
+    assert report["model"]["placement"]["disk"] > 0
+    elsewhere = tmp_path / "elsewhere" / "offload"
+    report["settings"]["run"]["offload_folder"] = str(elsewhere)
+    (first / "report.json").write_text(json.dumps(report))
+    result = rerun(first, tmp_path / "again")
+    assert result["comparison"]["match"] and not (tmp_path / "elsewhere").exists()
+    offload = (tmp_path / "again" / "offload").resolve()
+    assert result["offload_folder"] == str(offload) and offload.is_dir()
+    assert result["report"]["model"]["placement"]["disk"] > 0

@@ -44,6 +44,12 @@ class SavedDecoder:
         return inverted.edit_delta(o_source, o_target, self.info.get("edit_rank"))
 
 
+def weights_id(info: dict) -> str:
+    """What names a model's weights in decoders.json, report.json's stage keys and manifest.json: its weights hash,
+    else ``name@revision`` (``info``: ``LoadedModel.info``, or report.json's ``model``)."""
+    return info.get("weights_hash") or f"{info.get('name')}@{info.get('revision')}"
+
+
 def save_decoders(out: str | Path, fitted: dict, model: dict) -> list[Path]:
     """Write ``fitted`` ({relation: {kind: fit}}, from ``run_analyses(fitted=...)``) to ``out/decoders.safetensors``
     (float64 tensors) and ``out/decoders.json`` (the entries, ``model``: the model's identity), atomically. A
@@ -115,6 +121,7 @@ def _read_decoders(folder: Path, missing_ok: bool = False) -> tuple[dict | None,
         raise ValueError(f"{index_file}: not an llmprobe decoders index (no 'decoders' list)")
     for i, entry in enumerate(index["decoders"]):
         _check_entry(entry, f"{index_file}: decoders[{i}]")
+    _check_same_weights(index, index_file, folder / "report.json")
     try:
         # cloned: load_file's tensors may sit unaligned in one buffer, and BLAS then rounds differently (1 ulp)
         tensors = {key: t.clone() for key, t in load_file(str(tensor_file)).items()}
@@ -124,6 +131,21 @@ def _read_decoders(folder: Path, missing_ok: bool = False) -> tuple[dict | None,
     for i, entry in enumerate(index["decoders"]):
         _check_shapes(entry, tensors, f"{tensor_file} (decoders[{i}] of {DECODERS_JSON})")
     return index, tensors
+
+
+def _check_same_weights(index: dict, index_file: Path, report_file: Path) -> None:
+    """ValueError when the report beside the decoders names other weights than they do (another run's files)."""
+    model = index.get("model")
+    saved = model.get("weights") if isinstance(model, dict) else None
+    try:
+        report = json.loads(report_file.read_text(encoding="utf-8")) if saved and report_file.is_file() else None
+    except (OSError, ValueError, RecursionError):      # an unreadable report says nothing about the decoders
+        report = None
+    measured = report.get("model") if isinstance(report, dict) else None
+    if isinstance(measured, dict) and weights_id(measured) != saved:
+        raise ValueError(f"{index_file}: the decoders of weights {saved}, but {report_file} is the report of "
+                         f"weights {weights_id(measured)}: they come from different runs; probe the model again "
+                         f"into an empty folder"[:600])
 
 
 def _check_entry(entry, where: str) -> None:

@@ -12,6 +12,7 @@ controls, as the pretrained model's subject states are; ``report["controls"]`` i
 """
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -19,18 +20,19 @@ from llmprobe.analyses.settings import settings_from
 from llmprobe.analyses.superposition import superposition_table
 from llmprobe.checks import UsageError
 from llmprobe.jobs.controls import ControlsWorker
-from llmprobe.jobs.probe import ProbeJob, job_settings, library_versions
-from llmprobe.jobs.stages import checkpoint, earlier_stage, mark_interrupted, stage_key, start_stage
+from llmprobe.jobs.probe import ProbeJob, job_settings, library_versions, say
+from llmprobe.jobs.stages import checkpoint, earlier_stage, mark_interrupted, stage_key, start_stage, unfinished
+from llmprobe.report.claims import claims_block
 from llmprobe.report.render import with_controls, write_all
 from llmprobe.settings import TRAINING, Settings
 from synthetic.controls import known_table
 
-FORMATS = ("html", "md", "json", "csv")
+FORMATS = {"html": "report.html", "md": "report.md", "json": "metrics.json", "csv": "metrics.csv"}   # -> file
 
 
 def run(model=None, *, settings: Settings | None = None, out: str | Path = "runs/main", tokenizer=None, lm=None,
         formats=("html", "md", "csv"), trust_remote_code: bool = False, allow_pickle: bool = False,
-        resume: bool = False, **options) -> dict:
+        resume: bool = False, overwrite: bool = False, **options) -> dict:
     """The main job; writes ``out/report.json`` (+ html/md/csv) and returns the report. ``model``/``tokenizer``/
     ``lm``: as in ``probe`` (a name or folder, or a model object; the controls' worker gets only the fact table).
     ``options``: those of ``probe`` (every run setting by its name, ``analysis_options``), ``controls`` and
@@ -53,13 +55,17 @@ def run(model=None, *, settings: Settings | None = None, out: str | Path = "runs
     line turns SIGTERM into one) the worker is stopped and report.json keeps the finished stages
     (``"partial": true``), the analyses' finished relations included (``analyses.partial``); ``resume`` takes
     finished stages (known facts, analyses, controls) and an interrupted analyses stage's finished relations from
-    ``out`` when their key (model hash and settings) matches, and computes only the rest.
+    ``out`` when their key (model hash and settings) matches, and computes only the rest. A controls stage that
+    fails (its worker died) leaves the report partial (``"partial": true``; ``--resume`` trains them). The
+    folder, decoders and ``overwrite``: as in ``probe``; ``report["claims"]`` is the summary's claims and verdicts,
+    the controls merged.
     """
     start = time.perf_counter()
     unknown = sorted(set(formats) - set(FORMATS))
     if unknown:
         raise UsageError(f"unknown report format(s) {unknown}; choose from {', '.join(FORMATS)}")
-    job = ProbeJob("run", job_settings("run", model, settings, options), Path(out), resume)
+    job = ProbeJob("run", job_settings("run", model, settings, options), Path(out), resume, overwrite,
+                   tuple(FORMATS[f] for f in formats))
     job.load(model, tokenizer, lm, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
     controls = MatchedControls(job.settings, job.previous) if job.settings.controls.enabled else None
     try:
@@ -77,6 +83,8 @@ def run(model=None, *, settings: Settings | None = None, out: str | Path = "runs
             controls.stop()
     report["versions"] = library_versions()
     report["wall_seconds"] = round(time.perf_counter() - start, 1)
+    report["partial"] = bool(unfinished(report))            # the controls failed: --resume trains them
+    report["claims"] = claims_block(report)
     checkpoint(job.out, report)
     write_all(with_controls([report]), job.out,
               f"llmprobe: {report['model']['name']} and its matched synthetic controls", formats)
@@ -120,6 +128,8 @@ class MatchedControls:
                 report["timings"]["controls_s"] = self.previous["timings"]["controls_s"]
             stage.update(done=True, resumed=True)
             return
+        say(f"matched controls: {len(table.subjects)} subjects x {len(table.relations)} relations, trained in a "
+            f"worker process meanwhile ([controls] lines)")
         self.worker = ControlsWorker(
             (table, report["model"]["d_model"]),
             {**settings.control_arguments(), "progress": _controls_progress,
@@ -131,6 +141,8 @@ class MatchedControls:
         if self.worker is None:
             return
         t = time.perf_counter()
+        if not self.worker.ready():
+            say("waiting for the matched controls ([controls] lines)")
         try:
             report["controls"], report["timings"]["controls_s"] = self.worker.get()
             report["stages"]["controls"]["done"] = True
@@ -164,7 +176,8 @@ def control_table(lm, relations: list, known: dict, report: dict, like_for_like:
 
 
 def _controls_progress(message: str) -> None:
-    print(f"[controls] {message}", flush=True)
+    """The controls worker's progress lines, on stderr like every other stage's."""
+    print(f"[controls] {message}", file=sys.stderr, flush=True)
 
 
 __all__ = ["run", "known_table"]

@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -15,14 +16,23 @@ import torch
 from tqdm.auto import tqdm
 
 from llmprobe.analyses import run as analyses_run
-from llmprobe.analyses.saved import read_fits, save_decoders
+from llmprobe.analyses.saved import DECODERS_JSON, DECODERS_TENSORS, read_fits, save_decoders, weights_id
 from llmprobe.checks import UsageError, layer_spec, output_folder
 from llmprobe.datasets import DatasetError, Relation, load_relations
-from llmprobe.jobs.stages import checkpoint, earlier_stage, mark_interrupted, previous_report, stage_key, start_stage
+from llmprobe.jobs.stages import (
+    checkpoint,
+    claim_folder,
+    earlier_stage,
+    mark_interrupted,
+    previous_report,
+    stage_key,
+    start_stage,
+)
 from llmprobe.model.interop import as_loaded_model
 from llmprobe.model.known import FactResult, known_facts
 from llmprobe.model.loading import LoadedModel
 from llmprobe.model.subjects import fill, locate_errors
+from llmprobe.report.claims import claims_block
 from llmprobe.report.schema import REPORT_SCHEMA_VERSION
 from llmprobe.settings import RunSettings, Settings, from_options
 
@@ -124,8 +134,7 @@ def fitting(lm: LoadedModel, relation: Relation, max_prompt_tokens: int | None =
 
 def model_identity(info: dict) -> dict:
     """What identifies a loaded model's numbers: its weights (hash, or hub name and revision), dtype and device."""
-    return {"weights": info.get("weights_hash") or f"{info.get('name')}@{info.get('revision')}",
-            "architecture": info.get("architecture"), "dtype": info.get("dtype"),
+    return {"weights": weights_id(info), "architecture": info.get("architecture"), "dtype": info.get("dtype"),
             "device": str(info.get("device", "")).split(":")[0]}
 
 
@@ -147,7 +156,7 @@ def job_settings(command: str, model, settings: Settings | None, options: dict) 
 
 def probe(model=None, *, settings: Settings | None = None, out: str | Path | None = None, tokenizer=None,
           lm: LoadedModel | None = None, trust_remote_code: bool = False, allow_pickle: bool = False,
-          resume: bool = False, on_known=None, **options) -> dict:
+          resume: bool = False, on_known=None, overwrite: bool = False, **options) -> dict:
     """Probe ``model`` (None = ``settings.run.model``, default the embedded model) on the relations; returns the
     report.
 
@@ -170,9 +179,16 @@ def probe(model=None, *, settings: Settings | None = None, out: str | Path | Non
     most populous first). Facts whose prompt does not fit the model's context or ``max_prompt_tokens`` are
     skipped and listed in ``errors``. ``on_known(report, known, lm, relations)`` is called once the known facts
     are checked, before the analyses (``llmprobe run`` starts its controls there). ``report["settings"]`` records
-    every setting (``Settings.record``), from which ``llmprobe rerun`` repeats the run.
+    every setting (``Settings.record``), from which ``llmprobe rerun`` repeats the run. With analyses,
+    ``report["claims"]`` holds the summary's claims and verdicts (``llmprobe.report.claims.claims_block``).
+
+    The decoders of each relation are written (decoders.safetensors, decoders.json) with its checkpoint, and
+    ``resume`` computes again a relation taken over whose decoders are missing (``stages.analyses.refit_relations``,
+    and a line in ``errors``). ``out`` must not hold another model's files (``manifest.json``; UsageError listing
+    them) unless ``overwrite``, which clears them; an earlier run of the same model's files are cleared unless
+    ``resume`` (``llmprobe.jobs.stages.claim_folder``).
     """
-    job = ProbeJob("probe", job_settings("probe", model, settings, options), out, resume)
+    job = ProbeJob("probe", job_settings("probe", model, settings, options), out, resume, overwrite)
     job.load(model, tokenizer, lm, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
     return job.run(on_known)
 
@@ -181,10 +197,14 @@ class ProbeJob:
     """One probe (alone, or the probe of ``run``: ``command``): its settings and output folder, the report being
     written, and what the stages computed."""
 
-    def __init__(self, command: str, settings: Settings, out: str | Path | None, resume: bool):
+    def __init__(self, command: str, settings: Settings, out: str | Path | None, resume: bool,
+                 overwrite: bool = False, files: tuple[str, ...] = ()):
         self.start = time.perf_counter()
         self.command, self.settings = command, settings
         self.out = output_folder(out) if out is not None else None
+        self.resume, self.overwrite = resume, overwrite
+        self.files = ["report.json", "known_facts.json", *files] + (    # what this job writes (manifest.json)
+            [DECODERS_JSON, DECODERS_TENSORS] if {"lre", "ridge"} & set(settings.analyses(command)) else [])
         self.previous = previous_report(self.out) if resume else {}
         self.lm: LoadedModel | None = None
         self.relations: list[Relation] = []
@@ -192,6 +212,7 @@ class ProbeJob:
         self.known: dict = {}      # relation -> [FactResult] of its located facts
         self.analysed: list = []   # the relations without the facts that do not fit the context (the analyses' input)
         self.fitted: dict = {}     # relation -> decoder -> the fit at its chosen layer (decoders.safetensors)
+        self.saved: set = set()    # the (relation, decoder) pairs of self.fitted that the decoder files hold
 
     def load(self, model, tokenizer, lm: LoadedModel | None, **load_flags) -> None:
         """Seed the RNGs, read the relations, load the model (unless ``lm``) and start the report."""
@@ -201,6 +222,8 @@ class ProbeJob:
         relations = load_relations(None if run.relations is None else list(run.relations))
         self.relations = [r.with_facts(r.facts[:run.max_facts]) for r in relations] if run.max_facts else relations
         named = model is None or isinstance(model, (str, os.PathLike))
+        if lm is None and named:
+            say(f"loading {run.model or 'the embedded default model'} ...")
         self.lm = lm if lm is not None else as_loaded_model(run.model if named else model, tokenizer,
                                                            **load_options(run), **load_flags)
         if not named:                           # a model object is recorded by its name_or_path
@@ -211,6 +234,11 @@ class ProbeJob:
             recorded = self.lm.info.get("name")
         timings = {"load_s": round(time.perf_counter() - self.start, 1)}
         self.report = new_report(self.command, self.settings, self.lm, self.relations, recorded, timings)
+        if self.out is not None:
+            claim_folder(self.out, self.command, self.lm.info, self.files, self.resume, self.overwrite)
+        say(f"{self.lm.info.get('name')}: {self.lm.adapter.n_layers} layers, loaded in {timings['load_s']} s; "
+            f"known facts of {len(self.relations)} relations ({sum(len(r.facts) for r in self.relations)} facts) "
+            f"next")
 
     def run(self, on_known=None) -> dict:
         """The stages: known facts, ``on_known``, the analyses; report.json written after each and at the end."""
@@ -227,7 +255,9 @@ class ProbeJob:
             self.save()
             raise
         self.report["partial"] = False
-        self.write_decoders()
+        if "analyses" in self.report:
+            self.report["claims"] = claims_block(self.report)
+        self.write_decoders(changed_only=False)
         self.save()
         return self.report
 
@@ -271,13 +301,23 @@ class ProbeJob:
         report, analyses, t = self.report, self.settings.analyses(self.command), time.perf_counter()
         key = stage_key(report["stages"]["known_facts"]["key"], report["layers"], analyses,
                         sorted(self.settings.changed("analysis").items()))
-        stage = start_stage(report, "analyses", key, resumed_relations=[], resumed_superposition=False)
+        stage = start_stage(report, "analyses", key, resumed_relations=[], resumed_superposition=False,
+                            refit_relations=[])
+        say(f"analyses {', '.join(analyses)}: {len(self.analysed)} relations, {len(report['layers'])} layers")
         before = earlier_stage(self.previous, "analyses", key)
         earlier = self.previous.get("analyses") if before is not None else None
         earlier = earlier if isinstance(earlier, dict) else None
         if earlier is not None and self.out is not None:   # the decoders of the relations taken over
             self.fitted.update(read_fits(self.out))
-        if earlier is not None and before.get("done"):
+            self.saved = {(name, kind) for name, kinds in self.fitted.items() for kind in kinds}
+            stage["refit_relations"] = missing_decoders(earlier, self.fitted, analyses)
+            for name in stage["refit_relations"]:
+                report["errors"].append(f"{name}: its decoders were missing from {self.out / DECODERS_JSON}, so "
+                                        f"its analyses were computed again (--resume)")
+            relations = {k: v for k, v in (earlier.get("relations") or {}).items()
+                         if k not in stage["refit_relations"]}
+            earlier = {**earlier, "relations": relations} if stage["refit_relations"] else earlier
+        if earlier is not None and before.get("done") and not stage["refit_relations"]:
             report["analyses"] = earlier
             earlier.setdefault("partial", False)
             stage.update(resumed=True, resumed_relations=list(earlier.get("relations") or {}),
@@ -294,14 +334,18 @@ class ProbeJob:
         stage["done"] = True
 
     def analyses_progress(self, partial: dict) -> None:
-        """``run_analyses``' checkpoint: the finished relations are safe from an interrupt."""
+        """``run_analyses``' checkpoint: the finished relations (their decoders first) are safe from an interrupt."""
         self.report["analyses"] = partial
+        self.write_decoders()
         self.save(known=False)     # known_facts.json was written after the known facts
 
-    def write_decoders(self) -> None:
-        """The fitted decoders beside report.json: decoders.safetensors + decoders.json (``llmprobe.report.notebook``)."""
-        if self.out is not None and self.fitted:
+    def write_decoders(self, changed_only: bool = True) -> None:
+        """The fitted decoders beside report.json: decoders.safetensors + decoders.json (``llmprobe.report.notebook``),
+        when a decoder was fitted since they were last written (or, not ``changed_only``, when there are any)."""
+        fitted = {(name, kind) for name, kinds in self.fitted.items() for kind in kinds}
+        if self.out is not None and fitted and (fitted != self.saved or not changed_only):
             save_decoders(self.out, self.fitted, {**model_identity(self.lm.info), "name": self.lm.info.get("name")})
+            self.saved = fitted
 
 
 def new_report(command: str, settings: Settings, lm: LoadedModel, relations: list[Relation], model: str | None,
@@ -347,6 +391,15 @@ def _previous_known(out: Path) -> dict:
         return {}
 
 
+def missing_decoders(earlier: dict, fitted: dict, analyses: tuple[str, ...]) -> list[str]:
+    """The relations an earlier analyses result finished (no error) whose decoders chosen there (``selected``)
+    of those asked for in ``analyses`` are not in ``fitted`` (the decoder files read back)."""
+    asked = {"lre", "ridge"} & set(analyses)
+    return [name for name, entry in (earlier.get("relations") or {}).items()
+            if isinstance(entry, dict) and not entry.get("error")
+            and not (asked & set(entry.get("selected") or {})).issubset(fitted.get(name) or {})]
+
+
 def taken_over(earlier: dict, relations: list[Relation], analyses: tuple[str, ...]) -> dict:
     """What an interrupted analyses stage of the same key leaves to take over: the ``resumed_relations`` (their
     decoders), ``resumed_superposition``, and ``resumed`` when that is everything asked for."""
@@ -357,6 +410,11 @@ def taken_over(earlier: dict, relations: list[Relation], analyses: tuple[str, ..
     return {"resumed_relations": names, "resumed_superposition": superposition,
             "resumed": (len(names) == (len(relations) if decoders else 0)
                         and superposition == ("superposition" in analyses))}
+
+
+def say(message: str) -> None:
+    """One progress line on stderr (above any progress bar)."""
+    tqdm.write(f"llmprobe: {message}", file=sys.stderr)
 
 
 def summary_table(report: dict) -> str:

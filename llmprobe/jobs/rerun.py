@@ -60,8 +60,10 @@ def rerun(folder: str | Path, out: str | Path | None = None, allow_different_wei
           trust_remote_code: bool = False, allow_pickle: bool = False) -> dict:
     """Repeat the ``probe`` or ``run`` that wrote ``folder/report.json`` with its recorded settings into ``out``
     (default: ``<folder>-rerun``), and compare the numbers. The model is loaded first; a weights hash that differs
-    from the recorded one raises UsageError unless ``allow_different_weights``. Returns {"command", "out",
-    "weights": "same" | "different" | "not recorded", "report", "comparison" (:func:`compare_numbers`)}."""
+    from the recorded one raises UsageError unless ``allow_different_weights``. A recorded ``offload_folder``
+    becomes ``out/offload`` (a report's path could point anywhere). Returns {"command", "out", "weights": "same" |
+    "different" | "not recorded", "offload_folder" (None without offloading), "report", "comparison"
+    (:func:`compare_numbers`)}."""
     folder = Path(folder)
     try:
         old = json.loads((folder / "report.json").read_text(encoding="utf-8"))
@@ -75,6 +77,8 @@ def rerun(folder: str | Path, out: str | Path | None = None, allow_different_wei
     if out.resolve() == folder.resolve():
         raise UsageError(f"rerun: --out {str(out)!r} is the report's own folder; give another one")
     output_folder(out)
+    if settings.run.offload_folder is not None:     # the recorded path may be anywhere: offload inside out
+        settings.run.offload_folder = str(out.resolve() / "offload")
     lm = load_model(settings.run.model, **load_options(settings.run), trust_remote_code=trust_remote_code,
                     allow_pickle=allow_pickle)
     recorded, loaded = (old.get("model") or {}).get("weights_hash"), lm.info.get("weights_hash")
@@ -84,7 +88,8 @@ def rerun(folder: str | Path, out: str | Path | None = None, allow_different_wei
                          f"report's ({loaded} now, {recorded} recorded); pass --allow-different-weights to rerun "
                          f"anyway")
     report = (probe if command == "probe" else run)(settings=settings, out=out, lm=lm)
-    return {"command": command, "out": str(out), "weights": weights, "report": report,
+    return {"command": command, "out": str(out), "weights": weights, "offload_folder": settings.run.offload_folder,
+            "report": report,
             "comparison": compare_numbers(old, json.loads((out / "report.json").read_text(encoding="utf-8")))}
 
 

@@ -363,7 +363,7 @@ def load_model(
                              f"for the embedded default {DEFAULT_MODEL}")
     else:
         source, folder, gguf = "hub", name, gguf_file
-        _check_hub_reachable(name, revision)
+        check_hub_reachable(name, revision)
     if device_map is None and device == "cuda" and torch.cuda.device_count() > 1:
         device_map = "auto"
     kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code, revision=revision)
@@ -479,7 +479,7 @@ def _embedded_safetensors() -> str:
     return str(target)
 
 
-def _check_hub_reachable(name: str, revision: str | None) -> None:
+def check_hub_reachable(name: str, revision: str | None) -> None:
     """Fail at once, naming what was tried, when ``name`` is neither cached nor reachable."""
     from huggingface_hub import try_to_load_from_cache
     from huggingface_hub.errors import HFValidationError

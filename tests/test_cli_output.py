@@ -1,0 +1,135 @@
+"""Issue 25, items 1, 2, 3, 8: what the command line prints and writes for a researcher reading it.
+
+Each test failed on the code before the change: the analyses' lines had no "k/N" and no time left, the controls
+printed tuples; the end of a run printed no claim; ``probe MODEL`` ran no analysis and wrote report.json only;
+there was no ``--version``; an offline hub name left an empty output folder; a 2-cell sweep printed a bootstrap
+interval and "no drift"; the ``synth analyze`` table had no intervals and no legend."""
+import json
+import re
+
+import pytest
+from tiny_models import save_tiny
+
+from llmprobe.analyses.settings import Log
+from llmprobe.cli import main
+from llmprobe.datasets import Fact, FactTable, Relation
+from llmprobe.report.claims import CLAIMS, GRADES
+from synthetic.analyze import analyze, legend
+from synthetic.controls import train_controls
+from synthetic.sweep import fit_trend, table_markdown
+from synthetic.train import TrainConfig
+
+VERDICTS = "|".join(map(re.escape, (*GRADES, "inconclusive", "not comparable")))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(save_tiny("llama", tmp_path_factory.mktemp("llama")))
+
+
+@pytest.fixture
+def relation(tmp_path):
+    facts = [("France", "Paris"), ("Japan", "Tokyo"), ("Brazil", "Brasilia"), ("Egypt", "Cairo"), ("Italy", "Rome"),
+             ("Spain", "Madrid")]
+    path = tmp_path / "capital.json"
+    path.write_text(json.dumps({"name": "capital", "templates": ["The capital of {} is"], "neutral_templates": ["{}"],
+                                "facts": [{"subject": s, "object": o} for s, o in facts]}))
+    return str(path)
+
+
+# ------------------------------------------------------------------------------------------ item 1: progress
+def test_analyses_lines_carry_k_of_n_and_the_time_left(capsys):
+    log = Log(True)
+    for name in log.bar(["a", "b", "c"], "decoders"):
+        log(f"{name}: fitted")
+    log("superposition: begun")
+    lines = [line for line in capsys.readouterr().err.splitlines() if "fitted" in line or "begun" in line]
+    assert [re.search(r"decoders (\d)/3", line).group(1) for line in lines[:3]] == ["1", "2", "3"]
+    assert "left" not in lines[0] and all(re.search(r"~\d\d:\d\d left", line) for line in lines[1:3])
+    assert "decoders" not in lines[3]                    # the stage is over: no k/N any more
+
+
+def test_controls_say_what_they_train_and_find_in_words():
+    lines = []
+    countries = [("France", "Paris", "Europe"), ("Japan", "Tokyo", "Asia"), ("Brazil", "Brasilia", "Americas"),
+                 ("Egypt", "Cairo", "Africa"), ("Italy", "Rome", "Europe"), ("India", "New Delhi", "Asia")]
+    table = FactTable.from_relations([Relation(name, ["{}"], [], [Fact(c[0], c[k]) for c in countries])
+                                      for k, name in ((1, "capital"), (2, "continent"))])
+    out = train_controls(table, d_model=4, max_steps=50, modes=("trainable",), at_model_width=False, n_boot=20,
+                         progress=lines.append, n_seeds=1)
+    d_star = out["modes"]["trainable"]["threshold"]["d_star"]
+    text = "\n".join(lines)
+    assert "(1/1 modes), seed 0: searching d*" in text and "[(" not in text and "False" not in text
+    assert (f"d* = {d_star}," if d_star else "no width up to 4 reaches 100%") in text
+    assert re.search(r"trained d=\d+ (100%|\d+\.\d%)", text)
+    assert re.search(r"trainable d=\d+ \(width 1/1\): 100% train accuracy at step", text)
+
+
+# ----------------------------------------------------------------------- items 2, 3: the end of probe and run
+def test_the_end_of_a_run_prints_every_claim_with_its_verdict_and_the_report_path(tiny, relation, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["run", tiny, "--relations", relation, "--layers", "-1", "--device", "cpu", "--no-controls",
+                 "--analyses", "", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    for claim in CLAIMS:
+        assert any(re.match(rf"  {re.escape(claim)}: ({VERDICTS})", line) for line in printed), claim
+    assert printed[-1].startswith(f"report: {out / 'report.html'} ") and (out / "report.html").is_file()
+
+
+def test_probe_model_runs_the_analyses_and_writes_the_html_report(tiny, relation, tmp_path, capsys):
+    out = tmp_path / "probe"
+    assert main(["probe", tiny, "--relations", relation, "--layers", "-1", "--device", "cpu",
+                 "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["settings"]["run"]["analyses"] == ["lre", "ridge", "superposition"] and "analyses" in report
+    assert (out / "report.html").is_file() and (out / "report.md").is_file()
+    assert re.search(r"\| decoders 1/1\]", capsys.readouterr().err)
+    assert main(["probe", tiny, "--relations", relation, "--layers", "-1", "--device", "cpu", "--analyses", "",
+                 "--out", str(tmp_path / "known")]) == 0
+    assert "analyses" not in json.loads((tmp_path / "known" / "report.json").read_text())
+
+
+# ------------------------------------------------------------------------------------- item 8: help and errors
+def test_version_and_help_say_what_is_there(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0 and re.fullmatch(r"llmprobe \d+\.\d+\.\d+\n", capsys.readouterr().out)
+    with pytest.raises(SystemExit):
+        main(["config", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "flags above" not in text and "--set overrides it" in text
+    with pytest.raises(SystemExit):
+        main(["probe", "--help"])
+    assert "(default runs/probe)" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("command", ["probe", "run"])
+def test_an_unreachable_hub_model_fails_before_the_output_folder_is_made(command, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "never"
+    assert main([command, "nobody/no-such-model", "--out", str(out)]) == 2
+    assert "nobody/no-such-model" in capsys.readouterr().err and not out.exists()
+
+
+def test_a_two_cell_sweep_says_drift_cannot_be_judged():
+    fit = fit_trend([(256, 2, 4), (512, 2, 5)])
+    assert fit["drift_reason"].startswith("Drift cannot be judged from 2 cells")
+    cells = [{"N": N, "R": 2, "mode": "trainable", "d_star": [d], "bits_per_param": 1.4, "steps": 100,
+              "censored": 0, "pending": 0, "upper_bounds": []} for N, d in ((256, 4), (512, 5))]
+    text = table_markdown({"cells": cells, "fit": {"trainable": fit}, "power_fits": {}})
+    assert "no interval from 2 cells" in text and "inf" not in text and "No drift" not in text
+
+
+def test_synth_analyze_table_has_intervals_and_a_legend_line_per_measure(tmp_path):
+    spec = {"subjects": 16, "relations": 2, "d": 8, "d_mlp": 32,
+            "train_config": TrainConfig(lr=0.03, max_steps=100, weight_decay=1e-4, target_acc=1.01, progress=False)}
+    result = analyze(str(tmp_path / "run"), controls=("frozen_all",), n_boot=20, swap_steps=(0, 5), plots=False,
+                     train_spec=spec, progress=False)
+    rows = {line.split(" | ")[0][2:]: line for line in result["table_md"].splitlines()
+            if line.startswith("| ") and not line.startswith("| measure")}
+    r2 = result["table"]["trainable"]["superposition_r2"]
+    lo, hi = result["table_intervals"]["trainable"]["superposition_r2"]
+    assert lo <= r2 <= hi and f"{r2:.3f} [{lo:.3f}, {hi:.3f}]" in rows["superposition_r2"]
+    assert "[" in rows["readout_acc"] and "[" not in rows["exclusive_ablation_offdiag_drop"]
+    for key in rows:
+        assert legend(key) and f"* {key}: {legend(key)}" in result["table_md"]
