@@ -5,7 +5,12 @@ Formats read by :func:`load_relations` (see ``prompts/SCHEMA.md``):
 * our JSON schema (``{"name", "templates", "neutral_templates", "properties", "facts": [{"subject", "object"}]}``),
 * the LRE relations format (``{"name", "prompt_templates": ["... {} ..."], "samples": [{"subject", "object"}]}``),
 * CSV and JSON-lines files with subject/object columns (and an optional template column),
-* anything ``datasets.load_dataset`` reads, as ``hf:NAME[:split]``.
+* anything ``datasets.load_dataset`` reads, as ``hf:NAME[:split]``;
+* the bundled LRE dataset (``prompts/lre/``, 47 relations, MIT) as ``lre:factual``, ``lre:linguistic``,
+  ``lre:commonsense``, ``lre:bias``, ``lre:all`` or ``lre:NAME`` (a file's name, e.g. ``lre:adj_comparative``):
+  every row as the file has it, duplicates kept (the LRE reference's protocol uses them; the strict protocol
+  counts a repeated fact once), literal ``\\uXXXX`` escapes in subjects and objects read as the characters they
+  name ("Bras\\u00edlia" is "Brasília"; the reference keeps the six characters).
 
 Malformed input raises :class:`DatasetError`, whose message names the file and the field.
 """
@@ -15,6 +20,7 @@ import csv
 import io
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -31,6 +37,7 @@ CARDINALITIES = ("one-to-one", "many-to-one", "one-to-many", "many-to-many")
 DEFAULT_NEUTRAL = ["{}"]
 TOO_DEEP = "a relation is at most a list of objects holding lists of facts: a few levels deep"
 _PACKAGE = "prompts"
+LRE_CATEGORIES = ("factual", "linguistic", "commonsense", "bias")     # the folders of prompts/lre/
 
 
 class DatasetError(ValueError):
@@ -400,6 +407,44 @@ def _read_path(path: Path, row_kw: dict) -> list[Relation]:
     raise DatasetError(f"{path}: unknown file type {suffix!r} (expected .json, .jsonl or .csv)")
 
 
+def _lre_files(spec: str) -> list:
+    """The bundled LRE files an ``lre:`` name stands for (module doc), in category and file order."""
+    root = resources.files(_PACKAGE) / "lre"
+    files = {c: sorted((p for p in (root / c).iterdir() if p.name.endswith(".json")), key=lambda p: p.name)
+             for c in LRE_CATEGORIES}
+    key = spec[len("lre:"):]
+    if key == "all":
+        return [p for c in LRE_CATEGORIES for p in files[c]]
+    if key in files:
+        return files[key]
+    by_name = {p.name[:-5]: p for c in LRE_CATEGORIES for p in files[c]}
+    if key in by_name:
+        return [by_name[key]]
+    raise DatasetError(f"{spec!r} is not an LRE category or relation: lre:all, "
+                       f"{', '.join('lre:' + c for c in LRE_CATEGORIES)}, or lre:NAME with NAME one of "
+                       f"{', '.join(sorted(by_name))}")
+
+
+def _unescape(text: str) -> str:
+    """Literal ``\\uXXXX`` escapes (the LRE files hold a few) as the characters they name."""
+    return re.sub(r"\\u([0-9a-fA-F]{4})", lambda m: chr(int(m.group(1), 16)), text)
+
+
+def _read_lre(spec: str) -> list[Relation]:
+    """The relations of an ``lre:`` name: each file checked as any LRE-format file, then its rows as they are
+    (duplicates kept, escapes read: module doc); ``properties.rows`` / ``duplicate_rows`` count them."""
+    out = []
+    for res in _lre_files(spec):
+        text = res.read_text(encoding="utf-8")
+        relation = _read_json_text(text, str(res))[0]
+        facts = [Fact(_unescape(row["subject"].strip()), _unescape(row["object"].strip()))
+                 for row in json.loads(text)["samples"]]
+        properties = {**relation.properties, "rows": len(facts), "duplicate_rows": len(facts) - len(set(facts))}
+        out.append(Relation(relation.name, relation.templates, relation.neutral_templates, facts, properties,
+                            relation.source))
+    return out
+
+
 def load_relations(names_or_paths: list[str] | str | None = None, *, templates: list[str] | None = None,
                    neutral_templates: list[str] | None = None, subject_column: str = "subject",
                    object_column: str = "object", template_column: str = "template",
@@ -407,8 +452,9 @@ def load_relations(names_or_paths: list[str] | str | None = None, *, templates: 
     """Load relations; None = every bundled relation.
 
     Each item is a bundled relation name (``"country_capital"``), a JSON file in our schema or the LRE format
-    (auto-detected), a .csv / .jsonl file of rows, a directory of such files, or ``hf:NAME[:split]`` for
-    ``datasets.load_dataset(NAME, split=split, **hf_kwargs)``. Row sources take their columns from
+    (auto-detected), a .csv / .jsonl file of rows, a directory of such files, ``hf:NAME[:split]`` for
+    ``datasets.load_dataset(NAME, split=split, **hf_kwargs)``, or ``lre:CATEGORY`` / ``lre:all`` / ``lre:NAME`` for
+    the bundled LRE dataset (module doc). Row sources take their columns from
     ``subject_column``/``object_column`` (dotted names reach into nested records), their templates from
     ``templates`` or else the distinct values of ``template_column``, and are split into one relation per value
     of ``relation_column`` when that column exists (otherwise the relation is named after the file/dataset).
@@ -425,6 +471,8 @@ def load_relations(names_or_paths: list[str] | str | None = None, *, templates: 
         item_s = os.fspath(item)
         if item_s.startswith("hf:"):
             out.extend(_read_hf(item_s, hf_kwargs, **row_kw))
+        elif item_s.startswith("lre:"):
+            out.extend(_read_lre(item_s))
         elif item_s in bundled:
             res = bundled[item_s]
             out.extend(_read_json_text(res.read_text(encoding="utf-8"), str(res)))

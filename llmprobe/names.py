@@ -2,8 +2,9 @@
 embedding modes of the synthetic models (what each freezes, and the subsets each experiment runs). One constant
 each; every check and default reads them from here."""
 
-ANALYSES = ("lre", "ridge", "superposition")     # what ``--analyses`` can name
+ANALYSES = ("lre", "ridge", "superposition", "crosspatch", "selector", "multihop")   # what ``--analyses`` can name
 PROTOCOLS = ("strict", "lre")                    # strict: zero-shot prompt, exact first token; lre: the reference's
+LRE_SELECTIONS = ("validation", "as-published")  # protocol lre: where beta, edit rank and layer are chosen
 FIRST_TOKEN = "first_token"                      # an object scored by its first token
 SEQUENCE = "sequence"                            # ... or by the full-sequence log-probability
 SCORING_MODES = (FIRST_TOKEN, SEQUENCE)

@@ -101,10 +101,15 @@ def test_result_has_the_documented_keys_and_typed_metrics(tiny_result):
     assert sup["relations"] == ["capital", "continent", "language"] and sup["subjects"] == 28
     for layer in ("0", "1", "2"):
         entry = sup["layers"][layer]
-        assert entry["r2"]["n"] == 28 and set(entry["r2"]["controls"]) == {"shuffled", "random_init"}
+        r2 = entry["r2"]
+        assert r2["n"] == 28 and set(r2["controls"]) == {"shuffled", "random_attributes", "random_init"}
+        assert r2["control"] == "random_attributes" and r2["gain"] == r2["margins"]["random_attributes"]
+        assert r2["interval"].startswith("jackknife") and len(r2["jackknife"]) == 20
         for name in sup["relations"]:
             m = entry["readout"][name]
-            assert m["interval"] == "wilson" and 0 <= m["chance"] <= 1 and "random_init" in m["controls"]
+            assert m["interval"] == "wilson (jackknife)" and 0 <= m["chance"] <= 1
+            assert set(m["controls"]) == {"shuffled", "random_attributes", "random_init", "chance"}
+            assert m["controls"]["chance"]["value"] == m["chance"] and m["gain"]["n"] == m["n"]
     swap = sup["layers"]["0"]["swap"]
     assert [b["scale"] for b in swap["by_scale"]] == list(settings["swap_scales"]) and swap["n_edits"] > 0
     assert swap["by_scale"][0]["success"]["n"] == swap["n_edits"]
@@ -141,7 +146,7 @@ def test_bad_arguments_fail_clearly(tiny):
         run_analyses(tiny, rels, known, [0], n_bootstrap=3)
     with pytest.raises(ValueError, match="protocol"):
         run_analyses(tiny, rels, known, [0], protocol="icl")
-    assert ANALYSES == ("lre", "ridge", "superposition")
+    assert ANALYSES == ("lre", "ridge", "superposition", "crosspatch", "selector", "multihop")
 
 
 def test_pick_layers():
@@ -283,12 +288,16 @@ def test_reference_protocol_uses_in_context_examples_and_the_prefix_rule(toy):
 
 
 def test_planted_superposition_beats_shuffled_and_random_init_controls():
-    """Subject embeddings built as e_s = sum_r P_r u_{a_r(s)} (u = unembedding rows of the attributes): the
-    readout and the superposition fit must beat the shuffled-attribute and random-init controls."""
-    n, d = 48, 16
+    """Subject embeddings built as e_s = sum_r P_r v_{a_r(s)} (v = unembedding rows of the attributes): the
+    readout and the superposition fit must beat the shuffled-attribute and random-init controls. With 3-4
+    attributes per relation in 16 dims any vectors can be mapped onto the states, so random vectors of the same
+    norms do as well: the gain over random_attributes is ~0. "square dark" opens with the token of "square" (one
+    u vector) but moves the state differently: the two are merged into one answer and listed, so the random
+    vectors, which would tell them apart, do not 'beat' the true ones."""
+    n, d = 60, 16
     subjects = [f"S{i}" for i in range(n)]
-    attrs = {"colour": ["red", "green", "blue", "white"], "shape": ["round", "square", "flat"]}
-    lm = linear_toy(subjects, extra=[a for v in attrs.values() for a in v] + ["Tell", "me", "about", "."], d=d)
+    attrs = {"colour": ["red", "green", "blue", "white"], "shape": ["round", "square", "flat", "square dark"]}
+    lm = linear_toy(subjects, extra="red green blue white round square flat dark Tell me about .".split(), d=d)
     tok, model = lm.tokenizer, lm.model
     gen = torch.Generator().manual_seed(0)
     table = {name: torch.randint(len(vals), (n,), generator=gen) for name, vals in attrs.items()}
@@ -296,8 +305,8 @@ def test_planted_superposition_beats_shuffled_and_random_init_controls():
         emb = torch.zeros(n, d, dtype=torch.float64)
         for name, vals in attrs.items():
             P = torch.randn(d, d, generator=gen, dtype=torch.float64)
-            U = model.head.weight[tok.convert_tokens_to_ids(vals)]
-            emb += U[table[name]] @ P.T
+            V = model.head.weight[tok.convert_tokens_to_ids([v.split()[-1] for v in vals])]
+            emb += V[table[name]] @ P.T
         emb += 0.05 * torch.randn(n, d, generator=gen, dtype=torch.float64)
         model.embed.weight[tok.convert_tokens_to_ids(subjects)] = emb
     rels = [Relation(name, [f"The {name} of {{}} is"], ["Tell me about {} ."],
@@ -306,16 +315,22 @@ def test_planted_superposition_beats_shuffled_and_random_init_controls():
     res = run_analyses(lm, rels, {}, [0, 1], analyses=("superposition",), progress=False,
                        **{**FAST, "folds": 4, "n_boot": 200})
     assert res["errors"] == []
+    sup = res["superposition"]
+    assert {k: [sorted(g) for g in v] for k, v in sup["merged_attributes"].items()} == {
+        "shape": [["square", "square dark"]]}
+    assert sup["first_token_collisions"] == {"colour": 0, "shape": 2}
     for layer in ("0", "1"):
-        entry = res["superposition"]["layers"][layer]
+        entry = sup["layers"][layer]
         r2 = entry["r2"]
-        assert r2["value"] > 0.8 and r2["ci"][0] > r2["controls"]["shuffled"]["value"] + 0.3
+        assert r2["value"] > 0.7 and r2["ci"][0] > r2["controls"]["shuffled"]["value"] + 0.3
         assert r2["value"] > r2["controls"]["random_init"]["value"] + 0.3
+        assert abs(r2["gain"]["value"]) < 0.05 and r2["gain"]["ci"][0] < 0.05
         for name in attrs:
             m = entry["readout"][name]
             assert m["value"] >= 0.9, (layer, name, m)
             assert m["ci"][0] > m["controls"]["shuffled"]["value"] and m["ci"][0] > m["chance"]
             assert m["value"] > m["controls"]["random_init"]["value"] + 0.2
+            assert m["controls"]["random_attributes"]["value"] <= m["value"] + 0.05
 
 
 class SelectorToy(nn.Module):

@@ -3,7 +3,7 @@ import pytest
 import torch
 from tiny_models import FAMILIES, save_tiny
 
-from llmprobe.model.adapters import SUPPORTED_TYPES, AdapterError, ModelAdapter
+from llmprobe.model.adapters import SUPPORTED_TYPES, AdapterError, ModelAdapter, to_lens_name
 from llmprobe.model.capture import capture, forward, patch
 from llmprobe.model.loading import ModelLoadError, load_model
 from llmprobe.model.subjects import SubjectNotFoundError, encode
@@ -97,6 +97,33 @@ def test_sub_module_places(loaded):
     if loaded.adapter.model_type not in ("gemma2", "gemma3_text"):  # these norm each branch before adding it
         torch.testing.assert_close(s["blocks.1.resid_pre"] + s["blocks.1.attn_out"] + s["blocks.1.mlp_out"],
                                    s["blocks.1.resid_post"], atol=1e-5, rtol=1e-5)
+
+
+def test_mlp_pre_is_the_input_of_the_activation(loaded):
+    """``blocks.{l}.mlp_pre`` (the gate's place) is what the MLP's activation reads: mlp_hidden = act(pre) in a
+    plain MLP (Phi, GPT-2), act(pre) * up_proj x in a gated one (every other family), as ``mlp_gated`` says."""
+    batch = encode(loaded.tokenizer, TEMPLATES, SUBJECTS)
+    adapter = loaded.adapter
+    mlp, act = adapter.place("blocks.1.mlp_out").module, adapter.place("blocks.1.mlp_pre").module
+    assert adapter.names().index("blocks.1.mlp_pre") == adapter.names().index("blocks.1.mlp_hidden") - 1
+    assert adapter.mlp_gated(1) == (adapter.model_type not in ("phi", "gpt2"))
+    seen = {}
+    handle = mlp.register_forward_pre_hook(lambda module, args: seen.update(x=args[0].detach()))
+    try:
+        s = capture(loaded.model, ["blocks.1.mlp_pre", "blocks.1.mlp_hidden"], batch.input_ids, batch.attention_mask)
+    finally:
+        handle.remove()
+    pre, hidden = s["blocks.1.mlp_pre"], s["blocks.1.mlp_hidden"]
+    assert pre.shape == hidden.shape == (3, batch.input_ids.shape[1], 64)
+    expected = act(pre)
+    if adapter.mlp_gated(1):
+        up = mlp.up_proj(seen["x"]) if hasattr(mlp, "up_proj") else mlp.gate_up_proj(seen["x"]).chunk(2, -1)[1]
+        expected = expected * up
+    torch.testing.assert_close(hidden, expected, atol=1e-5, rtol=1e-5)
+    with patch(loaded.model, "blocks.1.mlp_pre", batch.prompt_last, delta=torch.ones(3, 64)):
+        moved = capture(loaded.model, ["blocks.1.mlp_hidden"], batch.input_ids, batch.attention_mask)
+    assert not torch.allclose(moved["blocks.1.mlp_hidden"], hidden)
+    assert to_lens_name("blocks.1.mlp_pre") == "blocks.1.mlp.hook_pre"
 
 
 def test_adapter_logits_match_model_logits(loaded):

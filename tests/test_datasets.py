@@ -286,6 +286,30 @@ def test_hf_datasets_loader(tmp_path):
         load_relations(["hf:json"], hf_kwargs=kw["hf_kwargs"], templates=["{}"])
 
 
+def test_bundled_lre_dataset_by_category_name_and_all():
+    """The LRE dataset ships in the package (prompts/lre/, with its licence) and loads by category, by file name
+    or whole; the default relation set stays the 13 bundled relations."""
+    counts = {category: len(load_relations(f"lre:{category}")) for category in ("factual", "linguistic",
+                                                                                  "commonsense", "bias")}
+    assert counts == {"factual": 26, "linguistic": 6, "commonsense": 8, "bias": 7}
+    linguistic = load_relations("lre:linguistic")
+    assert [r.name for r in linguistic] == ["adjective antonym", "adjective comparative", "adjective superlative",
+                                            "verb past tense", "word first letter", "word last letter"]
+    assert all(r.properties["relation_type"] == "linguistic" and r.properties["format"] == "lre" for r in linguistic)
+    everything = load_relations("lre:all")
+    assert len(everything) == 47 and len({r.name for r in everything}) == 47
+    (capital,) = load_relations("lre:country_capital_city")
+    assert Fact("Brazil", "Brasília") in capital.facts                 # the file's "Bras\\u00edlia", read
+    assert not any("\\u" in f.subject + f.object for r in everything for f in r.facts)
+    assert len(load_relations(None)) == len(list_bundled()) == 13
+    root = resources.files("prompts") / "lre"
+    assert "MIT License" in (root / "LICENSE").read_text(encoding="utf-8")
+    pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text(encoding="utf-8")
+    assert '"lre/*/*.json"' in pyproject and '"lre/LICENSE"' in pyproject
+    with pytest.raises(DatasetError, match="lre:linguistic.*adj_comparative"):
+        load_relations("lre:adjective")
+
+
 def test_bundled_by_name_and_subset():
     rels = load_relations(["country_capital", "landmark_city"])
     assert [r.name for r in rels] == ["country_capital", "landmark_city"]

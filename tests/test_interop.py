@@ -124,7 +124,7 @@ def test_an_object_gives_the_states_and_report_of_its_folder(family, kind):
     lm = as_loaded_model(obj, tokenizer)
     reference = load_model(folder, device="cpu")
     ours, theirs = _states(lm), _states(reference)
-    assert list(ours) == list(theirs) and len(ours) == 5 * 3 + 1
+    assert list(ours) == list(theirs) and len(ours) == 6 * 3 + 1
     for name in ours:
         assert torch.equal(ours[name], theirs[name]), name
     assert lm.info["source"] == "object" and lm.info["path"] == folder

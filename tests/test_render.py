@@ -11,6 +11,8 @@ import subprocess
 import pytest
 from test_report import test_run_page_shows_selected_layers_controls_capacity_and_ablations as build_page
 
+from llmprobe.report.claims import CLAIMS
+
 BROWSER = next((shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome", "chrome")
                 if shutil.which(b)), None)
 
@@ -66,7 +68,7 @@ def test_summary_comes_first_and_no_image_is_broken_in_headless_chromium(tmp_pat
     build_page(tmp_path)
     page = (tmp_path / "out" / "report.html").read_text(encoding="utf-8")
     view = _browser_view(page, tmp_path)
-    assert view == {"first": "summary", "images": view["images"], "broken": 0, "claims": 5} and view["images"] >= 4
+    assert view == {"first": "summary", "images": view["images"], "broken": 0, "claims": len(CLAIMS)} and view["images"] >= 4
     planted = page.replace("src='data:image/png;base64,", "src='data:image/png;base64,AAAA", 1)   # a corrupt PNG
     assert _browser_view(planted, tmp_path)["broken"] == 1
 

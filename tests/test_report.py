@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from llmprobe.metric import Metric, proportion
-from llmprobe.report.claims import claims_block, claims_text, summary_claims
+from llmprobe.metric import Metric, paired_difference, proportion
+from llmprobe.report.claims import CLAIMS, claims_block, claims_text, summary_claims
 from llmprobe.report.render import (
     LONG_TABLE,
     compare,
@@ -63,7 +63,7 @@ def test_export_escapes_user_strings_and_writes_all_formats(tmp_path):
     assert page.count("data:image/png;base64,") == 1  # one metric plot
     with open(folder / "metrics.csv") as handle:
         rows = list(csv.DictReader(handle))
-    assert len([r for r in rows if not r["measure"].startswith("claim: ")]) == 1 + 3 * 2 and len(rows) == 7 + 5
+    assert len([r for r in rows if not r["measure"].startswith("claim: ")]) == 1 + 3 * 2 and len(rows) == 7 + len(CLAIMS)
 
 
 def test_compare_aligns_sources(tmp_path):
@@ -260,6 +260,112 @@ def test_superposition_layers_are_chosen_on_validation_not_on_the_numbers_shown(
     assert "layer 1, the one most LRE decoders chose on validation" in lines[2]["measure"]
 
 
+SELECTOR, SERVES, MULTIHOP = ("MLP a relation-conditioned selector", "one subject state serves every relation",
+                              "chain-of-thought breaks the multi-hop bottleneck")
+
+
+def _hits(k: int, n: int) -> list[float]:
+    return [1.0] * k + [0.0] * (n - k)
+
+
+def _selector_report(same: int, other: int, random: int, n=64, controls: dict | None = None) -> dict:
+    """A pretrained report with a gate transplant (analyses.selector.gate_transplant) of ``n`` test facts:
+    ``same``, ``other``, ``random`` of them answered with the same-relation gates, the other-relation gates and
+    the random-units switch-off (the first hits of each list: paired items)."""
+    hits = {"same": _hits(same, n), "other": _hits(other, n), "random": _hits(random, n)}
+    same_m, other_m, random_m = (proportion(hits[k]) for k in ("same", "other", "random"))
+    transplant = {"block": [3, 4, 5], "n_items": n, "clean": proportion(_hits(n, n)).to_dict(),
+                  "same_relation": same_m.with_controls({"other_relation_gate": other_m,
+                                                         "random_units": random_m}).to_dict(),
+                  "other_relation": other_m.with_controls({"random_units": random_m}).to_dict(),
+                  "random_units": random_m.to_dict(),
+                  "same_minus_other": paired_difference(hits["same"], hits["other"]).to_dict(),
+                  "random_minus_other": paired_difference(hits["random"], hits["other"]).to_dict()}
+    report = _claims_report(controls=controls)
+    report["analyses"]["selector"] = {"relations": ["capital"], "gate_transplant": transplant}
+    return report
+
+
+MATCHED_SELECTOR = {"table": {"n_subjects": 40, "relations": ["capital"], "n_facts": 80, "bits": 100.0},
+                    "training": {"max_steps": 2000},
+                    "modes": {"trainable": {"threshold": {"d_star": 8, "exact": True},
+                                            "points": [{"d": 8, "train": {"bits_per_param": 1.0}, "readout": {},
+                                                        "selector": {"gate_transplant": {"same_relation": 1.0,
+                                                                                         "same_subject": 0.0}}}]}}}
+
+
+@pytest.mark.parametrize("same, other, random, expected", [
+    (64, 0, 60, "supported"),       # another relation's gates break every answer, a random edit of their size few
+    (64, 0, 0, "not shown"),        # a perfect selector, but a random switch-off of as many units breaks as much
+    (64, 15, 18, "not shown"),      # SmolLM2's measured sizes: other relation keeps 0.23, random units 0.28
+    (64, 0, 10, "weak"),            # breaks more than the random edit, not shown to by +0.10
+])
+def test_the_selector_line_is_measured_on_the_model_against_random_units(same, other, random, expected):
+    line = _line(_selector_report(same, other, random, controls=MATCHED_SELECTOR), SELECTOR)
+    assert line["verdict"] == expected and line["null_name"] == "random_units" and line["min_effect"] == 0.10
+    assert line["metric"]["value"] == pytest.approx(1 - other / 64)          # the fraction the other gates break
+    assert line["null"]["value"] == pytest.approx(1 - random / 64)
+    assert line["difference"]["interval"] == "paired bootstrap"
+    assert line["difference"]["value"] == pytest.approx((random - other) / 64)
+    assert "layers 3-5 (the block chosen on validation facts)" in line["measure"]
+    assert line["comparison"]["metric"]["value"] == 1.0 and "the matched control" in line["comparison"]["name"]
+
+
+def test_the_matched_control_alone_does_not_measure_the_selector():
+    """An old report: the matched control's transplant only. The line is not measured, not the control's verdict."""
+    report = _claims_report(controls=MATCHED_SELECTOR)
+    assert _line(report, SELECTOR)["verdict"] == "not measured" and claims_block(report)["n_tests"] == 1
+    report = _claims_report()
+    report["analyses"]["selector"] = {"gate_transplant": {"error": "too few known facts with a donor"}}
+    assert _line(report, SELECTOR)["verdict"] == "not measured"
+
+
+def _crosspatch_report(layers: dict[int, tuple]) -> dict:
+    """A pretrained report with a crosspatch of 45 items: {layer: (neutral, same_relation, random_subject,
+    random_vector) hits}; the LRE decoder chose layer 1 on validation (``_claims_report``)."""
+    report = _claims_report()
+    entries = {}
+    for layer, (neutral, same, subject, vector) in layers.items():
+        controls = {"random_subject": Metric.from_dict(_prop(subject, 45)),
+                    "random_vector": Metric.from_dict(_prop(vector, 45))}
+        entries[str(layer)] = {"neutral": Metric.from_dict(_prop(neutral, 45)).with_controls(controls).to_dict(),
+                               "same_relation": _prop(same, 45), "random_subject": _prop(subject, 45),
+                               "random_vector": _prop(vector, 45)}
+    report["analyses"]["crosspatch"] = {"relations": ["capital"], "n_items": 45, "layers": entries}
+    return report
+
+
+def test_one_state_serves_every_relation_at_the_layer_chosen_on_validation():
+    """Layer 2 has the best neutral patch; the LRE decoder chose layer 1 on validation: the line uses layer 1."""
+    line = _line(_crosspatch_report({1: (36, 40, 2, 1), 2: (44, 44, 2, 1)}), SERVES)
+    assert (line["layer"], line["verdict"], line["null_name"]) == (1, "supported", "random_subject")
+    assert line["metric"]["value"] == pytest.approx(36 / 45) and "layer 1, the one most" in line["measure"]
+    assert line["comparison"]["word"] == "as much as" and line["comparison"]["metric"]["value"] == pytest.approx(40 / 45)
+    line = _line(_crosspatch_report({1: (36, 40, 2, 34), 2: (44, 44, 2, 1)}), SERVES)
+    assert (line["verdict"], line["null_name"]) == ("not shown", "random_vector")      # every null counts
+    assert _line(_claims_report(), SERVES)["verdict"] == "not measured"
+
+
+def _multihop_report(cot: int, direct: int, ceiling: int, n=60) -> dict:
+    """A pretrained report with the 2-hop chains pooled (analyses.multihop.pooled["k=2"]) of ``n`` known chains."""
+    hits = {"cot": _hits(cot, n), "direct": _hits(direct, n), "ceiling": _hits(ceiling, n)}
+    entry = {"n_items": n, **{k: proportion(v).to_dict() for k, v in hits.items()},
+             "cot_minus_direct": paired_difference(hits["cot"], hits["direct"]).to_dict()}
+    report = _claims_report()
+    report["analyses"]["multihop"] = {"compositions": [], "pooled": {"k=2": entry}}
+    return report
+
+
+@pytest.mark.parametrize("cot, direct, expected", [(40, 10, "supported"), (22, 20, "not shown"), (20, 40, "not shown")])
+def test_chain_of_thought_is_graded_against_the_direct_answer_to_the_same_chains(cot, direct, expected):
+    line = _line(_multihop_report(cot, direct, 50), MULTIHOP)
+    assert (line["verdict"], line["relation"], line["null_name"]) == (expected, "k=2", "direct")
+    assert line["difference"]["interval"] == "paired bootstrap"
+    assert line["difference"]["value"] == pytest.approx((cot - direct) / 60)
+    assert line["comparison"]["name"].startswith("the ceiling") and line["comparison"]["metric"]["value"] == 50 / 60
+    assert _line(_claims_report(), MULTIHOP)["verdict"] == "not measured"
+
+
 def _capacity_report(kind="bijections", steps=500, bits_per_param=1.7, exact=True) -> dict:
     n, r = 256, 4
     bits = r * math.lgamma(n + 1) / math.log(2) if kind == "bijections" else 600.0
@@ -291,8 +397,7 @@ def test_the_capacity_line_is_two_sided_and_like_for_like(kind, steps, bits_per_
 
 def test_summary_says_not_measured_where_the_report_has_no_data():
     lines = summary_claims(_claims_report())
-    assert [line["verdict"] for line in lines] == ["not measured", "supported", "not measured", "not measured",
-                                                   "not measured"]
+    assert [line["verdict"] for line in lines] == ["not measured", "supported"] + ["not measured"] * 5
     text = claims_text(claims_block(_claims_report()))
     assert "LRE edits causal: supported -- capital layer 2: 0.800" in text and "(1 tests, Holm" in text
 
@@ -308,7 +413,7 @@ def test_summary_comes_first_in_html_and_markdown_and_escapes_user_strings(tmp_p
     assert body.startswith("<section id='summary'>") and body.index("</section>") < body.index("<img")
     assert "<script>" not in page and "&lt;script&gt;" in page and "<i>" not in page
     assert "Holm-adjusted over all tests" in page
-    assert page.count("class='verdict supported'") == 3 and page.count("class='verdict not-measured'") == 2
+    assert page.count("class='verdict supported'") == 3 and page.count("class='verdict not-measured'") == 4
     text = render_markdown([report], "t")
     assert text.index("## Summary: the paper's claims") < text.index("## Sources")
     assert "| LRE edits causal |" in text and "<script>" not in text
@@ -320,8 +425,7 @@ def test_metrics_csv_has_one_row_per_claim(tmp_path):
     (folder / "report.json").write_text(json.dumps(_claims_report()))
     export(folder, formats=("csv",))
     rows = [r for r in csv.DictReader(open(folder / "metrics.csv")) if r["measure"].startswith("claim: ")]
-    assert [r["verdict"] for r in rows] == ["not measured", "supported", "not measured", "not measured",
-                                            "not measured"]
+    assert [r["verdict"] for r in rows] == ["not measured", "supported"] + ["not measured"] * 5
     causal = rows[1]
     assert causal["measure"] == "claim: LRE edits causal" and causal["relation"] == "capital" and causal["layer"] == "2"
     assert float(causal["value"]) == 0.8 and causal["null"] == "random_operator" and causal["n_tests"] == "1"
@@ -434,7 +538,7 @@ def test_the_compare_page_puts_claims_side_by_side_and_warns_of_every_difference
     assert head == ("<thead><tr><th>claim</th><th title='/data/models/llama-tiny'>llama-tiny</th>"
                     "<th title='/data/models/qwen-tiny'>qwen-tiny</th></tr>")
     body = summary[summary.index("<tbody>"):summary.index("</tbody>")]
-    assert body.count("<tr>") == 5 and all(row.count("<td") == 3 for row in body.split("<tr>")[1:])
+    assert body.count("<tr>") == len(CLAIMS) and all(row.count("<td") == 3 for row in body.split("<tr>")[1:])
     warnings = [w.split("</li>")[0] for w in summary.split("<li class='warn'>")[1:]]
     assert warnings == [
         "relations differ: in all: capital, continent; only in llama-tiny: subregion; only in qwen-tiny: language",

@@ -23,12 +23,15 @@ from llmprobe.jobs.probe import LIBRARIES
 from llmprobe.report.schema import REPORT_SCHEMA_VERSION
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "report_schema.md"
-PLACEHOLDERS = ("<relation>", "<layer>", "<decoder>", "<control>", "<setting>", "<library>", "<property>", "<mode>")
+PLACEHOLDERS = ("<relation>", "<layer>", "<decoder>", "<control>", "<setting>", "<library>", "<property>", "<mode>", "<steps>")
 METRIC = "<metric>"
 TYPES = {"int", "float", "str", "bool", "null", "object", "list", "any", "metric"}
 # documented paths the tiny report cannot produce (every other documented path must appear)
 NOT_PRODUCED = {
     "analyses.superposition.layers.<layer>.swap.error",       # only when no swap edit can be built
+    # protocol lre only (the tiny report runs the strict protocol; tests/test_lre_protocol.py checks these)
+    "analyses.relations.<relation>.selection", "analyses.relations.<relation>.selection_note",
+    "analyses.relations.<relation>.trials[]",
 }
 
 
@@ -108,6 +111,7 @@ def check(report: dict, schema: Schema) -> dict:
         "<library>": lambda k: k in ("python",) + LIBRARIES,
         "<property>": lambda k: True,
         "<mode>": lambda k: k in ("trainable", "frozen"),
+        "<steps>": str.isdigit,
     }
     undocumented, wrong_type, seen = set(), set(), set()
 

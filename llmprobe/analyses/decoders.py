@@ -14,7 +14,12 @@
   shuffled pairs, majority; causality with its pseudo-inverse beside a random direction and scaled_patch).
 
 Every value is the mean over re-fits of the hit rate on one fixed test set (proportion with a Wilson interval
-over its n test items); the spread is the standard deviation over re-fits.
+over its n test items); the spread is the standard deviation over re-fits. With ``n_icl`` in-context examples
+(drawn by the known-fact stage, never tested) every prompt starts with them.
+
+Protocol ``lre`` runs the LRE reference's pipeline instead (:func:`lre_protocol`: trials of training facts that
+are each other's in-context examples, its bias, beta and edit-rank grids, pair rule and layer choice; selection
+on validation facts or, labelled so, on the test facts as published).
 """
 from __future__ import annotations
 
@@ -25,9 +30,19 @@ from dataclasses import dataclass, field
 import torch
 
 from llmprobe.analyses.settings import AnalysisError, AnalysisSettings, Log
-from llmprobe.analyses.splits import Refit, RelationSplit, candidate_grid, generator, relation_split
+from llmprobe.analyses.splits import (
+    Refit,
+    RelationSplit,
+    candidate_grid,
+    generator,
+    in_context_draws,
+    object_pairs,
+    relation_split,
+    trial_split,
+)
 from llmprobe.geometry import LinearRelationDecoder, RidgeDecoder, random_direction_like, random_spectrum_factors
 from llmprobe.metric import Metric, proportion
+from llmprobe.model.known import icl_template, resolve_n_icl
 from llmprobe.model.lre import (
     JacobianResult,
     jacobian_cost,
@@ -37,7 +52,8 @@ from llmprobe.model.lre import (
     relation_states,
     subject_jacobians,
 )
-from llmprobe.model.scoring import first_token_collisions, first_token_targets, sequence_logprobs
+from llmprobe.model.scoring import Scorer, first_token_collisions, first_token_targets, sequence_logprobs
+from llmprobe.model.subjects import fill
 from llmprobe.names import FIRST_TOKEN, SEQUENCE
 
 FULL_PATCH_NOTE = ("reference, not a bound: h_s replaced by h_t (an edit can exceed it); does not depend on the "
@@ -92,32 +108,13 @@ class SVD:
         return (self.Vh[:k].T / self.S[:k]) @ self.U[:, :k].T
 
 
-class Scorer:
-    """Hits of predicted next tokens against objects: the exact first token (protocol "strict") or the LRE
-    reference's rule (protocol "lre": the decoded token, stripped and lower-cased, is a non-empty prefix of the
-    object)."""
-
-    def __init__(self, tokenizer, y: torch.Tensor, objects: list[str], protocol: str):
-        self.tokenizer, self.y, self.objects, self.protocol = tokenizer, y, objects, protocol
-        self._text: dict[int, str] = {}
-
-    def _decoded(self, token: int) -> str:
-        if token not in self._text:
-            self._text[token] = self.tokenizer.decode([token]).strip().lower()
-        return self._text[token]
-
-    def hits(self, predicted: torch.Tensor, objects: torch.Tensor) -> torch.Tensor:
-        """predicted [m] token ids, objects [m] indices of the facts whose object is the target -> Bool [m]."""
-        if self.protocol == "strict":
-            return predicted.cpu() == self.y[objects]
-        return torch.tensor([bool(t := self._decoded(int(p))) and self.objects[i].strip().lower().startswith(t)
-                             for p, i in zip(predicted.tolist(), objects.tolist())], dtype=torch.bool)
-
-
 @dataclass
 class RelationData:
+    """One relation's facts as the decoders see them: prompt templates (one per fact), subjects, objects, subject
+    states H[layer] [n, d], last-block states O [n, d], first-token targets y [n] and the protocol's scorer."""
+
     name: str
-    template: str
+    templates: list[str]
     subjects: list[str]
     objects: list[str]
     H: dict[int, torch.Tensor]
@@ -127,20 +124,34 @@ class RelationData:
     sequences: dict[int, list] = field(default_factory=dict)   # clean states per prompt at the causal layers
 
 
-def known_facts_of(relation, results, cfg: AnalysisSettings) -> list:
-    """The relation's known facts (the first ``max_subjects``), or an AnalysisError naming it."""
+def known_facts_of(relation, results, cfg: AnalysisSettings) -> tuple[list, list]:
+    """(known facts, in-context examples) of the strict protocol: the facts known with the in-context draw, or
+    zero-shot without one (``splits.in_context_draws``), one per (subject, object), the first ``max_subjects``;
+    an AnalysisError naming the relation when too few are known."""
     if results is None:
         raise AnalysisError(f"relation {relation.name}: no known-facts results were given for it")
-    facts = [r for r in results if r.known]
+    n_icl = resolve_n_icl("strict", cfg.n_icl)
+    draws = in_context_draws(results, "strict", n_icl, 1, cfg.seed, relation.name)
+    known = draws[0].known if draws else [i for i, r in enumerate(results) if r.known]
+    context = [results[i] for i in draws[0].context] if draws else []
+    facts, seen = [], set()
+    for i in known:                  # duplicate rows (the LRE dataset has some) count once
+        if (results[i].subject, results[i].object) not in seen:
+            seen.add((results[i].subject, results[i].object))
+            facts.append(results[i])
     if len(facts) < cfg.min_known:
+        hint = "" if n_icl else "; few-shot prompts (--n-icl) may find more"
         raise AnalysisError(f"relation {relation.name}: {len(facts)} known facts of {len(results)} checked; the "
-                            f"decoders need at least {cfg.min_known}")
-    return facts[:cfg.max_subjects]
+                            f"decoders need at least {cfg.min_known}{hint}")
+    return facts[:cfg.max_subjects], context
 
 
-def icl_prefix(template: str, subjects: list[str], objects: list[str]) -> str:
-    """In-context examples of the "lre" protocol: one filled template and its object per line."""
-    return "".join(template.replace("{}", s, 1) + " " + o.strip() + "\n" for s, o in zip(subjects, objects))
+def zero_shot_counts(results, n_known: int, cfg: AnalysisSettings) -> dict:
+    """``n_known_zero_shot`` (facts known zero-shot) and ``known_only_few_shot`` (true when fewer than
+    ``min_known`` are known zero-shot but at least that many with the in-context examples) of a relation."""
+    few_shot = any(r.draws for r in results)
+    zero = sum(bool(r.known_zero_shot) for r in results) if few_shot else sum(r.known for r in results)
+    return {"n_known_zero_shot": zero, "known_only_few_shot": few_shot and zero < cfg.min_known <= n_known}
 
 
 def causality_hits(lm, data: RelationData, layer: int, deltas: list[torch.Tensor], src: torch.Tensor,
@@ -151,18 +162,19 @@ def causality_hits(lm, data: RelationData, layer: int, deltas: list[torch.Tensor
         return [torch.zeros(0, dtype=torch.bool) for _ in deltas]
     k = len(deltas)
     subjects = [data.subjects[i] for i in src.tolist()] * k
+    templates = [data.templates[i] for i in src.tolist()] * k
     delta = torch.cat(deltas).float()
     if cfg.scoring == SEQUENCE:
         tgt_obj = [data.objects[j] for j in tgt.tolist()] * k
         src_obj = [data.objects[i] for i in src.tolist()] * k
-        lp_t = sequence_logprobs(lm, data.template, subjects, tgt_obj, layer=layer, delta=delta,
+        lp_t = sequence_logprobs(lm, templates, subjects, tgt_obj, layer=layer, delta=delta,
                                  batch_size=cfg.batch_size)
-        lp_s = sequence_logprobs(lm, data.template, subjects, src_obj, layer=layer, delta=delta,
+        lp_s = sequence_logprobs(lm, templates, subjects, src_obj, layer=layer, delta=delta,
                                  batch_size=cfg.batch_size)
         hits = lp_t > lp_s
     else:
         resume = [data.sequences[layer][i] for i in src.tolist()] * k if layer in data.sequences else None
-        pred = next_token_predictions(lm, data.template, subjects, layer, delta, batch_size=cfg.batch_size,
+        pred = next_token_predictions(lm, templates, subjects, layer, delta, batch_size=cfg.batch_size,
                                       resume=resume)
         hits = data.scorer.hits(pred, tgt.repeat(k))
     return list(hits.view(k, -1))
@@ -205,27 +217,23 @@ def lre_edits(H: torch.Tensor, O: torch.Tensor, src: torch.Tensor, tgt: torch.Te
             "random_operator": norm_matched(random_op, delta), "scaled_patch": scaled_patch(delta, H, src, tgt)}
 
 
-def _lre_decoder(beta: float, W: torch.Tensor, H: torch.Tensor, O: torch.Tensor, fit: torch.Tensor,
-                 reference_bias: torch.Tensor | None) -> LinearRelationDecoder:
-    """o_hat = beta W h + b with W [d_out, d_in] as given (already truncated) and b fitted on the subjects ``fit``,
-    or the reference's bias [d_out] where given (protocol "lre")."""
-    dec = LinearRelationDecoder(beta=beta).fit(H[fit], O[fit], W)
-    if reference_bias is not None:
-        dec.operator_.b = reference_bias
-    return dec
+def _lre_decoder(beta: float, W: torch.Tensor, H: torch.Tensor, O: torch.Tensor, fit: torch.Tensor
+                 ) -> LinearRelationDecoder:
+    """o_hat = beta W h + b with W [d_out, d_in] as given (already truncated) and b fitted on the subjects ``fit``."""
+    return LinearRelationDecoder(beta=beta).fit(H[fit], O[fit], W)
 
 
 def cv_faithfulness(data: RelationData, H: torch.Tensor, O: torch.Tensor, refit: Refit,
                     truncated: dict[int | None, torch.Tensor], grid: list[tuple[float, int | None]],
-                    reference_bias: torch.Tensor | None, to_logits) -> torch.Tensor:
+                    to_logits) -> torch.Tensor:
     """Cross-validated faithfulness [len(grid)] of every (beta, rank) candidate: each of the re-fit's selection
     subjects is scored by a decoder fitted on train + validation without its fold (one head call a candidate)."""
     everyone = torch.cat([refit.train, refit.val])
     scored = torch.cat(refit.folds)
     rates = []
     for beta, rank in grid:
-        o_hat = torch.cat([_lre_decoder(beta, truncated[rank], H, O, everyone[~torch.isin(everyone, fold)],
-                                        reference_bias).predict(H[fold]) for fold in refit.folds])
+        o_hat = torch.cat([_lre_decoder(beta, truncated[rank], H, O, everyone[~torch.isin(everyone, fold)]
+                                        ).predict(H[fold]) for fold in refit.folds])
         rates.append(data.scorer.hits(to_logits(o_hat).argmax(-1), scored).double().mean())
     return torch.stack(rates)
 
@@ -248,13 +256,11 @@ def lre_layer(lm, data: RelationData, layer: int, jac: JacobianResult, jac_rows:
         rows = [jac_rows[i] for i in refit.jacobian.tolist()]
         svd = SVD(*jac.svd(rows))
         truncated = {rank: svd.truncated(rank) for rank in cfg.ranks}
-        reference_bias = (O[refit.jacobian] - jac.apply(rows, H[refit.jacobian])).mean(0) \
-            if cfg.protocol == "lre" else None     # the reference's bias: the mean of o_i - J_i h_i
-        scores = cv_faithfulness(data, H, O, refit, truncated, grid, reference_bias, to_logits)
+        scores = cv_faithfulness(data, H, O, refit, truncated, grid, to_logits)
         best = int(scores.argmax())              # ties: the first candidate (full rank first, then the smaller beta)
         beta, rank = grid[best]
         everyone = torch.cat([refit.train, refit.val])
-        dec = _lre_decoder(beta, truncated[rank], H, O, everyone, reference_bias)
+        dec = _lre_decoder(beta, truncated[rank], H, O, everyone)
         val_f.append(float(scores[best]))
         faith.append(data.scorer.hits(to_logits(dec.predict(H[test])).argmax(-1), test))
         majority.append(_majority_hits(data, everyone, test))
@@ -332,39 +338,223 @@ def ridge_layer(lm, data: RelationData, layer: int, split: RelationSplit, causal
     return entry, {"faithfulness": sum(val_f) / len(val_f), "fit": max(fits, key=lambda f: f["val_faithfulness"])}
 
 
+LRE_SELECTIONS = ("validation", "as-published")
+SELECTION_NOTES = {
+    "validation": "beta, edit rank and layer chosen on each trial's validation facts (its test facts never used)",
+    "as-published": "AS PUBLISHED: beta, edit rank and layer chosen on the test facts themselves, as the reference's "
+                    "sweep does; not held-out numbers",
+}
+
+
+def protocol_note(cfg: AnalysisSettings) -> str:
+    """One line saying what the decoders' protocol does (``result["settings"]["protocol_note"]``)."""
+    if cfg.protocol == "strict":
+        n_icl = resolve_n_icl("strict", cfg.n_icl)
+        return ("zero-shot prompts (the relation's first template)" if not n_icl else
+                f"{n_icl} in-context examples (facts of the relation, drawn once, never tested) before the prompt")
+    return (f"the LRE reference's protocol: per trial ({cfg.n_splits}) {resolve_n_icl('lre', cfg.n_icl)} training "
+            f"facts, each prompted with the others as in-context examples for J and b (W = mean J_i, b = mean of "
+            f"o_i - J_i h_i, o_hat = beta W h + b), the test facts with all of them; known and correct by the "
+            f"prefix rule; {SELECTION_NOTES[cfg.lre_selection]}")
+
+
+def _per_fact(parts: list[tuple[list[int], torch.Tensor]], note: str | None = None) -> Metric:
+    """A proportion over distinct facts from each trial's (fact ids, hits): a fact tested in several trials
+    counts once, with its mean hit; the spread is over the trials' rates."""
+    by_fact: dict[int, list[float]] = {}
+    for ids, hits in parts:
+        for i, h in zip(ids, hits.double().tolist()):
+            by_fact.setdefault(i, []).append(h)
+    return proportion([sum(v) / len(v) for v in by_fact.values()],
+                      refits=[float(h.double().mean()) for _, h in parts if len(h)], note=note)
+
+
+def _lre_trial_layer(lm, data: RelationData, layer: int, jac: JacobianResult, val: torch.Tensor, test: torch.Tensor,
+                     val_pairs, test_pairs, majority: int, causal: bool, cfg: AnalysisSettings,
+                     gen: torch.Generator) -> dict:
+    """One trial of the reference protocol at one layer: W = mean of the training facts' Jacobians, b = mean of
+    their o_i - J_i h_i; beta from ``cfg.lre_betas`` by faithfulness on ``val``, the edit rank from
+    ``cfg.lre_edit_ranks`` by causality on ``val_pairs`` (first best, as the reference's max); hits on ``test``
+    and ``test_pairs`` at those choices (the edit with its controls, ``lre_edits``)."""
+    H, O = data.H[layer].double(), data.O.double()
+    to_logits = logits_fn(lm)
+    svd = SVD(*jac.svd())
+    rows = list(range(len(jac.H)))
+    b = (jac.O.double() - jac.apply(rows, jac.H)).mean(0)
+    WH = H @ svd.W.T
+    everyone = torch.arange(len(H))
+    hits = torch.stack([data.scorer.hits(to_logits(beta * WH + b).argmax(-1), everyone) for beta in cfg.lre_betas])
+    best = int(hits[:, val].double().mean(1).argmax())             # ties: the first (smallest) beta
+    out = {"beta": cfg.lre_betas[best], "val_faithfulness": float(hits[best, val].double().mean()),
+           "faithfulness": hits[best, test], "majority": data.scorer.hits(torch.full((len(test),), majority), test),
+           "fit": {"W": svd.W, "b": b, "J": None, "W_factors": svd.factors(None), "J_factors": None,
+                   "beta": cfg.lre_betas[best], "rank": None}}
+    (vs, vt), (ts, tt) = val_pairs, test_pairs
+    if causal and len(vs) and len(ts):
+        candidates = [(O[vt] - O[vs]) @ svd.pinv(r).T for r in cfg.lre_edit_ranks]
+        rates = torch.stack([h.double().mean() for h in causality_hits(lm, data, layer, candidates, vs, vt, cfg)])
+        edit_rank = cfg.lre_edit_ranks[int(rates.argmax())]          # ties: the first (smallest) rank
+        edits = lre_edits(H, O, ts, tt, svd, edit_rank, gen)
+        names = ("edit", "random_direction", "random_operator", "scaled_patch")
+        got = causality_hits(lm, data, layer, [edits[n] for n in names], ts, tt, cfg)
+        out.update({"edit_rank": edit_rank, "val_causality": float(rates.max()), "causality": dict(zip(names, got))})
+        out["fit"]["edit_rank"] = edit_rank
+    return out
+
+
+def lre_protocol(lm, relation, results, lre_layers: list[int], causal_layers: list[int], cfg: AnalysisSettings,
+                 log: Log, fitted: dict | None = None) -> dict:
+    """The LRE reference's pipeline (Hernandez et al. 2023, github.com/evandez/relations; docs/analyses.md, "The
+    reference protocol") on one relation, per trial (one in-context draw each, ``cfg.n_splits`` of them):
+
+    * the trial's training facts (its in-context draw, duplicate rows kept) and the facts known with them
+      (``results``: the known-fact stage filters with each trial's prompt, by the prefix rule);
+    * J_i, h_i, o_i of each training fact prompted with the other training facts before it (a line with its own
+      subject left out); W = mean J_i, b = mean (o_i - J_i h_i); each known fact prompted with all of them;
+    * faithfulness: top-1 of logits(beta W h + b) a prefix of the object, beta from ``cfg.lre_betas``;
+      causality: h_s + W_r^+ (o_t - o_s) at the subject in a real forward pass, the top-1 a prefix of t's object,
+      each known fact paired with a random other of another subject and object (``object_pairs``), r from
+      ``cfg.lre_edit_ranks``;
+    * beta and r per trial and layer, the layer by mean faithfulness over trials (causality reported there),
+      chosen on validation facts or, ``cfg.lre_selection == "as-published"``, on the test facts as the reference.
+
+    A trial with no more known facts than training facts is skipped, as the reference does."""
+    t0 = time.perf_counter()
+    if cfg.lre_selection not in LRE_SELECTIONS:
+        raise ValueError(f"lre_selection must be one of {LRE_SELECTIONS}, got {cfg.lre_selection!r}")
+    if results is None:
+        raise AnalysisError(f"relation {relation.name}: no known-facts results were given for it")
+    if not lre_layers:
+        raise AnalysisError(f"relation {relation.name}: protocol lre measures the LRE only: ask for the lre "
+                            f"analysis (and LRE layers)")
+    as_published = cfg.lre_selection == "as-published"
+    n_icl = resolve_n_icl("lre", cfg.n_icl)
+    if n_icl < 1:
+        raise AnalysisError(f"relation {relation.name}: protocol lre needs at least one training fact (n_icl)")
+    draws = in_context_draws(results, "lre", n_icl, cfg.n_splits, cfg.seed, relation.name)
+    base, tok = relation.templates[0], lm.tokenizer
+    rank = jacobian_rank_for(cfg, lm.adapter.d_model, lre_layers, lm.adapter.n_layers)
+    n_known = sum(r.known for r in results)
+    out = {"template": icl_template(base, [results[i] for i in draws[0].context]), "protocol": "lre",
+           "context_subjects": [results[i].subject for i in draws[0].context], "test_subjects": None,
+           "selection": cfg.lre_selection, "selection_note": SELECTION_NOTES[cfg.lre_selection], "n_icl": n_icl,
+           "n_known": n_known, "n_checked": len(results), **zero_shot_counts(results, n_known, cfg),
+           "jacobian_rank": rank, "trials": [], "layers": {}, "selected": {}, "error": None}
+    per_layer: dict[int, list[dict]] = {layer: [] for layer in lre_layers}
+    for k, draw in enumerate(draws):
+        train = [results[i] for i in draw.context]
+        known = draw.known[:cfg.max_subjects]
+        val, test = trial_split(known, relation.name, k, cfg, as_published)
+        record = {"train_subjects": [f.subject for f in train], "n_known": len(draw.known), "n_val": len(val),
+                  "n_test": len(test), "skipped": None}
+        out["trials"].append(record)
+        if len(known) <= len(train) or min(len(val), len(test)) < 2:
+            record["skipped"] = (f"{len(known)} known facts with these {len(train)} training facts: too few to test "
+                                 f"(the reference needs more known than training facts)")
+            continue
+        facts = sorted(set(val) | set(test))
+        local = {i: j for j, i in enumerate(facts)}
+        subjects, objects = [results[i].subject for i in facts], [results[i].object for i in facts]
+        templates = [icl_template(base, train, s) for s in subjects]
+        states = relation_states(lm, templates, subjects, lre_layers, batch_size=cfg.batch_size)
+        y = first_token_targets(tok, states.prompts, objects)
+        data = RelationData(relation.name, templates, subjects, objects, states.H, states.O, y,
+                            Scorer(tok, y, objects, "lre"))
+        vi, ti = torch.tensor([local[i] for i in val]), torch.tensor([local[i] for i in test])
+        record["model_accuracy"] = float(data.scorer.hits(logits_fn(lm)(states.O[ti]).argmax(-1), ti).double().mean())
+        record["test_subjects"] = [subjects[j] for j in ti.tolist()]
+        out["test_subjects"] = out["test_subjects"] or record["test_subjects"]      # the first measured trial's
+        pair_gen = generator(cfg, relation.name, "lre pairs", k)
+        test_pairs = object_pairs(subjects, objects, ti, pair_gen)
+        val_pairs = test_pairs if as_published else object_pairs(subjects, objects, vi, pair_gen)
+        record["n_test_pairs"] = len(test_pairs[0])
+        train_templates = [icl_template(base, train, f.subject) for f in train]
+        tj = time.perf_counter()
+        jac = subject_jacobians(lm, train_templates, [f.subject for f in train], lre_layers,
+                                batch_size=cfg.jacobian_batch_size, chunk=cfg.jacobian_chunk, rank=rank,
+                                oversample=cfg.jacobian_oversample, seed=cfg.seed)
+        log(f"{relation.name}: trial {k}: Jacobians of {len(train)} prompts in {time.perf_counter() - tj:.0f}s")
+        train_y = first_token_targets(tok, [fill(t, f.subject)[0] for t, f in zip(train_templates, train)],
+                                      [f.object for f in train])
+        majority = Counter(train_y.tolist()).most_common(1)[0][0]     # faithfulness control: the training answer
+        for layer in lre_layers:
+            causal = layer in causal_layers
+            data.sequences = {layer: layer_sequences(lm, templates, subjects, layer, batch_size=cfg.batch_size)} \
+                if causal and cfg.scoring == FIRST_TOKEN else {}
+            got = _lre_trial_layer(lm, data, layer, jac[layer], vi, ti, val_pairs, test_pairs, majority, causal, cfg,
+                                   generator(cfg, relation.name, layer, k, "lre controls"))
+            ids = [facts[j] for j in ti.tolist()]
+            got.update(trial=k, test_ids=ids, pair_ids=[facts[j] for j in test_pairs[0].tolist()])
+            per_layer[layer].append(got)
+    measured = {layer: trials for layer, trials in per_layer.items() if trials}
+    if not measured:
+        raise AnalysisError(f"relation {relation.name}: no trial has enough known facts: "
+                            + "; ".join(t["skipped"] for t in out["trials"]))
+    for layer, trials in measured.items():
+        chosen = [{"trial": t["trial"], "beta": t["beta"], "val_faithfulness": t["val_faithfulness"],
+                   "test_faithfulness": float(t["faithfulness"].double().mean()), "edit_rank": t.get("edit_rank"),
+                   "val_causality": t.get("val_causality"),
+                   "test_causality": float(t["causality"]["edit"].double().mean()) if "causality" in t else None}
+                  for t in trials]
+        faith = _per_fact([(t["test_ids"], t["faithfulness"]) for t in trials], out["selection_note"])
+        entry = {"faithfulness": faith.with_controls(
+            {"majority": _per_fact([(t["test_ids"], t["majority"]) for t in trials])}).to_dict(), "chosen": chosen}
+        edited = [t for t in trials if "causality" in t]          # trials with edit pairs
+        if edited:
+            parts = {name: _per_fact([(t["pair_ids"], t["causality"][name]) for t in edited])
+                     for name in ("edit", "random_direction", "random_operator", "scaled_patch")}
+            entry["causality"] = parts.pop("edit").with_controls(parts, "random_direction").to_dict()
+        out["layers"][str(layer)] = {"lre": entry}
+    score = {layer: sum(t["val_faithfulness"] for t in trials) / len(trials) for layer, trials in measured.items()}
+    layer = max(score, key=lambda l: (score[l], -l))          # ties: the first layer, as the reference's max
+    by = "mean faithfulness over trials on " + ("the test facts (as published)" if as_published else
+                                                 "validation facts (test facts never used)")
+    out["selected"]["lre"] = {"layer": layer, "by": by}
+    if "causality" in out["layers"][str(layer)]["lre"]:
+        out["selected"]["lre"]["causality_layer"] = layer
+    accuracies = [t["model_accuracy"] for t in out["trials"] if t["skipped"] is None]
+    out["model_accuracy"] = sum(accuracies) / len(accuracies)      # on the test facts: 1 by construction
+    if fitted is not None:
+        best = max(measured[layer], key=lambda t: t["val_faithfulness"])
+        fitted.setdefault(relation.name, {})["lre"] = {**best["fit"], "refit": best["trial"],
+                                                        "val_faithfulness": best["val_faithfulness"], "layer": layer}
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
 def decoders_for_relation(lm, relation, results, layers: list[int], lre_layers: list[int], causal_layers: list[int],
                           do_lre: bool, do_ridge: bool, cfg: AnalysisSettings, log: Log, fitted: dict | None = None
                           ) -> dict:
-    """Both decoders at every layer for one relation, with the layers chosen on validation.
+    """Both decoders at every layer for one relation, with the layers chosen on validation (protocol "lre":
+    :func:`lre_protocol`, the LRE only).
 
     ``fitted``, if given, receives ``{relation: {decoder: fit}}``: the decoder at its chosen layer, of the re-fit
     with the best validation faithfulness (ties: the first): W [d_out, d_in] and b [d_out] as applied (o = beta W
     h + b), J [d_out, d_in] the untruncated mean Jacobian whose rank-``edit_rank`` pseudo-inverse makes the edits
     (LRE with a truncated W only), beta, rank, edit_rank, alpha (ridge), refit, layer (``llmprobe.report.notebook``
     saves them)."""
+    if cfg.protocol == "lre":
+        return lre_protocol(lm, relation, results, lre_layers if do_lre else [], causal_layers, cfg, log, fitted)
     t0 = time.perf_counter()
-    facts = known_facts_of(relation, results, cfg)
+    facts, context = known_facts_of(relation, results, cfg)
     subjects = [f.subject for f in facts]
     objects = [f.object for f in facts]
-    base = relation.templates[0]
-    y_base = first_token_targets(lm.tokenizer, [base.replace("{}", s, 1) for s in subjects], objects)
-    split = relation_split(y_base, relation.name, cfg, n_context=cfg.n_icl if cfg.protocol == "lre" else 0)
-    template = base
-    if cfg.protocol == "lre":
-        ctx = split.context.tolist()
-        template = icl_prefix(base, [subjects[i] for i in ctx], [objects[i] for i in ctx]) + base
+    template = icl_template(relation.templates[0], context)
+    y = first_token_targets(lm.tokenizer, [fill(template, s)[0] for s in subjects], objects)
+    split = relation_split(y, relation.name, cfg)
     states = relation_states(lm, template, subjects, layers, batch_size=cfg.batch_size)
-    y = first_token_targets(lm.tokenizer, states.prompts, objects)
-    data = RelationData(relation.name, template, subjects, objects, states.H, states.O, y,
+    data = RelationData(relation.name, [template] * len(subjects), subjects, objects, states.H, states.O, y,
                         Scorer(lm.tokenizer, y, objects, cfg.protocol))
     model_hits = data.scorer.hits(logits_fn(lm)(states.O).argmax(-1), torch.arange(len(y)))
+    n_known = sum(r.known for r in results)
     out = {
-        "template": template, "n_known": sum(r.known for r in results), "n_checked": len(results),
-        "n_used": len(subjects), "protocol": cfg.protocol,
+        "template": template, "n_known": n_known, "n_checked": len(results),
+        "n_used": len(subjects), "protocol": cfg.protocol, "n_icl": len(context),
+        **zero_shot_counts(results, n_known, cfg),
         "model_accuracy": float(model_hits.double().mean()),
         "first_token_collisions": first_token_collisions(y.tolist(), objects),
         "test_subjects": [subjects[i] for i in split.test.tolist()],
-        "context_subjects": [subjects[i] for i in split.context.tolist()],
+        "context_subjects": [f.subject for f in context],
         "n_test_pairs": len(split.test_pairs[0]),
         "refits": [{"jacobian_subjects": [subjects[i] for i in r.jacobian.tolist()], "n_train": len(r.train),
                     "n_val": len(r.val), "n_val_pairs": len(r.val_pairs[0]), "n_selection": len(r.selection),
@@ -389,7 +579,7 @@ def decoders_for_relation(lm, relation, results, layers: list[int], lre_layers: 
     val_scores: dict[str, dict[int, dict[str, float]]] = {"lre": {}, "ridge": {}}
     for layer in layers:
         causal = layer in causal_layers
-        data.sequences = {layer: layer_sequences(lm, template, subjects, layer, batch_size=cfg.batch_size)} \
+        data.sequences = {layer: layer_sequences(lm, data.templates, subjects, layer, batch_size=cfg.batch_size)} \
             if causal and cfg.scoring == FIRST_TOKEN else {}
         entry = {}
         if do_lre and layer in jac:

@@ -1,8 +1,11 @@
-"""``run_analyses``: per relation and layer: linear relation decoders (LRE, ridge) and superposition readouts, with controls.
+"""``run_analyses``: per relation and layer: linear relation decoders (LRE, ridge) and superposition readouts, with
+controls; the paper's mechanisms measured on the model itself.
 
-``run_analyses`` is what ``llmprobe probe --analyses lre,ridge,superposition`` calls. One module per job:
+``run_analyses`` is what ``llmprobe probe --analyses lre,ridge,superposition,...`` calls. One module per job:
 ``settings`` (options, places), ``splits`` (fixed test set, re-fits, edit pairs), ``decoders`` (LRE and ridge),
-``superposition`` (readouts, R^2, swap edits). Every number is a typed metric (``llmprobe.metric``) in its JSON
+``superposition`` (readouts, R^2, swap edits), ``selector`` (``crosspatch``: one subject state serves every
+relation; ``selector``: the MLP's gates), ``multihop`` (composed relations with and without chain-of-thought).
+Every number is a typed metric (``llmprobe.metric``) in its JSON
 form; ``docs/measures.md`` defines each measure.
 """
 from __future__ import annotations
@@ -10,7 +13,9 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 
-from llmprobe.analyses.decoders import decoders_for_relation
+from llmprobe.analyses.decoders import decoders_for_relation, protocol_note
+from llmprobe.analyses.multihop import multihop
+from llmprobe.analyses.selector import crosspatch, selector
 from llmprobe.analyses.settings import (
     FIRST_TOKEN_NOTE,
     H_PLACE,
@@ -24,6 +29,9 @@ from llmprobe.analyses.settings import (
 from llmprobe.analyses.superposition import superposition, superposition_table
 from llmprobe.metric import LEVEL
 from llmprobe.names import ANALYSES, FIRST_TOKEN
+
+# the mechanism analyses on the pretrained model, in run order: name -> fn(lm, relations, known, layers, cfg, log)
+MECHANISMS = {"crosspatch": crosspatch, "selector": selector, "multihop": multihop}
 
 
 def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits: int = 3, seed: int = 0,
@@ -39,13 +47,14 @@ def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits
     Checkpoints and resuming: the result carries ``"partial": True`` while it is being built and
     ``"partial": False`` once every requested analysis is in it (the key is always there).
     ``on_progress(result)``, if given, is called with the result so far (the same dict, ``partial`` true) after
-    each relation's decoders (computed or taken over) and after the superposition analysis; ``llmprobe.jobs.probe``
-    writes report.json there, so an interrupt keeps the finished parts. ``done``: an earlier result, partial
-    or not, made with the same settings, model and known facts (the caller guarantees that; ``probe`` through
-    its analyses stage key). Its ``relations`` entries (those of relations in ``relations``) and its
-    ``superposition`` entry, if there is one, are taken over as they are (their error messages re-listed in
+    each relation's decoders (computed or taken over) and after the superposition analysis and each mechanism
+    analysis (``MECHANISMS``); ``llmprobe.jobs.probe`` writes report.json there, so an interrupt keeps the
+    finished parts. ``done``: an earlier result, partial or not, made with the same settings, model and known
+    facts (the caller guarantees that; ``probe`` through its analyses stage key). Its ``relations`` entries
+    (those of relations in ``relations``) and its ``superposition``, ``crosspatch``, ``selector`` and
+    ``multihop`` entries, if there are any, are taken over as they are (their error messages re-listed in
     ``errors``) instead of recomputed; the rest is computed. Every relation's draws come from generators
-    seeded by (seed, relation name, ...) and the superposition analysis reads no decoder result, so a part
+    seeded by (seed, relation name, ...) and no analysis after the decoders reads a decoder result, so a part
     taken over has the numbers a fresh run would give it. ``timing`` counts this call's work only.
     ``fitted``, if given, receives the fitted decoders of the relations computed here (not those taken over), see
     ``decoders.decoders_for_relation``.
@@ -75,12 +84,11 @@ def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits
         "objects": (FIRST_TOKEN_NOTE if cfg.protocol == "strict" else PREFIX_NOTE) + (
             "" if cfg.scoring == FIRST_TOKEN else "; causality success = full-sequence log-prob of the target "
                                                   "object above that of the original object"),
-        "protocol_note": ("zero-shot prompts (the relation's first template)" if cfg.protocol == "strict" else
-                          f"{cfg.n_icl} in-context examples (facts of the relation, never test subjects) before "
-                          "the prompt; beta scales W only; b = mean of the per-prompt biases o_i - J_i h_i over "
-                          "the Jacobian prompts"),
-        "intervals": f"{LEVEL:.0%} Wilson intervals for proportions (n = test items), percentile bootstrap over "
-                     f"subjects ({cfg.n_boot} resamples) for R^2 and differences",
+        "protocol_note": protocol_note(cfg),
+        "intervals": f"{LEVEL:.0%} Wilson intervals for proportions (n = test items); superposition R^2, readouts and "
+                     f"their gains: a grouped jackknife over subjects ({cfg.jackknife_groups} groups, every fit redone "
+                     f"without each), Wilson at its effective n for proportions; bootstrap over subjects "
+                     f"({cfg.n_boot} resamples) elsewhere",
         "spread": "standard deviation over re-fits (decoders: re-drawn train/validation and Jacobian subjects on "
                   "the same test set; superposition: cross-fitting folds)"})
     result = {"settings": settings, "partial": True, "relations": {}, "errors": [], "timing": {}}
@@ -93,7 +101,7 @@ def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits
 
     do_lre, do_ridge = "lre" in analyses, "ridge" in analyses
     if do_lre or do_ridge:
-        for relation in relations:
+        for relation in log.bar(relations, "decoders"):
             if isinstance(done_relations.get(relation.name), dict):
                 entry = done_relations[relation.name]
                 if entry.get("error"):
@@ -133,6 +141,25 @@ def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits
                 result["errors"].append(f"superposition: {error}")
                 log(f"superposition: {error}")
         result["timing"]["superposition_seconds"] = round(time.perf_counter() - t, 1)
+        progress_made()
+    for name, analysis in MECHANISMS.items():
+        if name not in analyses:
+            continue
+        t = time.perf_counter()
+        if isinstance(done.get(name), dict):
+            result[name] = done[name]
+            if result[name].get("error"):
+                result["errors"].append(f"{name}: {result[name]['error']}")
+            log(f"{name}: taken over from the earlier result")
+        else:
+            try:
+                result[name] = analysis(lm, relations, known, layers, cfg, log)
+            except Exception as error:  # noqa: BLE001 - reported, the other analyses' results are kept
+                error = error if isinstance(error, (AnalysisError, ValueError)) else f"{type(error).__name__}: {error}"
+                result[name] = {"error": str(error)}
+                result["errors"].append(f"{name}: {error}")
+                log(f"{name}: {error}")
+        result["timing"][f"{name}_seconds"] = round(time.perf_counter() - t, 1)
         progress_made()
     result["timing"]["total_seconds"] = round(time.perf_counter() - start, 1)
     result["partial"] = False

@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
-from llmprobe.names import FIRST_TOKEN, PROTOCOLS, SCORING_MODES
+from tqdm.auto import tqdm
+
+from llmprobe.names import FIRST_TOKEN, LRE_SELECTIONS, PROTOCOLS, SCORING_MODES
 
 O_PLACE = ("o = output of the last block (blocks.{L-1}.resid_post, before the final norm) at the prompt's last "
            "token; logits = adapter.logits(o) = final norm + LM head")
@@ -31,7 +34,6 @@ class AnalysisSettings:
     n_jacobian: int = 3               # prompts whose Jacobians are averaged into W (re-drawn per re-fit)
     test_fraction: float = 1 / 3      # of the relation's known facts: the fixed held-out test set
     val_fraction: float = 1 / 4       # of the remaining subjects, per re-fit
-    min_val_per_candidate: int = 2    # unused: no grid is thinned any more (selection_folds); kept so configs load
     selection_folds: int = 5          # K-fold cross-validation of the LRE's (beta, rank) over train + validation
     betas: tuple[float, ...] = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
     ranks: tuple[int | None, ...] = (None, 128, 32)   # truncation of W for faithfulness (None = full)
@@ -39,8 +41,13 @@ class AnalysisSettings:
     max_val_pairs: int = 8                      # causality edits per re-fit used to choose the edit rank
     max_test_pairs: int = 30                    # causality edits on the fixed test subjects (drawn once)
     ridge_alphas: tuple[float, ...] = tuple(10.0 ** k for k in range(-2, 6))
-    protocol: str = "strict"          # "strict" (zero-shot prompt, exact first token) or "lre" (the reference's)
-    n_icl: int = 5                    # in-context examples of the "lre" protocol
+    protocol: str = "strict"          # "strict" (exact first token) or "lre" (the LRE reference's pipeline)
+    n_icl: int | None = None          # in-context examples before every prompt (known-fact filter and analyses);
+                                      # none = the protocol's: strict 0 (zero-shot), lre 5 (the reference's N)
+    lre_selection: str = "validation"  # protocol lre: beta, edit rank, layer chosen on "validation" facts or, as
+                                       # the reference did, on the test facts ("as-published", labelled so)
+    lre_betas: tuple[float, ...] = tuple(i / 4 for i in range(21))      # protocol lre: the reference's 0 .. 5
+    lre_edit_ranks: tuple[int, ...] = tuple(range(0, 320, 8))          # protocol lre: the reference's 0 .. 312
     scoring: str = FIRST_TOKEN        # causality success: first token, or "sequence" (full-sequence log-prob)
     lre_layers: tuple[int, ...] | None = None   # None: up to max_lre_layers of the layers (Jacobians cost the most)
     max_lre_layers: int = 3
@@ -57,6 +64,8 @@ class AnalysisSettings:
     swap_scales: tuple[float, ...] = (1.0, 4.0, 16.0)  # swap edits also at these multiples of the fitted edit
                                                        # (dose-response)
     n_boot: int = 1000
+    jackknife_groups: int = 20        # refits behind each superposition interval (grouped jackknife; 0 = the old
+                                      # bootstrap of out-of-fold values, which under-covers: benchmarks/coverage.py)
     batch_size: int = 32
     jacobian_batch_size: int = 16
     jacobian_chunk: int = 96           # output dims per batched backward
@@ -84,6 +93,8 @@ def settings_from(n_splits: int = 3, seed: int = 0, max_subjects: int = 90, **op
         raise ValueError(f"scoring must be one of {SCORING_MODES}, got {cfg.scoring!r}")
     if cfg.protocol not in PROTOCOLS:
         raise ValueError(f"protocol must be one of {PROTOCOLS}, got {cfg.protocol!r}")
+    if cfg.lre_selection not in LRE_SELECTIONS:
+        raise ValueError(f"lre_selection must be one of {LRE_SELECTIONS}, got {cfg.lre_selection!r}")
     if cfg.n_splits < 1:
         raise ValueError("n_splits must be >= 1")
     rank = cfg.jacobian_rank
@@ -93,11 +104,36 @@ def settings_from(n_splits: int = 3, seed: int = 0, max_subjects: int = 90, **op
 
 
 class Log:
-    """Progress lines on stderr with the seconds since the analyses started."""
+    """Progress on stderr: a tqdm bar per stage (:meth:`bar`: "decoders 3/9 [05:12<10:24]") and lines with the
+    seconds since the analyses started and, inside a stage, its item "k/N" and the time left, estimated from the
+    items done: ``[analyses 743s | decoders 3/9, ~10:24 left] country_continent: ...``."""
 
     def __init__(self, enabled: bool):
         self.enabled, self.start = enabled, time.perf_counter()
+        self.what, self.done, self.total, self.stage_start = "", 0, 0, self.start   # the stage in progress
+
+    def bar(self, items: list, what: str, unit: str = "relation") -> Iterator:
+        """``items`` one by one under a progress bar named ``what`` (k of N, elapsed and remaining time)."""
+        self.what, self.done, self.total, self.stage_start = what, 0, len(items), time.perf_counter()
+        try:
+            with tqdm(total=len(items), desc=what, unit=unit, file=sys.stderr, disable=not self.enabled) as bar:
+                for item in items:
+                    yield item
+                    self.done += 1
+                    bar.update()
+        finally:
+            self.total = 0
+
+    def where(self) -> str:
+        """`` | decoders 3/9, ~10:24 left`` while a stage runs (the time left once an item is done), else ""."""
+        if self.done >= self.total:
+            return ""
+        text = f" | {self.what} {self.done + 1}/{self.total}"
+        if self.done:
+            left = (time.perf_counter() - self.stage_start) / self.done * (self.total - self.done)
+            text += f", ~{tqdm.format_interval(left)} left"
+        return text
 
     def __call__(self, message: str) -> None:
         if self.enabled:
-            print(f"[analyses {time.perf_counter() - self.start:6.0f}s] {message}", file=sys.stderr, flush=True)
+            tqdm.write(f"[analyses {time.perf_counter() - self.start:6.0f}s{self.where()}] {message}", file=sys.stderr)

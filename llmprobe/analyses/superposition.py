@@ -185,7 +185,7 @@ def superposition(lm, table: SuperpositionTable, layers: list[int], swap_layers:
         "merged_attributes": merged_attributes(table, U),
         "layers": {}, "error": None,
     }
-    for layer in layers:
+    for layer in log.bar(layers, "superposition", unit="layer"):
         controls = {"random_init": (controls_H[layer], U_c)} if controls_H is not None else None
         rep = superposition_readout(H[layer], A, U, controls=controls, relation_names=names, k=cfg.folds,
                                     seed=cfg.seed, n_boot=cfg.n_boot, decode=False,

@@ -29,7 +29,7 @@ from llmprobe.jobs.stages import (
     start_stage,
 )
 from llmprobe.model.interop import as_loaded_model
-from llmprobe.model.known import FactResult, known_facts
+from llmprobe.model.known import KNOWN_RULES, FactResult, known_facts
 from llmprobe.model.loading import LoadedModel
 from llmprobe.model.subjects import fill, locate_errors
 from llmprobe.report.claims import claims_block
@@ -271,8 +271,10 @@ class ProbeJob:
         """The known-fact stage: each relation's facts that fit the context and whose subject is located, checked
         (or taken from the previous known_facts.json when its stage key matches and the subjects are the same)."""
         run, report, t = self.settings.run, self.report, time.perf_counter()
+        a = self.settings.analysis     # the protocol's known-fact rule and in-context examples
         key = stage_key(model_identity(self.lm.info), report["dataset"]["hash"], run.max_facts,
-                        run.max_prompt_tokens, run.batch_size, run.seed)
+                        run.max_prompt_tokens, run.batch_size, run.seed, a.protocol, a.n_icl,
+                        a.n_splits if a.protocol == "lre" else None)
         stage = start_stage(report, "known_facts", key)
         taken = _previous_known(self.out) if earlier_stage(self.previous, "known_facts", key) else {}
         reused = 0
@@ -289,7 +291,8 @@ class ProbeJob:
             if results is not None and [r.subject for r in results] == [f.subject for f in facts]:
                 reused += 1
             else:
-                results = known_facts(self.lm, relation.with_facts(facts), batch_size=run.batch_size)
+                results = known_facts(self.lm, relation.with_facts(facts), batch_size=run.batch_size,
+                                      protocol=a.protocol, n_icl=a.n_icl, n_draws=a.n_splits, seed=run.seed)
             self.known[relation.name] = results
             report["relations"][relation.name] = relation_entry(relation, results)
         report["timings"]["known_facts_s"] = round(time.perf_counter() - t, 1)
@@ -359,8 +362,7 @@ def new_report(command: str, settings: Settings, lm: LoadedModel, relations: lis
         "model": lm.info,
         "dataset": {"hash": dataset_hash(relations), "relations": [r.name for r in relations],
                     "max_facts": run.max_facts, "max_prompt_tokens": run.max_prompt_tokens},
-        "scoring": "first token of the object; a fact is known when the greedy continuation starts with the object "
-                   "(case and leading space ignored)",
+        "scoring": KNOWN_RULES[settings.analysis.protocol],
         "relations": {},
         "layers": parse_layers(run.layers, lm.adapter.n_layers),
         "versions": library_versions(),

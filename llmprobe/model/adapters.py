@@ -6,8 +6,15 @@ Names (TransformerLens style, whatever the architecture underneath):
 * ``blocks.{l}.resid_post`` -- residual stream leaving block ``l``             [batch, seq, d_model]
 * ``blocks.{l}.attn_out``   -- output of block ``l``'s attention               [batch, seq, d_model]
 * ``blocks.{l}.mlp_out``    -- output of block ``l``'s MLP                     [batch, seq, d_model]
+* ``blocks.{l}.mlp_pre``    -- the MLP's pre-activation: the input of its activation function
+                              (``gate_proj x`` of a gated MLP, ``fc1 x`` / ``c_fc x`` of a plain one) [batch, seq, d_mlp]
 * ``blocks.{l}.mlp_hidden`` -- MLP activations entering the down projection    [batch, seq, d_mlp]
 * ``ln_final``              -- after the final norm                            [batch, seq, d_model]
+
+The MLP's *gate* (``llmprobe.analyses.selector``): a gated MLP (``mlp_gated``: SwiGLU in Llama, Qwen2/3, Mistral
+and Phi-3, GeGLU in Gemma 1-3) computes ``mlp_hidden = act(mlp_pre) * up_proj x``: its gate is ``act(mlp_pre)``. A
+plain MLP (GELU in Phi-1/2 and GPT-2) computes ``mlp_hidden = act(p) = p * (act(p) / p)`` with ``p = mlp_pre``: its
+gate is ``act(p) / p`` (the ReLU on/off mask of the synthetic model, Phi(p) for an exact GELU).
 
 TransformerLens names are accepted wherever a name is (``blocks.{l}.hook_resid_post`` etc.;
 :func:`to_lens_name` and :func:`from_lens_name` translate, ``LENS_NAMES`` is the table).
@@ -31,11 +38,14 @@ _NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_norm")
 _ATTN_NAMES = ("self_attn", "attn", "attention", "self_attention")
 _MLP_NAMES = ("mlp", "feed_forward", "ffn")
 _DOWN_NAMES = ("down_proj", "fc2", "c_proj", "dense_4h_to_h", "w2")
-_NAME = re.compile(r"^blocks\.(\d+)\.(resid_pre|resid_post|attn_out|mlp_out|mlp_hidden)$")
+_ACT_NAMES = ("act_fn", "activation_fn", "act")
+_GATE_NAMES = ("gate_proj", "gate_up_proj")     # a gated MLP has one of these beside its activation
+_NAME = re.compile(r"^blocks\.(\d+)\.(resid_pre|resid_post|attn_out|mlp_out|mlp_pre|mlp_hidden)$")
 # llmprobe place -> TransformerLens hook (TransformerBridge's names; HookedTransformer has all but ln_final.hook_out).
 # resid_mid exists in synthetic models only (their hook_points()).
 LENS_NAMES = {"resid_pre": "hook_resid_pre", "resid_mid": "hook_resid_mid", "resid_post": "hook_resid_post",
-              "attn_out": "hook_attn_out", "mlp_out": "hook_mlp_out", "mlp_hidden": "mlp.hook_post"}
+              "attn_out": "hook_attn_out", "mlp_out": "hook_mlp_out", "mlp_pre": "mlp.hook_pre",
+              "mlp_hidden": "mlp.hook_post"}
 LENS_FINAL = "ln_final.hook_out"      # the final norm's output (hook_normalized is before the norm's weight)
 _PLACE_NAME = re.compile(r"^blocks\.(\d+)\.(" + "|".join(LENS_NAMES) + r")$")
 _LENS_NAME = re.compile(r"^blocks\.(\d+)\.(" + "|".join(re.escape(v) for v in LENS_NAMES.values()) + r")$")
@@ -114,7 +124,7 @@ class ModelAdapter:
         """Every hook name this model offers, in forward order."""
         if self._points is not None:
             return list(self._points)
-        per_block = ("resid_pre", "attn_out", "mlp_hidden", "mlp_out", "resid_post")
+        per_block = ("resid_pre", "attn_out", "mlp_pre", "mlp_hidden", "mlp_out", "resid_post")
         names = [f"blocks.{l}.{p}" for l in range(self.n_layers) for p in per_block]
         return names + (["ln_final"] if self.final_norm is not None else [])
 
@@ -134,7 +144,7 @@ class ModelAdapter:
         match = _NAME.match(name)
         if not match:
             raise KeyError(f"unknown hook name {name!r}; expected blocks.{{l}}.<resid_pre|resid_post|attn_out|"
-                           f"mlp_out|mlp_hidden> or ln_final")
+                           f"mlp_out|mlp_pre|mlp_hidden> or ln_final")
         layer, kind = int(match.group(1)), match.group(2)
         if not 0 <= layer < self.n_layers:
             raise KeyError(f"layer {layer} out of range: {self.model_type} has {self.n_layers} blocks")
@@ -148,7 +158,17 @@ class ModelAdapter:
         mlp = _child(block, _MLP_NAMES, name)
         if kind == "mlp_out":
             return Place(mlp)
+        if kind == "mlp_pre":
+            return Place(_child(mlp, _ACT_NAMES, name), read_input=True)
         return Place(_child(mlp, _DOWN_NAMES, name), read_input=True)
+
+    def mlp_gated(self, layer: int) -> bool:
+        """Whether block ``layer``'s MLP is gated (``act(gate_proj x) * up_proj x``: it has a ``gate_proj`` or a
+        fused ``gate_up_proj``) rather than plain (``act(fc1 x)``); see the module docstring for each one's gate."""
+        if self._points is not None:
+            return False
+        mlp = _child(self.blocks[self.layer_index(layer)], _MLP_NAMES, f"blocks.{layer}.mlp_pre")
+        return any(isinstance(getattr(mlp, attr, None), nn.Module) for attr in _GATE_NAMES)
 
     def logits(self, resid: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head (+ Gemma's soft-capping): residual [..., d_model] -> logits [..., vocab]."""

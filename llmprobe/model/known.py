@@ -1,29 +1,62 @@
 """Known facts and object tokens.
 
-A fact (s, r, a) is *known* when the model's greedy continuation of the relation prompt starts with a (case and
-leading space ignored). Objects are scored by their *first token* by default: the first token that differs when
-" " + object is appended to the prompt.
+A fact (s, r, a) is *known* under the rule its protocol scores with, so that the model's own accuracy on its known
+facts is 1 by construction:
+
+* ``strict``: the greedy continuation opens with a's first token (the token strict scoring counts: the first
+  token that differs when " " + a is appended to the prompt) and starts with a (case and leading space ignored:
+  :func:`is_known`);
+* ``lre`` (the LRE reference's rule, :func:`prefix_hit`): the top-1 next token, decoded, stripped and lower-cased,
+  is a non-empty prefix of a (stripped, lower-cased).
+
+Prompts are zero-shot (the relation's first template) or few-shot: ``n_icl`` facts of the relation drawn at random
+(:func:`context_draws`) are written before the prompt, one filled template and its object per line
+(:func:`icl_template`; a line whose subject is the queried one is left out, as the reference does). The strict
+protocol draws once and never checks a fact whose subject is an in-context one; the lre protocol draws once per
+trial of the reference (``n_draws``), each trial's training samples being its in-context examples, and checks
+every other fact (duplicates of a training row included). With draws, every fact is also checked zero-shot
+(``FactResult.known_zero_shot``), so a report can say when a relation is known only few-shot.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import zlib
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from llmprobe.model.batching import run_batched
 from llmprobe.model.capture import NonFiniteStatesError, capture
+from llmprobe.model.lre import next_token_predictions
 from llmprobe.model.subjects import fill
+
+KNOWN_RULES = {     # report.json "scoring": the known-fact rule of each protocol, which its scoring also uses
+    "strict": "first token of the object; a fact is known when the greedy continuation opens with the object's "
+              "first token and starts with the object (case and leading space ignored), so the model's own "
+              "accuracy on its known facts is 1",
+    "lre": "the LRE reference's prefix rule: known and correct when the decoded top-1 next token, stripped and "
+           "lower-cased, is a non-empty prefix of the object",
+}
+DEFAULT_N_ICL = {"strict": 0, "lre": 5}    # in-context examples when none are asked for (lre: the reference's N)
+CONTEXT, KNOWN, UNKNOWN, EXCLUDED = "context", "known", "unknown", "excluded"   # a fact's role in one draw
 
 
 @dataclass
 class FactResult:
-    """One fact checked against the model's greedy continuation."""
+    """One fact checked against the model.
+
+    ``prompt`` and ``continuation`` are those of the first check (zero-shot, or the first draw in which the fact
+    was checked); ``known``: known zero-shot, or with draws in at least one draw. ``draws``: per in-context draw
+    the fact's role: "context" (an in-context example), "known" / "unknown" (checked with that draw's examples)
+    or "excluded" (strict: its subject is an in-context one). ``known_zero_shot``: with draws, the same rule on the
+    zero-shot prompt (None without draws)."""
 
     subject: str
     object: str
     prompt: str
     continuation: str
     known: bool
+    known_zero_shot: bool | None = None
+    draws: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -34,9 +67,44 @@ def _clean(text: str) -> str:
 
 
 def is_known(continuation: str, obj: str) -> bool:
-    """True when the continuation starts with the object, case and leading whitespace ignored."""
+    """True when the continuation starts with the object, case and leading whitespace ignored (the text half of
+    the strict rule: :func:`known_facts` passes an empty continuation when its first token is not the object's)."""
     target = _clean(obj)
     return bool(target) and _clean(continuation).startswith(target)
+
+
+def prefix_hit(token_text: str, obj: str) -> bool:
+    """The LRE reference's rule: the decoded token, stripped and lower-cased, is a non-empty prefix of the object
+    (stripped and lower-cased)."""
+    token = token_text.strip().lower()
+    return bool(token) and obj.strip().lower().startswith(token)
+
+
+def resolve_n_icl(protocol: str, n_icl: int | None) -> int:
+    """In-context examples of ``protocol``: ``n_icl``, or the protocol's default (strict 0, lre 5) for None."""
+    return DEFAULT_N_ICL[protocol] if n_icl is None else int(n_icl)
+
+
+def seeded_generator(seed: int, *keys) -> torch.Generator:
+    """A generator seeded by ``seed`` and ``keys`` (e.g. relation name, "test"): independent streams."""
+    text = "/".join(str(k) for k in keys)
+    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(text.encode()))
+
+
+def context_draws(n_facts: int, n_icl: int, n_draws: int, seed: int, name: str) -> list[list[int]]:
+    """``n_draws`` sets of ``n_icl`` fact indices out of ``n_facts`` (sorted), each from its own seeded stream
+    (seed, relation ``name``, draw): the in-context examples of each draw (the reference's training samples)."""
+    if n_icl < 0 or n_icl >= n_facts:
+        raise ValueError(f"relation {name}: {n_icl} in-context examples out of {n_facts} facts leave none to check")
+    return [sorted(torch.randperm(n_facts, generator=seeded_generator(seed, name, "context", k))[:n_icl].tolist())
+            for k in range(n_draws)]
+
+
+def icl_template(template: str, examples, subject: str | None = None) -> str:
+    """``template`` after the in-context ``examples`` (facts with ``subject`` and ``object``), one filled template
+    and its object per line; an example whose subject is ``subject`` is left out (the reference's rule)."""
+    lines = [fill(template, f.subject)[0] + " " + f.object.strip() for f in examples if f.subject != subject]
+    return "".join(line + "\n" for line in lines) + template
 
 
 class _FiniteScores:
@@ -53,9 +121,10 @@ class _FiniteScores:
         return scores
 
 
-def greedy_continuations(lm, prompts: list[str], max_new_tokens: int | list[int] = 8,
-                         batch_size: int = 32) -> list[str]:
-    """Greedy continuation text of each prompt (left-padded batches, no sampling).
+def greedy_tokens(lm, prompts: list[str], max_new_tokens: int | list[int] = 8, batch_size: int = 32
+                  ) -> list[list[int]]:
+    """Greedy continuation of each prompt as token ids (left-padded batches, no sampling; padding after an end
+    of sequence included).
 
     ``max_new_tokens`` may be one number per prompt: prompts are then batched by length of continuation needed,
     and each batch generates only as many tokens as its longest need. Batches go through
@@ -67,7 +136,7 @@ def greedy_continuations(lm, prompts: list[str], max_new_tokens: int | list[int]
     budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     order = sorted(range(len(prompts)), key=lambda i: (budgets[i], len(prompts[i])))
 
-    def generate(part: slice) -> list[str]:
+    def generate(part: slice) -> list[list[int]]:
         chunk = order[part]
         batch = tok([prompts[i] for i in chunk], return_tensors="pt", padding=True).to(lm.device)
         with torch.no_grad():
@@ -79,7 +148,7 @@ def greedy_continuations(lm, prompts: list[str], max_new_tokens: int | list[int]
                 last = torch.full((len(chunk), 1), batch["input_ids"].shape[1] - 1)
                 capture(lm.model, lm.adapter.names(), batch["input_ids"], batch["attention_mask"], positions=last)
                 raise
-        return tok.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+        return out[:, batch["input_ids"].shape[1]:].tolist()
 
     saved_side, tok.padding_side = tok.padding_side, "left"
     try:
@@ -87,29 +156,77 @@ def greedy_continuations(lm, prompts: list[str], max_new_tokens: int | list[int]
                             new_tokens=max(budgets, default=0))
     finally:
         tok.padding_side = saved_side
-    texts: list[str] = [""] * len(prompts)
-    for i, text in zip(order, (text for part in parts for text in part)):
-        texts[i] = text
-    return texts
+    tokens: list[list[int]] = [[] for _ in prompts]
+    for i, ids in zip(order, (ids for part in parts for ids in part)):
+        tokens[i] = ids
+    return tokens
+
+
+def greedy_continuations(lm, prompts: list[str], max_new_tokens: int | list[int] = 8,
+                         batch_size: int = 32) -> list[str]:
+    """Greedy continuation text of each prompt (:func:`greedy_tokens`, decoded without special tokens)."""
+    return lm.tokenizer.batch_decode(greedy_tokens(lm, prompts, max_new_tokens, batch_size),
+                                     skip_special_tokens=True)
+
+
+def _check(lm, protocol: str, templates: list[str], facts, batch_size: int,
+           max_new_tokens: int | None) -> list[tuple[str, str, bool]]:
+    """(prompt, continuation, known) of each fact under its template and ``protocol``'s rule (module doc)."""
+    prompts = [fill(t, f.subject)[0] for t, f in zip(templates, facts)]
+    if not prompts:
+        return []
+    if protocol == "lre":
+        top = next_token_predictions(lm, templates, [f.subject for f in facts], batch_size=batch_size).tolist()
+        texts = [lm.tokenizer.decode([t]) for t in top]
+        return [(p, t, prefix_hit(t, f.object)) for p, t, f in zip(prompts, texts, facts)]
+    sequences = object_token_sequences(lm.tokenizer, prompts, [f.object for f in facts])
+    budget = [min(len(seq) + 1, 16) for seq in sequences] if max_new_tokens is None else max_new_tokens
+    tokens = greedy_tokens(lm, prompts, budget, batch_size)
+    texts = lm.tokenizer.batch_decode(tokens, skip_special_tokens=True)
+    # the strict rule: the first token is the object's (what strict scoring counts) and the text starts with it
+    scored = [t if ids[:1] == seq[:1] else "" for t, ids, seq in zip(texts, tokens, sequences)]
+    return [(p, t, is_known(s, f.object)) for p, t, s, f in zip(prompts, texts, scored, facts)]
 
 
 def known_facts(lm, relation, template: str | None = None, max_new_tokens: int | None = None,
-                batch_size: int = 32) -> list[FactResult]:
-    """Check every fact of ``relation`` with its first (or the given) template.
+                batch_size: int = 32, *, protocol: str = "strict", n_icl: int | None = None, n_draws: int = 1,
+                seed: int = 0) -> list[FactResult]:
+    """Check every fact of ``relation`` with its first (or the given) template under ``protocol``'s rule (module
+    doc), one result per fact in order.
 
-    Each prompt generates one token more than its object has (or ``max_new_tokens``), enough to decide the
-    prefix match.
+    ``n_icl`` in-context examples (None: the protocol's default, :data:`DEFAULT_N_ICL`) drawn by
+    :func:`context_draws` from ``seed``: once for strict, ``n_draws`` times for lre (the reference's trials; pass
+    the analyses' ``n_splits``; a relation of no more facts than ``n_icl`` is checked zero-shot only). Strict
+    prompts generate one token more than the object has (or ``max_new_tokens``), enough to decide the prefix
+    match; lre prompts need the top-1 token only.
     """
+    if protocol not in DEFAULT_N_ICL:
+        raise ValueError(f"protocol must be one of {sorted(DEFAULT_N_ICL)}, got {protocol!r}")
     template = template or relation.templates[0]
-    prompts = [fill(template, fact.subject)[0] for fact in relation.facts]
-    if max_new_tokens is None:
-        budget = [min(len(seq) + 1, 16) for seq in object_token_sequences(
-            lm.tokenizer, prompts, [f.object for f in relation.facts])]
-    else:
-        budget = max_new_tokens
-    texts = greedy_continuations(lm, prompts, budget, batch_size)
-    return [FactResult(f.subject, f.object, p, t, is_known(t, f.object))
-            for f, p, t in zip(relation.facts, prompts, texts)]
+    facts = list(relation.facts)
+    n_icl = resolve_n_icl(protocol, n_icl)
+    zero_shot = _check(lm, protocol, [template] * len(facts), facts, batch_size, max_new_tokens)
+    if n_icl == 0 or n_icl >= len(facts):       # zero-shot, or too few facts for the examples (none to check)
+        return [FactResult(f.subject, f.object, p, t, k) for f, (p, t, k) in zip(facts, zero_shot)]
+    draws = context_draws(len(facts), n_icl, n_draws if protocol == "lre" else 1, seed, relation.name)
+    roles: list[list[str]] = [[] for _ in facts]
+    first: list[tuple[str, str] | None] = [None] * len(facts)
+    for context in draws:
+        examples = [facts[i] for i in context]
+        subjects = {f.subject for f in examples}
+        role = {i: CONTEXT for i in context}
+        if protocol == "strict":
+            role.update({i: EXCLUDED for i, f in enumerate(facts) if i not in role and f.subject in subjects})
+        checked = [i for i in range(len(facts)) if i not in role]
+        templates = [icl_template(template, examples, facts[i].subject) for i in checked]
+        for i, (p, t, k) in zip(checked, _check(lm, protocol, templates, [facts[i] for i in checked], batch_size,
+                                                max_new_tokens)):
+            role[i] = KNOWN if k else UNKNOWN
+            first[i] = first[i] or (p, t)
+        for i in range(len(facts)):
+            roles[i].append(role[i])
+    return [FactResult(f.subject, f.object, *(first[i] or ("", "")), KNOWN in roles[i], zero_shot[i][2], roles[i])
+            for i, f in enumerate(facts)]
 
 
 def object_split(tokenizer, prompt: str, obj: str, add_special_tokens: bool = False) -> tuple[list[int], int]:

@@ -5,6 +5,10 @@ the prompt (``llmprobe.model.known.first_token_ids``), and a prediction counts a
 decoder's) argmax next token equals it. Objects that share their first token (``South Africa``/``South Korea``)
 cannot be told apart this way; :func:`first_token_collisions` counts them so reports can say so.
 
+Under the ``lre`` protocol a prediction counts when the decoded token is a non-empty prefix of the object
+(``llmprobe.model.known.prefix_hit``, the LRE reference's rule). :class:`Scorer` applies either rule; the known-fact
+filter (``llmprobe.model.known.known_facts``) uses the same one, so a model scores 1 on its own known facts.
+
 Option: **full-sequence scoring**, the log-probability of all the object's tokens given the prompt (teacher
 forcing), optionally with an edit patched into the forward pass (:func:`sequence_logprobs`).
 """
@@ -17,13 +21,33 @@ import torch
 
 from llmprobe.model.batching import run_batched
 from llmprobe.model.capture import forward, patch
-from llmprobe.model.known import first_token_ids, object_split
+from llmprobe.model.known import first_token_ids, object_split, prefix_hit
 from llmprobe.model.subjects import encode
 from llmprobe.names import FIRST_TOKEN, SCORING_MODES, SEQUENCE
 
-__all__ = ["FIRST_TOKEN", "SEQUENCE", "SCORING_MODES", "first_token_targets", "first_token_collisions",
+__all__ = ["FIRST_TOKEN", "SEQUENCE", "SCORING_MODES", "Scorer", "first_token_targets", "first_token_collisions",
            "object_continuations", "sequence_logprobs", "attribute_token_ids"]
 
+
+class Scorer:
+    """Hits of predicted next tokens against objects under a protocol's rule: the exact first token ``y``
+    (protocol "strict") or :func:`~llmprobe.model.known.prefix_hit` of the decoded token (protocol "lre")."""
+
+    def __init__(self, tokenizer, y: torch.Tensor, objects: list[str], protocol: str):
+        self.tokenizer, self.y, self.objects, self.protocol = tokenizer, y, objects, protocol
+        self._text: dict[int, str] = {}
+
+    def _decoded(self, token: int) -> str:
+        if token not in self._text:
+            self._text[token] = self.tokenizer.decode([token])
+        return self._text[token]
+
+    def hits(self, predicted: torch.Tensor, objects: torch.Tensor) -> torch.Tensor:
+        """predicted [m] token ids, objects [m] indices of the facts whose object is the target -> Bool [m]."""
+        if self.protocol == "strict":
+            return predicted.cpu() == self.y[objects]
+        return torch.tensor([prefix_hit(self._decoded(int(p)), self.objects[i])
+                             for p, i in zip(predicted.tolist(), objects.tolist())], dtype=torch.bool)
 
 
 def first_token_targets(tokenizer, prompts: Sequence[str], objects: Sequence[str]) -> torch.Tensor:

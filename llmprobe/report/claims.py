@@ -11,13 +11,17 @@ from llmprobe.metric import LEVEL, Metric, wilson
 from llmprobe.report.schema import control_sources, source_name
 
 CLAIMS = ("attributes linearly decodable", "LRE edits causal", "subject states a superposition of attribute vectors",
-          "MLP a relation-conditioned selector", "capacity O(R log N) in the matched controls")
-DECODABLE, CAUSAL, SUPERPOSITION, SELECTOR, CAPACITY = CLAIMS
+          "one subject state serves every relation", "MLP a relation-conditioned selector",
+          "chain-of-thought breaks the multi-hop bottleneck", "capacity O(R log N) in the matched controls")
+DECODABLE, CAUSAL, SUPERPOSITION, SERVES, SELECTOR, MULTIHOP, CAPACITY = CLAIMS
 NULLS = {DECODABLE: ("shuffled", "random_init"),                      # every one must be measured and beaten
          CAUSAL: ("random_direction", "random_operator"),
          SUPERPOSITION: ("shuffled", "random_init", "random_attributes"),
-         SELECTOR: ("other_relation_gate",)}
-MIN_EFFECT = {DECODABLE: 0.10, CAUSAL: 0.10, SUPERPOSITION: 0.05, SELECTOR: 0.10}   # accuracy / R^2 over the null
+         SERVES: ("random_subject", "random_vector"),
+         SELECTOR: ("random_units",),
+         MULTIHOP: ("direct",)}
+MIN_EFFECT = {DECODABLE: 0.10, CAUSAL: 0.10, SUPERPOSITION: 0.05, SERVES: 0.10, SELECTOR: 0.10,
+              MULTIHOP: 0.10}                                  # accuracy / R^2 / success rate over the null
 REFERENCES = {"scaled_patch": "a same-norm step toward h_t (scaled_patch)",     # LRE causality's comparison
               "full_patch": "the full patch h_s -> h_t (full_patch, a reference)"}
 ALPHA = 0.025                   # one-sided familywise level (Holm): the one-sided level of the 95% intervals shown
@@ -29,14 +33,17 @@ CAPACITY_SWEEP = {("bijections", 500): (1.43, 1.51, 1.74, 1.81, 1.76, 1.66, 1.75
 VERDICT_RULE = (
     "Verdicts (docs/measures.md, Verdicts): each claim is tested against every one of its nulls (attributes "
     "decodable: shuffled, random_init; LRE causal: random_direction, random_operator; superposition: shuffled, "
-    "random_init, random_attributes; selector: the other relation's gate) on the difference measure - null with "
+    "random_init, random_attributes; one state serves every relation: the crosspatch's random_subject and "
+    "random_vector patches; selector: switching off as many random units as another relation's gates switch "
+    "(random_units); chain-of-thought: the direct answer to the same chains) on the difference measure - null with "
     "its 95% interval (paired bootstrap where the report has it, else MOVER from the two intervals). supported: "
     f"the difference exceeds the minimal effect (+{MIN_EFFECT[DECODABLE]:g} accuracy, +{MIN_EFFECT[SUPERPOSITION]:g} "
     "R^2) against every null, Holm-adjusted over all tests of the report (claims x relations) at one-sided "
     f"{ALPHA:g}; weak: it exceeds 0 but is not shown to exceed the minimal effect; not shown: neither; null not "
     "measured: a null is missing from the report. Layers, chosen on validation subjects only: LRE causality at its "
-    "causality layer, each readout at its relation's LRE layer, the R^2 at the layer most relations' LRE chose "
-    "(with no decoder: every layer, all in the Holm family). A line shows the median relation: its verdict is the "
+    "causality layer, each readout at its relation's LRE layer, the R^2 and the crosspatch at the layer most "
+    "relations' LRE chose (with no decoder: every layer, all in the Holm family), the gate transplant at the block "
+    "the selector chose on validation facts. A line shows the median relation: its verdict is the "
     "grade that at least half the relations reach. The matched control is a comparison (more than / as much as / less than), "
     "not a null. Capacity: the table's bits per trainable parameter at d* against the range of the capacity "
     "sweep's cells for the same kind of map and step cap, two-sided: supported inside it, not shown outside it "
@@ -179,21 +186,26 @@ def _at_dstar(report: dict) -> dict | None:
                 trainable[0] if trainable else None)
 
 
-def validation_layers(report: dict) -> tuple[dict[str, int], int | None]:
-    """({relation: layer}, common layer) for the superposition claims, chosen on validation subjects only: each
-    relation's LRE layer (``selected.lre.layer``, by validation faithfulness) where the superposition measured it,
-    and the one most of the superposition's relations chose (ties: the lower layer); (_, None) when no decoder
+def decoder_layers(report: dict, measured: set[int], relations: list[str] | None) -> tuple[dict[str, int], int | None]:
+    """({relation: layer}, common layer) chosen on validation subjects only: each relation's LRE layer
+    (``selected.lre.layer``, by validation faithfulness) where it is in ``measured``, and the one most of
+    ``relations`` (every relation with a decoder when None) chose (ties: the lower layer); (_, None) when no decoder
     chose a measured layer."""
-    superposition = (report.get("analyses") or {}).get("superposition") or {}
-    measured = {int(layer) for layer in superposition.get("layers") or {}}
     chosen = {}
     for relation, entry in ((report.get("analyses") or {}).get("relations") or {}).items():
         layer = ((entry.get("selected") or {}).get("lre") or {}).get("layer")
         if layer is not None and int(layer) in measured:
             chosen[relation] = int(layer)
-    votes = [layer for relation, layer in chosen.items() if relation in (superposition.get("relations") or chosen)]
+    votes = [layer for relation, layer in chosen.items() if relation in (relations or chosen)]
     common = min(set(votes), key=lambda layer: (-votes.count(layer), layer)) if votes else None
     return chosen, common
+
+
+def validation_layers(report: dict) -> tuple[dict[str, int], int | None]:
+    """:func:`decoder_layers` of the superposition: its measured layers, its relations."""
+    superposition = (report.get("analyses") or {}).get("superposition") or {}
+    measured = {int(layer) for layer in superposition.get("layers") or {}}
+    return decoder_layers(report, measured, superposition.get("relations"))
 
 
 def _superposition_tests(report: dict) -> tuple[list[dict], list[dict], str]:
@@ -237,18 +249,68 @@ def _causality_tests(report: dict) -> list[dict]:
     return [t for t in tests if t]
 
 
+def _crosspatch_tests(report: dict) -> tuple[list[dict], str]:
+    """(tests, where) of "one state serves every relation": the neutral (relation-free) state of s patched into
+    relation B's prompt of s' (pooled over ordered pairs) against the random_subject and random_vector patches,
+    beside B's own state of s (same_relation), at the layer most of the crosspatch's relations' LRE decoders chose
+    on validation (:func:`decoder_layers`; the crosspatch itself chooses none); every layer when none did."""
+    crosspatch = (report.get("analyses") or {}).get("crosspatch") or {}
+    layers = crosspatch.get("layers") or {}
+    _, common = decoder_layers(report, {int(layer) for layer in layers}, crosspatch.get("relations"))
+    tests = [_test(SERVES, "all relations", int(layer), entry.get("neutral"),
+                   comparison=("the state from relation B's own prompt (same_relation)", entry.get("same_relation")))
+             for layer, entry in sorted(layers.items(), key=lambda kv: int(kv[0]))
+             if common is None or common == int(layer)]
+    where = (f"layer {common}, the one most of its relations' LRE decoders chose on validation" if common is not None
+             else "every patched layer (no decoder chose one), all in the Holm family")
+    return [t for t in tests if t], where
+
+
+def _broken(m: dict | None) -> dict | None:
+    """1 - a keep rate (JSON form): the fraction of answers an edit breaks, its interval flipped."""
+    if _compact(m) is None:
+        return None
+    lo, hi = _bounds(m)
+    return {"value": 1.0 - m["value"], "ci": [1.0 - hi, 1.0 - lo], "n": m.get("n"), "interval": m.get("interval")}
+
+
 def _selector_tests(report: dict) -> tuple[list[dict], str]:
-    """The gate transplant of the trainable control at d*: accuracy with another subject's gate of the same
-    relation against the same subject's gate of another relation (Wilson, n = the table's facts); its source."""
-    at_star = _at_dstar(report)
-    transplant = (((at_star or {}).get("analyses") or {}).get("selector") or {}).get("gate_transplant") or {}
-    n_facts = ((at_star or {}).get("matched_to") or {}).get("n_facts")
-    if transplant.get("same_relation") is None or transplant.get("same_subject") is None or not n_facts:
+    """(tests, where) of the selector on the pretrained model's gate transplant (at the block chosen on validation
+    facts): the fraction of test facts another relation's gates break (1 - other_relation) against the fraction a
+    switch-off of as many random units breaks (1 - random_units; paired: random_minus_other), beside the same
+    fraction in the trainable matched control at d* (1 - same_subject, Wilson, n = the table's facts)."""
+    transplant = ((report.get("analyses") or {}).get("selector") or {}).get("gate_transplant") or {}
+    if transplant.get("error") or _compact(transplant.get("other_relation")) is None:
         return [], ""
-    as_metric = lambda v: Metric(v, wilson(v, n_facts), n_facts, "wilson").to_dict()
-    test = _test(SELECTOR, "all relations", None, as_metric(transplant["same_relation"]),
-                 {"other_relation_gate": as_metric(transplant["same_subject"])})
-    return [test], source_name(at_star)
+    at_star = _at_dstar(report)
+    control = (((at_star or {}).get("analyses") or {}).get("selector") or {}).get("gate_transplant") or {}
+    n_facts = ((at_star or {}).get("matched_to") or {}).get("n_facts")
+    comparison = None
+    if control.get("same_subject") is not None and n_facts:
+        kept = Metric(control["same_subject"], wilson(control["same_subject"], n_facts), n_facts, "wilson").to_dict()
+        comparison = (f"the matched control ({source_name(at_star)}; same-relation gate keeps "
+                      f"{control['same_relation']:.2f}, other-relation gate {control['same_subject']:.2f})",
+                      _broken(kept))
+    test = _test(SELECTOR, "all relations", None, _broken(transplant["other_relation"]),
+                 {"random_units": _broken(transplant.get("random_units"))},
+                 {"random_units": transplant.get("random_minus_other")}, comparison)
+    block = transplant.get("block") or []
+    same = _compact(transplant.get("same_relation"))
+    where = (f"at layers {block[0]}-{block[-1]} (the block chosen on validation facts)" if block else "") + (
+        f"; another subject's gates of the same relation keep {same['value']:.2f}" if same else "")
+    return [t for t in [test] if t], where
+
+
+def _multihop_tests(report: dict) -> list[dict]:
+    """One test per number of hops k: chain-of-thought accuracy over the k-hop chains whose every hop the model
+    knows (pooled over compositions) against the direct answer to the same chains (paired: cot_minus_direct),
+    beside the ceiling (the chain-of-thought prompt with the true bridges)."""
+    pooled = ((report.get("analyses") or {}).get("multihop") or {}).get("pooled") or {}
+    tests = [_test(MULTIHOP, key, None, entry.get("cot"), {"direct": entry.get("direct")},
+                   {"direct": entry.get("cot_minus_direct")},
+                   ("the ceiling (the true bridges given)", entry.get("ceiling")))
+             for key, entry in sorted(pooled.items())]
+    return [t for t in tests if t]
 
 
 def table_kind(table: dict) -> str:
@@ -308,8 +370,10 @@ def claims_block(report: dict) -> dict:
     (every test, graded). A claim whose data the report lacks says "not measured"."""
     readouts, r2s, where = _superposition_tests(report)
     causal = _causality_tests(report)
-    selector, selector_source = _selector_tests(report)
-    tests = readouts + causal + r2s + selector
+    serves, serves_where = _crosspatch_tests(report)
+    selector, selector_where = _selector_tests(report)
+    multihop = _multihop_tests(report)
+    tests = readouts + causal + r2s + serves + selector + multihop
     family = [t for t in tests if not t["missing_nulls"]]
     for key in ("p", "p_zero"):
         for test, adjusted in zip(family, holm([t[key] for t in family])):
@@ -322,9 +386,13 @@ def claims_block(report: dict) -> dict:
              _line(SUPERPOSITION, "held-out R^2 of h_s ~ c + sum_r W_r u_a(s) at " + (
                  f"layer {r2s[0]['layer']}, the one most LRE decoders chose on validation" if len(r2s) == 1 else
                  "every measured layer, all in the Holm family"), r2s),
-             _line(SELECTOR, f"matched control ({selector_source or 'trainable, at d*'}): accuracy with another "
-                             "subject's MLP gate of the same relation (not measured in the pretrained model)",
-                   selector),
+             _line(SERVES, "crosspatch: fraction of items whose answer to relation B's prompt of s' becomes B's "
+                           "answer for s when s's state from a relation-free prompt is patched in (pooled over "
+                           f"relation pairs), at {serves_where}", serves),
+             _line(SELECTOR, "gate transplant: fraction of known test facts that the same subject's MLP gates of "
+                             f"another relation break, {selector_where}", selector),
+             _line(MULTIHOP, "chain-of-thought accuracy on the k-hop chains whose every hop is known (pooled over "
+                             "compositions), per k", multihop),
              capacity_line(report)]
     return {"rule": VERDICT_RULE, "alpha": ALPHA, "n_tests": len(family), "lines": lines,
             "tests": tests}

@@ -1,0 +1,147 @@
+"""Benchmark: the LRE reference's protocol (``--protocol lre``) on the bundled LRE dataset, beside the published means.
+
+For each relation of ``--relations`` (default ``lre:all``, the 47 relations of Hernandez et al. 2023) the known
+facts are checked as the reference does (per trial, the top-1 token under that trial's in-context prompt a prefix
+of the object: ``llmprobe.model.known.known_facts(protocol="lre")``), and the relations with at least one trial of
+more known facts than training facts are measured by ``run_analyses(protocol="lre")`` in both selection modes:
+``as-published`` (beta, edit rank and layer chosen on the test facts, as the reference's sweep) and ``validation``
+(chosen on held-out facts of each trial). Printed per category, the paper's table shape: the mean over relations
+of faithfulness and causality at each relation's selected layer, with n = relations (test facts), beside the
+published means (GPT-J, GPT-2-XL, LLaMA-13B).
+
+    python benchmarks/lre_protocol.py --relations lre:all --out runs/lre_protocol.json    # embedded SmolLM2
+
+Only relations the model knows enough of are measured, so a category mean here covers fewer relations than the
+paper's; the table says how many.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+from llmprobe.analyses.run import run_analyses  # noqa: E402
+from llmprobe.datasets import LRE_CATEGORIES, load_relations  # noqa: E402
+from llmprobe.io import write_json  # noqa: E402
+from llmprobe.jobs.probe import locatable, parse_layers  # noqa: E402
+from llmprobe.model.known import KNOWN, known_facts  # noqa: E402
+from llmprobe.model.loading import load_model  # noqa: E402
+
+MODES = ("as-published", "validation")
+# published means over each category's relations: (faithfulness, causality), Hernandez et al. 2023
+PUBLISHED = {"GPT-J": {"factual": (.644, .720), "linguistic": (.831, .917), "commonsense": (.779, .883),
+                       "bias": (.909, .977)},
+             "GPT-2-XL": {"factual": (.545, .650)},
+             "LLaMA-13B": {"factual": (.603, .672)}}
+
+
+def measurable(results: list, n_icl: int) -> bool:
+    """True when some trial of the known-fact check has more known facts than training facts (the reference's
+    condition for testing a trial)."""
+    n_draws = len(results[0].draws) if results else 0
+    return any(sum(r.draws[k] == KNOWN for r in results) > n_icl for k in range(n_draws))
+
+
+def category(relation) -> str:
+    return relation.properties.get("relation_type", "other")
+
+
+def measure(lm, relations: list, layers: list[int], n_icl: int = 5, n_splits: int = 3, seed: int = 0,
+            options: dict | None = None, log=print) -> dict:
+    """Known facts and both selection modes of every relation: {"relations": {name: {category, n_rows, n_known
+    per trial, measured, modes: {mode: relation entry}}}, "seconds"}."""
+    t0 = time.perf_counter()
+    out: dict = {"relations": {}, "layers": layers, "n_icl": n_icl, "n_splits": n_splits}
+    for relation in relations:
+        facts, _ = locatable(lm, relation)
+        relation = relation.with_facts(facts)
+        results = known_facts(lm, relation, protocol="lre", n_icl=n_icl, n_draws=n_splits, seed=seed)
+        entry = {"category": category(relation), "n_rows": len(results),
+                 "n_known": [sum(r.draws[k] == KNOWN for r in results) for k in range(n_splits)],
+                 "measured": measurable(results, n_icl), "modes": {}}
+        out["relations"][relation.name] = entry
+        log(f"{relation.name}: known per trial {entry['n_known']} of {len(results)} rows")
+        if not entry["measured"]:
+            continue
+        for mode in MODES:
+            got = run_analyses(lm, [relation], {relation.name: results}, layers, analyses=("lre",), seed=seed,
+                               n_splits=n_splits, progress=False, protocol="lre", n_icl=n_icl,
+                               lre_selection=mode, lre_layers=tuple(layers), **(options or {}))
+            entry["modes"][mode] = got["relations"][relation.name]
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def selected(entry: dict) -> tuple[float | None, int, float | None, int]:
+    """(faithfulness, n, causality, n) of one relation entry at its selected layer (None where not measured)."""
+    sel = (entry.get("selected") or {}).get("lre")
+    if entry.get("error") or sel is None:
+        return None, 0, None, 0
+    lre = entry["layers"][str(sel["layer"])]["lre"]
+    causal = lre.get("causality") or {}
+    return lre["faithfulness"]["value"], lre["faithfulness"]["n"], causal.get("value"), causal.get("n", 0)
+
+
+def table(measured: dict) -> list[list[str]]:
+    """Rows of the printed table: per category (and all), per mode, the mean over measured relations of
+    faithfulness and causality, with n relations (test facts / test pairs), beside the published means."""
+    rows = [["category", "mode", "faithfulness (n rel., n facts)", "causality (n rel., n pairs)",
+             *(f"{model} F / C" for model in PUBLISHED)]]
+    for cat in (*LRE_CATEGORIES, "all"):
+        entries = [e for e in measured["relations"].values() if cat in ("all", e["category"])]
+        for mode in MODES:
+            values = [selected(e["modes"][mode]) for e in entries if mode in e["modes"]]
+            faith = [(f, n) for f, n, _, _ in values if f is not None]
+            causal = [(c, n) for _, _, c, n in values if c is not None]
+
+            def mean(pairs):
+                if not pairs:
+                    return "-"
+                return (f"{sum(v for v, _ in pairs) / len(pairs):.3f} ({len(pairs)}, "
+                        f"{sum(n for _, n in pairs)})")
+            published = [" / ".join(f"{v:.3f}" for v in PUBLISHED[m][cat]) if cat in PUBLISHED[m] else "-"
+                         for m in PUBLISHED]
+            rows.append([cat, mode, mean(faith), mean(causal), *published])
+    return rows
+
+
+def format_table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="model name or folder (default: the embedded SmolLM2)")
+    parser.add_argument("--relations", nargs="+", default=["lre:all"])
+    parser.add_argument("--layers", default="every:3", help="LRE layers: all | every:K | a comma list")
+    parser.add_argument("--n-icl", type=int, default=5, help="training facts per trial (the reference's N)")
+    parser.add_argument("--trials", type=int, default=3, help="trials per relation (the reference's 3)")
+    parser.add_argument("--max-facts", type=int, default=None, help="keep the first N rows of each relation")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--out", default=None, help="write every relation's entries here (JSON)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lm = load_model(args.model, device=args.device)
+    relations = load_relations(args.relations)
+    if args.max_facts:
+        relations = [r.with_facts(r.facts[:args.max_facts]) for r in relations]
+    layers = [l for l in parse_layers(args.layers, lm.adapter.n_layers) if l != lm.adapter.n_layers - 1]
+    measured = measure(lm, relations, layers, args.n_icl, args.trials)
+    print(format_table(table(measured)))
+    print(f"({measured['seconds']} s; layers {layers}; relations measured: "
+          f"{sum(e['measured'] for e in measured['relations'].values())} of {len(measured['relations'])})")
+    if args.out:
+        write_json(args.out, measured)
+    return measured
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,313 @@
+"""The known-fact rules and the LRE reference's protocol (``--protocol lre``), step by step, on planted and tiny
+models: each protocol's known facts are scored 1 by its own scoring; the reference filters only the facts outside
+each trial's training facts, with that trial's in-context prompt; J and b come from each training fact prompted
+with the others (the test facts with all of them); its pair rule; duplicate rows kept; the as-published label;
+few-shot prompts of the strict protocol (in-context subjects never tested). Each test was checked to fail with its
+step switched back to the behaviour before issue 21 (see the docstrings)."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_analyses import FAST
+from test_lre import LinearToy, word_tokenizer
+from tiny_models import save_tiny
+
+import llmprobe.analyses.decoders as decoders_module
+from llmprobe.analyses.run import run_analyses
+from llmprobe.analyses.settings import AnalysisError, settings_from
+from llmprobe.analyses.splits import in_context_draws, object_pairs
+from llmprobe.datasets import Fact, Relation, load_relations
+from llmprobe.model.adapters import ModelAdapter
+from llmprobe.model.known import (
+    CONTEXT,
+    EXCLUDED,
+    KNOWN,
+    FactResult,
+    context_draws,
+    icl_template,
+    is_known,
+    known_facts,
+)
+from llmprobe.model.loading import LoadedModel, load_model
+from llmprobe.model.lre import next_token_predictions, per_prompt_jacobians
+
+TEMPLATE = "The capital of {} is"
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "lre_protocol.py"
+
+
+class GenerativeToy(LinearToy):
+    """The linear toy of test_lre with a greedy ``generate`` (the strict known-fact check generates)."""
+
+    def generate(self, input_ids, attention_mask=None, max_new_tokens=1, logits_processor=(), **kwargs):
+        ids = input_ids
+        for _ in range(max_new_tokens):
+            scores = self(ids).logits[:, -1]
+            for processor in logits_processor:
+                scores = processor(ids, scores)
+            ids = torch.cat([ids, scores.argmax(-1, keepdim=True)], 1)
+        return SimpleNamespace(sequences=ids)
+
+
+def toy(n_subjects=40, seed=2) -> tuple[LoadedModel, list[str], list[str]]:
+    """The toy, its subjects and its own zero-shot answers (upper-case words W0..; the vocabulary also holds
+    their lower-case twins w0..)."""
+    subjects = [f"S{i}" for i in range(n_subjects)]
+    words = [f"W{i}" for i in range(30)]
+    tok = word_tokenizer("The capital of is".split() + subjects + words + [w.lower() for w in words])
+    model = GenerativeToy(len(tok), 16, 2, seed).double().eval().requires_grad_(False)
+    answerable = torch.tensor([tok.convert_tokens_to_ids(w) for w in words])
+    model.head.weight[~torch.isin(torch.arange(len(tok)), answerable)] = 0     # it answers with the W words only
+    adapter = ModelAdapter(model)
+    adapter.embed = model.embed                     # where inputs go (a hook-point model names none)
+    lm = LoadedModel(model, tok, adapter, {"name": "generative_toy"})
+    answers = tok.convert_ids_to_tokens(next_token_predictions(lm, TEMPLATE, subjects).tolist())
+    assert set(answers) <= set(words) and len(set(answers)) >= 4
+    return lm, subjects, answers
+
+
+@pytest.fixture(scope="module")
+def planted():
+    return toy()
+
+
+def answered_in_context(lm, subjects, answers, n_icl=5, seed=0, name="toy"):
+    """A relation whose facts outside the first in-context draw have the toy's answers *under that draw's
+    prompt* as objects (the draw's own facts keep the zero-shot answers): known with the in-context prompt."""
+    context = context_draws(len(subjects), n_icl, 1, seed, name)[0]
+    examples = [Fact(subjects[i], answers[i]) for i in context]
+    template = icl_template(TEMPLATE, examples)
+    rest = [i for i in range(len(subjects)) if i not in context]
+    pred = next_token_predictions(lm, template, [subjects[i] for i in rest]).tolist()
+    objects = dict(zip(rest, lm.tokenizer.convert_ids_to_tokens(pred)))
+    return Relation(name, [TEMPLATE], ["{}"], [Fact(s, objects.get(i, answers[i])) for i, s in enumerate(subjects)])
+
+
+# ------------------------------------------------------------------------------ one rule: filter = scoring
+def test_strict_known_facts_score_one_by_their_own_scoring(planted):
+    """Half the facts have the toy's answer, half its lower-case twin (' w5' where the toy writes ' W5'): the old
+    rule (greedy text starts with the object, case-folded) calls them all known, which capped the model's own
+    accuracy at 0.5 here; the strict rule (also the object's first token) keeps the first half only, and the
+    decoders then find the model right on every known fact. (Dropping the first-token condition fails this.)"""
+    lm, subjects, answers = planted
+    objects = [a if i % 2 else a.lower() for i, a in enumerate(answers)]
+    relation = Relation("toy", [TEMPLATE], ["{}"], [Fact(s, o) for s, o in zip(subjects, objects)])
+    results = known_facts(lm, relation)
+    assert all(is_known(r.continuation, r.object) for r in results)       # the text rule alone: all known
+    assert [r.known for r in results] == [bool(i % 2) for i in range(len(subjects))]
+    out = run_analyses(lm, [relation], {"toy": results}, [0], analyses=("ridge",), progress=False, min_known=4,
+                       **FAST)["relations"]["toy"]
+    assert out["error"] is None and out["n_used"] == 20 and out["model_accuracy"] == 1.0
+
+
+def test_lre_known_facts_score_one_by_the_prefix_rule(planted):
+    """Protocol lre: known by the reference's prefix rule under each trial's prompt, and the protocol's model
+    accuracy on its test facts is 1 in every trial."""
+    lm, subjects, answers = planted
+    relation = answered_in_context(lm, subjects, answers)
+    results = known_facts(lm, relation, protocol="lre", n_icl=5, n_draws=3)
+    out = run_analyses(lm, [relation], {"toy": results}, [0, 1], analyses=("lre",), progress=False, protocol="lre",
+                       **FAST)["relations"]["toy"]
+    measured = [t for t in out["trials"] if t["skipped"] is None]
+    assert out["error"] is None and measured and all(t["model_accuracy"] == 1.0 for t in measured)
+
+
+# ------------------------------------------------------------------------------ the filter: test facts only
+def test_reference_filter_checks_only_the_facts_outside_each_trials_training_facts(planted):
+    """The objects outside the first draw are the toy's answers with that draw's prompt, 13 of them other than
+    its zero-shot answers: the old filter (every fact, zero-shot) misses those; the reference's filter keeps all 35,
+    the training facts are never checked (used whether known or not), and each later trial filters with its own
+    training facts. (Filtering zero-shot fails this.)"""
+    lm, subjects, answers = planted
+    relation = answered_in_context(lm, subjects, answers)
+    results = known_facts(lm, relation, protocol="lre", n_icl=5, n_draws=3)
+    draws = context_draws(len(subjects), 5, 3, 0, "toy")
+    assert len({tuple(d) for d in draws}) == 3
+    for k, context in enumerate(draws):
+        assert [i for i, r in enumerate(results) if r.draws[k] == CONTEXT] == context
+    assert all(r.draws[0] == KNOWN for i, r in enumerate(results) if i not in draws[0])
+    zero_shot = sum(bool(r.known_zero_shot) for r in results)
+    assert zero_shot <= 27 and sum(r.known for r in known_facts(lm, relation)) <= 27    # the zero-shot filters
+    out = run_analyses(lm, [relation], {"toy": results}, [0, 1], analyses=("lre",), progress=False, protocol="lre",
+                       **FAST)["relations"]["toy"]
+    assert out["trials"][0]["train_subjects"] == [subjects[i] for i in draws[0]]
+    assert out["trials"][0]["n_known"] == len(subjects) - 5
+    assert out["n_known_zero_shot"] == zero_shot and out["known_only_few_shot"] is False
+
+
+# ------------------------------------------------------------------------ Jacobians: leave-one-out context
+@pytest.fixture(scope="module")
+def llama64(tmp_path_factory):
+    return load_model(str(save_tiny("llama", tmp_path_factory.mktemp("llama"))), device="cpu", dtype=torch.float64)
+
+
+def test_W_and_b_average_the_training_facts_each_prompted_with_the_others(llama64, monkeypatch):
+    """W and b of the fitted LRE = the mean over one trial's training facts of J_i and o_i - J_i h_i, each computed
+    one prompt at a time (``per_prompt_jacobians``) with the *other* training facts as in-context lines; the test
+    facts are prompted with all of them. (The old fixed in-context set, never Jacobian subjects, or a training
+    fact's own line left in, fails this.)"""
+    seen = []
+    real = decoders_module.relation_states
+
+    def spy(lm, templates, subjects, layers, **kw):
+        seen.append((templates, subjects))
+        return real(lm, templates, subjects, layers, **kw)
+    monkeypatch.setattr(decoders_module, "relation_states", spy)
+    places = ["Paris", "Tokyo", "Berlin", "Rome", "Madrid", "Cairo"]
+    subjects = ["France", "Japan", "Brazil", "Germany", "Italy", "Spain", "Portugal", "Egypt", "Kenya", "Mexico",
+                "Marie", "Albert", "Europe", "Asia"]
+    facts = [Fact(s, places[i % len(places)]) for i, s in enumerate(subjects)]
+    relation = Relation("capital", [TEMPLATE], ["{}"], facts)
+    results = [FactResult(f.subject, f.object, "", f.object, True) for f in facts]    # given: all known
+    fitted: dict = {}
+    out = decoders_module.decoders_for_relation(
+        llama64, relation, results, [1], [1], [], True, False, settings_from(protocol="lre", n_icl=3, lre_betas=(1.0,)),
+        lambda message: None, fitted)
+    fit = fitted["capital"]["lre"]
+    trial = out["trials"][fit["refit"]]
+    train = [f for f in facts if f.subject in trial["train_subjects"]]
+    assert len(train) == 3 and not set(trial["train_subjects"]) & set(trial["test_subjects"])
+    J, b = [], []
+    for fact in train:
+        template = icl_template(TEMPLATE, train, fact.subject)
+        assert template.count("\n") == 2 and fact.subject + " is " not in template
+        one = per_prompt_jacobians(llama64, template, [fact.subject], 1)
+        J.append(one.J[0].double())
+        b.append(one.O[0].double() - one.J[0].double() @ one.H[0].double())
+    torch.testing.assert_close(fit["W"].double(), torch.stack(J).mean(0), rtol=0, atol=1e-7)
+    torch.testing.assert_close(fit["b"].double(), torch.stack(b).mean(0), rtol=0, atol=1e-7)
+    templates, tested = seen[fit["refit"]]
+    assert all(t.count("\n") == 3 for t in templates) and set(trial["test_subjects"]) <= set(tested)
+
+
+# ------------------------------------------------------------------------------------------ the pair rule
+def test_reference_pairs_need_another_subject_and_another_object_string():
+    """South Korea and South Africa share their first token: the strict rule never pairs them, the reference
+    does (it compares object strings); a target never has the source's object or subject. (The first-token rule
+    leaves 0 and 2 unpaired.)"""
+    subjects = ["a", "b", "c", "d"]
+    objects = ["South Korea", "South Africa", "South Korea", "South Africa"]
+    src, tgt = object_pairs(subjects, objects, torch.arange(4), torch.Generator().manual_seed(0))
+    assert src.tolist() == [0, 1, 2, 3]
+    for s, t in zip(src.tolist(), tgt.tolist()):
+        assert objects[s] != objects[t] and subjects[s] != subjects[t]
+    src, _ = object_pairs(["a", "a", "b"], ["x", "y", "x"], torch.arange(3), torch.Generator().manual_seed(0))
+    assert src.tolist() == [1, 2]                                      # 0: its only other object has its subject
+
+
+# ------------------------------------------------------------------------------------------ duplicate rows
+def test_duplicate_rows_are_kept_and_a_duplicate_of_a_training_fact_loses_its_line(planted):
+    """The LRE dataset repeats rows (adj_comparative: 68 rows, 57 distinct): the reference keeps every row, so a
+    test row may repeat a training row; its prompt then leaves that line out (the model must answer itself).
+    (Deduplicating, or keeping the line, fails this.)"""
+    lm, subjects, answers = planted
+    facts = answered_in_context(lm, subjects, answers).facts
+    n = len(facts) + 3
+    context = context_draws(n, 5, 1, 0, "toy")[0]
+    originals = ([i for i in context if i < len(facts)] + list(range(len(facts))))[:3]
+    rows = Relation("toy", [TEMPLATE], ["{}"], facts + [facts[i] for i in originals])   # 3 rows repeat others
+    results = known_facts(lm, rows, protocol="lre", n_icl=5, n_draws=1)
+    assert len(results) == n
+    draw = in_context_draws(results, "lre", 5, 1, 0, "toy")[0]
+    assert draw.context == context
+    in_context = [rows.facts[i].subject for i in context]
+    repeated = [i for i in range(len(facts), n) if i not in context and rows.facts[i].subject in in_context]
+    assert repeated
+    for i in repeated:
+        assert results[i].draws == [KNOWN] or results[i].draws == ["unknown"]
+        assert f"The capital of {results[i].subject} is {results[i].object}" not in results[i].prompt
+        assert results[i].prompt.count("\n") == 5 - in_context.count(results[i].subject)   # the others' lines
+    strict = known_facts(lm, rows, n_icl=5)                             # strict: such a subject is never tested
+    assert all(strict[i].draws == [EXCLUDED] for i in repeated)
+
+
+def test_lre_names_keep_duplicate_rows():
+    adj = load_relations("lre:adj_comparative")[0]
+    assert len(adj.facts) == 68 and len(set(adj.facts)) == 57 and adj.properties["duplicate_rows"] == 11
+
+
+# ------------------------------------------------------------------------------------ selection and label
+@pytest.mark.parametrize("mode", ["as-published", "validation"])
+def test_selection_modes_and_the_as_published_label(planted, mode):
+    """As published, beta, edit rank and layer are chosen on the test facts (their validation scores are the test
+    scores) and every place says so; on validation, each trial's test facts are held out from the choice."""
+    lm, subjects, answers = planted
+    relation = answered_in_context(lm, subjects, answers)
+    results = known_facts(lm, relation, protocol="lre", n_icl=5, n_draws=3)
+    out = run_analyses(lm, [relation], {"toy": results}, [0, 1], analyses=("lre",), progress=False, protocol="lre",
+                       lre_selection=mode, **FAST)
+    entry = out["relations"]["toy"]
+    lre = entry["layers"]["0"]["lre"]
+    published = mode == "as-published"
+    assert entry["selection"] == mode and ("as published" in entry["selected"]["lre"]["by"]) == published
+    assert ("AS PUBLISHED" in entry["selection_note"]) == published
+    assert ("AS PUBLISHED" in lre["faithfulness"]["note"]) == published
+    for trial in (t for t in entry["trials"] if t["skipped"] is None):
+        if mode == "as-published":
+            assert trial["n_val"] == trial["n_test"] == trial["n_known"]
+        else:
+            assert trial["n_val"] + trial["n_test"] == trial["n_known"] and trial["n_test"] >= 2
+    if published:
+        assert all(c["val_faithfulness"] == c["test_faithfulness"] for c in lre["chosen"])
+    assert lre["faithfulness"]["value"] > lre["faithfulness"]["controls"]["majority"]["value"]
+
+
+def test_an_unknown_selection_mode_is_refused(planted):
+    lm, subjects, answers = planted
+    relation = answered_in_context(lm, subjects, answers)
+    results = known_facts(lm, relation, protocol="lre", n_icl=5, n_draws=3)
+    out = run_analyses(lm, [relation], {"toy": results}, [0, 1], analyses=("lre",), progress=False, protocol="lre",
+                       lre_selection="test", **FAST)
+    assert "lre_selection" in out["relations"]["toy"]["error"]
+
+
+# ----------------------------------------------------------------------- few-shot prompts of any protocol
+def test_strict_few_shot_prompts_never_test_an_in_context_subject(planted):
+    """``n_icl`` for the strict protocol: the in-context facts are drawn once by the known-fact stage, written
+    before every prompt of the filter and of the analyses, and never tested; the analyses refuse known facts
+    checked with another number of examples."""
+    lm, subjects, answers = planted
+    relation = answered_in_context(lm, subjects, answers)
+    results = known_facts(lm, relation, n_icl=5)
+    context = context_draws(len(subjects), 5, 1, 0, "toy")[0]
+    assert [i for i, r in enumerate(results) if r.draws == [CONTEXT]] == context
+    assert sum(r.known for r in results) == len(subjects) - 5 and sum(r.known_zero_shot for r in results) <= 27
+    out = run_analyses(lm, [relation], {"toy": results}, [0], analyses=("ridge",), progress=False, n_icl=5,
+                       **FAST)["relations"]["toy"]
+    assert out["error"] is None and out["n_icl"] == 5 and out["model_accuracy"] == 1.0
+    assert out["context_subjects"] == [subjects[i] for i in context]
+    assert out["template"].count("\n") == 5 and not set(out["context_subjects"]) & set(out["test_subjects"])
+    assert out["n_known_zero_shot"] == sum(r.known_zero_shot for r in results) and not out["known_only_few_shot"]
+    with pytest.raises(AnalysisError, match="in-context"):
+        in_context_draws(results, "strict", 3, 1, 0, "toy")
+
+
+# ------------------------------------------------------------------------------------------- the benchmark
+def test_benchmark_table_on_the_toy(planted):
+    """benchmarks/lre_protocol.py on the toy: both modes measured, one row per category and mode beside the
+    published means; a relation the model cannot be tested on is listed but not measured."""
+    spec = importlib.util.spec_from_file_location("lre_protocol_bench", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    try:
+        spec.loader.exec_module(bench)
+        lm, subjects, answers = planted
+        relation = answered_in_context(lm, subjects, answers)
+        relation.properties["relation_type"] = "factual"
+        unknown = Relation("never", [TEMPLATE], ["{}"], [Fact(s, "W29") for s in subjects[:8]],
+                           {"relation_type": "bias"})
+        measured = bench.measure(lm, [relation, unknown], [0], options=FAST, log=lambda message: None)
+        assert measured["relations"]["toy"]["measured"] and not measured["relations"]["never"]["measured"]
+        rows = bench.table(measured)
+        assert rows[0][:4] == ["category", "mode", "faithfulness (n rel., n facts)", "causality (n rel., n pairs)"]
+        factual = {r[1]: r for r in rows if r[0] == "factual"}
+        assert set(factual) == {"as-published", "validation"} and factual["as-published"][4] == "0.644 / 0.720"
+        assert factual["as-published"][2].endswith(")") and " (1, " in factual["as-published"][2]
+        assert {r[1]: r[2] for r in rows if r[0] == "bias"} == {"as-published": "-", "validation": "-"}
+        assert "factual" in bench.format_table(rows)
+    finally:
+        sys.modules.pop(spec.name, None)

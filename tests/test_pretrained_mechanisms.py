@@ -1,0 +1,333 @@
+"""The mechanism analyses of the pretrained model (``llmprobe.analyses.selector``: crosspatch, selector;
+``llmprobe.analyses.multihop``) on planted models with known answers -- the paper's construction (a perfect
+relation-conditioned selector) and a key-value memory whose MLP reads only the subject (no selector) -- and every
+family's tiny model, taught a few facts, through every new analysis.
+
+Each planted test was checked to fail when its measure is broken on purpose (a mutated copy of the module): a
+transplant that copies the donor's whole activation instead of its gate (the construction keeps 0.25 of its
+answers; kept in the suite as a test), gates read at the first token instead of the last (the construction's
+same-relation transplant breaks, its relation share drops to 0), the relation share computed from subject means
+(0), rows shuffled across subjects instead of relations within a subject (the shuffled control stays at 1), the
+random-units control drawn among closed units (5 units off instead of 3), the same-relation transplant left out
+(the key-value memory keeps 1.0)."""
+import math
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tiny_models import FAMILIES, save_tiny
+
+import llmprobe.analyses.multihop as multihop_module
+import llmprobe.analyses.selector as selector_module
+from llmprobe.analyses.multihop import chains, compositions, prompts_for
+from llmprobe.analyses.run import run_analyses
+from llmprobe.analyses.selector import (
+    PromptSet,
+    blocks_of,
+    edited_predictions,
+    gate_transplant,
+    gating_index,
+    last_gates,
+    mlp_hooks,
+    random_units,
+    transplant_metrics,
+)
+from llmprobe.datasets import Fact, Relation, load_relations
+from llmprobe.metric import iter_metrics
+from llmprobe.model.capture import adapter_for, capture
+from llmprobe.model.known import known_facts, object_split
+from llmprobe.model.loading import load_model
+from llmprobe.model.random_init import random_init
+from synthetic.construction import build_construction, construction_accuracy
+from synthetic.mechanisms import gate_transplant as synthetic_gate_transplant
+from synthetic.model import FactRecallModel, ModelConfig
+from synthetic.tasks import random_functions
+
+N, R, N_ATTR = 12, 3, 4
+
+
+# --------------------------------------------------------------------------------------------- planted models
+@pytest.fixture(scope="module")
+def task():
+    return random_functions(N, R, N_ATTR, seed=0)            # each relation its own 4 attributes
+
+
+@pytest.fixture(scope="module")
+def construction(task):
+    """The paper's construction (block superposition, ReLU selector), the smallest block that answers all."""
+    for b in range(2, 9):
+        model = build_construction(task, b)
+        if construction_accuracy(model, task) == 1.0:
+            return model
+    raise AssertionError("no construction answers every fact")
+
+
+@pytest.fixture(scope="module")
+def key_value(task):
+    """A one-layer model whose MLP is a key-value memory reading only the subject: one ReLU unit per subject
+    (its key a subject dimension) writes all of the subject's attributes; the relation embedding lifts the
+    queried relation's attribute set. Answers every fact, and no gate depends on the relation."""
+    n_out = task.n_outputs
+    d = N + R + n_out
+    model = FactRecallModel(ModelConfig(N, R, n_out, d_model=d, d_mlp=N, pos_embed=False))
+    E, E_rel = torch.zeros(N, d), torch.zeros(R, d)
+    E[range(N), range(N)] = 2.0                        # the answer position holds e_s / 2 + 3 e_r / 2
+    E_rel[range(R), [N + r for r in range(R)]] = 1.0
+    W_in, W_out, U = torch.zeros(d, N), torch.zeros(N, d), torch.zeros(n_out, d)
+    W_in[range(N), range(N)] = 2.0
+    for s in range(N):
+        W_out[s, N + R + task.table[s]] = 1.0
+    for r in range(R):
+        for a in task.relation_attributes(r).tolist():
+            U[a, N + R + a], U[a, N + r] = 1.0, 1.0
+    with torch.no_grad():
+        for param, value in ((model.subject_embed, E), (model.relation_embed, E_rel), (model.W_in, W_in),
+                             (model.b_in, -torch.ones(N)), (model.W_out, W_out), (model.b_out, torch.zeros(d)),
+                             (model.unembed_weight, U)):
+            param.copy_(value)
+    assert construction_accuracy(model, task) == 1.0
+    return model
+
+
+def _sets(task, seed=0):
+    """Every fact (s, r) with a donor s' whose answer under r differs, and a random other relation r'."""
+    s, r, a = task.facts()
+    gen = random.Random(seed)
+    donors = torch.tensor([gen.choice([j for j in range(N) if task.table[j, q] != task.table[i, q]])
+                           for i, q in zip(s.tolist(), r.tolist())])
+    others = (r + torch.tensor([gen.randrange(1, R) for _ in r.tolist()])) % R
+    rows = lambda subj, rel: PromptSet.of_ids(torch.stack([subj, N + rel], 1))  # noqa: E731
+    return rows(s, r), rows(donors, r), rows(s, others), a
+
+
+def _transplant(model, task):
+    own, same, other, answers = _sets(task)
+    return gate_transplant(model, own, same, other, answers, [0], torch.Generator().manual_seed(0))
+
+
+def _grid_gates(model, controls=None):
+    ids = torch.tensor([[s, N + r] for s in range(N) for r in range(R)])
+    gates, _ = last_gates(model, PromptSet.of_ids(ids), [0])
+    control = {name: last_gates(m, PromptSet.of_ids(ids), [0])[0] for name, m in (controls or {}).items()}
+    return gating_index(gates, N, R, control, n_boot=200)["0"]
+
+
+def test_construction_is_a_perfect_selector(construction, task):
+    hits = _transplant(construction, task)
+    assert bool(hits["clean"].all()) and bool(hits["same_relation"].all())   # another subject's gates: kept
+    assert float(hits["other_relation"].double().mean()) == 0.0       # another relation's gates: broken
+    metrics = transplant_metrics(hits, n_boot=200)
+    assert metrics["same_relation"]["value"] == 1.0 and metrics["same_relation"]["n"] == N * R
+    assert metrics["same_minus_other"]["value"] == 1.0
+    assert metrics["same_relation"]["ci"][0] > metrics["same_relation"]["controls"]["other_relation_gate"]["ci"][1]
+    assert set(metrics["same_relation"]["controls"]) == {"other_relation_gate", "random_units"}
+
+
+def test_key_value_memory_fails_the_selector_test(key_value, task):
+    """Another subject's gates switch the subject's memory off (its own unit closed, the donor's open on values
+    that are negative for this subject): the answer is lost, kept only where the queried relation's attributes
+    tie; another relation's gates are the subject's own."""
+    hits = _transplant(key_value, task)
+    assert float(hits["same_relation"].double().mean()) < 0.4
+    assert bool(hits["other_relation"].all())                         # the relation's gates change nothing
+    metrics = transplant_metrics(hits, n_boot=200)
+    assert metrics["same_minus_other"]["ci"][1] < -0.4 and metrics["same_relation"]["ci"][1] < 0.6
+
+
+def test_a_transplant_of_the_whole_activation_would_fail_the_construction(construction, task, monkeypatch):
+    """The mutation that keeps test_construction_is_a_perfect_selector honest: copy the donor's activation (values
+    and gate) instead of its gate, and the construction no longer keeps its answers."""
+    monkeypatch.setattr(selector_module, "gate_of", lambda pre, out, gated: out)
+    monkeypatch.setattr(selector_module, "_with_gate", lambda pre, gate, gated: gate)
+    assert float(_transplant(construction, task)["same_relation"].double().mean()) < 0.5
+
+
+def test_gating_index_is_all_relation_in_the_construction_and_all_subject_in_the_memory(construction, key_value):
+    sel = _grid_gates(construction, {"random_init": random_init(construction, seed=3)})
+    assert sel["relation_share"]["value"] > 0.99 and sel["subject_share"]["value"] < 0.01
+    assert sel["relation_share"]["controls"]["shuffled_relations"]["value"] < 0.5
+    assert sel["relation_share"]["controls"]["random_init"]["value"] < 0.99
+    memory = _grid_gates(key_value)
+    assert memory["relation_share"]["value"] < 0.01 and memory["subject_share"]["value"] > 0.99
+    assert memory["subject_share"]["ci"][0] > 0.9 and memory["relation_share"]["n"] == N
+
+
+def test_gates_are_the_synthetic_controls_relu_masks_and_both_worlds_agree(construction, key_value, task):
+    """The gate of a ReLU MLP is the on/off mask synthetic.mechanisms.gate_transplant transplants, and its
+    numbers give the same verdicts as ours on both planted models."""
+    own, _, _, _ = _sets(task)
+    gates, open_ = last_gates(construction, own, [0])
+    mid = capture(construction, ["blocks.0.resid_mid"], own.ids)["blocks.0.resid_mid"][:, -1]
+    mask = (mid @ construction.W_in + construction.b_in > 0).float()
+    assert torch.equal(gates[0], mask) and torch.equal(open_[0], mask.bool())
+    theirs = synthetic_gate_transplant(construction, task)
+    assert theirs["same_relation"] == 1.0 and theirs["same_subject"] < 0.1
+    theirs = synthetic_gate_transplant(key_value, task)
+    assert theirs["same_relation"] < 0.5 and theirs["same_subject"] == 1.0
+
+
+def test_an_interrupted_run_takes_the_mechanism_analyses_over(construction):
+    """run_analyses' checkpoint: finished mechanism entries of an earlier result are kept as they are (their errors
+    listed again), nothing is recomputed."""
+    lm = SimpleNamespace(adapter=adapter_for(construction), tokenizer=None)
+    done = {"crosspatch": {"layers": {"0": "kept"}, "error": None}, "selector": {"error": "too few facts"},
+            "multihop": {"compositions": [], "error": None}}
+    res = run_analyses(lm, [], {}, [0], analyses=("crosspatch", "selector", "multihop"), progress=False, done=done)
+    assert all(res[name] is done[name] for name in done) and res["errors"] == ["selector: too few facts"]
+    assert res["partial"] is False and {"crosspatch_seconds", "multihop_seconds"} <= set(res["timing"])
+
+
+def test_random_units_switch_off_as_many_open_units_as_the_transplant_moves():
+    own = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    other = torch.tensor([[0, 0, 1, 1, 1, 0], [1, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    keep = random_units(own, other, torch.Generator().manual_seed(0))
+    assert keep[0].sum() == 3 and bool((keep[0][~own[0]] == 1).all())   # 3 units moved: 3 open units off
+    assert bool((keep[1] == 1).all())                                   # nothing moved: nothing off
+
+
+def test_blocks_cover_every_layer_once():
+    assert blocks_of(30) == [list(range(k, k + 6)) for k in range(0, 30, 6)]
+    assert blocks_of(3) == [[0], [1], [2]]
+
+
+# ---------------------------------------------------------------------------------- compositions (prompts/)
+def test_bundled_compositions_and_their_prompts():
+    relations = load_relations()
+    names = {c.name for c in compositions(relations)}
+    assert {"landmark_country/country_capital", "company_hq_country/country_language",
+            "person_citizenship/country_continent", "product_company/company_hq_country/country_capital"} <= names
+    facts = {r.name: {f.subject: f.object for f in r.facts} for r in relations}
+    comp = next(c for c in compositions(relations) if c.name == "product_company/company_hq_country/country_capital")
+    chain = next(c for c in chains(comp, facts) if c.subject == "iPhone")
+    assert chain.bridges == ["Apple", "United States"] and chain.answer == "Washington, D.C."
+    prompts = prompts_for(comp, [chain], chain)
+    assert prompts["cot"].count("iPhone is a product made by Apple. Apple is a company headquartered in the "
+                                "country of United States. The capital of United States is Washington, D.C.") == 1
+    assert prompts["direct"].endswith("?\nA:") and "Washington, D.C.\n\n" in prompts["direct"]
+    assert len(chains(comp, facts)) > 20
+    without = compositions([r for r in relations if r.name != "country_capital"])     # a hop missing: not listed
+    assert not any("country_capital" in c.name for c in without) and "landmark_country/country_language" in {
+        c.name for c in without}
+
+
+# ------------------------------------------------------------------------------------------ every family
+COUNTRIES = ["France", "Japan", "Brazil", "Egypt", "Kenya", "Mexico", "Italy", "Spain"]
+
+
+def _taught_relations():
+    """Three country relations (four answers each, distinct first tokens in the tiny tokenizer), a landmark ->
+    country relation that composes with two of them, and a guide -> landmark relation that composes with both
+    (three hops)."""
+    out = []
+    for name, template, objects in (("capital", "The capital of {} is", ["Paris", "Tokyo", "Brasilia", "Madrid"]),
+                                    ("continent", "{} is located in", ["Europe", "Asia", "Oceania", "Portugal"]),
+                                    ("language", "The official language of {} is", ["Spanish", "French", "Italy",
+                                                                                     "Egypt"])):
+        out.append(Relation(name, [template], ["{} is a country."],
+                            [Fact(s, objects[i % 4]) for i, s in enumerate(COUNTRIES)], {"subject_type": "country"}))
+    composed = {"capital": ["Capital of {}'s land?"], "continent": ["Continent of {}'s land?"]}
+    marks = ["Eiffel", "Big Ben", "Louvre", "Sphinx", "Alhambra", "Fuji"]
+    out.append(Relation("landmark_country", ["{} is in"], ["Tell me about {}."],
+                        [Fact(m, COUNTRIES[i]) for i, m in enumerate(marks)],
+                        {"subject_type": "landmark", "composed_templates": composed}))
+    guides = ["Ann", "Bob", "Cy", "Dee", "Eve", "Fay"]                    # k = 3: guide -> landmark -> country -> capital
+    out.append(Relation("guide_landmark", ["{} shows"], ["{}."], [Fact(g, m) for g, m in zip(guides, marks)],
+                        {"subject_type": "guide", "composed_templates": {
+                            "landmark_country/capital": ["Capital via {}?"]}}))
+    return out
+
+
+def _teach(lm, relations, steps=120, lr=1e-2):
+    """Teacher-forced Adam steps on every fact's object tokens after its prompt (a few seconds per family)."""
+    tok, model = lm.tokenizer, lm.model
+    seqs = [object_split(tok, r.templates[0].replace("{}", f.subject, 1), f.object, add_special_tokens=True)
+            for r in relations for f in r.facts]
+    width = max(len(full) for full, _ in seqs)
+    ids = torch.full((len(seqs), width), tok.pad_token_id)
+    mask, labels = torch.zeros_like(ids), torch.full_like(ids, -100)
+    for i, (full, cut) in enumerate(seqs):
+        ids[i, :len(full)], mask[i, :len(full)] = torch.tensor(full), 1
+        labels[i, cut:len(full)] = torch.tensor(full[cut:])
+    model.requires_grad_(True)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    torch.manual_seed(0)
+    for _ in range(steps):
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.requires_grad_(False)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def taught(request, tmp_path_factory):
+    lm = load_model(str(save_tiny(request.param, tmp_path_factory.mktemp(request.param))), device="cpu",
+                    dtype="float32")
+    relations = _taught_relations()
+    _teach(lm, relations)
+    return lm, relations, {r.name: known_facts(lm, r) for r in relations}
+
+
+def test_every_family_runs_every_new_analysis(taught, monkeypatch):
+    lm, relations, known = taught
+    monkeypatch.setattr(multihop_module, "FEW_SHOT", 1)     # the tiny models read at most 128 tokens
+    assert sum(f.known for f in known["capital"]) >= 6 and sum(f.known for f in known["landmark_country"]) >= 4
+    assert sum(f.known for f in known["guide_landmark"]) >= 4
+    res = run_analyses(lm, relations, known, [0, 1, 2], analyses=("crosspatch", "selector", "multihop"),
+                       progress=False, n_boot=50, folds=3)
+    assert res["errors"] == [] and {"crosspatch_seconds", "selector_seconds", "multihop_seconds"} <= set(res["timing"])
+    cross = res["crosspatch"]
+    assert set(cross["layers"]) == {"0", "1"} and cross["n_items"] > 0       # the last layer cannot reach the answer
+    assert cross["recipients_clean"]["value"] > 0.5
+    for entry in cross["layers"].values():
+        assert entry["cross_relation"]["n"] == cross["n_items"] == sum(p["neutral"]["n"] for p in entry["pairs"])
+        assert set(entry["cross_relation"]["controls"]) == {"random_subject", "random_vector"}
+    sel = res["selector"]
+    assert sel["mlp"] == ("plain" if lm.adapter.model_type in ("phi", "gpt2") else "gated")
+    assert set(sel["gating"]["layers"]) == {"0", "1", "2"}
+    transplant = sel["gate_transplant"]
+    assert transplant["error"] is None and transplant["block"] in [[0], [1], [2]] and transplant["n_items"] > 0
+    assert transplant["clean"]["value"] > 0.5
+    hop = res["multihop"]
+    assert [c["name"] for c in hop["compositions"]] == ["landmark_country/capital", "landmark_country/continent",
+                                                        "guide_landmark/landmark_country/capital"]
+    assert hop["pooled"]["k=2"]["n_items"] == sum(c["n_items"] for c in hop["compositions"] if c["k"] == 2)
+    assert hop["pooled"]["k=3"]["n_items"] == hop["compositions"][2]["n_items"] > 0 and hop["skipped"] == {}
+    assert set(hop["latent_bridge"]["layers"]) == {"0", "1", "2"}
+    assert set(hop["latent_bridge"]["layers"]["0"]["readout"]["controls"]) == {"shuffled", "majority", "random_init"}
+    seen = 0
+    for path, metric in iter_metrics({k: res[k] for k in ("crosspatch", "selector", "multihop")}):
+        if metric["n"] and metric["value"] is not None and not math.isnan(metric["value"]):
+            lo, hi = metric["ci"]
+            assert lo - 1e-12 <= metric["value"] <= hi + 1e-12, path
+            seen += 1
+    assert seen > 50
+
+
+def test_own_gates_change_nothing_and_other_gates_do(taught):
+    """For every MLP type: transplanting a prompt's own gates (all layers) leaves its states as they were;
+    another relation's gates move them; an all-ones scale is the identity."""
+    lm, relations, _ = taught
+    layers = list(range(lm.adapter.n_layers))
+    own = PromptSet([relations[0].templates[0]] * 4, COUNTRIES[:4], lm.tokenizer)
+    other = PromptSet([relations[2].templates[0]] * 4, COUNTRIES[:4], lm.tokenizer)
+    gates, _ = last_gates(lm.model, own, layers)
+    donor, _ = last_gates(lm.model, other, layers)
+    enc, last = own.batch(slice(0, 4)), "blocks.2.resid_post"
+
+    def put(pre, out, gate, gated):
+        new = out.clone()
+        new[:, -1] = selector_module._with_gate(pre[:, -1], gate.to(out.dtype), gated)
+        return new
+
+    def states(new=None):
+        fns = {l: (lambda pre, out, l=l: put(pre, out, new[l], lm.adapter.mlp_gated(l))) for l in layers} if new else {}
+        with mlp_hooks(lm.model, fns):
+            return capture(lm.model, [last], enc.input_ids, enc.attention_mask)[last][:, -1]
+    clean = states()
+    torch.testing.assert_close(states(gates), clean, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(states(donor), clean, atol=1e-3)
+    ones = {l: torch.ones_like(gates[l]) for l in layers}
+    assert torch.equal(edited_predictions(lm.model, own, scale=ones), edited_predictions(lm.model, own))
