@@ -119,7 +119,9 @@ def parse_max_memory(spec: str | dict | list | None) -> dict | None:
     like ``200MiB``, ``2GB`` or a number of bytes. ValueError naming the bad item."""
     if spec is None or isinstance(spec, dict) and not spec:
         return None
-    from accelerate.utils import convert_file_size_to_int  # here: importing the checks must not load torch
+    from accelerate.utils import (
+        convert_file_size_to_int,  # lazy: the checks (and the settings above them) must not load torch
+    )
 
     items = spec.items() if isinstance(spec, dict) else [
         tuple(part.split("=", 1)) if "=" in part else (part, None)

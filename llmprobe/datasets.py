@@ -350,7 +350,7 @@ def _read_hf(spec: str, hf_kwargs: dict | None, **kw) -> list[Relation]:
     name, _, split = rest.rpartition(":") if ":" in rest else (rest, "", "")
     if not name:
         raise DatasetError(f"{spec}: expected hf:NAME[:split]")
-    import datasets as hf_datasets
+    import datasets as hf_datasets  # lazy: start-up time: Hugging Face datasets only for hf: sources
 
     try:
         ds = hf_datasets.load_dataset(name, split=split or None, **(hf_kwargs or {}))

@@ -38,7 +38,7 @@ import tomllib
 
 from llmprobe.analyses.settings import AnalysisSettings, settings_from
 from llmprobe.checks import DEVICE_MAPS, DTYPES, QUANTIZE, UsageError, analysis_names, layer_spec, parse_max_memory
-from llmprobe.names import ANALYSES, CONTROL_MODES
+from llmprobe.names import ANALYSES, CONTROL_MODES, CONTROL_RECIPES
 
 
 @dataclasses.dataclass
@@ -75,13 +75,16 @@ class ControlSettings:
     d_max: int | None = None                # widest width the bisection tries; none = the model's d_model
     n_boot: int = 500                       # bootstrap resamples of the controls' R^2 intervals
     modes: tuple[str, ...] = CONTROL_MODES  # trainable and/or frozen subject embeddings
+    n_seeds: int = 3                        # seeds (model init and subject order) of every point of the curve
+    past_fit: int = 100                     # convergence rule: steps trained past the first 100% train accuracy
+    recipe: str = "adam"                    # adam (lr 0.1) or weight_decay (lr 0.03, wd 1e-4: the paper's regime)
 
 
 SECTIONS = {"run": RunSettings, "analysis": AnalysisSettings, "controls": ControlSettings}
 SHARED = {"analysis": ("seed",)}            # fields set through another section (analysis.seed is run.seed)
 COMMAND_ANALYSES = {"probe": ("lre", "ridge", "superposition"), "run": ANALYSES}   # run.analyses = none
 PLACEMENT = ("device_map", "max_memory", "offload_folder", "quantize")     # run settings that place the model
-TRAINING = ("max_steps", "d_max", "n_boot", "modes")                       # control settings of the training
+TRAINING = ("max_steps", "d_max", "n_boot", "modes", "n_seeds", "past_fit", "recipe")                       # control settings of the training
 # Python API keywords beside the run settings (which are keywords by their own names): keyword -> section (a
 # dict of that section's settings) or "section.key"
 API_KEYWORDS = {"probe": {"analysis_options": "analysis"},
@@ -354,6 +357,7 @@ RANGES = {
     "analysis.n_boot": (1, None, False), "analysis.jackknife_groups": (0, None, False),
     "analysis.batch_size": (1, None, False), "analysis.jacobian_batch_size": (1, None, False),
     "analysis.jacobian_chunk": (1, None, False), "analysis.jacobian_oversample": (0, None, False),
+    "controls.n_seeds": (1, None, False), "controls.past_fit": (0, None, False),
     "controls.max_steps": (1, None, False), "controls.d_max": (1, None, False), "controls.n_boot": (1, None, False),
 }
 
@@ -400,6 +404,8 @@ def check(settings: Settings) -> Settings:
     for key, bounds in RANGES.items():
         section, name = key.split(".")
         _check_range(key, getattr(getattr(settings, section), name), bounds)
+    if controls.recipe not in CONTROL_RECIPES:
+        raise UsageError(f"controls.recipe must be one of {', '.join(CONTROL_RECIPES)}, got {controls.recipe!r}")
     unknown = [m for m in controls.modes if m not in CONTROL_MODES]
     if unknown or not controls.modes:
         raise UsageError(f"controls.modes must be a non-empty list of {', '.join(CONTROL_MODES)}, got "

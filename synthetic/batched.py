@@ -7,13 +7,17 @@ update, so each model is exactly its own width: a zero column of E, W_in, W_out 
 product. Frozen parts (``frozen_subjects``, ``frozen_unembed``) are masked the same way, per model.
 
 Each model keeps its own Adam moments, step count and learning-rate schedule (Adam is elementwise, so one stacked
-update is M independent updates), its own early stop (a model whose full-batch accuracy reaches ``target_acc``
-leaves the stack before that step's update, exactly where :func:`synthetic.train.train` stops, so it never changes
-again; the padding then shrinks to the widest model left) and its own checkpoint directory (the files of
-:func:`synthetic.train.train`, so :func:`synthetic.train.load_run` reads them and a rerun resumes).
+update is M independent updates), its own stopping rule (``past_fit`` steps after its first step at
+``target_acc``, None: that step; a model leaves the stack before the update of the step it stops at, exactly where
+:func:`synthetic.train.train` stops, so it never changes again; the padding then shrinks to the widest model left)
+and its own checkpoint directory (the files of :func:`synthetic.train.train`, so :func:`synthetic.train.load_run`
+reads them and a rerun resumes).
 
 ``train_batched(tasks, configs, cfg)[i]`` equals ``train(tasks[i], model_config=configs[i], config=cfg)`` up to
-float rounding (tests/test_batched.py). Full batch only. Times in each :class:`RunResult` are that model's *share*
+float rounding (tests/test_batched.py), not bit for bit (the Adam update is written out, a bmm sums in another
+order than an mm); where training is chaotic (the first step at 100% of a wide model) rounding moves that step, as
+another thread count does. With ``config.chunk`` given, a model's numbers do not depend on which models of the same
+width share its stack (the default chunk divides one L2-sized chunk among the M models). Full batch only. Times in each :class:`RunResult` are that model's *share*
 of the batch (wall and CPU time of each step divided among the models in it), so they add up to the batch's time;
 ``time_to_target_s`` is the time from the batch's start to that model's 100%.
 """
@@ -29,6 +33,7 @@ from synthetic.model import FactRecallModel, ModelConfig, softmax_cross_entropy
 from synthetic.tasks import FactTask, KHopTask
 from synthetic.train import (
     CHECKPOINT,
+    SNAPSHOT,
     STATE,
     RunResult,
     TrainConfig,
@@ -39,6 +44,8 @@ from synthetic.train import (
     read_checkpoint,
     run_result,
     save_run,
+    snapshot,
+    stop_now,
 )
 
 # the non-model axes of each parameter: "d" model width, "m" MLP width, "-" fixed by the task
@@ -104,6 +111,10 @@ class ModelStack:
             for name, p in model.named_parameters():
                 p.copy_(self.params[name][self._region(i, name)])
         return model
+
+    def tensor(self, i: int, name: str) -> torch.Tensor:
+        """Model i's own (unpadded) parameter ``name``, a view into the stack."""
+        return self.params[name].detach()[self._region(i, name)]
 
     def moments(self, i: int) -> dict:
         """Model i's Adam state {name: (exp_avg, exp_avg_sq, step)} for its trainable parameters."""
@@ -205,11 +216,13 @@ def _per_model(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def train_batched(tasks: list[FactTask | KHopTask], model_configs: list[ModelConfig],
                   config: TrainConfig | None = None, out_dirs: list[str | None] | None = None,
-                  resume: bool = True) -> list[RunResult]:
-    """Train ``model_configs[i]`` on ``tasks[i]`` for every i at once (full batch, until each reaches
-    ``config.target_acc`` or ``config.max_steps``); returns one :class:`RunResult` per model, in order, with the
-    trained model at ``result.model``. ``out_dirs[i]``: checkpoint directory of model i (resumed when it holds a
-    checkpoint and ``resume``). Every task must give data of one shape (same N, R, sequence length)."""
+                  resume: bool = True, snapshot_at: tuple[int, ...] = ()) -> list[RunResult]:
+    """Train ``model_configs[i]`` on ``tasks[i]`` for every i at once (full batch, each until its stopping rule:
+    ``config.past_fit`` steps past its first step at ``config.target_acc``, None: that step; or
+    ``config.max_steps``); returns one :class:`RunResult` per model, in order, with the trained model at
+    ``result.model`` and the ``snapshot_at`` copies at ``result.snapshots`` (as :func:`synthetic.train.train`).
+    ``out_dirs[i]``: checkpoint directory of model i (resumed when it holds a checkpoint and ``resume``). Every task
+    must give data of one shape (same N, R, sequence length)."""
     cfg = config or TrainConfig()
     if len(tasks) != len(model_configs):
         raise ValueError(f"{len(tasks)} tasks but {len(model_configs)} model configs")
@@ -229,9 +242,10 @@ def train_batched(tasks: list[FactTask | KHopTask], model_configs: list[ModelCon
                          f"(use synthetic.train.train for minibatches)")
     models = [FactRecallModel(c).to(device) for c in model_configs]
     M = len(models)
-    steps, histories = [0] * M, [[] for _ in range(M)]
+    steps, histories, fit_steps = [0] * M, [[] for _ in range(M)], [None] * M
     accs, losses = [0.0] * M, [float("nan")] * M
     wall_share, cpu_share = [0.0] * M, [0.0] * M
+    snapshots: list[dict[int, dict]] = [{} for _ in range(M)]
     stack = ModelStack(models, device)
     for i, out_dir in enumerate(out_dirs):
         if not out_dir:
@@ -244,25 +258,32 @@ def train_batched(tasks: list[FactTask | KHopTask], model_configs: list[ModelCon
             stack.set_moments(i, moments)
             steps[i], histories[i], wall_share[i] = state["step"], state["history"], state["elapsed"]
             accs[i], losses[i] = state.get("accuracy", 0.0), state.get("loss", float("nan"))
+            fit_steps[i] = state.get("fit_step", steps[i] if accs[i] >= cfg.target_acc and steps[i] > 0 else None)
         else:
             _save_task(tasks[i], out_dir)
 
     results: list[RunResult | None] = [None] * M
     t0, last_ckpt = time.perf_counter(), time.perf_counter()
+    fit_times: list[float | None] = [None] * M
     active = list(range(M))                  # original index of each model in the stack, in stack order
 
-    def finish(j: int, i: int, done: bool) -> None:
-        """Model i (row j of the stack) is finished: evaluate unless ``done`` confirmed it, record, save."""
+    def finish(j: int, i: int, confirmed: bool) -> None:
+        """Model i (row j of the stack) is finished: evaluate unless ``confirmed`` (stopped at its fit), record,
+        save."""
         model = stack.model(j)
-        if not done:
-            accs[i] = evaluate(model, datas[i])       # parameters after the last update
+        if not confirmed:
+            accs[i] = evaluate(model, datas[i])       # the parameters it ends with
+        if fit_steps[i] is None and accs[i] >= cfg.target_acc:
+            fit_steps[i], fit_times[i] = steps[i], time.perf_counter() - t0     # reached with the last update
+            if 0 in snapshot_at:
+                snapshots[i][0] = snapshot(model)
         if not histories[i] or histories[i][-1][0] != steps[i]:
             histories[i].append([steps[i], round(losses[i], 5), round(accs[i], 5)])
-        success = accs[i] >= cfg.target_acc
         results[i] = run_result(tasks[i], model, cfg, steps=steps[i], accuracy=accs[i], loss=losses[i],
                                 history=histories[i], wall_s=wall_share[i], cpu_s=cpu_share[i],
-                                time_to_target_s=time.perf_counter() - t0 if success else None,
-                                facts_per_step=n_rows, batch_models=M)
+                                time_to_target_s=fit_times[i], facts_per_step=n_rows, fit_step=fit_steps[i],
+                                batch_models=M)
+        results[i].snapshots = snapshots[i]
         if out_dirs[i]:
             save_run(out_dirs[i], results[i], stack.moments(j), wall_share[i], cfg)
 
@@ -270,13 +291,13 @@ def train_batched(tasks: list[FactTask | KHopTask], model_configs: list[ModelCon
         for j, i in enumerate(active):
             if out_dirs[i]:
                 _save_checkpoint(out_dirs[i], stack.model(j), stack.moments(j), steps[i], wall_share[i],
-                                 histories[i], accs[i], losses[i], cfg)
+                                 histories[i], accs[i], losses[i], cfg, fit_steps[i])
 
-    # models already finished in their checkpoint (as train(): done when accuracy >= target after a step)
-    leave = [j for j, i in enumerate(active) if (accs[i] >= cfg.target_acc and steps[i] > 0)
+    # models already finished in their checkpoint (as train(): by the stopping rule, or at the step cap)
+    leave = [j for j, i in enumerate(active) if (fit_steps[i] is not None and stop_now(steps[i] - fit_steps[i], cfg))
              or steps[i] >= cfg.max_steps]
     for j in leave:
-        finish(j, active[j], accs[active[j]] >= cfg.target_acc)
+        finish(j, active[j], fit_steps[active[j]] is not None and cfg.past_fit is None)
     active = [i for j, i in enumerate(active) if j not in leave]
     if leave and active:
         stack.keep([j for j in range(len(stack)) if j not in leave])
@@ -296,16 +317,22 @@ def train_batched(tasks: list[FactTask | KHopTask], model_configs: list[ModelCon
             for j, i in enumerate(active):
                 losses[i] = step_losses[j]
                 accs[i] = step_correct[j] / n_pred          # accuracy before the update, as in train()
-                if accs[i] >= cfg.target_acc:
+                if fit_steps[i] is None and accs[i] >= cfg.target_acc:
                     accs[i] = evaluate(stack.model(j), datas[i])   # confirm with a plain argmax pass
                     if accs[i] >= cfg.target_acc:
+                        fit_steps[i], fit_times[i] = steps[i], time.perf_counter() - t0
+                if fit_steps[i] is not None:
+                    if steps[i] - fit_steps[i] in snapshot_at:
+                        snapshots[i][steps[i] - fit_steps[i]] = {name: stack.tensor(j, name).cpu().clone()
+                                                                 for name in SNAPSHOT}
+                    if stop_now(steps[i] - fit_steps[i], cfg):
                         leave.append(j)
             dt_wall, dt_cpu = time.perf_counter() - wall0, time.process_time() - cpu0
             for i in active:
                 wall_share[i] += dt_wall / len(active)
                 cpu_share[i] += dt_cpu / len(active)
             for j in leave:                    # done before this step's update: it never changes again
-                finish(j, active[j], True)
+                finish(j, active[j], cfg.past_fit is None)
             wall0, cpu0 = time.perf_counter(), time.process_time()
             stay = [j for j in range(len(active)) if j not in leave]
             if stay:

@@ -1,53 +1,101 @@
 """Matched synthetic controls, like for like: the paper's one-layer model trained on the *same* fact table that a
 pretrained model's superposition fit uses (same subjects, relations and attribute sets), measured with the same
-readout code, as a curve over width.
+readout code, as a curve over width, over seeds.
 
 :func:`train_controls` (what ``llmprobe run`` calls in its worker process):
 
 1. finds the threshold width d* for each mode (:func:`control_threshold`) by the capacity sweep's public
-   bisection (:func:`synthetic.sweep.find_threshold`: d* is exact only when d*-1 failed with two initialisations);
+   bisection (:func:`synthetic.sweep.find_threshold`: d* is exact only when d*-1 failed with two initialisations),
+   on the table as given, every training stopped at its first step at 100% train accuracy (d* asks only whether
+   the facts fit);
 2. trains the curve d*, 2 d*, 4 d*, ... up to ``d_model`` / 1.5, and ``d_model`` itself (the pretrained model's
-   width);
+   width) with ``n_seeds`` seeds, to the convergence rule: ``past_fit`` steps past the first step at 100% (at
+   most to ``max_steps``). A wide control fits after a few dozen steps with its embeddings barely off their random
+   init, so its R^2 at that step measures the stopping rule more than the model. Seed i (0, 1, ...) is the model
+   seed ``seed + i`` and, for i > 0, the subjects in the order :func:`synthetic.tasks.reorder_subjects` draws from
+   ``seed + i`` (which embedding row each subject gets). The seeds of one width train in one batched stack
+   (:func:`synthetic.batched.train_batched`, softmax chunk fixed: each seed's numbers are those it gets alone);
 3. measures every point as the pretrained subject states are measured: the superposition fit
    h_s ~ c + sum_r W_r u_{a_r(s)} (held-out R^2) and each relation's linear readout accuracy, through
-   :func:`llmprobe.geometry.superposition_readout` on the subject embeddings e_s, with the shuffled-table and the
-   random-init (:func:`llmprobe.model.random_init.random_init` at model seed + 1) controls, every number a typed
-   :class:`llmprobe.metric.Metric`; and the MLP-as-selector measurements (:func:`synthetic.mechanisms.selector`).
+   :func:`llmprobe.geometry.superposition_readout` on the subject embeddings e_s: in full (intervals, the
+   shuffled-table and random-init controls, every number a typed :class:`llmprobe.metric.Metric`, and the
+   MLP-as-selector measurements of :func:`synthetic.mechanisms.selector`) for seed 0 at the end of training; the
+   R^2 value (and its shuffled control) of every seed at its first 100% step (``r2_at_fit``), at each budget of
+   :data:`BUDGETS` below ``past_fit`` (``r2_by_budget``) and at the end (``r2_final``), with intervals over seeds,
+   and how far the embeddings moved from their init (``movement``).
+
+Reproducible: everything runs on one torch thread (:func:`fixed_threads`). Another thread count sums floats in
+another order; the first step at 100% of a wide model jumps with that rounding (SmolLM2's table, d = 576, seed 0:
+step 63 on one thread, 41 on two; R^2 there 0.184 and 0.098), so the controls' numbers would be a function of the
+machine's load and thread settings, not of their seed. On one CPU build they are a function of the seed and the
+settings (on a CUDA device, up to CUDA's non-deterministic kernels: not checked).
 
 Modes: ``trainable`` (every parameter learns) and ``frozen`` (subject embeddings frozen at random init, the
 unembedding learns). ``frozen_all`` (subject embeddings and unembedding frozen) is a sweep mode, not trained here.
+Recipes (:data:`RECIPES`): ``adam`` (lr 0.1, no weight decay: the capacity sweep's) and ``weight_decay`` (lr 0.03,
+weight decay 1e-4: ``synth analyze``'s, the paper's regime; with ``max_steps=1000, past_fit=1000`` it trains the
+whole schedule, as there).
 
 The returned block (``report["controls"]``)::
 
     {"compared_with": "<one sentence: what is compared with what>",
-     "table": {"n_subjects", "relations", "n_facts", "bits"}, "d_model": 576, "seed": 0,
-     "training": {TrainConfig fields that matter}, "wall_seconds": ...,
+     "table": {"n_subjects", "relations", "n_facts", "bits"}, "d_model": 576, "seed": 0, "seeds": [0, 1, 2],
+     "training": {TrainConfig fields that matter, "recipe", "past_fit", "budgets", "threads", ...},
+     "wall_seconds": ..., "cpu_seconds": ...,
      "modes": {"trainable": {"threshold": {"d_star", "exact", "tried": [...], "search_seconds"},
                              "points": [{"d", "d_over_dstar", "d_mlp", "train": {"accuracy", "success", "steps",
-                                         ...}, "r2": Metric, "readout": {relation: Metric},
-                                         "readout_mean": Metric (pooled over relations), "selector": {...},
-                                         "wall_seconds"}, ...]},
+                                         "fit_step", ...} (seed 0), "r2": Metric (seed 0, end of training),
+                                         "readout": {relation: Metric}, "readout_mean": Metric (pooled over
+                                         relations), "selector": {...}, "r2_at_fit", "r2_final": Metric over
+                                         seeds, "r2_by_budget": {steps past fit: Metric over seeds},
+                                         "movement": {"at_fit", "final": {"subject_embed", "unembed"}},
+                                         "seeds": [per seed: fit_step, steps, r2s, movements], "wall_seconds",
+                                         "cpu_seconds"}, ...]},
                "frozen": {...}}}
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import math
 import time
+
+import torch
 
 from llmprobe.datasets import Fact, FactTable, Relation
 from llmprobe.geometry import superposition_readout
-from llmprobe.metric import pooled_readout
+from llmprobe.metric import LEVEL, Metric, nan_metric, pooled_readout, t_quantile
 from llmprobe.model.random_init import random_init
 from llmprobe.names import CONTROL_MODES
-from synthetic.mechanisms import readout_inputs
+from synthetic.batched import train_batched
+from synthetic.mechanisms import embedding_inputs, readout_inputs
 from synthetic.mechanisms import selector as measure_selector
-from synthetic.sweep import SweepConfig, find_threshold, initial_guess, train_width
-from synthetic.tasks import from_fact_table
-from synthetic.train import TrainConfig
+from synthetic.model import FactRecallModel, auto_chunk
+from synthetic.sweep import SweepConfig, find_threshold, initial_guess, train_width, width_config
+from synthetic.tasks import from_fact_table, reorder_subjects
+from synthetic.train import SNAPSHOT, TrainConfig
 
 MODES = CONTROL_MODES
 MAX_STEPS = 2000          # step cap of every control's training (the bisection's too)
+PAST_FIT = 100            # the convergence rule: steps trained past the first step at 100% train accuracy
+                          # (SmolLM2's table: R^2 within 0.01 of 300 steps past at every width, half the cost)
+N_SEEDS = 3               # seeds of every curve point (model seed and subject order)
+BUDGETS = (0, 30, 100, 300, 1000)     # steps past the fit at which the R^2 is read too (those below past_fit)
+RECIPES = {"adam": {"lr": 0.1, "weight_decay": 0.0}, "weight_decay": {"lr": 0.03, "weight_decay": 1e-4}}
+THREADS = 1               # torch threads of all the controls' training and measuring (reproducibility)
 N_BOOT = 500              # bootstrap resamples of the controls' R^2 intervals
 PLACE = "subject embeddings e_s (blocks.0.resid_pre at the subject token)"
+
+
+@contextlib.contextmanager
+def fixed_threads(n: int = THREADS):
+    """Run the block on ``n`` torch threads, then restore the caller's count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def known_table(report_relations: dict, known: dict, min_facts: int = 5) -> tuple[FactTable, list[str]]:
@@ -144,14 +192,97 @@ def measure_control(model, task, seed: int = 0, n_boot: int = N_BOOT, selector: 
     return out
 
 
-def compared_with(table_info: dict, d_model: int, modes: dict) -> str:
+def r2_value(subject_embed: torch.Tensor, unembed: torch.Tensor, task, seed: int = 0) -> tuple[float, float]:
+    """(held-out R^2, its shuffled-table control) of the superposition fit of ``subject_embed`` [N, d] on the
+    attribute rows of ``unembed`` [n_outputs, d]: the value :func:`measure_control` reports, without intervals."""
+    H, A, U = embedding_inputs(subject_embed, unembed, task)
+    rep = superposition_readout(H, A, U, relation_names=task.relations, n_boot=1, seed=seed, decode=False,
+                                jackknife_groups=0, n_random=0)
+    m = rep.measure("r2", primary="shuffled")
+    return m.value, m.controls["shuffled"].value
+
+
+def over_seeds(values: list[float | None], controls: dict[str, list] | None = None) -> dict:
+    """A Metric (JSON form) over seeds: the mean of ``values`` (None = that seed has none, left out) with its
+    Student-t interval (``n`` = seeds; unbounded with one seed) and the values in ``spread``; ``controls``
+    {name: values per seed} the same way."""
+    kept = [float(v) for v in values if v is not None and math.isfinite(v)]
+    if not kept:
+        return nan_metric("t over seeds").to_dict()
+    n, mean = len(kept), sum(kept) / len(kept)
+    sd = math.sqrt(sum((v - mean) ** 2 for v in kept) / (n - 1)) if n > 1 else 0.0
+    half = t_quantile(LEVEL, n - 1) * sd / math.sqrt(n) if n > 1 else None
+    m = Metric(mean, (None, None) if half is None else (mean - half, mean + half), n, "t over seeds",
+               spread={"sd": sd, "values": kept})
+    out = m.to_dict()
+    if controls:
+        out["controls"] = {name: over_seeds(vals) for name, vals in controls.items()}
+        out["control"] = next(iter(controls))
+    return out
+
+
+def movement(now: dict[str, torch.Tensor], init: FactRecallModel) -> dict[str, float]:
+    """||X - X_init|| / ||X_init|| (Frobenius) of the subject embeddings and the unembedding (``now``: a
+    :func:`synthetic.train.snapshot`)."""
+    out = {}
+    for name, key in zip(SNAPSHOT, ("subject_embed", "unembed")):
+        x0 = getattr(init, name).detach()
+        out[key] = round(float((now[name] - x0).norm() / x0.norm()), 4)
+    return out
+
+
+def seed_tasks(task, seed: int, n_seeds: int) -> list:
+    """The task of each seed: the table as given for seed 0, the subjects reordered from ``seed + i`` for i > 0."""
+    return [task if i == 0 else reorder_subjects(task, seed + i) for i in range(n_seeds)]
+
+
+def train_point(tasks: list, mode: str, d: int, cfg: SweepConfig, seed: int, budgets: tuple[int, ...]) -> list:
+    """Train width ``d`` once per seed (``tasks[i]`` with model seed ``seed + i``) in one batched stack, to
+    ``cfg.train``'s stopping rule, keeping snapshots at ``budgets`` steps past the fit: [RunResult] by seed."""
+    configs = [width_config(t, mode, d, cfg, seed + i) for i, t in enumerate(tasks)]
+    return train_batched(tasks, configs, cfg.train, snapshot_at=budgets)
+
+
+def seed_row(i: int, result, task, seed: int, budgets: tuple[int, ...], final_r2: tuple | None = None) -> dict:
+    """What one seed of a point measured: its fit step and steps, R^2 and shuffled R^2 at the fit, at each budget
+    and at the end (``final_r2``: already measured), and the embeddings' movement at the fit and at the end."""
+    init = FactRecallModel(result.model.config)
+    final = {name: getattr(result.model, name).detach().cpu() for name in SNAPSHOT}
+    at = {k: r2_value(snap["subject_embed"], snap["unembed_weight"], task, seed + i)
+          for k, snap in sorted(result.snapshots.items()) if k in budgets}
+    end = final_r2 or r2_value(final["subject_embed"], final["unembed_weight"], task, seed + i)
+    fit = result.fit_step
+    return {"seed": seed + i, "subject_order": None if i == 0 else seed + i, "fit_step": fit,
+            "steps": result.steps, "steps_past_fit": None if fit is None else result.steps - fit,
+            "accuracy": result.accuracy, "r2_at_fit": at.get(0, (None,))[0], "r2_final": end[0],
+            "shuffled_at_fit": at.get(0, (None, None))[1], "shuffled_final": end[1],
+            "r2_by_budget": {str(k): v[0] for k, v in at.items()},
+            "movement_at_fit": movement(result.snapshots[0], init) if 0 in result.snapshots else None,
+            "movement_final": movement(final, init)}
+
+
+def seeds_summary(rows: list[dict], budgets: tuple[int, ...]) -> dict:
+    """The point's numbers over seeds: ``r2_at_fit``, ``r2_final``, ``r2_by_budget`` (Metrics with the shuffled
+    control) and the mean ``movement`` at the fit and at the end."""
+    def mean_movement(key):
+        got = [r[key] for r in rows if r[key] is not None]
+        return {part: round(sum(m[part] for m in got) / len(got), 4) for part in got[0]} if got else None
+
+    return {"r2_at_fit": over_seeds([r["r2_at_fit"] for r in rows], {"shuffled": [r["shuffled_at_fit"] for r in rows]}),
+            "r2_final": over_seeds([r["r2_final"] for r in rows], {"shuffled": [r["shuffled_final"] for r in rows]}),
+            "r2_by_budget": {str(k): over_seeds([r["r2_by_budget"].get(str(k)) for r in rows]) for k in budgets},
+            "movement": {"at_fit": mean_movement("movement_at_fit"), "final": mean_movement("movement_final")}}
+
+
+def compared_with(table_info: dict, d_model: int, modes: dict, past_fit: int, seeds: list[int]) -> str:
     """The sentence that says exactly what the controls' numbers are compared with."""
     stars = ", ".join(f"{m} d* = {v['threshold']['d_star']}" for m, v in modes.items())
-    return (f"Each control is the one-layer model trained to 100% train accuracy (or its {MAX_STEPS}-step cap) on "
-            f"the same fact table as the pretrained superposition fit ({table_info['n_subjects']} subjects x "
-            f"{len(table_info['relations'])} relations, {table_info['n_facts']} facts, the same attribute sets), "
-            f"at widths d*, 2 d*, 4 d*, ... and the pretrained d_model = {d_model} ({stars}); its subject "
-            f"embeddings e_s are measured with the same cross-fitted superposition fit (held-out R^2) and "
+    return (f"Each control is the one-layer model trained to 100% train accuracy and then {past_fit} steps further "
+            f"(or to its {MAX_STEPS}-step cap) on the same fact table as the pretrained superposition fit "
+            f"({table_info['n_subjects']} subjects x {len(table_info['relations'])} relations, "
+            f"{table_info['n_facts']} facts, the same attribute sets), with {len(seeds)} seeds (initialisation and "
+            f"subject order), at widths d*, 2 d*, 4 d*, ... and the pretrained d_model = {d_model} ({stars}); its "
+            f"subject embeddings e_s are measured with the same cross-fitted superposition fit (held-out R^2) and "
             f"per-relation linear readouts as the pretrained model's relation-free subject states, with the same "
             f"shuffled-table and random-init controls. Widths, training and subjects differ from the pretrained "
             f"model; the table, the measure and the controls do not.")
@@ -159,46 +290,89 @@ def compared_with(table_info: dict, d_model: int, modes: dict) -> str:
 
 def train_controls(table: FactTable, d_model: int, seed: int = 0, at_model_width: bool = True,
                    max_steps: int = MAX_STEPS, d_max: int | None = None, n_boot: int = N_BOOT,
-                   modes: tuple[str, ...] = MODES, progress=print, device: str = "cpu") -> dict:
+                   modes: tuple[str, ...] = MODES, progress=print, device: str = "cpu", n_seeds: int = N_SEEDS,
+                   past_fit: int = PAST_FIT, recipe: str = "adam") -> dict:
     """Train and measure the matched controls on ``table`` (pass the very table of the pretrained superposition
-    fit); returns the controls block of the module docstring. ``device``: where the controls train (a CUDA
-    device pays at the pretrained model's width: d = 4096 with an MLP of 8d is ~2 TFLOP per full-batch step on a
-    1158-fact table); they are measured on the CPU."""
-    t0 = time.perf_counter()
-    task = from_fact_table(table)
-    cfg = SweepConfig(d_max=d_max or d_model, train=TrainConfig(max_steps=max_steps, progress=False, device=device))
-    info = {"n_subjects": len(table.subjects), "relations": list(table.relations),
-            "n_facts": int((task.table >= 0).sum()), "bits": round(task.bits(), 1)}
-    block_modes = {}
-    for mode in modes:
-        start = time.perf_counter()
-        found = control_threshold(task, mode, cfg, seed=seed)
-        d_star = found["d_star"]
-        search = {"d_star": d_star, "exact": found["exact"], "tried": found["tried"],
-                  "search_seconds": round(time.perf_counter() - start, 1)}
-        progress(f"matched control ({mode}): d* = {d_star} ({'exact' if found['exact'] else 'not confirmed'}) "
-                 f"after trying {[(t['d'], t['init'], t['success']) for t in found['tried']]}")
-        points = []
-        for d in curve_widths(d_star, d_model, at_model_width):
+    fit); returns the controls block of the module docstring, on :data:`THREADS` torch threads whatever the
+    caller's. ``device``: where the controls train (a CUDA device pays at the pretrained model's width: d = 4096
+    with an MLP of 8d is ~2 TFLOP per full-batch step on a 1158-fact table); they are measured on the CPU.
+    ``n_seeds`` seeds per point, ``past_fit`` steps trained past the first 100% step, ``recipe`` a key of
+    :data:`RECIPES`."""
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown controls recipe {recipe!r}; choose from {', '.join(RECIPES)}")
+    if n_seeds < 1 or past_fit < 0:
+        raise ValueError(f"need n_seeds >= 1 and past_fit >= 0, got {n_seeds} and {past_fit}")
+    with fixed_threads():
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        task = from_fact_table(table)
+        search = TrainConfig(max_steps=max_steps, progress=False, device=device,
+                             chunk=auto_chunk(task.n_outputs, device), **RECIPES[recipe])
+        cfg = SweepConfig(d_max=d_max or d_model, train=search)
+        curve = SweepConfig(d_max=cfg.d_max, train=dataclasses.replace(search, past_fit=past_fit))
+        budgets = tuple(k for k in BUDGETS if k < past_fit)
+        tasks = seed_tasks(task, seed, n_seeds)
+        info = {"n_subjects": len(table.subjects), "relations": list(table.relations),
+                "n_facts": int((task.table >= 0).sum()), "bits": round(task.bits(), 1)}
+        block_modes = {}
+        for mode in modes:
             start = time.perf_counter()
-            model, result = found["models"].get(d) or train_at(task, mode, d, cfg, seed)
-            measured = measure_control(model.cpu(), task, seed, n_boot)
-            points.append({"d": d, "d_over_dstar": round(d / d_star, 3) if d_star else None,
-                           "d_mlp": result["d_mlp"],
-                           "train": {k: result[k] for k in ("accuracy", "success", "steps", "wall_time_s",
-                                                            "n_params", "n_trainable", "bits_per_param")},
-                           "r2": measured["r2"], "readout": measured["readout"],
-                           "readout_mean": pooled_readout(measured["readout"]), "selector": measured["selector"],
-                           "wall_seconds": round(time.perf_counter() - start, 1)})
-            progress(f"  {mode} d={d}: train acc {result['accuracy']:.3f}, R^2 {measured['r2']['value']:.3f}")
-        block_modes[mode] = {"threshold": search, "points": points}
-    return {"compared_with": compared_with(info, d_model, block_modes), "place": PLACE, "table": info,
-            "d_model": d_model, "seed": seed,
-            "training": {"max_steps": max_steps, "lr": cfg.train.lr, "weight_decay": cfg.train.weight_decay,
-                         "mlp_ratio": cfg.mlp_ratio, "attention": cfg.attention, "target_acc": cfg.train.target_acc,
-                         "device": device},
-            "modes": block_modes, "wall_seconds": round(time.perf_counter() - t0, 1)}
+            progress(f"{mode} ({modes.index(mode) + 1}/{len(modes)} modes), seed {seed}: searching d*, the smallest "
+                     f"width in {cfg.d_min}..{cfg.d_max} reaching 100% train accuracy, by bisection")
+            found = control_threshold(task, mode, cfg, seed=seed)
+            d_star = found["d_star"]
+            threshold = {"d_star": d_star, "exact": found["exact"], "tried": found["tried"],
+                         "search_seconds": round(time.perf_counter() - start, 1)}
+            progress(f"{mode}: " + (f"d* = {d_star}, " + ("exact (d*-1 failed with every initialisation)"
+                                                       if found["exact"] else "an upper bound (d*-1 not seen failing)")
+                                    if d_star else f"no width up to {cfg.d_max} reaches 100%")
+                     + f", in {threshold['search_seconds']:.0f} s; trained " + ", ".join(
+                         f"d={t['d']}" + (f" (initialisation {t['init'] + 1})" if t["init"] else "")
+                         + (" 100%" if t["success"] else f" {t['accuracy']:.1%}") for t in found["tried"])
+                     + f"; next the widths {', '.join(map(str, curve_widths(d_star, d_model, at_model_width)))}")
+            points = []
+            for d in curve_widths(d_star, d_model, at_model_width):
+                start, cpu = time.perf_counter(), time.process_time()
+                progress(f"{mode} d={d}: training " + (f"seed {seed}" if len(tasks) == 1 else
+                                                       f"{len(tasks)} seeds {seed}..{seed + len(tasks) - 1}")
+                         + f", up to {curve.train.max_steps} steps")
+                results = train_point(tasks, mode, d, curve, seed, budgets)
+                model = results[0].model.cpu()
+                measured = measure_control(model, task, seed, n_boot)
+                final0 = (measured["r2"]["value"], measured["r2"]["controls"]["shuffled"]["value"])
+                rows = [seed_row(i, res, tasks[i], seed, budgets, final0 if i == 0 else None)
+                        for i, res in enumerate(results)]
+                train0 = results[0].to_dict()
+                points.append({"d": d, "d_over_dstar": round(d / d_star, 3) if d_star else None,
+                               "d_mlp": train0["d_mlp"],
+                               "train": {k: train0[k] for k in ("accuracy", "success", "steps", "fit_step",
+                                                                "wall_time_s", "n_params", "n_trainable",
+                                                                "bits_per_param")},
+                               "r2": measured["r2"], "readout": measured["readout"],
+                               "readout_mean": pooled_readout(measured["readout"]), "selector": measured["selector"],
+                               **seeds_summary(rows, budgets), "seeds": rows,
+                               "wall_seconds": round(time.perf_counter() - start, 1),
+                               "cpu_seconds": round(time.process_time() - cpu, 1)})
+                p = points[-1]
+                progress(f"{mode} d={d} (width {len(points)}/{len(curve_widths(d_star, d_model, at_model_width))}):"
+                         f" 100% train accuracy at step " + ", ".join("never" if r["fit_step"] is None else
+                                                                      str(r["fit_step"]) for r in rows)
+                         + f" ({len(rows)} seed{'s' if len(rows) > 1 else ''}); superposition R^2 "
+                         f"{p['r2_at_fit']['value']:.3f} at that step, {p['r2_final']['value']:.3f} after {past_fit} "
+                         f"more")
+            block_modes[mode] = {"threshold": threshold, "points": points}
+        seeds = [seed + i for i in range(n_seeds)]
+        return {"compared_with": compared_with(info, d_model, block_modes, past_fit, seeds), "place": PLACE,
+                "table": info, "d_model": d_model, "seed": seed, "seeds": seeds,
+                "training": {"max_steps": max_steps, "lr": search.lr, "weight_decay": search.weight_decay,
+                             "recipe": recipe, "past_fit": past_fit, "budgets": list(budgets),
+                             "stopping_rule": f"{past_fit} steps past the first step at 100% train accuracy, at "
+                                              f"most {max_steps} in all (the threshold search: that first step)",
+                             "mlp_ratio": cfg.mlp_ratio, "attention": cfg.attention,
+                             "target_acc": search.target_acc, "device": device, "threads": THREADS,
+                             "chunk": search.chunk, "batched": "the seeds of one width in one stack"},
+                "modes": block_modes, "wall_seconds": round(time.perf_counter() - t0, 1),
+                "cpu_seconds": round(time.process_time() - cpu0, 1)}
 
 
-__all__ = ["MODES", "known_table", "train_at", "control_threshold", "curve_widths", "measure_control",
-           "train_controls", "compared_with"]
+__all__ = ["MODES", "RECIPES", "known_table", "train_at", "control_threshold", "curve_widths", "measure_control",
+           "train_controls", "compared_with", "fixed_threads", "over_seeds", "r2_value", "movement"]

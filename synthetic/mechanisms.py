@@ -60,12 +60,16 @@ RESID_PRE = "blocks.0.resid_pre"
 def readout_inputs(model: FactRecallModel, task: FactTask) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """(H [N, d] subject embeddings, A [N, R] *local* attribute indices (-1 = missing), U list of R
     [n_attr_r, d] unembedding rows of each relation's attributes) as the geometry code expects them."""
-    H = model.subject_embeddings().float()
-    A, U = local_table(task), []
-    W = model.attribute_vectors().float()
-    for r in range(task.n_relations):
-        U.append(W[task.relation_attributes(r)])
-    return H, A, U
+    return embedding_inputs(model.subject_embeddings(), model.attribute_vectors(), task)
+
+
+def embedding_inputs(subject_embed: torch.Tensor, unembed: torch.Tensor,
+                     task: FactTask) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """:func:`readout_inputs` from the tables themselves: subject embeddings [N, d] and unembedding [n_outputs, d]
+    (a model's, or a snapshot of them taken during training, :func:`synthetic.train.snapshot`)."""
+    W = unembed.detach().float()
+    return (subject_embed.detach().float(), local_table(task),
+            [W[task.relation_attributes(r)] for r in range(task.n_relations)])
 
 
 def local_table(task: FactTask) -> torch.Tensor:

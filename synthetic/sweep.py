@@ -8,7 +8,11 @@ matched controls use too). It assumes success is monotone in d but noisy near th
 exact only when d*-1 failed with two initialisations (another model seed, the same facts); every trained point is
 kept, so a reader can see any non-monotone one. Modes: ``trainable`` (every parameter
 learns), ``frozen`` (subject embeddings frozen at random init, the paper's control) and ``frozen_all`` (subject
-embeddings *and* the attribute unembedding frozen: only the relation embeddings and the MLP learn).
+embeddings *and* the attribute unembedding frozen: only the relation embeddings and the MLP learn). Maps
+(``maps``): ``bijections`` (R random bijections of the N subjects, :func:`synthetic.tasks.random_bijections`, the
+paper's) or ``functions`` (R random many-to-one maps with ``n_attributes`` values each,
+:func:`synthetic.tasks.random_functions`: the kind of table a real fact table is, which the matched controls'
+capacity line compares with); :func:`cell_task` builds a cell's table.
 
 Every trained point is appended to ``results.jsonl`` (one JSON line per run, flushed and fsynced, under a file
 lock so worker processes can share it). A point is keyed by (N, R, seed, mode, d, d_mlp rule, attention, training
@@ -44,7 +48,7 @@ from synthetic.batched import train_batched
 from synthetic.executors import process_map, ray_map
 from synthetic.model import ModelConfig, mode_flags
 from synthetic.render import sweep_figures
-from synthetic.tasks import random_bijections
+from synthetic.tasks import random_bijections, random_functions
 from synthetic.train import RunResult, TrainConfig, model_config_for, train
 
 RESULTS = "results.jsonl"
@@ -70,11 +74,32 @@ class SweepConfig:
     per_round: int = 1                   # batched: widths each search trains per round (Bisection.next_round)
     extrapolate: bool = False            # batched: start each search from d* extrapolated from smaller N
                                          # (:func:`extrapolated_guess`) instead of :func:`initial_guess`
+    maps: str = "bijections"             # "bijections" | "functions" (random many-to-one maps, n_attributes)
+    n_attributes: list[int] | None = None    # functions: values of relation r = n_attributes[r % len] (None: N)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(progress=False))
 
 
 MODES = SWEEP_MODES          # in table and figure order
 EXECUTORS = ("process", "ray")
+MAPS = ("bijections", "functions")
+
+
+def cell_task(N: int, R: int, seed: int, cfg: SweepConfig):
+    """The fact table of cell (N, R, seed): R random bijections, or R random functions onto
+    ``cfg.n_attributes[r % len]`` values each (own attribute ids per relation; N values when not given)."""
+    if cfg.maps not in MAPS:
+        raise ValueError(f"unknown kind of map {cfg.maps!r}; choose from {', '.join(MAPS)}")
+    if cfg.maps == "bijections":
+        return random_bijections(N, R, seed)
+    counts = cfg.n_attributes or [N]
+    return random_functions(N, R, [min(N, counts[r % len(counts)]) for r in range(R)], seed)
+
+
+def cell_guess(N: int, R: int, mode: str, cfg: SweepConfig) -> int:
+    """:func:`initial_guess` for the cell's own table (its bits per subject for functions)."""
+    if cfg.maps == "bijections":
+        return initial_guess(N, R, mode)
+    return initial_guess(N, R, mode, cell_task(N, R, 0, cfg).bits() / N)
 
 
 def point_key(N: int, R: int, seed: int, mode: str, d: int, cfg: SweepConfig, init: int = 0) -> str:
@@ -90,6 +115,10 @@ def point_key(N: int, R: int, seed: int, mode: str, d: int, cfg: SweepConfig, in
         spec["mode"] = mode
     if t.weight_decay:                    # only when set, so that keys of earlier sweeps stay valid
         spec["weight_decay"] = t.weight_decay
+    if t.past_fit is not None:
+        spec["past_fit"] = t.past_fit
+    if cfg.maps != "bijections":
+        spec["maps"], spec["n_attributes"] = cfg.maps, cfg.n_attributes
     return hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -284,7 +313,7 @@ def train_width(task, mode: str, d: int, cfg: SweepConfig, seed: int = 0, init: 
 
 
 def _run_point(N, R, seed, mode, d, cfg: SweepConfig, init: int = 0) -> dict:
-    res = train_width(random_bijections(N, R, seed), mode, d, cfg, seed, init)
+    res = train_width(cell_task(N, R, seed, cfg), mode, d, cfg, seed, init)
     return _point_row(res, N, R, seed, mode, d, cfg, init)
 
 
@@ -298,7 +327,9 @@ def _point_row(res, N, R, seed, mode, d, cfg: SweepConfig, init: int) -> dict:
     row.pop("train", None)
     row["history"] = row["history"][-3:]
     row.update({"key": point_key(N, R, seed, mode, d, cfg, init), "seed": seed, "init": init, "mode": mode,
-                "config": config_key(cfg), "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+                "config": config_key(cfg), "maps": cfg.maps, "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    if cfg.maps != "bijections":
+        row["n_attributes"] = cfg.n_attributes
     return row
 
 
@@ -331,7 +362,7 @@ def _bisect_cell(N, R, seed, mode, cfg: SweepConfig, out_dir: str, cache: dict, 
             _log_point(row)
         return bool(row["success"])
 
-    found = find_threshold(train_fn, cfg.d_min, cfg.d_max, start or initial_guess(N, R, mode),
+    found = find_threshold(train_fn, cfg.d_min, cfg.d_max, start or cell_guess(N, R, mode, cfg),
                            prior=start is not None)
     return {"N": N, "R": R, "seed": seed, "mode": mode, "d_star": found["d_star"], "exact": found["exact"],
             "tried": found["tried"]}
@@ -358,7 +389,7 @@ def _batched_unit(N: int, R: int, modes: tuple, cfg: SweepConfig, out_dir: str, 
     torch.set_num_threads(max(1, cfg.threads))
     def start(mode):
         guess = extrapolated_guess(list(cache.values()), N, R, mode, config_key(cfg)) if cfg.extrapolate else None
-        return guess or initial_guess(N, R, mode)
+        return guess or cell_guess(N, R, mode, cfg)
 
     searches = {(seed, mode): Bisection(cfg.d_min, cfg.d_max, start(mode)) for seed in cfg.seeds for mode in modes}
     while True:
@@ -368,7 +399,7 @@ def _batched_unit(N: int, R: int, modes: tuple, cfg: SweepConfig, out_dir: str, 
         todo = [(seed, mode, d, init) for (seed, mode), (d, init) in wanted
                 if point_key(N, R, seed, mode, d, cfg, init) not in cache]
         if todo:
-            tasks = [random_bijections(N, R, seed) for seed, _, _, _ in todo]
+            tasks = [cell_task(N, R, seed, cfg) for seed, _, _, _ in todo]
             configs = [width_config(task, mode, d, cfg, seed, init) for task, (seed, mode, d, init) in zip(tasks, todo)]
             for (seed, mode, d, init), res in zip(todo, train_batched(tasks, configs, cfg.train)):
                 row = _point_row(res, N, R, seed, mode, d, cfg, init)
@@ -406,6 +437,8 @@ def sweep_jobs(cfg: SweepConfig, out_dir: str) -> list[tuple]:
     bad = [m for m in cfg.modes if m not in MODES]
     if bad:
         raise ValueError(f"unknown sweep modes {bad}; choose from {MODES}")
+    if cfg.maps not in MAPS:
+        raise ValueError(f"unknown kind of map {cfg.maps!r}; choose from {', '.join(MAPS)}")
     if cfg.batched and cfg.train.batch_size:
         raise ValueError("a batched sweep trains full batch only: leave batch_size unset (--batch-size)")
     if cfg.batched:
@@ -543,13 +576,17 @@ def fit_trend(points: list[tuple[int, int, int]], n_boot: int = 2000, seed: int 
         reasons.append(f"the exponent of log2 N is p = {p.value:.2f} [{p.ci[0]:.2f}, {p.ci[1]:.2f}], whose interval "
                        f"excludes 1 (d* = c R log2 N assumes p = 1)")
     out["drift"] = bool(reasons)
+    tested = (["the c per N intervals overlap"] if len(finite) >= 2 else []) + (
+        [f"p's interval [{p.ci[0]:.2f}, {p.ci[1]:.2f}] contains 1"] if p.n and all(map(math.isfinite, p.ci)) else [])
     if reasons:
         out["drift_reason"] = "Drift: " + "; ".join(reasons) + "."
-    elif len(by_n) >= 2:
-        out["drift_reason"] = (f"No drift detected over N = {', '.join(map(str, by_n))}: the c per N intervals "
-                               f"overlap and p's interval [{p.ci[0]:.2f}, {p.ci[1]:.2f}] contains 1.")
-    else:
+    elif len(by_n) < 2:
         out["drift_reason"] = "Not tested: one N only."
+    elif tested:
+        out["drift_reason"] = f"No drift detected over N = {', '.join(map(str, by_n))}: {' and '.join(tested)}."
+    else:
+        out["drift_reason"] = (f"Drift cannot be judged from {len(points)} cells: it needs two N with two or more "
+                               f"cells each (c per N intervals) or a finite interval of p, the exponent of log2 N.")
     return out
 
 
@@ -639,7 +676,12 @@ def fit_power(points: list[tuple[int, int, float]]) -> dict:
     return {"a": float(math.exp(coef[0])), "alpha": float(coef[1]), "beta": float(coef[2])}
 
 
+MIN_INTERVAL_CELLS = 3   # fewer cells give no interval in the summary text (a bootstrap over 2 cells is their range)
+
+
 def _ci_text(m: dict, digits: int = 3) -> str:
+    if m.get("n") is not None and m["n"] < MIN_INTERVAL_CELLS:
+        return f"no interval from {m['n']} cell{'s' if m['n'] != 1 else ''}"
     lo, hi = m.get("ci") or (None, None)
     fmt = lambda v: "inf" if v is None else f"{v:.{digits}f}"  # noqa: E731 - JSON null is an unbounded side
     return f"95% {m.get('interval', 'bootstrap')} interval {fmt(lo)}-{fmt(hi)} over cells"
@@ -679,7 +721,7 @@ def table_markdown(summary: dict) -> str:
     for mode in modes:
         fit = fits.get(mode) or {}
         c = fit.get("c") or {}
-        if c.get("value") is None:
+        if c.get("value") is None or not math.isfinite(c["value"]):
             continue
         pw = (summary.get("power_fits") or {}).get(mode) or {}
         extra = "" if pw.get("alpha") is None else \
@@ -691,7 +733,7 @@ def table_markdown(summary: dict) -> str:
         if by_n:
             lines.append(f"c per N ({mode}): {by_n}  ")
         p = fit.get("p") or {}
-        if p.get("value") is not None:
+        if p.get("value") is not None and math.isfinite(p["value"]):
             lines.append(f"Exponent free ({mode}): d* = {fit['c_free']['value']:.3f} R (log2 N)^p with "
                          f"p = {p['value']:.2f} ({_ci_text(p, 2)})  ")
         lines.append(f"{fit.get('drift_reason', '')}  ")

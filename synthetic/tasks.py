@@ -160,6 +160,16 @@ def _generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(int(seed))
 
 
+def reorder_subjects(task: FactTask, seed: int) -> FactTask:
+    """The same facts with the subjects in a seeded random order (rows of ``table`` and ``subjects`` permuted by
+    ``torch.randperm(N)`` from ``seed``): which embedding row a subject gets, and the order of the facts in a batch.
+    """
+    perm = torch.randperm(task.n_subjects, generator=_generator(seed))
+    return FactTask(task.table[perm], task.n_outputs, task.kind, task.seed, [task.subjects[i] for i in perm],
+                    list(task.relations), list(task.attributes), task.attr_index,
+                    {**task.meta, "subject_order_seed": seed})
+
+
 def random_bijections(n_subjects: int, n_relations: int, seed: int = 0) -> FactTask:
     """The paper's setting: R independent uniformly random bijections from N subjects onto a shared attribute set
     of size N (attribute ids 0..N-1)."""

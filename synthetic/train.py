@@ -7,6 +7,12 @@ argmax (``target_acc`` = 1.0). In full-batch mode the accuracy comes for free fr
 (parameters *before* the update, confirmed by a plain argmax pass, and that update is then not applied, so the
 saved model is the one that scored 100%); in minibatch mode a full evaluation runs at the end of each epoch.
 
+Stopping rule (``past_fit``): None stops at that first 100% step (``fit_step``, the capacity sweep's rule: d* asks
+only whether the facts fit); an integer k trains k more steps past it (at most to ``max_steps``, the schedule
+unchanged), which the matched controls use, since a wide model fits after a few dozen steps with its embeddings
+barely off their random init. ``snapshot_at`` (steps past the fit) keeps copies of the subject embeddings and the
+unembedding there (``result.snapshots``), so one run gives the readouts at several budgets.
+
 Checkpoints (``out_dir``): ``checkpoint.safetensors`` holds the parameters, the flattened Adam moments
 (``opt.<name>.exp_avg`` / ``opt.<name>.exp_avg_sq``) and, in its metadata, the step, configs and history: one file
 written atomically, so weights and optimizer state can never come from different steps. ``checkpoint.json``
@@ -52,6 +58,7 @@ class TrainConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
     target_acc: float = 1.0
+    past_fit: int | None = None          # steps trained past the first step at target_acc; None = stop there
     chunk: int | None = None             # rows per softmax chunk; None = auto (L2-sized on CPU)
     seed: int = 0                        # data order (minibatch mode)
     device: str = "cpu"
@@ -98,6 +105,7 @@ class RunResult:
     time_to_target_s: float | None = None
     cpu_time_s: float | None = None          # process CPU time of this call (robust to other load on the machine)
     batch_models: int = 1                    # models trained together (synthetic.batched); times are shares then
+    fit_step: int | None = None              # first step whose parameters reached target_acc (None: never)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -129,13 +137,17 @@ def evaluate(model: FactRecallModel, data: SeqData, chunk: int = 8192) -> float:
 
 def train(task: FactTask | KHopTask, d_model: int | None = None, *, model_config: ModelConfig | None = None,
           config: TrainConfig | None = None, out_dir: str | None = None, resume: bool = True,
-          model: FactRecallModel | None = None, callback=None, **model_kw) -> RunResult:
-    """Train a one-layer model on every fact of ``task`` until 100% train accuracy or ``config.max_steps``.
+          model: FactRecallModel | None = None, callback=None, snapshot_at: tuple[int, ...] = (),
+          **model_kw) -> RunResult:
+    """Train a one-layer model on every fact of ``task`` until the stopping rule (``config.past_fit`` steps past
+    the first step at 100% train accuracy; None: that step) or ``config.max_steps``.
 
     Give ``d_model`` (other architecture settings as keywords, e.g. ``frozen_subjects=True``,
     ``attention="learned"``, ``d_mlp=64``), a full ``model_config``, or a ready ``model``. With ``out_dir`` the run
     checkpoints there and resumes from an existing checkpoint (Ctrl-C saves a checkpoint before it propagates).
     ``callback(step, loss, accuracy)`` runs after every update; returning True stops there (resumable).
+    ``snapshot_at``: steps past the fit at which to keep the subject embeddings and unembedding
+    (``result.snapshots`` {k: {name: tensor}}, :func:`snapshot`; not kept across a resume).
     The trained model is ``result.model``.
     """
     cfg = config or TrainConfig()
@@ -154,13 +166,14 @@ def train(task: FactTask | KHopTask, d_model: int | None = None, *, model_config
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     opt = torch.optim.Adam(params.values(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
 
-    step, elapsed, history, acc, loss_val, t_target = 0, 0.0, [], 0.0, float("nan"), None
+    step, elapsed, history, acc, loss_val, t_target, fit_step = 0, 0.0, [], 0.0, float("nan"), None, None
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         if resume and (os.path.exists(os.path.join(out_dir, STATE)) or _checkpoint_state(out_dir)):
             state = _load_checkpoint(out_dir, model, opt, params)
             step, elapsed, history = state["step"], state["elapsed"], state["history"]
             acc, loss_val = state.get("accuracy", 0.0), state.get("loss", float("nan"))
+            fit_step = state.get("fit_step", step if acc >= cfg.target_acc and step > 0 else None)
         else:
             _save_task(task, out_dir)
 
@@ -171,11 +184,16 @@ def train(task: FactTask | KHopTask, d_model: int | None = None, *, model_config
     t0 = time.perf_counter() - elapsed
     cpu0 = time.process_time()
     last_ckpt = time.perf_counter()
-    done = acc >= cfg.target_acc and step > 0
+    snapshots: dict[int, dict] = {}
+    done = fit_step is not None and stop_now(step - fit_step, cfg)
     perm, correct_epoch = None, 0
 
     def record():
         history.append([step, round(loss_val, 5), round(acc, 5)])
+
+    def save():
+        _save_checkpoint(out_dir, model, adam_moments(opt, params), step, time.perf_counter() - t0, history, acc,
+                         loss_val, cfg, fit_step)
 
     try:
         while not done and step < cfg.max_steps:
@@ -194,10 +212,15 @@ def train(task: FactTask | KHopTask, d_model: int | None = None, *, model_config
             loss_val = float(loss.detach())
             if full_batch:
                 acc = int(correct) / tgt.numel()       # accuracy of the current parameters, before the update
-                if acc >= cfg.target_acc:
+                if fit_step is None and acc >= cfg.target_acc:
                     acc = evaluate(model, data)        # confirm with a plain argmax pass
                     if acc >= cfg.target_acc:
-                        done = True
+                        fit_step, t_target = step, time.perf_counter() - t0
+                if fit_step is not None:
+                    if step - fit_step in snapshot_at:
+                        snapshots[step - fit_step] = snapshot(model)
+                    if stop_now(step - fit_step, cfg):
+                        done = True                    # this step's update is not applied
                         break
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -210,7 +233,12 @@ def train(task: FactTask | KHopTask, d_model: int | None = None, *, model_config
                     correct_epoch = 0
                     # the running accuracy is stale (parameters moved during the epoch): confirm with a full pass
                     acc = evaluate(model, data) if running >= cfg.target_acc - 0.01 else running
-                    done = acc >= cfg.target_acc
+                    if fit_step is None and acc >= cfg.target_acc:
+                        fit_step, t_target = step, time.perf_counter() - t0
+                if fit_step is not None:
+                    if step - fit_step in snapshot_at:
+                        snapshots[step - fit_step] = snapshot(model)
+                    done = stop_now(step - fit_step, cfg)
             if step % cfg.log_every == 0:
                 record()
             if bar is not None:
@@ -218,51 +246,66 @@ def train(task: FactTask | KHopTask, d_model: int | None = None, *, model_config
                 if step % 10 == 0:
                     bar.set_postfix(loss=f"{loss_val:.4f}", acc=f"{acc:.4f}", refresh=False)
             if out_dir and time.perf_counter() - last_ckpt > cfg.checkpoint_every_s:
-                _save_checkpoint(out_dir, model, adam_moments(opt, params), step, time.perf_counter() - t0,
-                                 history, acc, loss_val, cfg)
+                save()
                 last_ckpt = time.perf_counter()
             if callback is not None and callback(step, loss_val, acc):
                 break
     except KeyboardInterrupt:
         if out_dir:   # keep what was done; the next call on out_dir resumes from here
-            _save_checkpoint(out_dir, model, adam_moments(opt, params), step, time.perf_counter() - t0,
-                             history, acc, loss_val, cfg)
+            save()
         raise
     finally:
         if bar is not None:
             bar.close()
-    if not done:
-        acc = evaluate(model, data)      # parameters after the last update
-        done = acc >= cfg.target_acc
-    if done and t_target is None:
-        t_target = time.perf_counter() - t0
+    if not done or cfg.past_fit is not None:
+        acc = evaluate(model, data)      # the parameters it ends with
+    if fit_step is None and acc >= cfg.target_acc:
+        fit_step, t_target = step, time.perf_counter() - t0      # reached with the last update
+        if 0 in snapshot_at:
+            snapshots[0] = snapshot(model)
     if not history or history[-1][0] != step:
         record()
     wall = time.perf_counter() - t0
     result = run_result(task, model, cfg, steps=step, accuracy=acc, loss=loss_val, history=history, wall_s=wall,
-                        cpu_s=time.process_time() - cpu0, time_to_target_s=t_target, facts_per_step=bs)
+                        cpu_s=time.process_time() - cpu0, time_to_target_s=t_target, facts_per_step=bs,
+                        fit_step=fit_step)
+    result.snapshots = snapshots
     if out_dir:
         save_run(out_dir, result, adam_moments(opt, params), wall, cfg)
     return result
 
 
+def stop_now(past: int, cfg: TrainConfig) -> bool:
+    """The stopping rule, ``past`` steps after the first step at ``target_acc``."""
+    return cfg.past_fit is None or past >= cfg.past_fit
+
+
+SNAPSHOT = ("subject_embed", "unembed_weight")      # what a snapshot keeps: what the readouts read
+
+
+def snapshot(model: FactRecallModel) -> dict[str, torch.Tensor]:
+    """Copies of the subject embeddings [N, d] and the unembedding [n_outputs, d] (on the CPU)."""
+    return {name: getattr(model, name).detach().cpu().clone() for name in SNAPSHOT}
+
+
 def run_result(task, model: FactRecallModel, cfg: TrainConfig, *, steps: int, accuracy: float, loss: float,
                history: list, wall_s: float, cpu_s: float, time_to_target_s: float | None, facts_per_step: int,
-               batch_models: int = 1) -> RunResult:
+               fit_step: int | None, batch_models: int = 1) -> RunResult:
     """The :class:`RunResult` of ``model`` trained on ``task`` (the trained model at ``result.model``), from what
-    the training loop counted (this trainer's or :func:`synthetic.batched.train_batched`'s)."""
+    the training loop counted (this trainer's or :func:`synthetic.batched.train_batched`'s). ``success``: some
+    step reached ``target_acc`` (``fit_step``); ``accuracy`` is that of the final parameters."""
     mcfg = model.config
     n = model.n_params()
     bits = task.bits()
     result = RunResult(
-        accuracy=accuracy, success=accuracy >= cfg.target_acc, steps=steps, wall_time_s=round(wall_s, 3),
+        accuracy=accuracy, success=fit_step is not None, steps=steps, wall_time_s=round(wall_s, 3),
         n_params=n["total"], n_trainable=n["trainable"], bits=round(bits, 1),
         bits_per_param=float(f"{bits / max(1, n['trainable']):.4g}"), loss=loss,
         facts_per_s=round(steps * facts_per_step / max(wall_s, 1e-9), 1), n_subjects=mcfg.n_subjects,
         n_relations=mcfg.n_relations, d_model=mcfg.d_model, d_mlp=mcfg.d_mlp, frozen_subjects=mcfg.frozen_subjects,
         attention=mcfg.attention, task_kind=task.kind, train=cfg.to_dict(), history=list(history),
         time_to_target_s=None if time_to_target_s is None else round(time_to_target_s, 3),
-        cpu_time_s=round(cpu_s, 3), batch_models=batch_models)
+        cpu_time_s=round(cpu_s, 3), batch_models=batch_models, fit_step=fit_step)
     result.model = model
     return result
 
@@ -271,7 +314,7 @@ def save_run(out_dir: str, result: RunResult, moments: dict, elapsed: float, cfg
     """The finished run in ``out_dir``: its checkpoint (parameters, Adam ``moments``, state after ``elapsed``
     seconds) and ``run.json``."""
     _save_checkpoint(out_dir, result.model, moments, result.steps, elapsed, result.history, result.accuracy,
-                     result.loss, cfg)
+                     result.loss, cfg, result.fit_step)
     write_json(os.path.join(out_dir, RUN), {**result.to_dict(), "model_config": result.model.config.to_dict()})
 
 
@@ -338,7 +381,8 @@ def adam_moments(opt, params: dict) -> dict:
     return out
 
 
-def _save_checkpoint(out_dir, model, moments: dict, step, elapsed, history, acc, loss, cfg) -> None:
+def _save_checkpoint(out_dir, model, moments: dict, step, elapsed, history, acc, loss, cfg,
+                     fit_step: int | None = None) -> None:
     """Parameters, Adam ``moments`` ({name: (exp_avg, exp_avg_sq, step)}) and the training state, atomically."""
     tensors = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters()}
     opt_step = {}
@@ -347,7 +391,7 @@ def _save_checkpoint(out_dir, model, moments: dict, step, elapsed, history, acc,
         tensors[f"opt.{name}.exp_avg_sq"] = exp_avg_sq.detach().cpu().contiguous()
         opt_step[name] = float(opt_steps)
     state = {"step": step, "elapsed": elapsed, "history": history, "accuracy": acc, "loss": loss,
-             "opt_step": opt_step, "train_config": cfg.to_dict(), "model_config": model.config.to_dict()}
+             "fit_step": fit_step, "opt_step": opt_step, "train_config": cfg.to_dict(), "model_config": model.config.to_dict()}
     # one file, one atomic write: the state travels with the tensors it describes
     write_bytes(os.path.join(out_dir, CHECKPOINT),
                 save(tensors, metadata={"llmprobe_state": json.dumps(state)}))

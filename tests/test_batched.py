@@ -62,6 +62,25 @@ def test_early_stopped_model_stops_where_it_would_alone(tmp_path):
     _assert_same_params(again.model, wide.model, atol=0)
 
 
+def test_seeds_in_one_stack_get_what_each_gets_alone_with_a_fixed_chunk():
+    """The controls' stacks: models of one width past their fit (past_fit, snapshots) give bit for bit what each
+    gives alone when the softmax chunk is fixed; the default chunk is divided among the models, so it does not."""
+    task = random_bijections(600, 2, 0)                 # 600 outputs: the default chunk (436 rows) splits the facts
+    configs = [model_config_for(task, 12, seed=s) for s in (0, 1, 2)]
+    for chunk, same in ((436, True), (None, False)):
+        cfg = TrainConfig(max_steps=20, progress=False, past_fit=5, target_acc=0.0, chunk=chunk)
+        alone = train_batched([task], configs[:1], cfg, snapshot_at=(0, 3))[0]
+        three = train_batched([task] * 3, configs, cfg, snapshot_at=(0, 3))
+        assert alone.fit_step == three[0].fit_step == 0 and alone.steps == three[0].steps == 5
+        assert sorted(alone.snapshots) == [0, 3]
+        equal = all(torch.equal(p, q) for p, q in zip(alone.model.parameters(), three[0].model.parameters()))
+        assert equal == same
+        assert torch.equal(alone.snapshots[3]["subject_embed"], three[0].snapshots[3]["subject_embed"]) == same
+    one = train(task, model_config=configs[0], config=cfg, snapshot_at=(0, 3))        # the other trainer
+    assert (one.fit_step, one.steps) == (alone.fit_step, alone.steps)
+    _assert_same_params(one.model, alone.model)
+
+
 def test_batched_rejects_what_it_cannot_stack():
     cfg = TrainConfig(max_steps=2, progress=False)
     a, b = random_bijections(16, 1, 0), random_bijections(20, 1, 0)

@@ -16,6 +16,7 @@ from tiny_models import CONFIGS, save_tiny
 
 import llmprobe.jobs.main
 import llmprobe.jobs.probe
+import llmprobe.model.known as known_module
 from llmprobe import settings as config
 from llmprobe.analyses.settings import AnalysisSettings
 from llmprobe.checks import UsageError
@@ -69,9 +70,9 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture
 def all_known(monkeypatch):
-    real = llmprobe.jobs.probe.known_facts
-    monkeypatch.setattr(llmprobe.jobs.probe, "known_facts", lambda lm, relation, **kw: [
-        dataclasses.replace(r, known=True) for r in real(lm, relation, **kw)])
+    """A random model knows nothing: every fact known under both protocols' rules (strict and the prefix rule)."""
+    monkeypatch.setattr(known_module, "is_known", lambda text, obj: True)
+    monkeypatch.setattr(known_module, "prefix_hit", lambda text, obj: True)
 
 
 def write_toml(path: Path, sections: dict) -> str:
@@ -144,7 +145,8 @@ def test_flags_override_set_which_overrides_the_file(tmp_path):
     assert values.analysis_options() == {"batch_size": 4, "jacobian_batch_size": 4, "n_splits": 4, "protocol": "lre",
                                          "n_icl": 6}
     assert values.control_arguments() == {"seed": 1, "at_model_width": False, "max_steps": 7, "d_max": None,
-                                          "n_boot": 500, "modes": ("trainable", "frozen")}
+                                          "n_boot": 500, "modes": ("trainable", "frozen"), "n_seeds": 3,
+                                          "past_fit": 100, "recipe": "adam"}
     assert settings_of(["probe"]).analyses("probe") == ("lre", "ridge", "superposition")
     assert settings_of(["run"]).analyses("run") == ANALYSES and settings_of(["probe", "--analyses", ""]).analyses("probe") == ()
     assert settings_of(["run", "--analyses", ""]).analyses("run") == ()
@@ -248,7 +250,8 @@ def test_control_settings_reach_the_controls_worker(tiny, tmp_path, all_known, m
     assert seen["at_model_width"] is False and seen["seed"] == 2 and seen["device"] == "cpu"   # a CPU model
     recorded = json.loads((out / "report.json").read_text())["settings"]
     assert recorded["command"] == "run" and recorded["controls"] == {
-        "enabled": True, "at_model_width": False, "max_steps": 7, "d_max": 9, "n_boot": 11, "modes": ["frozen"]}
+        "enabled": True, "at_model_width": False, "max_steps": 7, "d_max": 9, "n_boot": 11, "modes": ["frozen"],
+        "n_seeds": 3, "past_fit": 100, "recipe": "adam"}
     # rerun repeats run (not probe) with the same control settings
     seen.clear()
     assert main(["rerun", str(out), "--out", str(tmp_path / "again")]) == 0

@@ -260,9 +260,9 @@ def test_an_unknown_selection_mode_is_refused(planted):
     lm, subjects, answers = planted
     relation = answered_in_context(lm, subjects, answers)
     results = known_facts(lm, relation, protocol="lre", n_icl=5, n_draws=3)
-    out = run_analyses(lm, [relation], {"toy": results}, [0, 1], analyses=("lre",), progress=False, protocol="lre",
-                       lre_selection="test", **FAST)
-    assert "lre_selection" in out["relations"]["toy"]["error"]
+    with pytest.raises(ValueError, match="lre_selection must be one of"):      # refused before any work
+        run_analyses(lm, [relation], {"toy": results}, [0, 1], analyses=("lre",), progress=False, protocol="lre",
+                     lre_selection="test", **FAST)
 
 
 # ----------------------------------------------------------------------- few-shot prompts of any protocol

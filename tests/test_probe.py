@@ -136,13 +136,13 @@ def test_cli_protocol_and_pickle_flags_reach_the_analyses_and_the_loader(tiny_fo
     rel.write_text(json.dumps(data))
     import llmprobe.model.known as known_module
 
-    real = known_module.is_known
-    try:
-        known_module.is_known = lambda text, obj: True            # a random model knows nothing: force it
+    real = known_module.is_known, known_module.prefix_hit
+    try:       # a random model knows nothing: force it (strict rule and the lre protocol's prefix rule)
+        known_module.is_known = known_module.prefix_hit = lambda text, obj: True
         assert main(["probe", tiny_folder, "--relations", str(rel), "--layers", "0,1", "--device", "cpu",
                      "--analyses", "lre", "--protocol", "lre", "--n-icl", "2", "--out", str(tmp_path / "icl")]) == 0
     finally:
-        known_module.is_known = real
+        known_module.is_known, known_module.prefix_hit = real
     report = json.loads((tmp_path / "icl" / "report.json").read_text())
     entry = report["analyses"]["relations"]["capital"]
     assert report["analyses"]["settings"]["protocol"] == "lre" and len(entry["context_subjects"]) == 2

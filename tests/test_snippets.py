@@ -25,7 +25,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 D, BLOCKS = 32, 30
 RELATIONS = ["country_capital", "country_language"]
 FAST = dict(n_splits=2, n_boot=50, folds=3, max_val_pairs=3, max_test_pairs=5, max_swap_subjects=3,
-            random_control=False, betas=(1.0, 2.0), edit_ranks=(8,), min_val_per_candidate=1)
+            random_control=False, betas=(1.0, 2.0), edit_ranks=(8,))
 
 
 def snippets() -> list[tuple[str, str]]:
@@ -45,13 +45,13 @@ def world(tmp_path_factory):
     config = CONFIGS["llama"](len(tokenizer))
     config.num_hidden_layers, config.pad_token_id = BLOCKS, tokenizer.pad_token_id
     torch.manual_seed(0)
-    folder = work / "tiny-llama"
+    folder = work / "path" / "to" / "model"          # the folder docs/interop.md names
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(known_module, "is_known", lambda text, obj: True)
         probe(str(folder), relations=RELATIONS, max_facts=24, layers="0,6,12,18,24,29", device="cpu",
-              analyses="lre,ridge", out=work / "runs" / "smollm2", analysis_options=FAST)
+              analyses="lre,ridge,superposition", out=work / "runs" / "smollm2", analysis_options=FAST)
     return work, folder
 
 
@@ -64,7 +64,7 @@ def test_snippet_runs(where, code, world, monkeypatch):
     monkeypatch.setattr(loading, "load_model", lambda name=None, **kw: real_load(name or str(folder), **kw))
     monkeypatch.setattr(known_module, "is_known", lambda text, obj: True)
     lm = real_load(str(folder), device="cpu")
-    relations = [r.with_facts(r.facts[:24]) if hasattr(r, "with_facts") else r for r in load_relations(RELATIONS)]
+    relations = [r.with_facts(r.facts[:24]) for r in load_relations(RELATIONS)]
     g = torch.Generator().manual_seed(0)
     namespace = {
         "path": str(folder), "folder": str(folder), "lm": lm, "model": lm.model, "relations": relations,

@@ -14,6 +14,7 @@ from synthetic.model import HOOK_NAMES, FactRecallModel, ModelConfig, softmax_cr
 from synthetic.sweep import (
     Bisection,
     SweepConfig,
+    cell_task,
     config_key,
     find_threshold,
     fit_constant,
@@ -183,6 +184,24 @@ def test_small_run_reaches_100_percent():
     assert torch.equal(pred, data.targets)
 
 
+def test_training_goes_past_the_first_fit_by_the_stated_budget():
+    """past_fit = k: k more steps after the first step at 100% (fit_step), the model there kept in a snapshot;
+    None (the sweep's rule): stop at that step, with the very parameters of the snapshot at 0."""
+    task = random_bijections(64, 2, seed=0)
+    stop = train(task, 32, config=TrainConfig(max_steps=400, progress=False))
+    past = train(task, 32, config=TrainConfig(max_steps=400, progress=False, past_fit=60), snapshot_at=(0, 30))
+    assert stop.success and stop.fit_step == stop.steps < 100
+    assert past.success and past.fit_step == stop.fit_step and past.steps == stop.fit_step + 60
+    assert sorted(past.snapshots) == [0, 30] and stop.snapshots == {}
+    assert torch.equal(past.snapshots[0]["subject_embed"], stop.model.subject_embed.detach())
+    moved = (past.model.subject_embed.detach() - past.snapshots[0]["subject_embed"]).norm()
+    assert moved > 0.1 * past.snapshots[0]["subject_embed"].norm()     # the embeddings move on after the fit
+    capped = train(task, 32, config=TrainConfig(max_steps=400, progress=False, past_fit=1000))
+    assert capped.steps == 400 and capped.fit_step == stop.fit_step                       # the cap still holds
+    never = train(task, 2, config=TrainConfig(max_steps=30, progress=False, past_fit=60))
+    assert never.fit_step is None and not never.success and never.steps == 30
+
+
 def test_frozen_subjects_do_not_change():
     task = random_bijections(32, 2, seed=0)
     model = FactRecallModel(ModelConfig(n_subjects=32, n_relations=2, n_outputs=32, d_model=8,
@@ -252,6 +271,31 @@ def test_sweep_bisects_and_resumes(tmp_path, monkeypatch):
     monkeypatch.setattr(sw, "_run_point", boom)
     run_sweep(cfg, out)
     assert len(load_results(out)) == len(rows)
+
+
+def test_sweep_of_general_maps_trains_functions_and_keeps_them_apart(tmp_path):
+    """--maps functions: the cell's table is R random many-to-one maps with the given attribute counts (fewer bits
+    than bijections, so a smaller d*), its points keyed apart from the bijections' of the same cell."""
+    base = dict(subjects=[32], relations=[2], seeds=[0], modes=["trainable"], d_min=1, d_max=24,
+                train=TrainConfig(max_steps=300, progress=False))
+    functions = SweepConfig(**base, maps="functions", n_attributes=[4])
+    bijections = SweepConfig(**base)
+    task = cell_task(32, 2, 0, functions)
+    assert task.kind == "function" and [len(a) for a in task.attr_index] == [4, 4] and task.n_outputs == 8
+    assert task.bits() < 0.5 * cell_task(32, 2, 0, bijections).bits()
+    assert config_key(functions) != config_key(bijections)
+    out = str(tmp_path / "functions")
+    summary = run_sweep(functions, out)
+    rows = load_results(out)
+    assert rows and all(r["maps"] == "functions" and r["n_attributes"] == [4] for r in rows)
+    assert all(r["bits"] == pytest.approx(task.bits(), abs=0.1) for r in rows)
+    cell = summary["cells"][0]
+    assert summary["config"]["maps"] == "functions" and cell["d_star"]
+    run_sweep(bijections, str(tmp_path / "bijections"))
+    d_bij = thresholds(load_results(str(tmp_path / "bijections")))[(32, 2, 0, "trainable", config_key(bijections))]
+    assert cell["d_star"][0] < d_bij["d_star"]
+    with pytest.raises(ValueError, match="kind of map"):
+        cell_task(32, 2, 0, SweepConfig(maps="surjections"))
 
 
 def _monotone(threshold, calls=None):

@@ -108,7 +108,7 @@ class MatchedControls:
         settings = self.settings
         like_for_like = "superposition" in settings.analyses("run")
         training = {k: v for k, v in settings.changed("controls").items() if k in TRAINING}
-        key = stage_key(report["stages"]["known_facts"]["key"], "controls", settings.controls.at_model_width,
+        key = stage_key(report["stages"]["known_facts"]["key"], "controls 2", settings.controls.at_model_width,
                         settings.run.seed, like_for_like, sorted(settings.changed("analysis").items()),
                         *([sorted(training.items())] if training else []))
         stage = start_stage(report, "controls", key)

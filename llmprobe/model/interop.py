@@ -103,7 +103,9 @@ def unwrap_bridge(model: nn.Module) -> nn.Module:
     """A plain copy of a Hugging Face model that a TransformerBridge has wrapped: same class, config, generation
     config and weights, the default attention implementation (a path load's), on the same device and dtype. The
     bridge and its model are left as they are."""
-    from transformers import AutoModelForCausalLM
+    from transformers import (
+        AutoModelForCausalLM,  # lazy: start-up time: the CLI's checks and errors do not load transformers
+    )
 
     param = next(model.parameters())
     # from_dict drops the bridge's eager attention choice; a bridge booted from a name also sets output_attentions
@@ -170,7 +172,7 @@ def _folder_tokenizer(model: nn.Module):
         raise ModelLoadError(
             f"a {type(model).__name__} object needs its tokenizer: pass tokenizer=... (its name_or_path "
             f"{folder!r} is not a local folder to load one from)")
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: start-up time: the CLI's checks and errors do not load transformers
 
     try:
         return AutoTokenizer.from_pretrained(folder)

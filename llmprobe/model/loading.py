@@ -20,6 +20,7 @@ from urllib.parse import urlparse
 
 import platformdirs
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -57,7 +58,9 @@ def is_transformers_model(module: nn.Module) -> bool:
 
     if "transformers" not in sys.modules:
         return False
-    from transformers import PreTrainedModel
+    from transformers import (
+        PreTrainedModel,  # lazy: start-up time: the CLI's checks and errors do not load transformers
+    )
 
     return isinstance(module, PreTrainedModel)
 
@@ -140,7 +143,9 @@ def quantization_config(quantize: str | None, dtype: torch.dtype):
         raise ModelLoadError(f"--quantize {quantize} (bitsandbytes) needs a CUDA device and torch sees none; on CPU "
                              f"load the model unquantised (--dtype bfloat16) or offload it with --device-map auto "
                              f"--max-memory cpu=SIZE --offload-folder DIR")
-    from transformers import BitsAndBytesConfig
+    from transformers import (
+        BitsAndBytesConfig,  # lazy: start-up time: the CLI's checks and errors do not load transformers
+    )
 
     if quantize == "4bit":
         return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=dtype)
@@ -226,7 +231,6 @@ def _check_local_weights(folder: Path, allow_pickle: bool) -> list[Path]:
     pickles = sorted({p for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES and p.name.startswith(
         ("pytorch_model", "model"))} | {p for p in shards if p.suffix in PICKLE_SUFFIXES})
     if safetensors:
-        from safetensors import SafetensorError, safe_open
 
         for path in safetensors:
             try:
@@ -266,7 +270,7 @@ def _check_loading_info(info: dict, name: str, where: str) -> None:
 def _out_of_memory(name: str, folder: str, kwargs: dict, weight_files: list[Path]) -> MemoryError:
     """The MemoryError for a model that did not fit while it was built: what its config declares beside what its
     weight files hold (a corrupt config.json declaring many more layers looks like this)."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # lazy: start-up time: the CLI's checks and errors do not load transformers
 
     try:
         config = AutoConfig.from_pretrained(folder, **{k: v for k, v in kwargs.items() if k != "dtype"})
@@ -328,7 +332,10 @@ def load_model(
     weights only (``pytorch_model.bin``) needs ``allow_pickle=True`` and is then read with
     ``weights_only=True``. Every failure is a :class:`ModelLoadError` that names the path, file or device.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import (  # lazy: start-up time: the CLI's checks and errors do not load transformers
+        AutoModelForCausalLM,
+        AutoTokenizer,
+    )
 
     start = time.perf_counter()
     device = resolve_device(device)
@@ -455,7 +462,10 @@ def _embedded_safetensors() -> str:
     target = cache_dir() / "models" / f"{gguf.stem}-{stat.st_size}"
     if (target / "config.json").is_file() and (target / "llmprobe.json").is_file():
         return str(target)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import (  # lazy: start-up time: the CLI's checks and errors do not load transformers
+        AutoModelForCausalLM,
+        AutoTokenizer,
+    )
 
     print(f"llmprobe: converting {gguf.name} to safetensors once (about 30 s) -> {target}", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -481,8 +491,8 @@ def _embedded_safetensors() -> str:
 
 def check_hub_reachable(name: str, revision: str | None) -> None:
     """Fail at once, naming what was tried, when ``name`` is neither cached nor reachable."""
-    from huggingface_hub import try_to_load_from_cache
-    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub import try_to_load_from_cache  # lazy: start-up time, with transformers
+    from huggingface_hub.errors import HFValidationError  # lazy: start-up time, with transformers
 
     try:
         cached = try_to_load_from_cache(name, "config.json", revision=revision)
