@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import argparse
 import os
 import tempfile
 from pathlib import Path
@@ -147,3 +148,14 @@ def parse_max_memory(spec: str | dict | list | None) -> dict | None:
                              f"number of bytes") from None
         out[key] = value
     return out
+
+
+def argparse_type(check):
+    """An argparse ``type`` from a checks.* function (its UsageError becomes argparse's usage error, status 2)."""
+    def convert(text):
+        try:
+            return check(text)
+        except UsageError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    convert.__name__ = getattr(check, "__name__", "value")
+    return convert

@@ -7,7 +7,16 @@ import sys
 
 from llmprobe import __version__
 from llmprobe import commands as handlers
-from llmprobe.checks import DEVICE_MAPS, DTYPES, QUANTIZE, UsageError, layer_spec, parse_max_memory, positive_int
+from llmprobe.checks import (
+    DEVICE_MAPS,
+    DTYPES,
+    QUANTIZE,
+    UsageError,
+    argparse_type,
+    layer_spec,
+    parse_max_memory,
+    positive_int,
+)
 from llmprobe.commands import run_command
 from llmprobe.names import ANALYSES, PROTOCOLS
 from llmprobe.settings import COMMAND_ANALYSES, Settings
@@ -16,19 +25,8 @@ from synthetic.cli import add_parser as add_synth
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-def _arg(check):
-    """An argparse ``type`` from a checks.* function (its UsageError becomes argparse's usage error, status 2)."""
-    def convert(text):
-        try:
-            return check(text)
-        except UsageError as error:
-            raise argparse.ArgumentTypeError(str(error)) from None
-    convert.__name__ = getattr(check, "__name__", "value")
-    return convert
-
-
 def positive(name: str):
-    return _arg(lambda text: positive_int(text, name))
+    return argparse_type(lambda text: positive_int(text, name))
 
 
 def _layers(text: str) -> str:
@@ -66,7 +64,7 @@ SETTING_FLAGS = (
     ("--relations", "run.relations", ("probe", "run"), {
         "nargs": "+", "metavar": "NAME_OR_PATH",
         "help": "bundled relation names, files (our JSON, LRE JSON, CSV), folders or hf:DATASET"}),
-    ("--layers", "run.layers", ("probe", "run"), {"type": _arg(_layers),
+    ("--layers", "run.layers", ("probe", "run"), {"type": argparse_type(_layers),
                                                   "help": "all | every:K | comma list like 0,6,12 | -1"}),
     ("--analyses", "run.analyses", ("probe", "run"), {
         "type": _names, "help": f"comma list of {','.join(ANALYSES)}; '' for known facts only"}),
@@ -189,12 +187,12 @@ def build_parser(synth: bool = True) -> argparse.ArgumentParser:
     compare = commands.add_parser("compare", help="side-by-side page of several report folders")
     compare.add_argument("dirs", nargs="+", help="report folders (each with report.json)")
     compare.add_argument("--out", required=True, help="output folder")
-    compare.add_argument("--format", default="html,md,csv", type=_arg(_formats),
+    compare.add_argument("--format", default="html,md,csv", type=argparse_type(_formats),
                          help="comma list of html, md, json, csv (default html,md,csv)")
     compare.set_defaults(func=handlers._compare)
     report = commands.add_parser("report", help="export a report folder as html, md, json or csv")
     report.add_argument("dir", help="report folder (with report.json)")
-    report.add_argument("--format", default="html,md,csv", type=_arg(_formats),
+    report.add_argument("--format", default="html,md,csv", type=argparse_type(_formats),
                         help="comma list of html, md, json, csv (default html,md,csv)")
     report.add_argument("--out", help="output folder (default: the report folder)")
     report.set_defaults(func=handlers._report)

@@ -9,7 +9,7 @@ import shutil
 import sys
 
 from llmprobe import io as llmio
-from llmprobe.checks import UsageError, int_list, positive_int
+from llmprobe.checks import UsageError, argparse_type, int_list, positive_int
 from synthetic.analyze import ANALYSIS, CONTROLS, DEFAULT_TRAIN, analyze
 from synthetic.bounds import summary
 from synthetic.construction import smallest_construction
@@ -31,19 +31,9 @@ from synthetic.tasks import load_facts, random_bijections, random_khop
 from synthetic.train import TrainConfig, train
 
 
-def _arg(check):
-    """An argparse ``type`` from a check raising UsageError (argparse's usage error, status 2, instead)."""
-    def convert(text):
-        try:
-            return check(text)
-        except UsageError as error:
-            raise argparse.ArgumentTypeError(str(error)) from None
-    return convert
-
-
 def _positive(name: str):
     """argparse type: a whole number >= 1."""
-    return _arg(lambda text: positive_int(text, name))
+    return argparse_type(lambda text: positive_int(text, name))
 
 
 def _int_text(name: str, minimum: int = 1):
@@ -52,7 +42,7 @@ def _int_text(name: str, minimum: int = 1):
     def check(text: str) -> str:
         int_list(text, name, minimum)
         return text
-    return _arg(check)
+    return argparse_type(check)
 
 
 def _train_config_args(p: argparse.ArgumentParser, max_steps: int) -> None:

@@ -382,17 +382,21 @@ def _capacity_report(kind="bijections", steps=500, bits_per_param=1.7, exact=Tru
     ("bijections", 500, 0.90, True, "not shown"),            # far above it
     ("bijections", 500, 1.70, False, "inconclusive"),        # d* an upper bound: 1.70 only a lower bound
     ("bijections", 2000, 1.70, True, "not comparable"),      # another step cap
-    ("general maps", 500, 1.70, True, "not comparable"),     # the sweep has no general-map cells
+    ("general maps", 500, 1.70, True, "not comparable"),     # general-map cells only at the 2000-step cap
+    ("general maps", 2000, 1.00, True, "supported"),         # inside the general-map cells (0.74-1.22)
+    ("general maps", 2000, 1.60, True, "not shown"),         # SmolLM2's table: above them
 ])
 def test_the_capacity_line_is_two_sided_and_like_for_like(kind, steps, bits_per_param, exact, expected):
     line = _line(_capacity_report(kind, steps, bits_per_param, exact), "capacity O(R log N) in the matched controls")
     assert line["verdict"] == expected and line["metric"]["value"] == bits_per_param
     if expected == "not comparable":
-        assert "the capacity sweep measured bijections at a 500-step cap only" in line["note"]
+        assert "the capacity sweep measured bijections at a 500-step cap; general maps at a 2000-step cap" \
+            in line["note"]
         assert f"this table is {kind} trained with a {steps}-step cap" in line["note"]
     else:
-        assert line["null"]["ci"] == [1.43, 1.91]
-        assert line["note"].startswith({1.70: "inside", 8.00: "above", 0.90: "below"}[bits_per_param])
+        assert line["null"]["ci"] == ([1.43, 1.91] if kind == "bijections" else [0.74, 1.22])
+        side = {1.70: "inside", 8.00: "above", 0.90: "below", 1.00: "inside", 1.60: "above"}[bits_per_param]
+        assert line["note"].startswith(side)
 
 
 def test_summary_says_not_measured_where_the_report_has_no_data():

@@ -28,8 +28,11 @@ ALPHA = 0.025                   # one-sided familywise level (Holm): the one-sid
 GRADES = ("supported", "weak", "not shown", "null not measured", "not measured")    # best first
 # bits per trainable parameter at d* of every trainable cell of the capacity sweep (docs/synthetic.md, "Measured
 # thresholds": N 256-4096, R 2-16, mean over seeds), by (kind of map, step cap); the tolerance is their range
+# general maps: trainable cells shaped like the country table (N = 48, 96, 193; R = 6; the controls' 2000-step
+# cap; mean over seeds; docs/synthetic.md, "General maps at the controls' budget")
 CAPACITY_SWEEP = {("bijections", 500): (1.43, 1.51, 1.74, 1.81, 1.76, 1.66, 1.75, 1.80, 1.85, 1.77, 1.77, 1.83,
-                                        1.87, 1.91)}
+                                        1.87, 1.91),
+                  ("general maps", 2000): (0.74, 1.14, 1.22)}
 VERDICT_RULE = (
     "Verdicts (docs/measures.md, Verdicts): each claim is tested against every one of its nulls (attributes "
     "decodable: shuffled, random_init; LRE causal: random_direction, random_operator; superposition: shuffled, "

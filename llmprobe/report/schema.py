@@ -175,7 +175,7 @@ def control_sources(block: dict | list | None, schema_version: int | None = None
                           "d_model": d, "d_mlp": point.get("d_mlp"), "frozen_subjects": mode == "frozen"},
                 "matched_to": block.get("table"), "threshold": threshold, "train": point.get("train") or {},
                 "analyses": {"superposition": {"place": block.get("place"),
-                                               "layers": {"0": {"r2": point.get("r2"),
+                                               "layers": {"0": {"r2": point.get("r2_final") or point.get("r2"),
                                                                 "readout": point.get("readout") or {}}}},
                              "selector": point.get("selector") or {}},
                 "wall_seconds": point.get("wall_seconds")})
