@@ -260,14 +260,7 @@ def table_markdown(table: dict, intervals: dict) -> str:
     have one), then what each column and each measure is."""
     names = list(table)
     keys = list(dict.fromkeys(k for row in table.values() for k in row))
-    lines = ["| measure | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    for key in keys:
-        cells = []
-        for name in names:
-            value, ci = table[name].get(key), intervals.get(name, {}).get(key)
-            text = "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
-            cells.append(text + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci and value is not None else ""))
-        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    lines = [mech.compare(table, intervals)]
     lines += ["", "Columns: " + "; ".join(f"{name} = {MODELS.get(name, name)}" for name in names) + ". [95% "
               "interval] where measured (R^2: jackknife over subjects; accuracies: pooled over relations; swap "
               "edits: Wilson).", ""]

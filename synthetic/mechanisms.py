@@ -533,15 +533,17 @@ def key_numbers(sup: dict | None, sel: dict | None) -> dict:
     return _round(out)
 
 
-def compare(rows: dict[str, dict]) -> str:
-    """Markdown table: one column per model (``rows[name] = key_numbers(...)``), one row per number."""
-    names = list(rows)
+def compare(rows: dict[str, dict], intervals: dict | None = None) -> str:
+    """Markdown table: one column per model (``rows[name] = key_numbers(...)``), one row per number, its 95%
+    interval beside it where ``intervals[name][key]`` holds one."""
+    names, intervals = list(rows), intervals or {}
     keys = list(dict.fromkeys(k for r in rows.values() for k in r))
     lines = ["| measure | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for key in keys:
         cells = []
         for n in names:
-            v = rows[n].get(key)
-            cells.append("-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v)))
+            v, ci = rows[n].get(key), intervals.get(n, {}).get(key)
+            text = "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
+            cells.append(text + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci and v is not None else ""))
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
