@@ -8,8 +8,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import tempfile
+import types
+import typing
 from pathlib import Path
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_OUT_OF_MEMORY, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -159,3 +163,60 @@ def argparse_type(check):
             raise argparse.ArgumentTypeError(str(error)) from None
     convert.__name__ = getattr(check, "__name__", "value")
     return convert
+
+
+# ------------------------------------------------------------------------------ JSON input files
+def parse_json(text: str | bytes, source: str):
+    """``text`` (a file's contents, or JSON kept inside a file) parsed; UsageError naming ``source`` when it is not
+    JSON or nested too deeply to read (RecursionError)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise UsageError(f"{source}: nested too deeply to read") from None
+    except ValueError as error:      # JSONDecodeError, UnicodeDecodeError, more than sys.get_int_max_str_digits()
+        raise UsageError(f"{source}: not valid JSON ({error})") from None
+
+
+def read_json(path: str | os.PathLike):
+    """The JSON value in file ``path`` (:func:`parse_json`, the file named in its errors)."""
+    return parse_json(Path(path).read_bytes(), str(path))
+
+
+def check_fields(obj, source: str, fields, required: tuple = ()) -> dict:
+    """``obj`` when it is a JSON object whose ``fields`` have their types, else UsageError naming ``source``, the
+    field and what it must be. ``fields``: {key: type or tuple of types}, None among them allowing null ("*": every
+    key), or a dataclass (its fields' annotated types; those without a default are required); a missing field
+    passes unless in ``required``. A float field takes an int, a tuple field a JSON list; an int is never a bool."""
+    if dataclasses.is_dataclass(fields):
+        hints = typing.get_type_hints(fields)
+        required = tuple(required) + tuple(f.name for f in dataclasses.fields(fields) if f.default is
+                                           dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        fields = {f.name: _json_types(hints[f.name]) for f in dataclasses.fields(fields)}
+    if not isinstance(obj, dict):
+        raise UsageError(f"{source}: expected a JSON object, got a JSON {_json_name(type(obj))}")
+    missing = [key for key in required if key not in obj]
+    if missing:
+        raise UsageError(f"{source}: missing field(s) {', '.join(map(repr, missing))}")
+    for key, value in obj.items():
+        allowed = fields.get(key, fields.get("*"))
+        if allowed is None:
+            continue
+        allowed = tuple(type(None) if t is None else t for t in (allowed if isinstance(allowed, tuple) else (allowed,)))
+        ok = set(allowed) | ({int} if float in allowed else set()) | ({list} if tuple in allowed else set())
+        if type(value) not in ok:
+            names = " or ".join(_json_name(t) for t in allowed)
+            raise UsageError(f"{source}: field {key!r} must be of type {names}, got {_json_name(type(value))} "
+                             f"{json.dumps(value)[:60] if type(value) in (str, int, float, bool) else ''}".rstrip())
+    return obj
+
+
+def _json_types(hint) -> tuple:
+    """The Python types a JSON value may have for an annotation (``int | None`` -> (int, NoneType))."""
+    args = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
+        else (hint,)
+    return tuple(typing.get_origin(a) or a for a in args)
+
+
+def _json_name(kind: type) -> str:
+    return {dict: "dict", list: "list", tuple: "list", str: "str", int: "int", float: "float", bool: "bool",
+            type(None): "null"}.get(kind, kind.__name__)

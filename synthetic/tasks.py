@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmprobe.checks import UsageError, check_fields, read_json
 from llmprobe.datasets import FactTable, load_relations
 from llmprobe.io import write_text
 
@@ -139,21 +140,43 @@ class FactTask:
         }
 
     @classmethod
-    def from_json(cls, obj: dict) -> "FactTask":
+    def from_json(cls, obj: dict, source: str = "task") -> "FactTask":
+        """The task of :meth:`to_json`'s ``obj``, its types checked: UsageError naming ``source`` (the file) and
+        the field otherwise."""
+        check_fields(obj, source, TASK_FIELDS, required=("table", "n_outputs"))
         attr_index = obj.get("attr_index")
-        return cls(table=torch.tensor(obj["table"], dtype=torch.long), n_outputs=obj["n_outputs"],
-                   kind=obj.get("kind", "table"), seed=obj.get("seed"), subjects=obj.get("subjects"),
+        return cls(table=id_tensor(obj["table"], source, "table", 2), n_outputs=obj["n_outputs"],
+                   kind=obj.get("kind") or "table", seed=obj.get("seed"), subjects=obj.get("subjects"),
                    relations=obj.get("relations"), attributes=obj.get("attributes"),
-                   attr_index=None if attr_index is None else [torch.tensor(a) for a in attr_index],
-                   meta=obj.get("meta", {}))
+                   attr_index=None if attr_index is None else [id_tensor(a, source, f"attr_index[{i}]", 1)
+                                                               for i, a in enumerate(attr_index)],
+                   meta=obj.get("meta") or {})
 
     def save(self, path: str) -> None:
         write_text(path, json.dumps(self.to_json()))
 
     @classmethod
     def load(cls, path: str) -> "FactTask":
-        with open(path) as f:
-            return cls.from_json(json.load(f))
+        return cls.from_json(read_json(path), str(path))
+
+
+# the types of a task JSON's fields (FactTask.to_json); None: null allowed
+TASK_FIELDS = {"table": list, "n_outputs": int, "kind": (str, None), "seed": (int, None), "subjects": (list, None),
+               "relations": (list, None), "attributes": (list, None), "attr_index": (list, None),
+               "meta": (dict, None)}
+
+
+def id_tensor(value, source: str, key: str, dim: int) -> torch.Tensor:
+    """A JSON ``dim``-deep list of whole numbers (field ``key`` of ``source``) as a LongTensor; UsageError
+    naming both when it is anything else (strings, floats, ragged rows)."""
+    try:
+        tensor = torch.tensor(value)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        tensor = None
+    if tensor is None or tensor.dim() != dim or (tensor.numel() and tensor.dtype != torch.long):
+        what = {1: "a list of whole numbers", 2: "a list of rows of whole numbers"}.get(dim, f"{dim}-deep lists")
+        raise UsageError(f"{source}: field {key!r} must be {what}")
+    return tensor.long()
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -236,10 +259,9 @@ def load_facts(spec: str) -> FactTask:
     """``--facts`` argument: a task JSON saved by :meth:`FactTask.save`, or a comma-separated list of relation
     names / relation JSON paths for :func:`from_relations` (``all`` = every bundled relation)."""
     if os.path.isfile(spec):
-        with open(spec) as f:
-            obj = json.load(f)
-        if "table" in obj and "n_outputs" in obj:
-            return FactTask.from_json(obj)
+        obj = read_json(spec)
+        if isinstance(obj, dict) and "table" in obj and "n_outputs" in obj:
+            return FactTask.from_json(obj, spec)
     if spec in ("all", "*"):
         return from_relations(None)
     return from_relations([p for p in spec.split(",") if p])

@@ -36,9 +36,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save
 from tqdm.auto import tqdm
 
+from llmprobe.checks import check_fields, parse_json, read_json
 from llmprobe.io import write_bytes, write_json
 from synthetic.model import FactRecallModel, ModelConfig
-from synthetic.tasks import FactTask, KHopTask, SeqData
+from synthetic.tasks import FactTask, KHopTask, SeqData, id_tensor
 
 CHECKPOINT = "checkpoint.safetensors"
 STATE = "checkpoint.json"
@@ -320,10 +321,7 @@ def save_run(out_dir: str, result: RunResult, moments: dict, elapsed: float, cfg
 
 def load_run(out_dir: str, device: str = "cpu") -> tuple[FactRecallModel, FactTask | KHopTask, dict]:
     """Load a trained model, its task and its ``run.json`` (or checkpoint state) from a training directory."""
-    state = _checkpoint_state(out_dir)
-    if state is None:
-        with open(os.path.join(out_dir, STATE)) as f:
-            state = json.load(f)
+    state = _read_state(out_dir)
     model = FactRecallModel(ModelConfig.from_dict(state["model_config"]))
     tensors = load_file(os.path.join(out_dir, CHECKPOINT), device=device)
     with torch.no_grad():
@@ -331,7 +329,10 @@ def load_run(out_dir: str, device: str = "cpu") -> tuple[FactRecallModel, FactTa
             p.copy_(tensors[name])
     task = _load_task(out_dir)
     run_path = os.path.join(out_dir, RUN)
-    info = json.load(open(run_path)) if os.path.exists(run_path) else state
+    info = state
+    if os.path.exists(run_path):
+        info = check_fields(read_json(run_path), run_path, {"train": (dict, None)})
+        check_fields(info.get("train") or {}, f"{run_path}: train", TrainConfig)
     return model.to(device), task, info
 
 
@@ -352,23 +353,53 @@ def _save_task(task, out_dir: str) -> None:
 
 
 def _load_task(out_dir: str):
-    with open(os.path.join(out_dir, TASK)) as f:
-        obj = json.load(f)
-    if "khop" in obj:
-        k = obj["khop"]
-        return KHopTask(FactTask.from_json(obj["base"]), k["hops"], k["cot"], torch.tensor(k["sequences"]))
-    return FactTask.from_json(obj)
+    """The task in ``out_dir/task.json``, its types checked (UsageError naming the file and the field)."""
+    path = os.path.join(out_dir, TASK)
+    obj = read_json(path)
+    if isinstance(obj, dict) and "khop" in obj:
+        check_fields(obj, path, {"khop": dict, "base": dict}, required=("base",))
+        k = check_fields(obj["khop"], f"{path}: khop", {"hops": int, "cot": bool, "sequences": list},
+                         required=("hops", "cot", "sequences"))
+        return KHopTask(FactTask.from_json(obj["base"], f"{path}: base"), k["hops"], k["cot"],
+                        id_tensor(k["sequences"], f"{path}: khop", "sequences", 2))
+    return FactTask.from_json(obj, path)
+
+
+# the types of a checkpoint's training state (_save_checkpoint); None: null allowed
+STATE_FIELDS = {"step": int, "elapsed": float, "history": list, "accuracy": (float, None), "loss": (float, None),
+                "fit_step": (int, None), "opt_step": (dict, None), "train_config": (dict, None), "model_config": dict}
+
+
+def _check_state(state, source: str) -> dict:
+    """``state`` when its fields (and those of its configs) have their types, else UsageError naming ``source``."""
+    check_fields(state, source, STATE_FIELDS, required=("step", "elapsed", "history", "model_config"))
+    check_fields(state["model_config"], f"{source}: model_config", ModelConfig)
+    check_fields(state.get("train_config") or {}, f"{source}: train_config", TrainConfig)
+    check_fields(state.get("opt_step") or {}, f"{source}: opt_step", {"*": float})
+    return state
 
 
 def _checkpoint_state(out_dir) -> dict | None:
-    """The training state stored in the metadata of ``checkpoint.safetensors`` (None: no file, or an older
-    checkpoint without it)."""
+    """The training state stored in the metadata of ``checkpoint.safetensors``, its types checked (None: no file,
+    or an older checkpoint without it)."""
     path = os.path.join(out_dir, CHECKPOINT)
     if not os.path.exists(path):
         return None
     with safe_open(path, framework="pt") as handle:
         meta = handle.metadata() or {}
-    return json.loads(meta["llmprobe_state"]) if "llmprobe_state" in meta else None
+    if "llmprobe_state" not in meta:
+        return None
+    source = f"{path} (metadata llmprobe_state)"
+    return _check_state(parse_json(meta["llmprobe_state"], source), source)
+
+
+def _read_state(out_dir) -> dict:
+    """The checkpoint's training state: its safetensors metadata, else (an older checkpoint) checkpoint.json."""
+    state = _checkpoint_state(out_dir)
+    if state is None:
+        path = os.path.join(out_dir, STATE)
+        state = _check_state(read_json(path), path)
+    return state
 
 
 def adam_moments(opt, params: dict) -> dict:
@@ -401,10 +432,7 @@ def _save_checkpoint(out_dir, model, moments: dict, step, elapsed, history, acc,
 def read_checkpoint(out_dir, model) -> tuple[dict, dict]:
     """Load a checkpoint's parameters into ``model`` (same config, else ValueError); returns (state, moments
     {name: (exp_avg, exp_avg_sq, step)} on the model's device)."""
-    state = _checkpoint_state(out_dir)
-    if state is None:                       # a checkpoint written before the state moved into it
-        with open(os.path.join(out_dir, STATE)) as f:
-            state = json.load(f)
+    state = _read_state(out_dir)
     saved = ModelConfig.from_dict(state["model_config"]).to_dict()
     if saved != model.config.to_dict():
         raise ValueError(f"{out_dir} holds a checkpoint of a different model ({saved}); use another directory "

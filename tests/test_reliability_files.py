@@ -24,6 +24,7 @@ from tiny_models import save_tiny
 import llmprobe.analyses.run
 import llmprobe.jobs.probe
 from llmprobe.analyses.saved import load_decoder
+from llmprobe.checks import UsageError
 from llmprobe.cli import main
 from llmprobe.datasets import DatasetError, load_relations
 from llmprobe.io import append_jsonl, read_jsonl, write_json
@@ -637,3 +638,105 @@ def test_a_reruns_offload_folder_stays_inside_its_own_folder(tmp_path):
     offload = (tmp_path / "again" / "offload").resolve()
     assert result["offload_folder"] == str(offload) and offload.is_dir()
     assert result["report"]["model"]["placement"]["disk"] > 0
+
+
+# ------------------------------------------------------- issue 23, row 11: synthetic task and checkpoint files
+DEEP = "[" * 100_000 + "]" * 100_000
+GOOD_TASK = {"table": [[0, 1], [1, 0]], "n_outputs": 2}
+
+
+@functools.lru_cache(maxsize=1)
+def _synth_run_files() -> dict:
+    """The files of a 5-step ``synth train`` run (N=8, R=2, d=8), trained once for the tests below."""
+    import tempfile
+
+    out = Path(tempfile.mkdtemp()) / "run"
+    assert main(["synth", "train", "-N", "8", "-R", "2", "--d", "8", "--max-steps", "5", "--no-progress",
+                 "--out", str(out)]) == 0
+    from synthetic.train import load_run
+
+    model, task, info = load_run(str(out))            # the files as written pass the checks
+    assert task.n_subjects == 8 and info["steps"] == 5
+    return {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+
+
+def _synth_run(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    for name, data in _synth_run_files().items():
+        (folder / name).write_bytes(data)
+    return folder
+
+
+def _synth_cli(capsys, *args) -> tuple[int, str]:
+    capsys.readouterr()
+    status = main(["synth", *map(str, args)])
+    return status, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, problem", [
+    (DEEP, "nested too deeply to read"),
+    ('{"table": ' + DEEP + ', "n_outputs": 2}', "nested too deeply to read"),
+    (json.dumps({**GOOD_TASK, "n_outputs": "two"}), "'n_outputs' must be of type int"),
+    (json.dumps({**GOOD_TASK, "table": {"0": [0, 1]}}), "'table' must be of type list"),
+    (json.dumps({**GOOD_TASK, "table": [[0, "a"], [1, 0]]}), "'table' must be a list of rows of whole numbers"),
+    (json.dumps({**GOOD_TASK, "table": [0, 1]}), "'table' must be a list of rows of whole numbers"),
+    (json.dumps({**GOOD_TASK, "meta": [1]}), "'meta' must be of type dict"),
+    (json.dumps({**GOOD_TASK, "attr_index": [["x"]]}), "field 'attr_index[0]' must be a list of whole numbers"),
+    (json.dumps({"khop": [2], "base": GOOD_TASK}), "'khop' must be of type dict"),
+    (json.dumps({"khop": {"hops": "2", "cot": False, "sequences": [[0, 1]]}, "base": GOOD_TASK}),
+     "khop: field 'hops' must be of type int"),
+    (json.dumps([GOOD_TASK]), "a JSON object"),
+], ids=["deep", "deep-table", "n_outputs-str", "table-dict", "table-str-cell", "table-1d", "meta-list",
+        "attr_index-str", "khop-list", "hops-str", "list"])
+def test_malformed_synth_task_json_is_exit_2_naming_the_file(text, problem, tmp_path, capsys):
+    """Row 11: a deeply nested task.json (RecursionError) or one with wrong types (TypeError, AttributeError,
+    KeyError, or a run that failed later) gave tracebacks; ``synth analyze`` of the run and ``synth train --facts``
+    now exit 2 naming the file and what is wrong."""
+    from synthetic.tasks import FactTask
+
+    run = _synth_run(tmp_path / "run")
+    (run / "task.json").write_text(text)
+    status, err = _synth_cli(capsys, "analyze", run, "--controls", "", "--no-swap", "--no-plots")
+    assert status == 2 and "task.json" in err and problem in err and "Traceback" not in err, err
+    if "khop" not in text and not text.startswith("[{"):   # --facts: a task file (a list is a relation file)
+        facts = tmp_path / "facts.json"
+        facts.write_text(text)
+        status, err = _synth_cli(capsys, "train", "--facts", facts, "--d", 8, "--max-steps", 2, "--no-progress",
+                                 "--out", tmp_path / "train")
+        assert status == 2 and "facts.json" in err and problem in err, err
+        with pytest.raises(UsageError, match="facts.json.*" + re.escape(problem)):
+            FactTask.load(str(facts))
+
+
+@pytest.mark.parametrize("state, problem", [
+    (DEEP, "nested too deeply to read"),
+    ([1, 2], "a JSON object"),
+    ({"step": "3"}, "'step' must be of type int"),
+    ({"history": {"a": 1}}, "'history' must be of type list"),
+    ({"model_config": []}, "'model_config' must be of type dict"),
+    ({"model_config": {"d_model": "8"}}, "model_config: field 'd_model' must be of type int"),
+    ({"opt_step": ["embed.weight"]}, "'opt_step' must be of type dict"),
+    ({"train_config": {"lr": "fast"}}, "train_config: field 'lr' must be of type float"),
+], ids=["deep", "list", "step-str", "history-dict", "model_config-list", "d_model-str", "opt_step-list",
+        "lr-str"])
+def test_wrong_types_in_synth_checkpoint_metadata_are_exit_2_naming_the_file(state, problem, tmp_path, capsys):
+    """Row 11: a checkpoint whose metadata (the training state) was nested too deeply or had wrong types gave a
+    RecursionError, KeyError or TypeError traceback on resume (``synth train``) and ``synth analyze``; both now
+    exit 2 naming checkpoint.safetensors. The weights are still read with safetensors (no pickle)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    run = _synth_run(tmp_path / "run")
+    path = run / "checkpoint.safetensors"
+    with safe_open(str(path), framework="pt") as handle:
+        saved = json.loads(handle.metadata()["llmprobe_state"])
+    if isinstance(state, dict):
+        state = {**saved, **{k: {**saved[k], **v} if isinstance(v, dict) and v and isinstance(saved[k], dict) else v
+                             for k, v in state.items()}}
+    save_file(load_file(str(path)), str(path),
+              metadata={"llmprobe_state": state if isinstance(state, str) else json.dumps(state)})
+    for args in (("analyze", run, "--controls", "", "--no-swap", "--no-plots"),
+                 ("train", "-N", 8, "-R", 2, "--d", 8, "--max-steps", 8, "--no-progress", "--out", run)):
+        status, err = _synth_cli(capsys, *args)
+        assert status == 2 and "checkpoint.safetensors" in err and problem in err and "Traceback" not in err, \
+            (args[0], err)
