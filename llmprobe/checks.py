@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 import tempfile
 import types
 import typing
@@ -166,20 +167,31 @@ def argparse_type(check):
 
 
 # ------------------------------------------------------------------------------ JSON input files
-def parse_json(text: str | bytes, source: str):
-    """``text`` (a file's contents, or JSON kept inside a file) parsed; UsageError naming ``source`` when it is not
-    JSON or nested too deeply to read (RecursionError)."""
+def parse_json(text: str | bytes, source: str, error: type[Exception] = UsageError, too_deep: str = "",
+               encoding: str | None = None):
+    """``text`` (a file's contents, or JSON kept inside a file) parsed; ``error`` (UsageError unless a reader has
+    its own class) naming ``source`` when it is not JSON, not text in its encoding, or nested too deeply to read
+    (RecursionError; ``too_deep``: words added after that). ``encoding``: bytes are decoded with it first (else
+    json.loads detects UTF-8, -16 or -32)."""
     try:
-        return json.loads(text)
+        return json.loads(text.decode(encoding) if encoding and isinstance(text, bytes) else text)
     except RecursionError:
-        raise UsageError(f"{source}: nested too deeply to read") from None
-    except ValueError as error:      # JSONDecodeError, UnicodeDecodeError, more than sys.get_int_max_str_digits()
-        raise UsageError(f"{source}: not valid JSON ({error})") from None
+        raise error(f"{source}: nested too deeply to read{too_deep}") from None
+    except UnicodeDecodeError as e:
+        name = "UTF-8" if e.encoding.replace("_", "-").lower() in ("utf-8", "utf-8-sig") else e.encoding
+        raise error(f"{source}: not {name} text ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise error(f"{source}: not valid JSON ({e})") from None
+    except ValueError as e:          # json's int conversion: more digits than sys.get_int_max_str_digits()
+        detail = (f"a number of more than {sys.get_int_max_str_digits()} digits"
+                  if "integer string conversion" in str(e) else str(e))
+        raise error(f"{source}: not valid JSON ({detail})") from None
 
 
-def read_json(path: str | os.PathLike):
+def read_json(path: str | os.PathLike, error: type[Exception] = UsageError, too_deep: str = "",
+              encoding: str | None = None):
     """The JSON value in file ``path`` (:func:`parse_json`, the file named in its errors)."""
-    return parse_json(Path(path).read_bytes(), str(path))
+    return parse_json(Path(path).read_bytes(), str(path), error, too_deep, encoding)
 
 
 def check_fields(obj, source: str, fields, required: tuple = ()) -> dict:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from llmprobe.checks import parse_json
 from llmprobe.io import write_text
 
 __all__ = ["DatasetError", "Fact", "Relation", "FactTable", "load_relations", "list_bundled", "save_relation",
@@ -383,12 +384,7 @@ def list_bundled() -> list[str]:
 
 
 def _read_json_text(text: str, source: str) -> list[Relation]:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DatasetError(f"{source}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
-    except RecursionError:
-        raise DatasetError(f"{source}: nested too deeply to read ({TOO_DEEP})") from None
+    data = parse_json(text, source, DatasetError, f" ({TOO_DEEP})")
     if isinstance(data, list):
         if not data:
             raise DatasetError(f"{source}: empty list, expected relations")

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save
 
 from llmprobe.analyses.settings import H_PLACE, O_PLACE
+from llmprobe.checks import read_json
 from llmprobe.geometry import LinearRelationOperator
 from llmprobe.io import write_bytes, write_json
 
@@ -111,12 +112,7 @@ def _read_decoders(folder: Path, missing_ok: bool = False) -> tuple[dict | None,
             return None, {}
         raise FileNotFoundError(f"no saved decoders in {folder} (need {DECODERS_JSON} and {DECODERS_TENSORS}, "
                                 f"written by llmprobe probe/run with the lre or ridge analyses)")
-    try:
-        index = json.loads(index_file.read_text(encoding="utf-8"))
-    except RecursionError:
-        raise ValueError(f"{index_file}: nested too deeply to read; not an llmprobe decoders index") from None
-    except ValueError as error:
-        raise ValueError(f"{index_file}: not valid JSON ({error})") from None
+    index = read_json(index_file, ValueError, "; not an llmprobe decoders index", encoding="utf-8")
     if not isinstance(index, dict) or not isinstance(index.get("decoders"), list):
         raise ValueError(f"{index_file}: not an llmprobe decoders index (no 'decoders' list)")
     for i, entry in enumerate(index["decoders"]):

@@ -24,7 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from llmprobe.checks import DEVICE_MAPS, QUANTIZE, is_out_of_memory, parse_max_memory
+from llmprobe.checks import DEVICE_MAPS, QUANTIZE, is_out_of_memory, parse_json, parse_max_memory
 from llmprobe.model.adapters import ModelAdapter
 from llmprobe.model.capture import module_device
 
@@ -160,11 +160,10 @@ def _read_config(folder: Path) -> dict:
         raise ModelLoadError(f"{folder} is a folder but not a model folder: it holds no config.json; pass a model "
                              f"folder (config.json and safetensors weights), a .gguf file or a hub name")
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except RecursionError:
-        raise ModelLoadError(f"{path}: nested too deeply to read; it is not a model config") from None
-    except (OSError, ValueError) as error:
-        raise ModelLoadError(f"{path}: not a readable JSON file ({error})") from None
+        data = path.read_bytes()
+    except OSError as error:
+        raise ModelLoadError(f"{path}: not a readable file ({error})") from None
+    config = parse_json(data, str(path), ModelLoadError, "; it is not a model config", encoding="utf-8")
     if not isinstance(config, dict):
         raise ModelLoadError(f"{path}: not a model config (a JSON object), got a {type(config).__name__}")
     return config

@@ -3,11 +3,10 @@ name, the stages a partial report lacks, its controls block expanded into source
 every measured number flattened into tidy *metric rows* (what claims, figures and tables read)."""
 from __future__ import annotations
 
-import json
 import re
-import sys
 from pathlib import Path
 
+from llmprobe.checks import read_json
 from llmprobe.metric import iter_metrics
 
 REPORT_SCHEMA_VERSION = 2      # 2: typed metrics everywhere, test_subjects per relation, reference causality
@@ -19,17 +18,7 @@ def read_report(path: str | Path) -> dict:
     file = path / "report.json" if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(f"no report.json at {path}")
-    try:
-        report = json.loads(file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{file}: not valid JSON ({error})") from None
-    except UnicodeDecodeError as error:
-        raise ValueError(f"{file}: not UTF-8 text ({error.reason} at byte {error.start})") from None
-    except RecursionError:
-        raise ValueError(f"{file}: nested too deeply to read; not an llmprobe report") from None
-    except ValueError:               # json's int conversion: more digits than sys.get_int_max_str_digits()
-        raise ValueError(f"{file}: not valid JSON (a number of more than {sys.get_int_max_str_digits()} "
-                         f"digits)") from None
+    report = read_json(file, ValueError, "; not an llmprobe report", encoding="utf-8")
     if not isinstance(report, dict):
         raise ValueError(f"{file}: not an llmprobe report (a JSON {type(report).__name__}, expected an object)")
     if "schema_version" not in report:
