@@ -32,11 +32,11 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
 from tqdm.auto import tqdm
 
-from llmprobe.checks import check_fields, parse_json, read_json
+from llmprobe.checks import UsageError, check_fields, parse_json, read_json
 from llmprobe.io import write_bytes, write_json
 from synthetic.model import FactRecallModel, ModelConfig
 from synthetic.tasks import FactTask, KHopTask, SeqData, id_tensor
@@ -323,7 +323,7 @@ def load_run(out_dir: str, device: str = "cpu") -> tuple[FactRecallModel, FactTa
     """Load a trained model, its task and its ``run.json`` (or checkpoint state) from a training directory."""
     state = _read_state(out_dir)
     model = FactRecallModel(ModelConfig.from_dict(state["model_config"]))
-    tensors = load_file(os.path.join(out_dir, CHECKPOINT), device=device)
+    tensors = _load_tensors(os.path.join(out_dir, CHECKPOINT), device=device)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(tensors[name])
@@ -385,12 +385,27 @@ def _checkpoint_state(out_dir) -> dict | None:
     path = os.path.join(out_dir, CHECKPOINT)
     if not os.path.exists(path):
         return None
-    with safe_open(path, framework="pt") as handle:
-        meta = handle.metadata() or {}
+    try:
+        with safe_open(path, framework="pt") as handle:
+            meta = handle.metadata() or {}
+    except SafetensorError as error:
+        raise _not_safetensors(path, error) from None
     if "llmprobe_state" not in meta:
         return None
     source = f"{path} (metadata llmprobe_state)"
     return _check_state(parse_json(meta["llmprobe_state"], source), source)
+
+
+def _not_safetensors(path, error) -> UsageError:
+    return UsageError(f"not a readable safetensors checkpoint: {path} ({error})")
+
+
+def _load_tensors(path: str, device: str = "cpu") -> dict:
+    """The tensors of checkpoint ``path``; UsageError naming it when safetensors cannot read it (corrupt, cut)."""
+    try:
+        return load_file(path, device=device)
+    except SafetensorError as error:
+        raise _not_safetensors(path, error) from None
 
 
 def _read_state(out_dir) -> dict:
@@ -437,7 +452,7 @@ def read_checkpoint(out_dir, model) -> tuple[dict, dict]:
     if saved != model.config.to_dict():
         raise ValueError(f"{out_dir} holds a checkpoint of a different model ({saved}); use another directory "
                          f"or resume=False")
-    tensors = load_file(os.path.join(out_dir, CHECKPOINT))
+    tensors = _load_tensors(os.path.join(out_dir, CHECKPOINT))
     device = next(model.parameters()).device
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -8,6 +8,7 @@ import functools
 import hashlib
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -740,3 +741,18 @@ def test_wrong_types_in_synth_checkpoint_metadata_are_exit_2_naming_the_file(sta
         status, err = _synth_cli(capsys, *args)
         assert status == 2 and "checkpoint.safetensors" in err and problem in err and "Traceback" not in err, \
             (args[0], err)
+
+
+@pytest.mark.parametrize("damage", ["random", "truncated"])
+def test_corrupt_synth_checkpoint_is_exit_2_naming_the_file(damage, tmp_path, capsys):
+    """A checkpoint.safetensors of 100 random bytes, or a real one cut short, gave a safetensors traceback from
+    ``synth analyze`` and a resuming ``synth train``; both now exit 2 naming the file."""
+    run = _synth_run(tmp_path / "run")
+    path = run / "checkpoint.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(random.Random(0).randbytes(100) if damage == "random" else data[:len(data) - 64])
+    for args in (("analyze", run, "--controls", "", "--no-swap", "--no-plots"),
+                 ("train", "-N", 8, "-R", 2, "--d", 8, "--max-steps", 8, "--no-progress", "--out", run)):
+        status, err = _synth_cli(capsys, *args)
+        assert status == 2 and "not a readable safetensors checkpoint" in err and "checkpoint.safetensors" in err \
+            and "Traceback" not in err, (args[0], err)
