@@ -228,7 +228,7 @@ def test_control_settings_reach_the_controls_worker(tiny, tmp_path, all_known, m
     seen = {}
 
     class Recorder:
-        def __init__(self, args, kwargs):
+        def __init__(self, args, kwargs, on_progress=None):
             seen.update(kwargs)
 
         def get(self):

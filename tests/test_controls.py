@@ -1,6 +1,9 @@
 """Matched synthetic controls (``synthetic.controls``): the threshold on a real fact table, the width curve trained
 past the first 100% step over seeds, reproducible under any thread count, the controls block, its expansion into
 report sources, and the curve figure against a pretrained reference."""
+import json
+import re
+
 import pytest
 import torch
 
@@ -185,3 +188,29 @@ def test_report_sources_and_curve_figure(block):
     assert "synthetic frozen d=24" in render_markdown(sources, "t")
     old = [dict(s, threshold={"d_star": 4, "tried": [{"d": 4, "accuracy": 1.0}]}) for s in star]
     assert len(control_sources(old, 1)) == 2                     # reports written before the block: passed through
+
+
+def _drop_seconds(line: str) -> str:
+    return re.sub(r"in [0-9.]+ s", "in ? s", line)
+
+
+def test_the_workers_progress_lines_reach_the_parent_and_its_result_comes_back(table):
+    """ControlsWorker relays each progress line of the spawned worker's train_controls to ``on_progress`` in this
+    process (where run writes it above its progress bar), then returns the same block as training here; a worker
+    killed mid-way is a RuntimeError naming its death, not a hang."""
+    from llmprobe.jobs.controls import ControlsWorker
+
+    kwargs = dict(d_model=4, max_steps=50, modes=("trainable",), at_model_width=False, n_boot=20)
+    lines: list[str] = []
+    worker = ControlsWorker((table,), kwargs, on_progress=lines.append)
+    controls, seconds = worker.get()
+    here: list[str] = []
+    alone = train_controls(table, progress=here.append, **kwargs)["modes"]
+    assert json.dumps(_numbers(controls["modes"])) == json.dumps(_numbers(alone))     # NaN where never fitted
+    assert [_drop_seconds(line) for line in lines] == [_drop_seconds(line) for line in here] and any("d*" in line for line in lines) and seconds > 0
+    assert worker.ready()
+
+    worker = ControlsWorker((table,), {**kwargs, "max_steps": 100000}, on_progress=lines.append)
+    worker.process.kill()
+    with pytest.raises(RuntimeError, match="controls worker died"):
+        worker.get()

@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import wait
 
 import torch
@@ -17,28 +18,54 @@ from synthetic.controls import train_controls
 class ControlsWorker:
     """``train_controls(*args, **kwargs)`` in one spawned process (one torch thread) whose result comes back
     through a pipe. A plain process, not a Pool: ``stop`` kills it outright, so an interrupt can never wait on a
-    pool's internal locks, and the worker exits by itself when this process dies."""
+    pool's internal locks, and the worker exits by itself when this process dies.
 
-    def __init__(self, args: tuple, kwargs: dict):
+    ``on_progress``: called in this process, from a reader thread, with each progress line the worker's
+    ``train_controls`` reports (so the lines can be written above this process's progress bars, not through
+    them); None leaves ``kwargs["progress"]`` to run in the worker."""
+
+    def __init__(self, args: tuple, kwargs: dict, on_progress: Callable[[str], None] | None = None):
         context = multiprocessing.get_context("spawn")
-        self._receive, send = context.Pipe(duplex=False)
-        self.process = context.Process(target=_worker_main, args=(send, os.getpid(), args, kwargs), daemon=True,
-                                       name="llmprobe-controls")
+        receive, send = context.Pipe(duplex=False)
+        self._result: tuple | None = None        # (ok, value) once the worker has sent it
+        self._done = threading.Event()           # set when the result came or the pipe closed
+        self.process = context.Process(target=_worker_main, args=(send, os.getpid(), args, kwargs,
+                                                                  on_progress is not None),
+                                       daemon=True, name="llmprobe-controls")
         self.process.start()
         send.close()
+        self._reader = threading.Thread(target=self._read, args=(receive, on_progress), daemon=True,
+                                        name="llmprobe-controls-reader")
+        self._reader.start()
+
+    def _read(self, receive, on_progress) -> None:
+        """Relay the worker's progress lines until its result arrives or the pipe closes (the worker died)."""
+        try:
+            while True:
+                kind, value = receive.recv()
+                if kind == "progress":
+                    if on_progress is not None:
+                        on_progress(value)
+                    continue
+                self._result = value
+                break
+        except (EOFError, OSError):
+            pass
+        finally:
+            receive.close()
+            self._done.set()
 
     def ready(self) -> bool:
-        """Has the worker sent its result (or its failure)?"""
-        return self._receive.poll()
+        """Has the worker sent its result (or its failure), or died?"""
+        return self._done.is_set()
 
     def get(self) -> tuple[dict, float]:
         """Wait for (controls, seconds); RuntimeError naming the cause when the worker failed or died."""
-        try:
-            ok, value = self._receive.recv()
-        except EOFError:
-            self.process.join(5)
-            raise RuntimeError(f"the controls worker died (exit code {self.process.exitcode})") from None
+        self._done.wait()
         self.process.join(5)
+        if self._result is None:
+            raise RuntimeError(f"the controls worker died (exit code {self.process.exitcode})")
+        ok, value = self._result
         if not ok:
             raise RuntimeError(value)
         return value
@@ -47,19 +74,22 @@ class ControlsWorker:
         if self.process.is_alive():
             self.process.kill()
         self.process.join(5)
-        self._receive.close()
+        self._done.wait(5)
 
 
-def _worker_main(send, parent_pid: int, args: tuple, kwargs: dict) -> None:
-    """The worker process: set up, train and measure the controls, send (True, (controls, seconds)) or
-    (False, "Type: message")."""
+def _worker_main(send, parent_pid: int, args: tuple, kwargs: dict, relay_progress: bool = False) -> None:
+    """The worker process: set up, train and measure the controls, send ("result", (True, (controls, seconds)))
+    or ("result", (False, "Type: message")); with ``relay_progress`` every progress line first, as ("progress",
+    line)."""
     _one_thread(parent_pid)
+    if relay_progress:
+        kwargs = {**kwargs, "progress": lambda message: send.send(("progress", message))}
     start = time.perf_counter()
     try:
         result = (True, (train_controls(*args, **kwargs), round(time.perf_counter() - start, 1)))
     except Exception as error:  # noqa: BLE001 - reported to the parent, which records it in the report's errors
         result = (False, f"{type(error).__name__}: {error}")
-    send.send(result)
+    send.send(("result", result))
     send.close()
 
 

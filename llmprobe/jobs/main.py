@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from llmprobe.analyses.settings import settings_from
 from llmprobe.analyses.superposition import superposition_table
 from llmprobe.checks import UsageError
@@ -132,8 +134,8 @@ class MatchedControls:
             f"worker process meanwhile ([controls] lines)")
         self.worker = ControlsWorker(
             (table, report["model"]["d_model"]),
-            {**settings.control_arguments(), "progress": _controls_progress,
-             "device": str(lm.device) if lm.device.type == "cuda" else "cpu"})
+            {**settings.control_arguments(), "device": str(lm.device) if lm.device.type == "cuda" else "cpu"},
+            on_progress=_controls_progress)
 
     def finish(self, report: dict, out: Path) -> None:
         """Wait for the worker's controls (a failure is recorded in the errors; the probe's numbers are kept) and
@@ -176,8 +178,9 @@ def control_table(lm, relations: list, known: dict, report: dict, like_for_like:
 
 
 def _controls_progress(message: str) -> None:
-    """The controls worker's progress lines, on stderr like every other stage's."""
-    print(f"[controls] {message}", file=sys.stderr, flush=True)
+    """The controls worker's progress lines, on stderr like every other stage's, written above the analyses'
+    progress bar (``tqdm.write``), never through it."""
+    tqdm.write(f"[controls] {message}", file=sys.stderr)
 
 
 __all__ = ["run", "known_table"]
