@@ -12,7 +12,14 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+
 import pytest  # noqa: E402
+from test_analyses import FAST  # noqa: E402
+
+import llmprobe.analyses.run  # noqa: E402
+import llmprobe.jobs.probe  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -21,3 +28,13 @@ def _restore_torch_threads():
     that a result compared bit for bit with a fresh one-thread process does not depend on the tests before it."""
     yield
     torch.set_num_threads(1)
+
+
+@pytest.fixture
+def fast_known(monkeypatch):
+    """In-process probe and run: every fact known (a random model knows nothing) and fast analysis settings."""
+    real_known = llmprobe.jobs.probe.known_facts
+    monkeypatch.setattr(llmprobe.jobs.probe, "known_facts", lambda lm, relation, **kw: [
+        dataclasses.replace(r, known=True) for r in real_known(lm, relation, **kw)])
+    monkeypatch.setattr(llmprobe.analyses.run, "run_analyses",
+                        functools.partial(llmprobe.analyses.run.run_analyses, progress=False, **FAST))

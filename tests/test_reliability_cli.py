@@ -11,8 +11,6 @@ a disk-full failure, a tampered report.json under --resume, a seed out of range 
 message, one command at a time per output folder, a dead controls worker leaves a partial report (exit 1). Each
 failed on the code before its fix.
 """
-import dataclasses
-import functools
 import json
 import os
 import re
@@ -27,8 +25,6 @@ import torch
 from test_analyses import FAST
 from tiny_models import save_tiny
 
-import llmprobe.analyses.run
-import llmprobe.jobs.probe
 from llmprobe.checks import UsageError, analysis_names, is_out_of_memory
 from llmprobe.cli import main
 from llmprobe.jobs.probe import probe
@@ -372,37 +368,37 @@ def _numbers(entry: dict) -> dict:
     return [_numbers(v) for v in entry] if isinstance(entry, list) else entry
 
 
+def _held_after_a_relation(relations: list[str], tmp_path: Path):
+    """``run`` of a tiny qwen2 on ``relations`` (lre, every layer, no controls) in a wrapper process held once the
+    first relation's decoders are in report.json; (process, its arguments, --out, three decoder logs: the first
+    one this process writes, the others for the resumes)."""
+    folder = save_tiny("qwen2", tmp_path / "qwen2")
+    (tmp_path / "wrapper.py").write_text(WRAPPER)
+    out = tmp_path / "run"
+    args = [sys.executable, str(tmp_path / "wrapper.py"), "run", str(folder), "--relations", *relations,
+            "--analyses", "lre", "--layers", "all", "--device", "cpu", "--no-controls", "--out", str(out)]
+    logs = [tmp_path / f"decoders{i}.log" for i in range(3)]
+    proc = subprocess.Popen(args, env={**ENV, "HOLD_AFTER_RELATIONS": "1", "DECODERS_LOG": str(logs[0])},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (out / "report.json").is_file() and (json.loads((out / "report.json").read_text()).get("analyses") or
+                                                {}).get("relations"):
+            return proc, args, out, logs
+        time.sleep(0.2)
+    proc.kill()
+    pytest.fail(f"the run did not finish a relation's decoders: {proc.communicate()[1][-2000:]}")
+
+
 @pytest.mark.skipif(not POSIX_PROC, reason="signals a subprocess")
-def test_sigterm_during_the_analyses_keeps_finished_relations_and_resume_computes_only_the_rest(tmp_path):
+def test_sigterm_during_the_analyses_keeps_finished_relations_and_resume_computes_only_the_rest(three_relations,
+                                                                                                tmp_path):
     """Three relations of 10 forced-known facts (enough for the decoders); the run is held after the first
     relation's decoders are written and gets SIGTERM there. The report keeps that relation (typed metrics,
     ``analyses.partial``); ``--resume`` takes it over and computes the other two only (the wrapper logs every
     relation whose decoders a process computes). Then a finished relation taken out of the report is recomputed
     alone, by itself in its process, and gives the numbers it had when computed after another one."""
-    folder = save_tiny("qwen2", tmp_path / "qwen2")
-    subjects = ["Kalomi", "Neruta", "Vozika", "Mitalo", "Rukane", "Tazimo", "Lavoni", "Suketa", "Pamiro", "Zunela"]
-    values = {"capital": ["Paris", "Tokyo", "Rome"], "continent": ["Europe", "Asia", "Africa"],
-              "language": ["Spanish", "German"]}
-    paths = [_relation(tmp_path / f"{name}.json", [(s, vals[i % len(vals)]) for i, s in enumerate(subjects)], name)
-             for name, vals in values.items()]
-    (tmp_path / "wrapper.py").write_text(WRAPPER)
-    out = tmp_path / "run"
-    args = [sys.executable, str(tmp_path / "wrapper.py"), "run", str(folder), "--relations", *paths,
-            "--analyses", "lre", "--layers", "all", "--device", "cpu", "--no-controls", "--out", str(out)]
-    logs = [tmp_path / f"decoders{i}.log" for i in range(3)]
-
-    proc = subprocess.Popen(args, env={**ENV, "HOLD_AFTER_RELATIONS": "1", "DECODERS_LOG": str(logs[0])},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline, partial = time.monotonic() + 150, None
-    while time.monotonic() < deadline and proc.poll() is None:
-        if (out / "report.json").is_file():
-            partial = json.loads((out / "report.json").read_text()).get("analyses")
-            if partial and partial["relations"]:
-                break
-        time.sleep(0.2)
-    else:
-        proc.kill()
-        pytest.fail(f"the run did not finish a relation's decoders: {proc.communicate()[1][-2000:]}")
+    proc, args, out, logs = _held_after_a_relation(three_relations, tmp_path)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr[-2000:]
@@ -453,7 +449,7 @@ def test_run_analyses_reports_progress_and_takes_over_what_is_done(tmp_path, mon
     """In-process, ridge and superposition: ``on_progress`` sees each relation, then the superposition analysis,
     with ``partial`` true until the end; ``done`` (the finished result, through JSON) is taken over whole, errors
     re-listed, nothing recomputed."""
-    from test_analyses import FAST, _relations
+    from test_analyses import _relations
 
     import llmprobe.analyses
     from llmprobe.model.loading import load_model
@@ -501,16 +497,6 @@ def three_relations(tmp_path):
               "language": ["Spanish", "German"]}
     return [_relation(tmp_path / f"{name}.json", [(s, vals[i % len(vals)]) for i, s in enumerate(SUBJECTS)], name)
             for name, vals in values.items()]
-
-
-@pytest.fixture
-def fast_known(monkeypatch):
-    """In-process probe and run: every fact known (a random model knows nothing) and fast analysis settings."""
-    real_known = llmprobe.jobs.probe.known_facts
-    monkeypatch.setattr(llmprobe.jobs.probe, "known_facts", lambda lm, relation, **kw: [
-        dataclasses.replace(r, known=True) for r in real_known(lm, relation, **kw)])
-    monkeypatch.setattr(llmprobe.analyses.run, "run_analyses",
-                        functools.partial(llmprobe.analyses.run.run_analyses, progress=False, **FAST))
 
 
 def _disk_full_at(monkeypatch, name: str, nth: int = 1) -> list:
@@ -567,23 +553,7 @@ def test_kill_9_after_a_relation_keeps_its_decoders_and_a_missing_decoder_is_ref
     ``stages.analyses.refit_relations`` says so."""
     from llmprobe.analyses.saved import load_decoder
 
-    folder = save_tiny("qwen2", tmp_path / "qwen2")
-    (tmp_path / "wrapper.py").write_text(WRAPPER)
-    out = tmp_path / "run"
-    args = [sys.executable, str(tmp_path / "wrapper.py"), "run", str(folder), "--relations", *three_relations,
-            "--analyses", "lre", "--layers", "all", "--device", "cpu", "--no-controls", "--out", str(out)]
-    logs = [tmp_path / f"decoders{i}.log" for i in range(3)]
-    proc = subprocess.Popen(args, env={**ENV, "HOLD_AFTER_RELATIONS": "1", "DECODERS_LOG": str(logs[0])},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 150
-    while time.monotonic() < deadline and proc.poll() is None:
-        if (out / "report.json").is_file() and (json.loads((out / "report.json").read_text()).get("analyses") or
-                                                {}).get("relations"):
-            break
-        time.sleep(0.2)
-    else:
-        proc.kill()
-        pytest.fail(f"the run did not finish a relation's decoders: {proc.communicate()[1][-2000:]}")
+    proc, args, out, logs = _held_after_a_relation(three_relations, tmp_path)
     proc.kill()
     proc.communicate(timeout=30)
     capital = load_decoder(out, "capital")

@@ -3,7 +3,6 @@ locked sweeps and whole files, readable datasets; (issue 23, rows 6-8, 10, 11) m
 hostile files read back; (issue 23, rows 2, 4, 11, 13) a folder holds one run's files, compare and rerun write
 beside their inputs, malformed report.json files say what is wrong. Each test failed before its fix."""
 import csv
-import dataclasses
 import functools
 import hashlib
 import json
@@ -19,11 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_analyses import FAST
 from tiny_models import save_tiny
 
-import llmprobe.analyses.run
-import llmprobe.jobs.probe
 from llmprobe.analyses.saved import load_decoder
 from llmprobe.checks import UsageError
 from llmprobe.cli import main
@@ -525,15 +521,6 @@ def test_deeply_nested_relation_files_name_the_file(tmp_path, suffix):
 
 
 # ------------------------------------------------------------------------ issue 23, rows 1-5, 11-13
-def _forced_probe(monkeypatch):
-    """In-process probes below: every fact known (a random model knows nothing), fast analysis settings."""
-    real_known = llmprobe.jobs.probe.known_facts
-    monkeypatch.setattr(llmprobe.jobs.probe, "known_facts", lambda lm, relation, **kw: [
-        dataclasses.replace(r, known=True) for r in real_known(lm, relation, **kw)])
-    monkeypatch.setattr(llmprobe.analyses.run, "run_analyses",
-                        functools.partial(llmprobe.analyses.run.run_analyses, progress=False, **FAST))
-
-
 def _ten_facts(tmp_path) -> str:
     path = tmp_path / "capital10.json"
     subjects = ["Kalomi", "Neruta", "Vozika", "Mitalo", "Rukane", "Tazimo", "Lavoni", "Suketa", "Pamiro", "Zunela"]
@@ -544,13 +531,12 @@ def _ten_facts(tmp_path) -> str:
 
 
 def test_a_folder_of_another_models_run_is_refused_cleared_when_asked_and_decoders_must_match(
-        tiny_gpt2, tmp_path, monkeypatch, capsys):
+        tiny_gpt2, tmp_path, fast_known, capsys):
     """Row 2: a gpt2 probe into a folder that held a qwen2 run left qwen2's decoders, report.html, report.md and
     metrics.csv beside gpt2's report.json, and load_decoder served qwen2's W. Now manifest.json records what a run
     wrote and for which weights: another model's files are refused (exit 2) unless ``overwrite=True`` clears
     them, a repeat of the same model clears its earlier files first, and load_decoder checks that decoders.json
     and report.json name the same weights."""
-    _forced_probe(monkeypatch)
     qwen2, relation, out = str(save_tiny("qwen2", tmp_path / "qwen2")), _ten_facts(tmp_path), tmp_path / "out"
     probe_args = ["--relations", relation, "--layers", "0", "--device", "cpu", "--out", str(out)]
     assert main(["probe", qwen2, "--analyses", "lre", *probe_args]) == 0
