@@ -353,14 +353,14 @@ def train_controls(table: FactTable, d_model: int, seed: int = 0, at_model_width
                                "wall_seconds": round(time.perf_counter() - start, 1),
                                "cpu_seconds": round(time.process_time() - cpu, 1)})
                 p = points[-1]
-                width = f"{mode} d={d} (width {len(points)}/{len(curve_widths(d_star, d_model, at_model_width))})"
+                label = f"{mode} d={d} (width {len(points)}/{len(curve_widths(d_star, d_model, at_model_width))})"
                 plural = "s" if len(rows) > 1 else ""
                 if all(r["fit_step"] is None for r in rows):
-                    progress(f"{width}: no seed reaches 100% train accuracy in {max_steps} steps (best "
+                    progress(f"{label}: no seed reaches 100% train accuracy in {max_steps} steps (best "
                              f"{max(r['accuracy'] for r in rows):.1%}, {len(rows)} seed{plural}); superposition R^2 "
                              f"{p['r2_final']['value']:.3f} at the cap")
                 else:
-                    progress(f"{width}: 100% train accuracy at step " + ", ".join(
+                    progress(f"{label}: 100% train accuracy at step " + ", ".join(
                         "never" if r["fit_step"] is None else str(r["fit_step"]) for r in rows)
                         + f" ({len(rows)} seed{plural}); superposition R^2 {p['r2_at_fit']['value']:.3f} at that "
                         f"step, {p['r2_final']['value']:.3f} after {past_fit} more")

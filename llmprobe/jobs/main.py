@@ -12,11 +12,8 @@ controls, as the pretrained model's subject states are; ``report["controls"]`` i
 """
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
-
-from tqdm.auto import tqdm
 
 from llmprobe.analyses.settings import settings_from
 from llmprobe.analyses.superposition import superposition_table
@@ -178,9 +175,8 @@ def control_table(lm, relations: list, known: dict, report: dict, like_for_like:
 
 
 def _controls_progress(message: str) -> None:
-    """The controls worker's progress lines, on stderr like every other stage's, written above the analyses'
-    progress bar (``tqdm.write``), never through it."""
-    tqdm.write(f"[controls] {message}", file=sys.stderr)
+    """The controls worker's progress lines (relayed to this process), on stderr like every other stage's."""
+    say(message, prefix="[controls]")
 
 
 __all__ = ["run", "known_table"]

@@ -414,9 +414,9 @@ def taken_over(earlier: dict, relations: list[Relation], analyses: tuple[str, ..
                         and superposition == ("superposition" in analyses))}
 
 
-def say(message: str) -> None:
-    """One progress line on stderr (above any progress bar)."""
-    tqdm.write(f"llmprobe: {message}", file=sys.stderr)
+def say(message: str, prefix: str = "llmprobe:") -> None:
+    """One progress line on stderr, above any progress bar of this process (``tqdm.write``), never through it."""
+    tqdm.write(f"{prefix} {message}", file=sys.stderr)
 
 
 def summary_table(report: dict) -> str:
