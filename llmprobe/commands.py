@@ -32,6 +32,7 @@ from llmprobe.model.families import embedded, families, models_text
 from llmprobe.model.loading import DEFAULT_MODEL, ModelLoadError, check_hub_reachable
 from llmprobe.report.claims import claims_block, claims_text
 from llmprobe.report.render import compare, export
+from llmprobe.report.schema import train_over_seeds
 from llmprobe.settings import Settings, resolve, settings_toml
 from synthetic.executors import ray_map
 
@@ -182,7 +183,10 @@ def _control_lines(block) -> list[str]:
             r2, train = point.get("r2") or {}, point.get("train") or {}
             shuffled = ((r2.get("controls") or {}).get("shuffled") or {}).get("value")
             label = f"synthetic {mode} d={point.get('d')}" + (" (d*)" if point.get("d") == d_star else "")
-            lines.append(f"{label:<36} train acc {_number(train.get('accuracy'))}  bits/param "
+            seeds = train_over_seeds(point)
+            accuracy = (f"{_number(seeds['accuracy_mean'])} (min {_number(seeds['accuracy_min'])}, "
+                        f"{seeds['n_fit']}/{seeds['n']} seeds fit)" if seeds else _number(train.get("accuracy")))
+            lines.append(f"{label:<36} train acc {accuracy}  bits/param "
                          f"{_number(train.get('bits_per_param'), '.3g')}  superposition R^2 {_number(r2.get('value'))}"
                          f" (shuffled {_number(shuffled)})")
     return lines

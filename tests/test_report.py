@@ -10,12 +10,13 @@ from llmprobe.report.claims import CLAIMS, claims_block, claims_text, summary_cl
 from llmprobe.report.render import (
     LONG_TABLE,
     compare,
+    control_rows,
     export,
     metric_rows,
     render_html,
     render_markdown,
 )
-from llmprobe.report.schema import REPORT_SCHEMA_VERSION, missing_stages, read_report
+from llmprobe.report.schema import REPORT_SCHEMA_VERSION, control_sources, missing_stages, read_report
 
 
 def _typed(value, controls=None, half=0.05):
@@ -583,3 +584,45 @@ def test_metrics_csv_and_to_frame_share_one_tidy_schema(tmp_path):
     assert at.control.isna().tolist() == [True, False] and at.control.iloc[1] == "shuffled"
     assert at.value.tolist() == pytest.approx([0.5, 0.1]) and at.hi.tolist() == pytest.approx([0.55, 0.15])
     assert pd.api.types.is_float_dtype(frame.value)
+
+
+def _seed_rows(fits: list[bool], steps: int = 200) -> list[dict]:
+    return [{"fit_step": steps - 100 if fit else None, "steps": steps if fit else 2000,
+             "accuracy": 1.0 if fit else 0.99} for fit in fits]
+
+
+@pytest.mark.parametrize("seeds_at_dstar, bits_next, expected", [
+    ([True, True, True], 0.50, "not shown"),       # every seed fits at d*: d* is sturdy, the verdict is d*'s
+    ([False, True, False], 1.00, "inconclusive"),  # d* marginal, and where every seed fits the table is inside
+    ([False, False, False], 1.50, "not shown"),    # marginal, but both rules read above the range
+])
+def test_the_capacity_line_reads_the_width_where_every_seed_fits(seeds_at_dstar, bits_next, expected):
+    """d* is the sweep's rule (one initialisation fitting suffices); a d* at which not every curve seed fits is
+    marginal, and when the narrowest width where every seed fits lies on the other side of the range the line
+    says inconclusive instead of a verdict resting on that one initialisation."""
+    report = _capacity_report("general maps", 2000, 1.60, True)
+    report["controls"]["modes"]["trainable"]["points"] = [
+        {"d": 6, "train": {"bits_per_param": 1.60}, "readout": {}, "seeds": _seed_rows(seeds_at_dstar)},
+        {"d": 12, "train": {"bits_per_param": bits_next}, "readout": {}, "seeds": _seed_rows([True] * 3)}]
+    line = _line(report, "capacity O(R log N) in the matched controls")
+    assert line["verdict"] == expected and line["metric"]["value"] == 1.60
+    if all(seeds_at_dstar):
+        assert "sturdy" not in line
+    else:
+        assert line["sturdy"] == {"d": 12, "bits_per_param": bits_next, "seeds": "3 of 3"}
+        assert "at d = 12, the smallest curve width where every seed fits" in line["note"]
+
+
+def test_the_controls_table_shows_training_over_every_seed_not_seed_0():
+    """A point whose seed 0 lost accuracy after fitting (0.916) while the others ended at 1.0 shows the mean,
+    the minimum and how many seeds fit, and the range of steps."""
+    rows = [{"fit_step": 308, "steps": 408, "accuracy": 0.916}, {"fit_step": 86, "steps": 186, "accuracy": 1.0},
+            {"fit_step": None, "steps": 2000, "accuracy": 0.99}]
+    block = {"table": {}, "modes": {"frozen": {"threshold": {"d_star": 8}, "points": [
+        {"d": 128, "train": {"accuracy": 0.916, "steps": 408, "bits_per_param": 0.016}, "seeds": rows}]}}}
+    (source,) = control_sources(block)
+    assert source["train"]["over_seeds"] == {"n": 3, "n_fit": 2, "accuracy_min": 0.916,
+                                             "accuracy_mean": pytest.approx((0.916 + 1.0 + 0.99) / 3),
+                                             "steps": [186, 2000]}
+    row = control_rows(source)[0]
+    assert row[3] == "0.969 (min 0.916); 2/3 seeds fit" and row[4] == "186-2000"

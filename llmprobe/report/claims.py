@@ -50,8 +50,9 @@ VERDICT_RULE = (
     "grade that at least half the relations reach. The matched control is a comparison (more than / as much as / less than), "
     "not a null. Capacity: the table's bits per trainable parameter at d* against the range of the capacity "
     "sweep's cells for the same kind of map and step cap, two-sided: supported inside it, not shown outside it "
-    "(inconclusive when d* is an upper bound and the lower bound it gives lies below the range's top), not "
-    "comparable when the sweep has no cells of that kind.")
+    "(inconclusive when d* is an upper bound and the lower bound it gives lies below the range's top, or when the "
+    "narrowest curve width at which every seed fits falls on the other side of the range), not comparable when the "
+    "sweep has no cells of that kind.")
 _Z = NormalDist().inv_cdf(0.5 + LEVEL / 2)
 
 
@@ -357,13 +358,39 @@ def capacity_line(report: dict) -> dict:
                 null={"value": mean, "ci": [lo, hi], "n": len(cells), "interval": "range of cells"},
                 difference={"value": bits_per_param - mean, "ci": [bits_per_param - hi, bits_per_param - lo],
                             "interval": "against the range of cells"})
-    side = "above" if bits_per_param > hi else "below" if bits_per_param < lo else "inside"
+    def side_of(value: float) -> str:
+        return "above" if value > hi else "below" if value < lo else "inside"
+
+    side = side_of(bits_per_param)
     if exact:
         line["verdict"] = "supported" if side == "inside" else "not shown"
     else:                                   # d* an upper bound: the bits per parameter a lower bound
         line["verdict"] = "not shown" if side == "above" else "inconclusive"
     line["note"] = f"{side} the sweep's range" + ("" if exact else " (a lower bound: d* is an upper bound)")
+    sturdy = _every_seed_fits(report)
+    if sturdy is not None and sturdy["d"] != threshold["d_star"]:
+        line["sturdy"] = sturdy
+        moved = side_of(sturdy["bits_per_param"])
+        line["note"] += (f"; at d = {sturdy['d']}, the smallest curve width where every seed fits "
+                         f"({sturdy['seeds']}), {sturdy['bits_per_param']:.3g} bits/param: {moved} the range")
+        if moved != side:
+            line["verdict"] = "inconclusive"
+            line["note"] += " (d* is marginal: the verdict depends on which rule of fit is taken)"
     return line
+
+
+def _every_seed_fits(report: dict) -> dict | None:
+    """{"d", "bits_per_param", "seeds"} of the trainable control's narrowest curve width at which every seed
+    reached 100% train accuracy (``train.over_seeds``), or None when the report has no such point. d* itself is
+    the sweep's rule (one initialisation of two fitting suffices), the rule of the cells it is compared with."""
+    points = sorted((s for s in control_sources(report.get("controls"), report.get("schema_version"))
+                     if not (s.get("model") or {}).get("frozen_subjects")), key=lambda s: s["model"]["d_model"])
+    for source in points:
+        seeds, train = (source.get("train") or {}).get("over_seeds"), source.get("train") or {}
+        if seeds and seeds["n_fit"] == seeds["n"] and train.get("bits_per_param") is not None:
+            return {"d": source["model"]["d_model"], "bits_per_param": train["bits_per_param"],
+                    "seeds": f"{seeds['n_fit']} of {seeds['n']}"}
+    return None
 
 
 def claims_block(report: dict) -> dict:

@@ -164,6 +164,18 @@ def superposition_rows(report: dict) -> list[list]:
     return rows
 
 
+def _train_cells(train: dict) -> list:
+    """The controls table's "train acc" and "steps" cells: over the point's seeds (mean, min, how many reached
+    100%; fewest-most steps) where the report has them, else the one training's."""
+    seeds = train.get("over_seeds")
+    if not seeds:
+        return [train.get("accuracy"), train.get("steps")]
+    low, high = seeds["steps"]
+    accuracy = (f"{seeds['accuracy_mean']:.3f} (min {seeds['accuracy_min']:.3f})"
+                if seeds["accuracy_min"] < seeds["accuracy_mean"] else f"{seeds['accuracy_mean']:.3f}")
+    return [f"{accuracy}; {seeds['n_fit']}/{seeds['n']} seeds fit", str(low) if low == high else f"{low}-{high}"]
+
+
 def control_rows(report: dict) -> list[list]:
     """One row per synthetic report (a matched control): width, training, readouts, selector numbers."""
     if report.get("kind") != "synthetic":
@@ -174,7 +186,7 @@ def control_rows(report: dict) -> list[list]:
     selector = (report.get("analyses") or {}).get("selector") or {}
     transplant = selector.get("gate_transplant") or {}
     return [[source_name(report), report.get("model", {}).get("d_model"),
-             (report.get("threshold") or {}).get("d_star"), train.get("accuracy"), train.get("steps"),
+             (report.get("threshold") or {}).get("d_star"), *_train_cells(train),
              f"{train['bits_per_param']:.3g}" if isinstance(train.get("bits_per_param"), (int, float)) else None,
              _with_ci(layer.get("r2")),
              _control_text(layer.get("r2"), "shuffled", "random_init"),

@@ -144,6 +144,19 @@ def _what_is_missing(report: dict, stage: str, requested: list[str]) -> str:
     return "its numbers are missing"
 
 
+def train_over_seeds(point: dict) -> dict | None:
+    """A control point's training over its seeds (``point["seeds"]``): {"n", "n_fit" (seeds that reached 100%
+    train accuracy), "accuracy_min", "accuracy_mean" (train accuracy at the end: a seed can fit and then lose
+    some), "steps": [fewest, most]}; None for a point without per-seed rows."""
+    seeds = [s for s in point.get("seeds") or [] if s.get("accuracy") is not None]
+    if not seeds:
+        return None
+    accuracy, steps = [s["accuracy"] for s in seeds], [s["steps"] for s in seeds]
+    return {"n": len(seeds), "n_fit": sum(s.get("fit_step") is not None for s in seeds),
+            "accuracy_min": min(accuracy), "accuracy_mean": sum(accuracy) / len(accuracy),
+            "steps": [min(steps), max(steps)]}
+
+
 def control_sources(block: dict | list | None, schema_version: int | None = None) -> list[dict]:
     """One synthetic source per trained control point of a report's controls block, in the per-source layout the
     tables and figures read (``analyses.superposition.layers["0"]``, ``analyses.selector``, ``train``,
@@ -162,7 +175,9 @@ def control_sources(block: dict | list | None, schema_version: int | None = None
                 "schema_version": schema_version, "kind": "synthetic", "label": label,
                 "model": {"name": label, "architecture": "FactRecallModel (one layer)", "n_layers": 1,
                           "d_model": d, "d_mlp": point.get("d_mlp"), "frozen_subjects": mode == "frozen"},
-                "matched_to": block.get("table"), "threshold": threshold, "train": point.get("train") or {},
+                "matched_to": block.get("table"), "threshold": threshold,
+                "train": {**(point.get("train") or {}), **({"over_seeds": over_seeds}
+                                                           if (over_seeds := train_over_seeds(point)) else {})},
                 "analyses": {"superposition": {"place": block.get("place"),
                                                "layers": {"0": {"r2": point.get("r2_final") or point.get("r2"),
                                                                 "readout": point.get("readout") or {}}}},
