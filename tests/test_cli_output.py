@@ -45,9 +45,31 @@ def test_analyses_lines_carry_k_of_n_and_the_time_left(capsys):
     log("superposition: begun")
     lines = [line for line in capsys.readouterr().err.splitlines() if "fitted" in line or "begun" in line]
     assert [re.search(r"decoders (\d)/3", line).group(1) for line in lines[:3]] == ["1", "2", "3"]
-    assert "left" not in lines[0] and all(re.search(r"~\d\d:\d\d left", line) for line in lines[1:3])
+    assert "left" not in lines[0] and "estimating..." in lines[0]
+    assert all(re.search(r"~\d\d:\d\d left", line) for line in lines[1:3])
     assert "decoders" not in lines[3]                    # the stage is over: no k/N any more
 
+
+
+def test_the_time_left_is_estimated_from_the_relations_computed_not_the_skipped_ones(capsys, monkeypatch):
+    """A relation taken over from an earlier result (or refused at once: too few facts) is done in 0 s; it counts
+    as done (k/N) but not in the rate: "estimating..." until one relation was computed, then the computed ones'
+    mean time per relation times the relations left."""
+    import llmprobe.analyses.settings as settings
+
+    clock = [0.0]
+    monkeypatch.setattr(settings.time, "perf_counter", lambda: clock[0])
+    log = Log(True)
+    for name in log.bar(["resumed", "a", "b", "c"], "decoders"):
+        log(f"{name}: begun")
+        if name == "resumed":
+            log.skip()
+        else:
+            clock[0] += 60.0                          # a computed relation: one minute
+    lines = [line for line in capsys.readouterr().err.splitlines() if "begun" in line]
+    assert [re.search(r"decoders (\d)/4", line).group(1) for line in lines] == ["1", "2", "3", "4"]
+    assert "estimating..." in lines[0] and "estimating..." in lines[1] and "left" not in lines[1]
+    assert "~02:00 left" in lines[2] and "~01:00 left" in lines[3]     # 60 s per computed relation
 
 def test_controls_say_what_they_train_and_find_in_words():
     lines = []
@@ -83,7 +105,7 @@ def test_probe_model_runs_the_analyses_and_writes_the_html_report(tiny, relation
     report = json.loads((out / "report.json").read_text())
     assert report["settings"]["run"]["analyses"] == ["lre", "ridge", "superposition"] and "analyses" in report
     assert (out / "report.html").is_file() and (out / "report.md").is_file()
-    assert re.search(r"\| decoders 1/1\]", capsys.readouterr().err)
+    assert re.search(r"\| decoders 1/1, estimating\.\.\.\]", capsys.readouterr().err)
     assert main(["probe", tiny, "--relations", relation, "--layers", "-1", "--device", "cpu", "--analyses", "",
                  "--out", str(tmp_path / "known")]) == 0
     assert "analyses" not in json.loads((tmp_path / "known" / "report.json").read_text())

@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 from test_report import test_run_page_shows_selected_layers_controls_capacity_and_ablations as build_page
@@ -196,3 +197,48 @@ def test_the_compare_page_at_1200_px_names_every_source_in_its_figures(tmp_path)
         assert [p for p in figure["panels"] if p in models] == models
     assert all(f["right"] <= view["width"] for f in view["figures"]) and view["scroll"] <= view["width"]
     assert view["height"] < 15_000, view["height"]
+
+
+# ------------------------------------------------------------------ the summary at 1200 px (issue 25)
+# The claims block's lines of a full run (SmolLM2-135M-Instruct, every stage): the long measures, nulls, notes and
+# comparisons a real summary shows.
+FULL_LINES = Path(__file__).parent / "data" / "summary_lines_smollm2.json"
+
+
+@pytest.mark.skipif(BROWSER is None, reason="no headless Chromium/Chrome installed")
+def test_the_summary_table_fits_a_1200_px_window(tmp_path, monkeypatch):
+    """In headless Chromium at 1200 px, the summary of a full run's claims is no wider than its section, nor the
+    page than the window, and no cell's text is cut: the measure cell is a short label (the full measure its title
+    and a numbered note below the table, each once), every column wraps."""
+    from test_report import _claims_report
+
+    import llmprobe.report.render as render
+
+    lines = json.loads(FULL_LINES.read_text(encoding="utf-8"))
+    monkeypatch.setattr(render, "claims_block", lambda report: {"lines": lines})
+    page = render.render_html([_claims_report()], "llmprobe report: SmolLM2-135M-Instruct")
+    script = """<script>window.addEventListener('load', () => {
+      const section = document.querySelector('#summary'), table = section.querySelector('table');
+      const cells = [...table.querySelectorAll('td, th')];
+      document.body.setAttribute('data-check', JSON.stringify({
+        table: table.scrollWidth, right: table.getBoundingClientRect().right, section: section.clientWidth,
+        window: window.innerWidth, page: document.documentElement.scrollWidth,
+        cut: cells.filter(c => c.scrollWidth > c.clientWidth + 1).map(c => c.textContent),
+        measures: [...table.querySelectorAll('tbody tr')].map(tr => tr.children[1].textContent),
+        titles: [...table.querySelectorAll('tbody tr')].map(tr => tr.children[1].title),
+        notes: [...section.querySelectorAll('.measures li')].map(li => li.textContent)}));
+    });</script>"""
+    check = tmp_path / "check.html"
+    check.write_text(page.replace("</body>", script + "</body>"), encoding="utf-8")
+    run = subprocess.run([BROWSER, "--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1200,1600",
+                          "--virtual-time-budget=10000", "--dump-dom", check.as_uri()],
+                         capture_output=True, text=True, timeout=120)
+    found = re.search(r'data-check="([^"]*)"', run.stdout)
+    assert run.returncode == 0 and found, run.stderr[-2000:]
+    view = json.loads(html.unescape(found.group(1)))
+    assert view["window"] == 1200
+    assert view["table"] <= view["section"] and view["right"] <= view["window"], view
+    assert view["page"] <= view["window"] and view["cut"] == [], view
+    full = [line["measure"] for line in lines]
+    assert view["titles"] == full and view["notes"] == full
+    assert all(len(label) <= 40 for label in view["measures"]), view["measures"]

@@ -107,6 +107,7 @@ def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits
                 if entry.get("error"):
                     result["errors"].append(entry["error"])
                 log(f"{relation.name}: decoders taken over from the earlier result")
+                log.skip()                                  # done in 0 s: not in the time-left estimate
                 result["relations"][relation.name] = entry
                 progress_made()
                 continue
@@ -121,6 +122,7 @@ def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits
                 entry = {"error": message}
                 result["errors"].append(message)
                 log(message)
+                log.skip()                                  # refused (too few facts) or stopped: not in the rate
             result["relations"][relation.name] = entry
             progress_made()
         result["timing"]["decoders_seconds"] = round(time.perf_counter() - start, 1)

@@ -106,33 +106,46 @@ def settings_from(n_splits: int = 3, seed: int = 0, max_subjects: int = 90, **op
 class Log:
     """Progress on stderr: a tqdm bar per stage (:meth:`bar`: "decoders 3/9 [05:12<10:24]") and lines with the
     seconds since the analyses started and, inside a stage, its item "k/N" and the time left, estimated from the
-    items done: ``[analyses 743s | decoders 3/9, ~10:24 left] country_continent: ...``."""
+    items computed (not those :meth:`skip` marks): ``[analyses 743s | decoders 3/9, ~10:24 left] country_continent:
+    ...``; "estimating..." until one item was computed."""
 
     def __init__(self, enabled: bool):
         self.enabled, self.start = enabled, time.perf_counter()
-        self.what, self.done, self.total, self.stage_start = "", 0, 0, self.start   # the stage in progress
+        self.what, self.done, self.total = "", 0, 0        # the stage in progress: items done (computed or not) of N
+        self.computed, self.seconds = 0, 0.0               # items computed and their time: the rate of the time left
+        self.skipped = False                               # the current item: marked by skip()
 
     def bar(self, items: list, what: str, unit: str = "relation") -> Iterator:
         """``items`` one by one under a progress bar named ``what`` (k of N, elapsed and remaining time)."""
-        self.what, self.done, self.total, self.stage_start = what, 0, len(items), time.perf_counter()
+        self.what, self.done, self.total, self.computed, self.seconds = what, 0, len(items), 0, 0.0
         try:
             with tqdm(total=len(items), desc=what, unit=unit, file=sys.stderr, disable=not self.enabled) as bar:
                 for item in items:
+                    self.skipped, begun = False, time.perf_counter()
                     yield item
+                    if not self.skipped:
+                        self.computed += 1
+                        self.seconds += time.perf_counter() - begun
                     self.done += 1
                     bar.update()
         finally:
             self.total = 0
 
+    def skip(self) -> None:
+        """The bar's current item is not computed (taken over from an earlier result, or refused at once: too few
+        facts): it counts as done, but its time (about 0 s) stays out of the rate the time left is estimated from."""
+        self.skipped = True
+
     def where(self) -> str:
-        """`` | decoders 3/9, ~10:24 left`` while a stage runs (the time left once an item is done), else ""."""
+        """`` | decoders 3/9, ~10:24 left`` while a stage runs (the time left: the mean time of the items computed
+        times the items left; "estimating..." until one was computed), else ""."""
         if self.done >= self.total:
             return ""
         text = f" | {self.what} {self.done + 1}/{self.total}"
-        if self.done:
-            left = (time.perf_counter() - self.stage_start) / self.done * (self.total - self.done)
-            text += f", ~{tqdm.format_interval(left)} left"
-        return text
+        if not self.computed:
+            return text + ", estimating..."
+        left = self.seconds / self.computed * (self.total - self.done)
+        return text + f", ~{tqdm.format_interval(left)} left"
 
     def __call__(self, message: str) -> None:
         if self.enabled:

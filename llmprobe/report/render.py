@@ -13,7 +13,17 @@ import json
 from pathlib import Path
 
 from llmprobe.io import write_json, write_text
-from llmprobe.report.claims import VERDICT_RULE, claims_block
+from llmprobe.report.claims import (
+    CAPACITY,
+    CAUSAL,
+    DECODABLE,
+    MULTIHOP,
+    SELECTOR,
+    SERVES,
+    SUPERPOSITION,
+    VERDICT_RULE,
+    claims_block,
+)
 from llmprobe.report.figures import figure_key, png_data_uri, report_figures
 from llmprobe.report.schema import (
     ROW_FIELDS,
@@ -251,24 +261,80 @@ def _difference_text(diff: dict | None) -> str:
     return f"{diff['value']:+.3f}{ends} ({diff['interval']})"
 
 
+def _summary_lines(reports: list[dict]) -> list[tuple[str, dict]]:
+    """(prefix, line) of every line of every pretrained report's claims block; the prefix is the source's name
+    when there are several, else empty."""
+    pretrained = [r for r in reports if r.get("kind") != "synthetic"]
+    return [(f"{source_name(report)}: " if len(pretrained) > 1 else "", line) for report in pretrained
+            for line in claims_block(report)["lines"]]
+
+
+def _summary_row(prefix: str, line: dict) -> list:
+    shown = ", ".join(filter(None, [line["relation"], None if line["layer"] is None else f"layer {line['layer']}"]))
+    comparison = line["comparison"]
+    return [prefix + line["claim"], line["measure"], shown or "-", _with_ci(line["metric"]),
+            f"{line['null_name']}: {_with_ci(line['null'])}" if line["null_name"] else "-",
+            _difference_text(line["difference"]),
+            "-" if line["min_effect"] is None else f"+{line['min_effect']:g}",
+            "-" if line["p_holm"] is None else f"{line['p_holm']:.2g}", line["verdict"],
+            line["note"] or "-", f"{comparison['word']} {comparison['name']}: {_with_ci(comparison['metric'])}"
+            if comparison else "-"]
+
+
 def summary_rows(reports: list[dict]) -> list[list]:
     """The summary's lines (``SUMMARY_HEADER``) of every pretrained report's claims block, its source first when
     there are several."""
-    pretrained = [r for r in reports if r.get("kind") != "synthetic"]
-    rows = []
-    for report in pretrained:
-        prefix = f"{source_name(report)}: " if len(pretrained) > 1 else ""
-        for line in claims_block(report)["lines"]:
-            shown = ", ".join(filter(None, [line["relation"], None if line["layer"] is None else f"layer {line['layer']}"]))
-            comparison = line["comparison"]
-            rows.append([prefix + line["claim"], line["measure"], shown or "-", _with_ci(line["metric"]),
-                         f"{line['null_name']}: {_with_ci(line['null'])}" if line["null_name"] else "-",
-                         _difference_text(line["difference"]),
-                         "-" if line["min_effect"] is None else f"+{line['min_effect']:g}",
-                         "-" if line["p_holm"] is None else f"{line['p_holm']:.2g}", line["verdict"],
-                         line["note"] or "-", f"{comparison['word']} {comparison['name']}: {_with_ci(comparison['metric'])}"
-                         if comparison else "-"])
-    return rows
+    return [_summary_row(prefix, line) for prefix, line in _summary_lines(reports)]
+
+
+# the summary table's measure cell: a short name per claim (the full measure is the cell's title and a numbered
+# note below the table), so that the table fits a 1200 px window
+MEASURE_LABELS = {DECODABLE: "readout accuracy (cross-fitted)", CAUSAL: "LRE causality",
+                  SUPERPOSITION: "held-out R^2 of the sum", SERVES: "crosspatch success rate",
+                  SELECTOR: "facts a gate transplant breaks", MULTIHOP: "chain-of-thought accuracy",
+                  CAPACITY: "bits per trainable parameter"}
+SUMMARY_WIDTHS = (10, 9, 10, 8, 11, 9, 5, 5, 8, 12, 13)     # % of the table per column of SUMMARY_HEADER
+LABEL_CHARS = 40          # a measure without a label in MEASURE_LABELS: its name, at most this long
+
+
+def measure_label(claim: str, measure: str) -> str:
+    """The short name of a claim's measure: ``MEASURE_LABELS``, else the measure's text up to its first ':',
+    ' (' or ',' (cut to ``LABEL_CHARS``)."""
+    if claim in MEASURE_LABELS:
+        return MEASURE_LABELS[claim]
+    name = min((measure.split(mark, 1)[0] for mark in (":", " (", ",")), key=len)
+    return name if len(name) <= LABEL_CHARS else name[:LABEL_CHARS - 1].rstrip() + "\u2026"
+
+
+def _breakable(value) -> str:
+    """A cell's text, escaped, that may wrap after each '_' and '/' (relation and null names are long words)."""
+    return html.escape(_fmt(value)).replace("_", "_<wbr>").replace("/", "/<wbr>")
+
+
+def summary_table_html(reports: list[dict], anchor: str = "measure") -> str:
+    """The summary's lines (``SUMMARY_HEADER``) as a table that fits a 1200 px window: the measure cell a short
+    name (:func:`measure_label`) with the full measure as its title and as a numbered note below the table (each
+    text once; ``anchor`` prefixes the notes' ids), the verdict cell coloured by grade, every column wrapping."""
+    lines = _summary_lines(reports)
+    if not lines:
+        return "<p>No pretrained report: no claim is measured on this page.</p>"
+    notes = list(dict.fromkeys(line["measure"] for _, line in lines))
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in SUMMARY_HEADER)
+    body = []
+    for prefix, line in lines:
+        cells = [f"<td>{_breakable(c)}</td>" for c in _summary_row(prefix, line)]
+        verdict = line["verdict"]
+        cells[VERDICT_COLUMN] = f"<td class='verdict {verdict.replace(' ', '-')}'>{html.escape(verdict)}</td>"
+        number = notes.index(line["measure"]) + 1
+        cells[1] = (f"<td class='measure' title='{html.escape(line['measure'])}'>"
+                    f"{html.escape(measure_label(line['claim'], line['measure']))}"
+                    f"<sup><a href='#{anchor}-{number}'>{number}</a></sup></td>")
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    widths = "".join(f"<col style='width:{w}%'>" for w in SUMMARY_WIDTHS)
+    return (f"<table class='claims'><colgroup>{widths}</colgroup><thead><tr>{head}</tr></thead>"
+            f"<tbody>{''.join(body)}</tbody></table>"
+            "<p class='measures'>What each number measures:</p><ol class='measures'>" +
+            "".join(f"<li id='{anchor}-{k}'>{html.escape(text)}</li>" for k, text in enumerate(notes, 1)) + "</ol>")
 
 
 def partial_lines(reports: list[dict]) -> list[str]:
@@ -379,18 +445,12 @@ def summary_html(reports: list[dict], title: str) -> str:
             for row in rows)
         parts.append(f"<table class='side-by-side'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
     else:
-        rows = summary_rows(reports)
-        head = "".join(f"<th>{html.escape(h)}</th>" for h in SUMMARY_HEADER)
-        cell = lambda i, c: (f"<td class='verdict {c.replace(' ', '-')}'>" if i == VERDICT_COLUMN else "<td>") + \
-            f"{html.escape(_fmt(c))}</td>"
-        body = "".join("<tr>" + "".join(cell(i, c) for i, c in enumerate(row)) + "</tr>" for row in rows)
-        parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>" if rows else
-                     "<p>No pretrained report: no claim is measured on this page.</p>")
+        parts.append(summary_table_html(reports))
     parts.append(f"<p class='rule'>{html.escape(VERDICT_RULE)}</p></section>")
     if len(pretrained) > 1:
         full = summary_rows(reports)
         parts.append(f"<h2>The claims in full</h2><details><summary>{len(full)} lines (click to open)</summary>"
-                     f"{_table_html(SUMMARY_HEADER, full)}</details>")
+                     f"{summary_table_html(reports, 'full-measure')}</details>")
     return "".join(parts)
 
 
@@ -411,7 +471,10 @@ h1{font-size:1.6em}h2{font-size:1.2em;margin-top:1.6em}summary{cursor:pointer;co
 .weak,.inconclusive{background:#fcf8e3}.not-measured,.null-not-measured,.not-comparable{color:#888}
 .partial,.differences{border-left:4px solid #c90;background:#fff8e6;padding:.3em 1em;margin:1em 0}
 .partial ul,.differences ul{margin:.3em 0}th[title]{text-decoration:underline dotted}
-#summary td:nth-child(3){white-space:nowrap}#summary .side-by-side td{white-space:normal;vertical-align:top}"""
+#summary .side-by-side td{vertical-align:top}
+table.claims{width:100%}.claims td{vertical-align:top}.claims td.measure{cursor:help}
+.claims sup a,.measures{color:#555}.claims sup a{text-decoration:none;margin-left:1px}
+p.measures{font-size:12px;margin:.2em 0 0}ol.measures{font-size:12px;margin:.2em 0 1em;padding-left:2em}"""
 
 
 def render_html(reports: list[dict], title: str, extra_images: list[tuple[str, str]] = ()) -> str:
