@@ -379,5 +379,25 @@ def train_controls(table: FactTable, d_model: int, seed: int = 0, at_model_width
                 "cpu_seconds": round(time.process_time() - cpu0, 1)}
 
 
-__all__ = ["MODES", "RECIPES", "known_table", "train_at", "control_threshold", "curve_widths", "measure_control",
+def merge_controls(blocks: list[dict]) -> dict:
+    """One controls block from blocks of :func:`train_controls` that each trained other modes of the same table
+    and settings (one worker process per mode): their modes in :data:`MODES` order, ``compared_with`` for them
+    all, ``wall_seconds`` the longest block's (they trained at the same time), ``cpu_seconds`` the sum. Each
+    mode's numbers are those ``train_controls`` gives it alone: nothing is shared between modes but the table."""
+    if not blocks:
+        raise ValueError("no controls block to merge")
+    first = blocks[0]
+    keys = ("table", "d_model", "seed", "seeds", "training")
+    for block in blocks[1:]:
+        differ = [k for k in keys if block.get(k) != first.get(k)]
+        if differ:
+            raise ValueError(f"controls blocks of different runs cannot be merged (they differ in {differ})")
+    modes = {mode: block["modes"][mode] for mode in MODES for block in blocks if mode in block["modes"]}
+    return {**first, "compared_with": compared_with(first["table"], first["d_model"], modes,
+                                                   first["training"]["past_fit"], first["seeds"]),
+            "modes": modes, "wall_seconds": max(b["wall_seconds"] for b in blocks),
+            "cpu_seconds": round(sum(b["cpu_seconds"] for b in blocks), 1)}
+
+
+__all__ = ["MODES", "merge_controls", "RECIPES", "known_table", "train_at", "control_threshold", "curve_widths", "measure_control",
            "train_controls", "compared_with", "fixed_threads", "over_seeds", "r2_value", "movement"]

@@ -231,8 +231,10 @@ def test_control_settings_reach_the_controls_worker(tiny, tmp_path, all_known, m
         def __init__(self, args, kwargs, on_progress=None):
             seen.update(kwargs)
 
-        def get(self):
-            return {"modes": {}}, 0.0
+        def get(self):       # an empty controls block of the shape train_controls returns
+            table = {"n_subjects": 0, "relations": [], "n_facts": 0, "bits": 0.0}
+            return {"modes": {}, "table": table, "d_model": 8, "seed": 2, "seeds": [2], "training": {"past_fit": 1},
+                    "wall_seconds": 0.0, "cpu_seconds": 0.0}, 0.0
 
         def ready(self):
             return True

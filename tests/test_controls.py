@@ -12,7 +12,7 @@ from llmprobe.metric import Metric, is_metric, pooled_readout
 from llmprobe.report.figures import capacity_figure, controls_caption
 from llmprobe.report.render import render_markdown, with_controls
 from llmprobe.report.schema import control_sources
-from synthetic.controls import PAST_FIT, curve_widths, over_seeds, train_controls
+from synthetic.controls import PAST_FIT, curve_widths, merge_controls, over_seeds, train_controls
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +214,18 @@ def test_the_workers_progress_lines_reach_the_parent_and_its_result_comes_back(t
     worker.process.kill()
     with pytest.raises(RuntimeError, match="controls worker died"):
         worker.get()
+
+
+def test_each_mode_trained_apart_and_merged_is_the_block_of_both_trained_together(table, block):
+    """run trains each mode in its own worker: the merged block has every number of the block trained in one
+    call (nothing passes from one mode to the other), compared_with names both modes, and blocks of different
+    settings refuse to merge."""
+    kwargs = dict(d_model=24, max_steps=600, progress=lambda *_: None, n_boot=200)
+    apart = [train_controls(table, modes=(mode,), **kwargs) for mode in ("frozen", "trainable")]
+    merged = merge_controls(apart)
+    assert list(merged["modes"]) == ["trainable", "frozen"]
+    assert json.dumps(_numbers(merged)) == json.dumps(_numbers(block))
+    assert merged["wall_seconds"] == max(b["wall_seconds"] for b in apart)
+    other = train_controls(table, modes=("frozen",), **{**kwargs, "max_steps": 50})
+    with pytest.raises(ValueError, match="differ in .*training"):
+        merge_controls([apart[1], other])

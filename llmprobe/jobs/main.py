@@ -24,7 +24,7 @@ from llmprobe.jobs.stages import checkpoint, earlier_stage, mark_interrupted, st
 from llmprobe.report.claims import claims_block
 from llmprobe.report.render import with_controls, write_all
 from llmprobe.settings import TRAINING, Settings
-from synthetic.controls import known_table
+from synthetic.controls import known_table, merge_controls
 
 FORMATS = {"html": "report.html", "md": "report.md", "json": "metrics.json", "csv": "metrics.csv"}   # -> file
 
@@ -42,11 +42,12 @@ def run(model=None, *, settings: Settings | None = None, out: str | Path = "runs
     shared-subject relations, all their facts, the subjects locatable in the neutral templates:
     ``llmprobe.analyses.superposition_table``); without the superposition analysis, on the known-fact table.
 
-    The matched controls need only the known facts, so they train in a worker process (one CPU thread) while
-    this process runs the analyses, which leave part of the CPU idle; they train on the model's GPU when it has
-    one (the widest control, at the model's own width, is a GPU-sized job for a 7B model). One thread sums floats
-    in another order than two, so their numbers can differ slightly from ``train_controls`` called in a
-    two-thread process (SmolLM2's frozen d* control: R^2 0.094 here, 0.103 there).
+    The matched controls need only the known facts, so they train while this process runs the analyses: one
+    worker process per control mode (trainable, frozen), each on one CPU thread, so the critical path is the
+    longer mode, not both in a row (SmolLM2: trainable 822 s, frozen 575 s of one thread); they train on the
+    model's GPU when it has one (the widest control, at the model's own width, is a GPU-sized job for a 7B
+    model). Their numbers are those of ``train_controls`` called anywhere (it fixes one thread itself), mode by
+    mode: nothing is shared between the modes but the table (``synthetic.controls.merge_controls``).
 
     ``run.batch_size`` is every batched stage's largest micro-batch (known facts and analyses); ``device_map``,
     ``max_memory``, ``offload_folder``, ``quantize`` place the model (``llmprobe.load_model``).
@@ -99,7 +100,7 @@ class MatchedControls:
     def __init__(self, settings: Settings, previous: dict):
         self.settings, self.previous = settings, previous
         self.started = False
-        self.worker: ControlsWorker | None = None
+        self.workers: list[ControlsWorker] = []      # one per control mode, each on one thread
 
     def start(self, report: dict, known: dict, lm, relations: list) -> None:
         """Key the stage; record why nothing is trained, take the previous controls over, or start the worker."""
@@ -127,23 +128,24 @@ class MatchedControls:
                 report["timings"]["controls_s"] = self.previous["timings"]["controls_s"]
             stage.update(done=True, resumed=True)
             return
-        say(f"matched controls: {len(table.subjects)} subjects x {len(table.relations)} relations, trained in a "
-            f"worker process meanwhile ([controls] lines)")
-        self.worker = ControlsWorker(
-            (table, report["model"]["d_model"]),
-            {**settings.control_arguments(), "device": str(lm.device) if lm.device.type == "cuda" else "cpu"},
-            on_progress=_controls_progress)
+        arguments = {**settings.control_arguments(), "device": str(lm.device) if lm.device.type == "cuda" else "cpu"}
+        modes = tuple(arguments.pop("modes"))
+        say(f"matched controls: {len(table.subjects)} subjects x {len(table.relations)} relations, trained in "
+            f"{len(modes)} worker process{'es' if len(modes) > 1 else ''} ({', '.join(modes)}) meanwhile "
+            f"([controls] lines)")
+        self.workers = [ControlsWorker((table, report["model"]["d_model"]), {**arguments, "modes": (mode,)},
+                                       on_progress=_controls_progress) for mode in modes]
 
     def finish(self, report: dict, out: Path) -> None:
         """Wait for the worker's controls (a failure is recorded in the errors; the probe's numbers are kept) and
         write report.json."""
-        if self.worker is None:
+        if not self.workers:
             return
         t = time.perf_counter()
-        if not self.worker.ready():
+        if not self.ready():
             say("waiting for the matched controls ([controls] lines)")
         try:
-            report["controls"], report["timings"]["controls_s"] = self.worker.get()
+            report["controls"], report["timings"]["controls_s"] = self.get()
             report["stages"]["controls"]["done"] = True
         except Exception as error:  # noqa: BLE001 - the probe's numbers are kept and exported
             report["errors"].append(f"matched controls failed: {type(error).__name__}: {error}")
@@ -153,16 +155,26 @@ class MatchedControls:
     def collect_finished(self, report: dict) -> None:
         """After an interrupt: the controls, if the worker has already sent them."""
         stage = report["stages"].get("controls")
-        if stage and not stage["done"] and self.worker is not None and self.worker.ready():
+        if stage and not stage["done"] and self.workers and self.ready():
             try:
-                report["controls"], report["timings"]["controls_s"] = self.worker.get()
+                report["controls"], report["timings"]["controls_s"] = self.get()
                 stage["done"] = True
             except RuntimeError:            # the worker failed: the stage stays unfinished
                 pass
 
+    def ready(self) -> bool:
+        """Has every worker sent its result (or died)?"""
+        return all(worker.ready() for worker in self.workers)
+
+    def get(self) -> tuple[dict, float]:
+        """Wait for every worker: (the merged controls block, the longest worker's seconds); RuntimeError when one
+        failed or died."""
+        results = [worker.get() for worker in self.workers]
+        return merge_controls([block for block, _ in results]), max(seconds for _, seconds in results)
+
     def stop(self) -> None:
-        if self.worker is not None:
-            self.worker.stop()
+        for worker in self.workers:
+            worker.stop()
 
 
 def control_table(lm, relations: list, known: dict, report: dict, like_for_like: bool, analysis_options: dict):
