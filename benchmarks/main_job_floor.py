@@ -1,11 +1,12 @@
 """Benchmark: the least time the default `llmprobe run` on SmolLM2-135M can take on this machine.
 
-Counts the model FLOPs of every stage of the default run (``benchmarks/scaling.py``'s workload count: the
-bundled relations, SmolLM2's known-fact counts, the splits of ``relation_split``, exact Jacobians at d = 576)
-and divides them by this machine's dense float32 matrix-multiply rate, measured in the same run with every
-usable core on matrices shaped like the run's (rows x 576 by 576 x 1536). That rate is an upper bound on what
-any pass reaches (the passes are small-batch matmuls, attention, norms), so the quotient is a lower bound on
-each stage's time: no implementation of the same measurement on these cores can be faster.
+Counts the model FLOPs of every stage of the default run (the workload count of ``llmprobe.jobs.plan``, the cost
+model of ``benchmarks/scaling.py`` and ``llmprobe plan``: the bundled relations, SmolLM2's known-fact counts, the
+splits of ``relation_split``, exact Jacobians at d = 576) and divides them by this machine's dense float32
+matrix-multiply rate, measured in the same run with every usable core on matrices shaped like the run's (rows x 576
+by 576 x 1536: ``llmprobe.jobs.plan.matmul_rate``). That rate is an upper bound on what any pass reaches (the
+passes are small-batch matmuls, attention, norms), so the quotient is a lower bound on each stage's time: no
+implementation of the same measurement on these cores can be faster.
 
     python benchmarks/main_job_floor.py
 """
@@ -13,50 +14,35 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import scaling  # noqa: E402  (benchmarks/scaling.py)
-
-
-def matmul_rate(threads: int, seconds: float = 3.0) -> float:
-    """FLOP/s of float32 matmuls shaped like the run's backward and forward GEMMs, best of a few shapes."""
-    import torch
-
-    torch.set_num_threads(threads)
-    best = 0.0
-    for rows in (256, 1024, 4096):
-        a, b = torch.randn(rows, 576), torch.randn(576, 1536)
-        for _ in range(3):
-            a @ b
-        n, t = 0, time.perf_counter()
-        while time.perf_counter() - t < seconds / 3:
-            a @ b
-            n += 1
-        best = max(best, 2.0 * rows * 576 * 1536 * n / (time.perf_counter() - t))
-    return best
+from llmprobe.jobs.plan import (  # noqa: E402  (the cost model's workload count and the matmul rate)
+    SMOLLM2_KNOWN,
+    TARGETS,
+    forward_work,
+    jacobian_work,
+    known_work,
+    matmul_rate,
+    run_workload,
+    smollm2_tokenizer,
+    sum_work,
+)
 
 
 def main() -> dict:
-    from transformers import AutoTokenizer
-
     threads = len(os.sched_getaffinity(0))
-    rate = matmul_rate(threads)
-    shape = scaling.TARGETS[0]
-    tok = AutoTokenizer.from_pretrained(scaling.tokenizer_folder())
-    work = scaling.run_workload(tok, shape.layers, scaling.SMOLLM2_KNOWN)
+    rate = matmul_rate(threads, seconds=3.0)
+    shape = TARGETS[0]
+    work = run_workload(smollm2_tokenizer(), shape.layers, SMOLLM2_KNOWN)
     stages = {
-        "known facts": scaling.known_work(shape, work["known"]).flops,
-        "Jacobians (exact)": scaling.sum_work(scaling.jacobian_work(shape, p, work["lre_layers"])
-                                              for p in work["jacobian"]).flops,
-        "capture + LM-head scoring": (scaling.sum_work(scaling.forward_work(shape, b, n) for b, n in work["forward"])
+        "known facts": known_work(shape, work["known"]).flops,
+        "Jacobians (exact)": sum_work(jacobian_work(shape, p, work["lre_layers"]) for p in work["jacobian"]).flops,
+        "capture + LM-head scoring": (sum_work(forward_work(shape, b, n) for b, n in work["forward"])
                                       .flops + work["head_rows"] * shape.head_flops()),
-        "causality and swap edits": scaling.sum_work(scaling.forward_work(shape, b, n, head=True)
-                                                     for b, n in work["edits"]).flops,
-        "superposition states": scaling.forward_work(shape, work["states"], shape.layers).flops,
+        "causality and swap edits": sum_work(forward_work(shape, b, n, head=True) for b, n in work["edits"]).flops,
+        "superposition states": forward_work(shape, work["states"], shape.layers).flops,
     }
     print(f"dense float32 matmul on {threads} thread(s): {rate / 1e9:.0f} GFLOP/s (measured now; the ceiling)")
     print(f"{'stage':<28}{'TFLOP':>8}{'floor s':>9}")

@@ -20,6 +20,10 @@
    SmolLM2-135M (checked against its measured run), 0.5B, 1.5B, 8B and 70B shapes: on this machine (from the fit)
    and on one H200 (a roofline with stated assumptions), with the full and the low-rank Jacobians.
 
+The cost model itself (shapes, the workload count, FLOPs, the prediction) is ``llmprobe.jobs.plan``'s, which
+``llmprobe plan`` predicts with from its shipped fits; this script measures and fits (its fits printed here are
+what ``llmprobe.jobs.plan.FITTED`` holds).
+
     python benchmarks/scaling.py --quick                 # smoke run (small models): 2-4 minutes
     python benchmarks/scaling.py --threads 1 --json F    # the full benchmark (13 minutes here, shared machine)
     python benchmarks/scaling.py --measured F            # refit and predict from F's measurements
@@ -40,63 +44,43 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # the repository root first: benchmarks/synthetic.py must not shadow the ``synthetic`` package
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# ------------------------------------------------------------------------------------------ shapes and FLOPs
-VOCAB = 49152               # the SmolLM2 tokenizer's vocabulary (the benchmark models use it)
+# the cost model (shapes, workload, FLOPs, prediction) is the package's: ``llmprobe plan`` predicts with it
+from llmprobe.jobs.plan import (  # noqa: E402
+    H200,
+    PREDICT_RANK,
+    SMOLLM2_KNOWN,
+    TARGETS,
+    Shape,
+    Work,
+    auto_rank,
+    cpu_model_cost,
+    duration,
+    forward_work,
+    gib,
+    jacobian_prompts,
+    jacobian_work,
+    known_batches,
+    known_work,
+    memory,
+    padded_batches,
+    predict_on,
+    run_workload,
+)
 
 
-@dataclass(frozen=True)
-class Shape:
-    """A Llama-architecture model's shape (what its FLOPs and memory depend on)."""
-
-    name: str
-    d: int
-    layers: int
-    ff: int
-    heads: int
-    kv_heads: int
-    vocab: int = VOCAB
-    tied: bool = True
-
-    @property
-    def block_params(self) -> int:
-        """Parameters of one decoder block (attention, MLP, two norms)."""
-        kv = 2 * self.d * (self.d // self.heads) * self.kv_heads
-        return 2 * self.d * self.d + kv + 3 * self.d * self.ff + 2 * self.d
-
-    @property
-    def params(self) -> int:
-        embeddings = self.vocab * self.d * (1 if self.tied else 2)
-        return self.layers * self.block_params + embeddings + self.d
-
-    def token_block_flops(self) -> float:
-        """FLOPs of one token through one block (forward), or of one vector-Jacobian product through it."""
-        return 2.0 * self.block_params
-
-    def head_flops(self) -> float:
-        """FLOPs of the LM head on one position."""
-        return 2.0 * self.d * self.vocab
-
-
+# ------------------------------------------------------------------------------------------ benchmark shapes
 def bench_shape(d: int, layers: int) -> Shape:
     """The benchmark's random-init models: head size 64, a quarter as many KV heads, MLP 8/3 d (64-aligned)."""
     heads = max(1, d // 64)
     return Shape(f"d{d}-L{layers}", d, layers, 64 * math.ceil(8 * d / 3 / 64), heads, max(1, heads // 4))
 
 
-TARGETS = [   # published configs (vocab, MLP width, heads, tied embeddings)
-    Shape("SmolLM2-135M", 576, 30, 1536, 9, 3, 49152, True),
-    Shape("0.5B (Qwen2.5-0.5B)", 896, 24, 4864, 14, 2, 151936, True),
-    Shape("1.5B (Qwen2.5-1.5B)", 1536, 28, 8960, 12, 2, 151936, True),
-    Shape("8B (Llama-3-8B)", 4096, 32, 14336, 32, 8, 128256, False),
-    Shape("70B (Llama-3-70B)", 8192, 80, 28672, 64, 8, 128256, False),
-]
 
 FULL_CONFIGS = [(256, 4), (256, 24), (512, 8), (1024, 4), (1024, 12), (2048, 4), (2048, 8)]
 QUICK_CONFIGS = [(128, 2), (256, 2), (256, 6), (512, 2)]   # quick: also a 50-resample bootstrap in the CPU stages
@@ -135,62 +119,6 @@ def fit_stage(rows: list[dict]) -> dict:
     return {"a": a, "b": b, "r2": r2, "worst": worst, "n": len(rows)}
 
 
-# ------------------------------------------------------------------------------------- workload in FLOPs
-@dataclass
-class Work:
-    """One stage's work: FLOPs (model, on the device) and passes (forward or backward calls)."""
-
-    flops: float = 0.0
-    passes: int = 0
-
-    def add(self, flops: float, passes: int = 1) -> None:
-        self.flops += flops
-        self.passes += passes
-
-
-def known_work(shape: Shape, batches: list[tuple[int, int, int]]) -> Work:
-    """known_facts: per batch (rows, padded prompt tokens, tokens generated): prefill + one step per further
-    token, the LM head on one position per row and step."""
-    w = Work()
-    for rows, prompt, gen in batches:
-        w.add(rows * ((prompt + gen - 1) * shape.layers * shape.token_block_flops() + gen * shape.head_flops()),
-              gen)
-    return w
-
-
-def forward_work(shape: Shape, batches: list[tuple[int, int]], blocks: int, head: bool = False) -> Work:
-    """Forward passes of (rows, padded tokens) batches through ``blocks`` blocks (+ LM head on one row each)."""
-    w = Work()
-    for rows, tokens in batches:
-        w.add(rows * (tokens * blocks * shape.token_block_flops() + (shape.head_flops() if head else 0.0)))
-    return w
-
-
-def jacobian_work(shape: Shape, prompts: list[tuple[int, int]], layers: list[int], rank: int | None = None,
-                  oversample: int = 10, batch_size: int = 16, chunk: int = 96) -> Work:
-    """subject_jacobians of prompts (tokens before the subject's last, tokens from it to the end) at the subject
-    states of ``layers``, rows grouped by the second number: a prefix forward without grad, a forward with grad,
-    then the products, each through the blocks after the layer it reaches (``chunk`` per batched backward).
-
-    Exact (``rank`` None, or k = rank + oversample >= d): d VJPs from o, through the blocks after min(layers)
-    (one backward reaches every layer). Low-rank (``llmprobe.model.lre._lowrank_rows``): k VJPs through the blocks
-    after min(layers) (shared by the layers), then per layer l k JVPs and k VJPs through the blocks after l."""
-    k = None if rank is None or rank + oversample >= shape.d else rank + oversample
-    first = min(layers)
-    terms = [(shape.d, first)] if k is None else [(k, first)] + [(2 * k, l) for l in layers]
-    w = Work()
-    for start in range(0, len(prompts), batch_size):
-        part = prompts[start:start + batch_size]
-        for after in sorted({a for _, a in part}):
-            group = [p for p in part if p[1] == after]
-            rows, prefix = len(group), max(p for p, _ in group)
-            w.add(rows * (prefix + after) * shape.layers * shape.token_block_flops(), 2)
-            for products, layer in terms:
-                w.add(products * rows * after * (shape.layers - layer) * shape.token_block_flops(),
-                      math.ceil(products / chunk))
-    return w
-
-
 # ---------------------------------------------------------------------------------------- measuring (child)
 def peak_memory(device: str) -> int:
     """Peak bytes so far: CUDA memory allocated, or this process's peak RSS."""
@@ -222,43 +150,6 @@ def tokenizer_folder() -> str:
     from llmprobe.model.loading import _embedded_safetensors
 
     return _embedded_safetensors()
-
-
-def padded_batches(tok, prompts: list[str], batch_size: int) -> list[tuple[int, int]]:
-    """(rows, padded tokens) of each batch, in the order the project batches them."""
-    if not prompts:
-        return []
-    lengths = [len(ids) for ids in tok(prompts)["input_ids"]]
-    return [(len(lengths[i:i + batch_size]), max(lengths[i:i + batch_size]))
-            for i in range(0, len(lengths), batch_size)]
-
-
-def known_batches(tok, prompts: list[str], objects: list[str], batch_size: int = 32) -> list[tuple[int, int, int]]:
-    """(rows, padded prompt tokens, generated tokens) per batch of ``known_facts`` (its ordering and budgets)."""
-    from llmprobe.model.known import object_token_sequences
-
-    budgets = [min(len(s) + 1, 16) for s in object_token_sequences(tok, prompts, objects)]
-    lengths = [len(ids) for ids in tok(prompts)["input_ids"]]
-    order = sorted(range(len(prompts)), key=lambda i: (budgets[i], len(prompts[i])))
-    out = []
-    for i in range(0, len(order), batch_size):
-        chunk = order[i:i + batch_size]
-        out.append((len(chunk), max(lengths[j] for j in chunk), max(budgets[j] for j in chunk)))
-    return out
-
-
-def jacobian_prompts(tok, template: str, subjects: list[str]) -> list[tuple[int, int]]:
-    """(tokens before the subject's last token, tokens from it to the prompt's end) per prompt."""
-    from llmprobe.model.subjects import encode
-
-    enc = encode(tok, template, subjects, padding_side="left")
-    out = []
-    for row in range(len(subjects)):
-        n = int(enc.attention_mask[row].sum())
-        pad = enc.input_ids.shape[1] - n
-        s, last = int(enc.subject_last[row]) - pad, int(enc.prompt_last[row]) - pad
-        out.append((s, last - s + 1))
-    return out
 
 
 def has_low_rank() -> bool:
@@ -410,201 +301,13 @@ def measure_width(d: int, quick: bool = False) -> dict:
     return out
 
 
-# -------------------------------------------------------------------------------------- the run's workload
-# Known facts of SmolLM2-135M-Instruct per relation (measured: `llmprobe run`, report schema 2, README). The
-# decoders use the first min(known, 90) of them; relations with fewer than 8 are skipped. Larger models know more
-# facts: the prediction states this assumption and also gives the upper bound with every fact known.
-SMOLLM2_KNOWN = {"company_hq_city": 5, "company_hq_country": 10, "country_capital": 49, "country_continent": 106,
-                 "country_currency": 33, "country_demonym": 19, "country_language": 79, "country_subregion": 16,
-                 "landmark_city": 18, "landmark_country": 22, "person_citizenship": 5, "person_occupation": 17,
-                 "product_company": 1}
+# ------------------------------------------------------------------------------------ measured on SmolLM2
 SMOLLM2_RUN = {"load": 4.4, "known_facts": 77.1, "jacobians": 540.9, "decoders_other": 284.7, "superposition": 148.3,
                "controls": 438.7, "wall": 1057.6}   # its measured run (report.json timings; 2 idle cores, README)
-CONTROL_D_STAR = {"trainable": 4, "frozen": 8}   # SmolLM2's table (measured); the table is the same for any model
-CONTROL_STEPS = 112     # mean training steps of SmolLM2's matched-control points at d >= 64 (measured, both modes)
-CONTROL_SEARCH_S = 122.0  # the two d* bisections on SmolLM2's table (widths 3-8, measured; model-independent)
 LOW_RANK = 64           # rank of the low-rank Jacobian estimate timed (k = 74 < d at every benchmark width)
-PREDICT_RANK = 128      # rank in the prediction: llmprobe.analyses.settings.AUTO_JACOBIAN_RANK, the default
 # SmolLM2's measured low-rank speed-ups (CPU seconds, exact / rank K; `benchmarks/jacobian_rank.py --timing-only
 # --measured 32,64,128 --timing-relations 2`: the first 9 subjects of the first 2 bundled relations, layers 6/15/24)
 SMOLLM2_LOWRANK_SPEEDUP = {32: 3.50, 64: 1.84, 128: 0.98}
-
-
-def run_workload(tok, n_layers: int, known_counts: dict | None) -> dict:
-    """What ``llmprobe run`` does with its defaults, in model-independent units: batches of (rows, tokens),
-    Jacobian prompts, CPU fit counts. ``known_counts`` None = every fact known."""
-    from llmprobe.analyses.settings import AnalysisSettings, pick_layers
-    from llmprobe.analyses.splits import relation_split
-    from llmprobe.analyses.superposition import superposition_table
-    from llmprobe.datasets import load_relations
-    from llmprobe.jobs.probe import parse_layers
-    from llmprobe.model.scoring import first_token_targets
-
-    cfg = AnalysisSettings()
-    relations = load_relations(None)
-    layers = parse_layers("every:3", n_layers)
-    lre_layers = pick_layers(layers, cfg.max_lre_layers, n_layers)
-    w: dict = {"layers": layers, "lre_layers": lre_layers, "known": [], "forward": [], "edits": [], "jacobian": [],
-               "lre_fits": 0, "ridge_fits": 0, "head_rows": 0, "states": [], "readouts": len(layers)}
-    for rel in relations:
-        template = rel.templates[0]
-        prompts = [template.replace("{}", f.subject, 1) for f in rel.facts]
-        w["known"] += known_batches(tok, prompts, [f.object for f in rel.facts])
-        known = len(rel.facts) if known_counts is None else known_counts.get(rel.name, 0)
-        n = min(known, cfg.max_subjects)
-        if n < cfg.min_known:
-            continue
-        facts = rel.facts[:n]
-        subjects = [f.subject for f in facts]
-        y = first_token_targets(tok, prompts[:n], [f.object for f in facts])
-        split = relation_split(y, rel.name, cfg)
-        batches = padded_batches(tok, prompts[:n], cfg.batch_size)
-        w["forward"].append((batches, n_layers))                                  # relation_states
-        union = split.jacobian_union().tolist()
-        w["jacobian"].append(jacobian_prompts(tok, template, [subjects[i] for i in union]))
-        n_test_pairs = len(split.test_pairs[0])
-        for layer in layers:
-            for refit in split.refits:
-                w["ridge_fits"] += len(cfg.ridge_alphas) + 1
-                w["head_rows"] += len(cfg.ridge_alphas) * len(refit.val) + 2 * len(split.test)
-                if layer in lre_layers:
-                    w["lre_fits"] += 1
-                    w["head_rows"] += 21 * len(refit.val) + len(split.test)
-        for layer in lre_layers:                                                 # causality layers = LRE layers
-            w["forward"].append((batches, layer + 1))                            # layer_sequences
-            edits = sum(len(cfg.edit_ranks) * len(r.val_pairs[0]) + 3 * n_test_pairs + 2 * n_test_pairs
-                        for r in split.refits) + n_test_pairs
-            sample = prompts[:n] * math.ceil(edits / n)
-            w["edits"].append((padded_batches(tok, sample[:edits], cfg.batch_size), n_layers - 1 - layer))
-    table = superposition_table(tok, relations, {}, cfg)
-    subjects = table.subjects
-    for template in table.neutral:                                              # the model and its random twin
-        neutral = [template.replace("{}", s, 1) for s in subjects]
-        w["states"] += padded_batches(tok, neutral, cfg.batch_size * 2) * 2
-    R = len(table.relations)
-    m = min(cfg.max_swap_subjects, len(subjects)) * R                          # swap edits (at most)
-    for layer in lre_layers:
-        sample = [table.relations[r].templates[0].replace("{}", subjects[i % len(subjects)], 1)
-                  for i in range(m) for r in [i % R]]
-        scales = len(cfg.swap_scales)
-        w["edits"].append((padded_batches(tok, sample * 4 * scales, cfg.batch_size), n_layers - 1 - layer))
-        w["forward"].append((padded_batches(tok, sample, cfg.batch_size), n_layers))        # clean answers
-        w["forward"].append((padded_batches(tok, sample, cfg.batch_size), layer + 1))       # layer_sequences
-    w["n_subjects"] = len(subjects)
-    w["n_facts_table"] = int((table.A >= 0).sum())
-    return w
-
-
-H200 = {"peak_flops": 989e12,        # bf16 dense tensor-core peak (NVIDIA H200 SXM datasheet)
-        "efficiency": 0.25,          # assumed achieved fraction for these small batches (tens of tokens a pass)
-        "hbm_bytes_per_s": 4.8e12,   # every pass reads the weights it uses once (a memory-bound floor)
-        "launch_s_per_block": 1e-4,  # assumed eager-PyTorch overhead per block per pass (~10 kernels + hooks)
-        "disk_bytes_per_s": 2e9,     # assumed safetensors read speed (load)
-        "hbm_bytes": 139 * 2**30,    # usable GPU memory (what torch reports on the H200 machine)
-        "bytes_per_param": 2,        # bfloat16 (``--dtype auto`` on CUDA)
-        "fp32_flops": 67e12,         # float32 (no TF32) peak: the matched controls train in float32 on the GPU
-        "control_efficiency": 0.5,   # assumed for their full-batch steps (1158 rows x d x 8d matmuls)
-        "control_step_s": 1e-3}      # assumed overhead per training step (forward, backward, Adam: ~40 kernels)
-
-
-def h200_control_step(flops: float) -> float:
-    """Seconds of one full-batch training step of a matched control on the H200 (``llmprobe run`` trains them on
-    the model's GPU): float32 FLOPs at the assumed efficiency plus a per-step overhead."""
-    return flops / (H200["fp32_flops"] * H200["control_efficiency"]) + H200["control_step_s"]
-
-
-def cpu_model_cost(fits: dict):
-    """The fitted cost of model work on this machine: seconds = a FLOPs + b passes (low-rank Jacobians by the
-    exact ones' fit when they were not measured)."""
-    def cost(stage: str, wk: Work, shape: Shape) -> float:
-        f = fits.get(stage) or fits[stage.replace("_lowrank", "")]
-        return f["a"] * wk.flops + f["b"] * wk.passes
-    return cost
-
-
-def auto_rank(shape: Shape, lre_layers: list[int]) -> int | None:
-    """The Jacobian rank the default ``--jacobian-rank auto`` picks for this shape (None: exact)."""
-    try:
-        from llmprobe.analyses.decoders import jacobian_rank_for
-        from llmprobe.analyses.settings import AnalysisSettings
-        return jacobian_rank_for(AnalysisSettings(), shape.d, lre_layers, shape.layers)
-    except TypeError:                         # an llmprobe whose rule counts products only
-        return None
-
-
-def h200_model_cost(stage: str, wk: Work, shape: Shape) -> float:
-    """Roofline of model work on one H200: FLOPs at an assumed efficiency, plus per pass the weights read from
-    HBM once and a launch overhead per block."""
-    weights = shape.params * H200["bytes_per_param"]
-    per_pass = weights / H200["hbm_bytes_per_s"] + shape.layers * H200["launch_s_per_block"]
-    return wk.flops / (H200["peak_flops"] * H200["efficiency"]) + wk.passes * per_pass
-
-
-def sum_work(parts) -> Work:
-    total = Work()
-    for wk in parts:
-        total.add(wk.flops, wk.passes)
-    return total
-
-
-def predict(shape: Shape, work: dict, model_cost, width_fits: dict, load_s: float, init_s: float,
-            rank: int | None, control_step=None) -> dict:
-    """Seconds per stage of ``llmprobe run`` for ``shape``: model work through ``model_cost(stage, Work, shape)``,
-    the width-only CPU work (decoder fits, readouts, controls) from this machine's fits (it runs on the host CPU
-    on any device), ``load_s`` and ``init_s`` (the random-init control's construction) given; the matched
-    controls' training steps by ``control_step(FLOPs)`` (default: this machine's fit; their threshold search and
-    measurements stay at this machine's speed)."""
-    def width_cost(stage: str, flops: float, count: float) -> float:
-        f = width_fits[stage]
-        return count * (f["a"] * flops + f["b"])
-
-    fwd = sum_work(forward_work(shape, b, blocks) for b, blocks in work["forward"])
-    edits = sum_work(forward_work(shape, b, blocks, head=True) for b, blocks in work["edits"])
-    jac = sum_work(jacobian_work(shape, p, work["lre_layers"], rank) for p in work["jacobian"])
-    heads = Work(work["head_rows"] * shape.head_flops(), 0)
-    states = forward_work(shape, work["states"], shape.layers)
-    out = {"load": load_s, "known_facts": model_cost("known_facts", known_work(shape, work["known"]), shape),
-           "jacobians": model_cost("jacobians" if rank is None else "jacobians_lowrank", jac, shape)}
-    factored = rank is not None and rank + 10 < shape.d and "lre_fit_lowrank" in width_fits   # as subject_jacobians
-    lre_fits = (width_cost("lre_fit_lowrank", float(shape.d) ** 2 * rank, work["lre_fits"]) if factored else
-                width_cost("lre_fit", float(shape.d) ** 3, work["lre_fits"]))
-    out["decoders_other"] = (model_cost("capture", fwd, shape) + model_cost("edits", edits, shape)
-                             + model_cost("capture", heads, shape) + lre_fits
-                             + width_cost("ridge_fit", 45.0 * shape.d ** 2, work["ridge_fits"]))
-    out["superposition"] = (model_cost("capture", states, shape) + init_s
-                            + width_cost("readout", float(work["n_subjects"]) ** 2 * shape.d, work["readouts"]))
-    controls = CONTROL_SEARCH_S
-    from synthetic.controls import curve_widths
-
-    for d_star in CONTROL_D_STAR.values():
-        for width in curve_widths(d_star, shape.d):
-            if width > 8:                        # d* itself was trained during the bisection
-                params = control_params(width, width_fits)
-                flops = 6.0 * params * work["n_facts_table"]
-                controls += (width_cost("control_step", flops, CONTROL_STEPS) if control_step is None else
-                             CONTROL_STEPS * control_step(flops))
-                controls += width_cost("control_measure", float(work["n_subjects"]) ** 2 * width, 1)
-    out["controls"] = controls
-    out["analyses"] = out["jacobians"] + out["decoders_other"] + out["superposition"]
-    out["wall"] = out["load"] + out["known_facts"] + max(out["analyses"], out["controls"])   # controls: a worker
-    return out
-
-
-def control_params(d: int, width_fits: dict) -> float:
-    """Parameters of the matched control at width d: the quadratic through the measured widths' counts."""
-    p2, p1, p0 = width_fits["control_params"]
-    return p2 * d * d + p1 * d + p0
-
-
-def memory(shape: Shape, work: dict, bytes_per_param: int) -> dict:
-    """Peak bytes: on the model's device the model and its random-init twin (superposition); on the host the
-    twin's construction (``from_config`` builds it on the CPU in the config's dtype, then it moves) and one
-    relation's Jacobians (float32, every LRE layer) with the float64 copies and SVDs of one fit."""
-    weights = shape.params * bytes_per_param
-    d = shape.d
-    jac_prompts = max((len(p) for p in work["jacobian"]), default=0)
-    jacobians = jac_prompts * len(work["lre_layers"]) * d * d * 4 + (3 + 2 * 4) * d * d * 8
-    return {"weights": weights, "device": 2 * weights, "host_init": weights, "host_jacobians": jacobians}
 
 
 # ------------------------------------------------------------------------------------------------- driver
@@ -707,16 +410,11 @@ def fit_and_predict(measured: list[dict], measured_widths: list[dict], args, t0:
     predictions = {}
     for shape in TARGETS:
         work = run_workload(tok, shape.layers, SMOLLM2_KNOWN)
-        cpu_cost = cpu_model_cost(fits)
-        load_cpu = fits["load"]["a"] * shape.params * 4 + fits["load"]["b"]
-        init_cpu = fits["random_init"]["a"] * shape.params + fits["random_init"]["b"]
-        load_gpu = shape.params * H200["bytes_per_param"] / H200["disk_bytes_per_s"]
         entry = {"params": shape.params, "lre_layers": work["lre_layers"]}
         entry["auto_rank"] = auto_rank(shape, work["lre_layers"])
         for rank, label in ((None, "full"), (entry["auto_rank"], "auto")):
-            entry[f"cpu_{label}"] = predict(shape, work, cpu_cost, width_fits, load_cpu, init_cpu, rank)
-            entry[f"h200_{label}"] = predict(shape, work, h200_model_cost, width_fits, load_gpu, init_cpu, rank,
-                                             h200_control_step)
+            for where in ("cpu", "h200"):
+                entry[f"{where}_{label}"] = predict_on(shape, work, {**fits, **width_fits}, where, rank)
         entry["memory_cpu"] = memory(shape, work, 4)
         entry["memory_h200"] = memory(shape, work, H200["bytes_per_param"])
         predictions[shape.name] = entry
@@ -751,18 +449,6 @@ def lowrank_check(tok, fits: dict) -> dict:
           "measured / predicted: " + ", ".join(f"K={k} {v['measured']:.2f}x / {v['predicted']:.2f}x"
                                                 for k, v in out.items()))
     return out
-
-
-def gib(x: float) -> str:
-    return f"{x / 2**30:.1f}"
-
-
-def duration(seconds: float) -> str:
-    """Seconds as 12 s, 3.4 min, 5.6 h or 7.8 d."""
-    for limit, unit, scale in ((120, "s", 1), (7200, "min", 60), (172800, "h", 3600)):
-        if seconds < limit:
-            return f"{seconds / scale:.0f} {unit}" if unit == "s" else f"{seconds / scale:.1f} {unit}"
-    return f"{seconds / 86400:.1f} d"
 
 
 def print_measured(measured: list[dict], widths: list[dict], fits: dict, width_fits: dict) -> None:

@@ -18,6 +18,7 @@ from llmprobe.checks import (
     positive_int,
 )
 from llmprobe.commands import run_command
+from llmprobe.jobs.plan import PRESETS
 from llmprobe.names import ANALYSES, PROTOCOLS
 from llmprobe.settings import COMMAND_ANALYSES, Settings
 from synthetic.cli import add_parser as add_synth
@@ -184,6 +185,18 @@ def build_parser(synth: bool = True) -> argparse.ArgumentParser:
                      help="several models: one after the other here (default) or one Ray task each")
     run.add_argument("--address", help="with --executor ray: the Ray cluster to join (default: Ray on this machine)")
     run.set_defaults(func=handlers._run)
+    plan = commands.add_parser("plan", help="the predicted time and peak memory of each stage of run, on this CPU and "
+                                            "one H200, from the model's config (no weights read)",
+                               description="Predict `llmprobe run` with the same options from the model's config "
+                                           "(docs/scaling.md, 'A plan before it starts'). MODEL: as for run, or a "
+                                           f"preset ({', '.join(PRESETS)}). --device cpu: this CPU only; h200 or cuda: "
+                                           "one H200 only; auto (default): both.")
+    _add_model_args(plan, "run")
+    plan.add_argument("--out", dest="run_out", metavar="OUT", help="accepted as run takes it, not used (no file is "
+                                                                  "written)")
+    plan.add_argument("--executor", dest="run_executor", choices=["process", "ray"], help="accepted, not used")
+    plan.add_argument("--address", dest="run_address", metavar="ADDRESS", help="accepted, not used")
+    plan.set_defaults(func=handlers._plan)
     compare = commands.add_parser("compare", help="side-by-side page of several report folders")
     compare.add_argument("dirs", nargs="+", help="report folders (each with report.json)")
     compare.add_argument("--out", required=True, help="output folder")

@@ -25,6 +25,7 @@ from llmprobe.checks import (
 )
 from llmprobe.io import file_lock
 from llmprobe.jobs.main import run
+from llmprobe.jobs.plan import format_plan, plan, plan_devices
 from llmprobe.jobs.probe import probe, summary_table
 from llmprobe.jobs.rerun import rerun
 from llmprobe.model.batching import OutOfMemoryAtOne
@@ -62,10 +63,37 @@ def _run(args) -> int:
         return _run_models(args, models or [None])
     setattr(args, MODEL, models[0] if models else None)
 
-    report = run(settings=settings_of(args), out=args.out, trust_remote_code=args.trust_remote_code,
+    settings = settings_of(args)
+    print_plan(settings, args.trust_remote_code)
+    report = run(settings=settings, out=args.out, trust_remote_code=args.trust_remote_code,
                  allow_pickle=args.allow_pickle, resume=args.resume, overwrite=args.overwrite)
     print_summary(report, args.out)
     return finished(report)
+
+
+def _plan(args) -> int:
+    """``llmprobe plan [MODEL ...] [run options]``: each model's plan with the settings ``run`` would use."""
+    for model in getattr(args, MODEL) or [None]:
+        print(plan_text(settings_of(argparse.Namespace(**{**vars(args), MODEL: model})), args.trust_remote_code))
+    return EXIT_OK
+
+
+def plan_text(settings: Settings, trust_remote_code: bool) -> str:
+    """The plan table (``llmprobe.jobs.plan``) of the run ``settings`` describe, on the devices ``--device``
+    names (auto: this CPU and one H200)."""
+    return format_plan([plan(None, settings, device=device, trust_remote_code=trust_remote_code)
+                        for device in plan_devices(settings.run.device)])
+
+
+def print_plan(settings: Settings, trust_remote_code: bool) -> None:
+    """The plan of ``llmprobe plan`` at the start of ``run``, before the model loads (on stderr, with the
+    progress); one line saying why when it cannot be made: the plan never stops the run."""
+    try:
+        text = plan_text(settings, trust_remote_code)
+    except Exception as error:  # noqa: BLE001 - any failure of the plan is reported and the run goes on
+        first = (str(error).splitlines() or [""])[0][:300]
+        text = f"llmprobe: no plan of this run ({type(error).__name__}: {first})"
+    print(text, file=sys.stderr, flush=True)
 
 
 def finished(report: dict) -> int:
@@ -316,4 +344,5 @@ def run_command(args) -> int:
         return EXIT_OUT_OF_MEMORY
 
 
-__all__ = ["run_command", "settings_of", "check_models", "check_outputs", "interrupts_raise", "print_summary"]
+__all__ = ["run_command", "settings_of", "check_models", "check_outputs", "interrupts_raise", "print_summary",
+           "print_plan"]

@@ -1,1 +1,1 @@
-"""Jobs: the stage protocol, probe, the main job (run), the controls worker and rerun (layer 5)."""
+"""Jobs: the stage protocol, probe, the main job (run), the controls worker, rerun and the plan (layer 5)."""

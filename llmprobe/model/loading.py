@@ -454,11 +454,18 @@ def _placement(model: nn.Module) -> dict | None:
     return counts
 
 
+def embedded_folder(gguf: Path | None = None) -> Path:
+    """Where the embedded default's safetensors copy is (or will be) cached: one folder per GGUF file and size
+    (it may not exist yet: ``_embedded_safetensors`` writes it)."""
+    gguf = gguf or default_gguf()
+    return cache_dir() / "models" / f"{gguf.stem}-{gguf.stat().st_size}"
+
+
 def _embedded_safetensors() -> str:
     """Folder with the embedded default as safetensors, converting from GGUF on first use (atomic)."""
     gguf = default_gguf()
     stat = gguf.stat()
-    target = cache_dir() / "models" / f"{gguf.stem}-{stat.st_size}"
+    target = embedded_folder(gguf)
     if (target / "config.json").is_file() and (target / "llmprobe.json").is_file():
         return str(target)
     from transformers import (  # lazy: start-up time: the CLI's checks and errors do not load transformers

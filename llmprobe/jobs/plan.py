@@ -1,0 +1,716 @@
+"""The plan of ``llmprobe run`` (layer 5): the predicted seconds and peak memory of each stage, from the model's
+config alone (no weights read), on this CPU and on one H200.
+
+This is the cost model of ``benchmarks/scaling.py`` (docs/scaling.md); the benchmark measures and fits, this
+module counts and predicts:
+
+* :class:`Shape`: what the FLOPs and the memory depend on, read from a config (:func:`model_shape`: a local
+  folder, a .gguf file, the embedded default, a preset of a published config, a hub name when online);
+* :func:`run_workload`: what ``llmprobe run`` does with its settings in model-independent units (batches of
+  rows x tokens, Jacobian prompts, fit counts), counted with the project's own code (splits, layer choice, the
+  superposition table) on the SmolLM2 tokenizer's prompt lengths;
+* :func:`known_work`, :func:`forward_work`, :func:`jacobian_work`: that workload in FLOPs and passes of a shape;
+* :func:`predict`: seconds per stage. This CPU: ``CPU_FITS`` (seconds = a * work + b * passes, fitted once on
+  the project's machine) times ``REFERENCE_RATE`` / this machine's one-thread matmul rate, measured now
+  (:func:`measured_rate`); one H200: a roofline (``H200``).
+
+:func:`plan` puts it together for one model and device, :func:`format_plan` prints it.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from llmprobe.analyses.decoders import AUTO_JACOBIAN_RANK, jacobian_rank_for
+from llmprobe.analyses.settings import AnalysisError, AnalysisSettings, pick_layers, settings_from
+from llmprobe.analyses.splits import relation_split
+from llmprobe.analyses.superposition import superposition_table
+from llmprobe.checks import UsageError
+from llmprobe.datasets import load_relations
+from llmprobe.jobs.probe import parse_layers
+from llmprobe.model.known import object_token_sequences
+from llmprobe.model.loading import (
+    DEFAULT_INSTALL,
+    DEFAULT_MODEL,
+    ModelLoadError,
+    _looks_like_path,
+    check_hub_reachable,
+    default_gguf,
+    embedded_folder,
+)
+from llmprobe.model.scoring import first_token_targets
+from llmprobe.model.subjects import encode
+from llmprobe.names import ANALYSES
+from llmprobe.settings import Settings
+from synthetic.controls import curve_widths
+
+# ------------------------------------------------------------------------------------------ shapes and FLOPs
+VOCAB = 49152               # the SmolLM2 tokenizer's vocabulary (the benchmark models use it)
+UNGATED = ("gpt2", "phi")   # model types whose MLP has two matrices (the others: gate, up, down)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoder-only model's shape (what its FLOPs and memory depend on); head_dim None = d // heads."""
+
+    name: str
+    d: int
+    layers: int
+    ff: int
+    heads: int
+    kv_heads: int
+    vocab: int = VOCAB
+    tied: bool = True
+    head_dim: int | None = None
+    mlp_matrices: int = 3
+
+    @property
+    def block_params(self) -> int:
+        """Parameters of one decoder block (attention, MLP, two norms)."""
+        head = self.head_dim or self.d // self.heads
+        kv = 2 * self.d * head * self.kv_heads
+        return 2 * self.d * head * self.heads + kv + self.mlp_matrices * self.d * self.ff + 2 * self.d
+
+    @property
+    def params(self) -> int:
+        embeddings = self.vocab * self.d * (1 if self.tied else 2)
+        return self.layers * self.block_params + embeddings + self.d
+
+    def token_block_flops(self) -> float:
+        """FLOPs of one token through one block (forward), or of one vector-Jacobian product through it."""
+        return 2.0 * self.block_params
+
+    def head_flops(self) -> float:
+        """FLOPs of the LM head on one position."""
+        return 2.0 * self.d * self.vocab
+
+
+TARGETS = [   # published configs (vocab, MLP width, heads, tied embeddings)
+    Shape("SmolLM2-135M", 576, 30, 1536, 9, 3, 49152, True),
+    Shape("0.5B (Qwen2.5-0.5B)", 896, 24, 4864, 14, 2, 151936, True),
+    Shape("1.5B (Qwen2.5-1.5B)", 1536, 28, 8960, 12, 2, 151936, True),
+    Shape("8B (Llama-3-8B)", 4096, 32, 14336, 32, 8, 128256, False),
+    Shape("70B (Llama-3-70B)", 8192, 80, 28672, 64, 8, 128256, False),
+]
+
+
+def preset_key(name: str) -> str:
+    """``meta-llama/Meta-Llama-3-8B-Instruct`` -> ``llama-3-8b``: a hub name without owner, ``meta-`` and
+    ``-instruct``, lower case."""
+    key = name.strip().lower().split("/")[-1]
+    return key.removeprefix("meta-").removesuffix("-instruct")
+
+
+# preset key -> Shape: each target by its short label ("8b") and its model ("llama-3-8b"); Llama-3.1 has 3's shape
+PRESETS = {preset_key(part.strip("()")): shape for shape in TARGETS for part in shape.name.split(" ")}
+PRESETS.update({"llama-3.1-8b": TARGETS[3], "llama-3.1-70b": TARGETS[4]})
+
+
+def shape_from_config(config, name: str) -> Shape:
+    """The Shape of a transformers config (its text config for a multimodal one)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    d, heads = int(text.hidden_size), int(text.num_attention_heads)
+    ff = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * d
+    return Shape(name, d, int(text.num_hidden_layers), int(ff), heads,
+                 int(getattr(text, "num_key_value_heads", None) or heads), int(text.vocab_size),
+                 bool(getattr(config, "tie_word_embeddings", True)), getattr(text, "head_dim", None) or None,
+                 2 if getattr(text, "model_type", "") in UNGATED else 3)
+
+
+def _config_of(name: str | Path, trust_remote_code: bool = False, **kwargs):
+    """transformers' config of a folder, GGUF file's folder (``gguf_file=``) or hub name: config.json only."""
+    from transformers import AutoConfig  # lazy: start-up time: the CLI's checks and errors do not load transformers
+
+    return AutoConfig.from_pretrained(str(name), trust_remote_code=trust_remote_code, **kwargs)
+
+
+def model_shape(model=None, trust_remote_code: bool = False) -> tuple[Shape, str]:
+    """(Shape, where it came from) of ``model``: None or the embedded default's name (its cached safetensors
+    copy's config.json, else its GGUF file's metadata: no weights dequantised), a local folder (config.json) or
+    .gguf file, a preset (``PRESETS``: ``meta-llama/Meta-Llama-3-8B``, ``Qwen/Qwen2.5-0.5B``, ...), a hub name
+    (cached or online; remote code only with ``trust_remote_code``), a transformers config or a Shape.
+    UsageError naming ``model`` when none of these reads it."""
+    if isinstance(model, Shape):
+        return model, "given shape"
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        return shape_from_config(model, getattr(model, "_name_or_path", "") or "config"), "given config"
+    name = None if model is None else str(model)
+    if name is None or name == DEFAULT_MODEL:
+        try:
+            gguf = default_gguf()
+        except ModelLoadError:
+            return PRESETS["smollm2-135m"], f"preset: the embedded model's shape (not installed: {DEFAULT_INSTALL})"
+        folder = embedded_folder(gguf)
+        if (folder / "config.json").is_file():
+            return shape_from_config(_config_of(folder), DEFAULT_MODEL), "the embedded model's config.json"
+        return shape_from_config(_config_of(gguf.parent, gguf_file=gguf.name), DEFAULT_MODEL), f"metadata of {gguf}"
+    local = Path(os.path.expanduser(name))
+    presets = ", ".join(sorted(PRESETS))
+    if local.is_dir() and not (local / "config.json").is_file():
+        raise UsageError(f"{name}: a folder without config.json; pass a model folder, a .gguf file, a hub name or "
+                         f"a preset ({presets})")
+    if local.is_dir() or (local.is_file() and name.lower().endswith(".gguf")):
+        where, kwargs = (local, {}) if local.is_dir() else (local.parent, {"gguf_file": local.name})
+        source = f"{local / 'config.json'}" if local.is_dir() else f"metadata of {local}"
+    elif preset_key(name) in PRESETS:
+        return PRESETS[preset_key(name)], f"preset {PRESETS[preset_key(name)].name}: its published config"
+    elif local.exists() or _looks_like_path(name):
+        raise UsageError(f"{name}: no model folder or .gguf file there, and not a preset ({presets})")
+    else:
+        where, kwargs, source = name, {}, f"the hub's config.json of {name}"
+    try:
+        if where == name:
+            check_hub_reachable(name, None)
+        return shape_from_config(_config_of(where, trust_remote_code, **kwargs), name), source
+    except (ModelLoadError, OSError, ValueError, KeyError, AttributeError, TypeError) as error:
+        first = (str(error).splitlines() or [""])[0]
+        raise UsageError(f"{name}: no config to plan from ({type(error).__name__}: {first}); presets that work "
+                         f"offline: {presets}") from None
+
+
+# ------------------------------------------------------------------------------------- workload in FLOPs
+@dataclass
+class Work:
+    """One stage's work: FLOPs (model, on the device) and passes (forward or backward calls)."""
+
+    flops: float = 0.0
+    passes: int = 0
+
+    def add(self, flops: float, passes: int = 1) -> None:
+        self.flops += flops
+        self.passes += passes
+
+
+def sum_work(parts) -> Work:
+    total = Work()
+    for wk in parts:
+        total.add(wk.flops, wk.passes)
+    return total
+
+
+def known_work(shape: Shape, batches: list[tuple[int, int, int]]) -> Work:
+    """known_facts: per batch (rows, padded prompt tokens, tokens generated): prefill + one step per further
+    token, the LM head on one position per row and step."""
+    w = Work()
+    for rows, prompt, gen in batches:
+        w.add(rows * ((prompt + gen - 1) * shape.layers * shape.token_block_flops() + gen * shape.head_flops()),
+              gen)
+    return w
+
+
+def forward_work(shape: Shape, batches: list[tuple[int, int]], blocks: int, head: bool = False) -> Work:
+    """Forward passes of (rows, padded tokens) batches through ``blocks`` blocks (+ LM head on one row each)."""
+    w = Work()
+    for rows, tokens in batches:
+        w.add(rows * (tokens * blocks * shape.token_block_flops() + (shape.head_flops() if head else 0.0)))
+    return w
+
+
+def jacobian_work(shape: Shape, prompts: list[tuple[int, int]], layers: list[int], rank: int | None = None,
+                  oversample: int = 10, batch_size: int = 16, chunk: int = 96) -> Work:
+    """subject_jacobians of prompts (tokens before the subject's last, tokens from it to the end) at the subject
+    states of ``layers``, rows grouped by the second number: a prefix forward without grad, a forward with grad,
+    then the products, each through the blocks after the layer it reaches (``chunk`` per batched backward).
+
+    Exact (``rank`` None, or k = rank + oversample >= d): d VJPs from o, through the blocks after min(layers)
+    (one backward reaches every layer). Low-rank (``llmprobe.model.lre._lowrank_rows``): k VJPs through the blocks
+    after min(layers) (shared by the layers), then per layer l k JVPs and k VJPs through the blocks after l."""
+    k = None if rank is None or rank + oversample >= shape.d else rank + oversample
+    first = min(layers)
+    terms = [(shape.d, first)] if k is None else [(k, first)] + [(2 * k, l) for l in layers]
+    w = Work()
+    for start in range(0, len(prompts), batch_size):
+        part = prompts[start:start + batch_size]
+        for after in sorted({a for _, a in part}):
+            group = [p for p in part if p[1] == after]
+            rows, prefix = len(group), max(p for p, _ in group)
+            w.add(rows * (prefix + after) * shape.layers * shape.token_block_flops(), 2)
+            for products, layer in terms:
+                w.add(products * rows * after * (shape.layers - layer) * shape.token_block_flops(),
+                      math.ceil(products / chunk))
+    return w
+
+
+# -------------------------------------------------------------------------------------- the run's workload
+def padded_batches(tok, prompts: list[str], batch_size: int) -> list[tuple[int, int]]:
+    """(rows, padded tokens) of each batch, in the order the project batches them."""
+    if not prompts:
+        return []
+    lengths = [len(ids) for ids in tok(prompts)["input_ids"]]
+    return [(len(lengths[i:i + batch_size]), max(lengths[i:i + batch_size]))
+            for i in range(0, len(lengths), batch_size)]
+
+
+def known_batches(tok, prompts: list[str], objects: list[str], batch_size: int = 32) -> list[tuple[int, int, int]]:
+    """(rows, padded prompt tokens, generated tokens) per batch of ``known_facts`` (its ordering and budgets)."""
+    budgets = [min(len(s) + 1, 16) for s in object_token_sequences(tok, prompts, objects)]
+    lengths = [len(ids) for ids in tok(prompts)["input_ids"]]
+    order = sorted(range(len(prompts)), key=lambda i: (budgets[i], len(prompts[i])))
+    out = []
+    for i in range(0, len(order), batch_size):
+        chunk = order[i:i + batch_size]
+        out.append((len(chunk), max(lengths[j] for j in chunk), max(budgets[j] for j in chunk)))
+    return out
+
+
+def jacobian_prompts(tok, template: str, subjects: list[str]) -> list[tuple[int, int]]:
+    """(tokens before the subject's last token, tokens from it to the prompt's end) per prompt."""
+    enc = encode(tok, template, subjects, padding_side="left")
+    out = []
+    for row in range(len(subjects)):
+        n = int(enc.attention_mask[row].sum())
+        pad = enc.input_ids.shape[1] - n
+        s, last = int(enc.subject_last[row]) - pad, int(enc.prompt_last[row]) - pad
+        out.append((s, last - s + 1))
+    return out
+
+
+# Known facts of SmolLM2-135M-Instruct per relation (measured: `llmprobe run`, report schema 2, README). The
+# decoders use the first min(known, 90) of them; relations with fewer than 8 are skipped. Larger models know more
+# facts: the prediction states this assumption and also gives the upper bound with every fact known.
+SMOLLM2_KNOWN = {"company_hq_city": 5, "company_hq_country": 10, "country_capital": 49, "country_continent": 106,
+                 "country_currency": 33, "country_demonym": 19, "country_language": 79, "country_subregion": 16,
+                 "landmark_city": 18, "landmark_country": 22, "person_citizenship": 5, "person_occupation": 17,
+                 "product_company": 1}
+SMOLLM2_KNOWN_FRACTION = 380 / 1574   # of every bundled fact: assumed for a relation not in SMOLLM2_KNOWN
+# the matched controls' table is the superposition table of the bundled relations (all facts), the same for any
+# model; measured on it in the SmolLM2 run of 2026-12-01 (3 seeds, 100 steps past the fit, 2000-step cap):
+CONTROL_D_STAR = {"trainable": 3, "frozen": 8}
+CONTROL_STEPS = 200     # mean training steps per seed of the curve's points at d >= 48 (27 trainings, both modes)
+CONTROL_POINT_STEPS = {"trainable": {3: 2000, 6: 262, 12: 190, 24: 165},     # narrower points: per seed, measured
+                       "frozen": {8: 1767, 16: 298, 32: 199}}
+CONTROL_SEARCH_S = {"trainable": 71.4, "frozen": 69.2}   # each mode's d* bisection (widths 2-8, model-independent)
+PREDICT_RANK = AUTO_JACOBIAN_RANK   # the low rank ``--jacobian-rank auto`` takes (128)
+
+
+def run_workload(tok, n_layers: int, known_counts: dict | None, cfg: AnalysisSettings | None = None,
+                 relations: list | None = None, layers: str = "every:3", analyses=ANALYSES,
+                 control_modes=tuple(CONTROL_D_STAR), at_model_width: bool = True) -> dict:
+    """What ``llmprobe run`` does with these settings (default: its defaults), in model-independent units:
+    batches of (rows, tokens), Jacobian prompts, CPU fit counts. ``relations`` None = every bundled relation;
+    ``known_counts`` None = every fact known. Without ``lre`` no Jacobians, LRE fits or causality edits; without
+    ``ridge`` no ridge fits; without ``superposition`` no states, readouts or swap edits; ``control_modes`` ()
+    = no matched controls."""
+    cfg = cfg or AnalysisSettings()
+    relations = load_relations(None) if relations is None else relations
+    do_lre, do_ridge, do_sup = ("lre" in analyses), ("ridge" in analyses), ("superposition" in analyses)
+    layers = parse_layers(layers, n_layers)
+    lre_layers = (sorted({l % n_layers for l in cfg.lre_layers} & set(layers)) if cfg.lre_layers is not None else
+                  pick_layers(layers, cfg.max_lre_layers, n_layers))
+    w: dict = {"layers": layers, "lre_layers": lre_layers, "known": [], "forward": [], "edits": [], "jacobian": [],
+               "lre_fits": 0, "ridge_fits": 0, "head_rows": 0, "states": [], "readouts": len(layers) if do_sup else 0,
+               "control_modes": tuple(control_modes), "at_model_width": at_model_width}
+    for rel in relations:
+        template = rel.templates[0]
+        prompts = [template.replace("{}", f.subject, 1) for f in rel.facts]
+        w["known"] += known_batches(tok, prompts, [f.object for f in rel.facts])
+        known = len(rel.facts) if known_counts is None else known_counts.get(rel.name, 0)
+        n = min(known, cfg.max_subjects)
+        if n < cfg.min_known or not (do_lre or do_ridge):
+            continue
+        facts = rel.facts[:n]
+        subjects = [f.subject for f in facts]
+        y = first_token_targets(tok, prompts[:n], [f.object for f in facts])
+        try:
+            split = relation_split(y, rel.name, cfg)
+        except AnalysisError:                                                    # too few facts: skipped
+            continue
+        batches = padded_batches(tok, prompts[:n], cfg.batch_size)
+        w["forward"].append((batches, n_layers))                                  # relation_states
+        if do_lre:
+            union = split.jacobian_union().tolist()
+            w["jacobian"].append(jacobian_prompts(tok, template, [subjects[i] for i in union]))
+        n_test_pairs = len(split.test_pairs[0])
+        for layer in layers:
+            for refit in split.refits:
+                if do_ridge:
+                    w["ridge_fits"] += len(cfg.ridge_alphas) + 1
+                    w["head_rows"] += len(cfg.ridge_alphas) * len(refit.val) + 2 * len(split.test)
+                if do_lre and layer in lre_layers:
+                    w["lre_fits"] += 1
+                    w["head_rows"] += 21 * len(refit.val) + len(split.test)
+        for layer in lre_layers if do_lre else []:                               # causality layers = LRE layers
+            w["forward"].append((batches, layer + 1))                            # layer_sequences
+            edits = sum(len(cfg.edit_ranks) * len(r.val_pairs[0]) + 3 * n_test_pairs + 2 * n_test_pairs
+                        for r in split.refits) + n_test_pairs
+            sample = prompts[:n] * math.ceil(edits / n)
+            w["edits"].append((padded_batches(tok, sample[:edits], cfg.batch_size), n_layers - 1 - layer))
+    try:
+        table = superposition_table(tok, relations, {}, cfg) if do_sup or control_modes else None
+    except AnalysisError:                                # too few shared subjects: no readouts, no controls
+        table, w["readouts"], w["control_modes"] = None, 0, ()
+    w["n_subjects"] = len(table.subjects) if table is not None else 0
+    w["n_facts_table"] = int((table.A >= 0).sum()) if table is not None else 0
+    if table is None or not do_sup:
+        return w
+    subjects = table.subjects
+    for template in table.neutral:                                              # the model and its random twin
+        neutral = [template.replace("{}", s, 1) for s in subjects]
+        w["states"] += padded_batches(tok, neutral, cfg.batch_size * 2) * 2
+    R = len(table.relations)
+    m = min(cfg.max_swap_subjects, len(subjects)) * R                          # swap edits (at most)
+    for layer in lre_layers:
+        sample = [table.relations[r].templates[0].replace("{}", subjects[i % len(subjects)], 1)
+                  for i in range(m) for r in [i % R]]
+        scales = len(cfg.swap_scales)
+        w["edits"].append((padded_batches(tok, sample * 4 * scales, cfg.batch_size), n_layers - 1 - layer))
+        w["forward"].append((padded_batches(tok, sample, cfg.batch_size), n_layers))        # clean answers
+        w["forward"].append((padded_batches(tok, sample, cfg.batch_size), layer + 1))       # layer_sequences
+    return w
+
+
+# ------------------------------------------------------------------------------------------------ predict
+H200 = {"peak_flops": 989e12,        # bf16 dense tensor-core peak (NVIDIA H200 SXM datasheet)
+        "efficiency": 0.25,          # assumed achieved fraction for these small batches (tens of tokens a pass)
+        "hbm_bytes_per_s": 4.8e12,   # every pass reads the weights it uses once (a memory-bound floor)
+        "launch_s_per_block": 1e-4,  # assumed eager-PyTorch overhead per block per pass (~10 kernels + hooks)
+        "disk_bytes_per_s": 2e9,     # assumed safetensors read speed (load)
+        "hbm_bytes": 139 * 2**30,    # usable GPU memory (what torch reports on the H200 machine)
+        "bytes_per_param": 2,        # bfloat16 (``--dtype auto`` on CUDA)
+        "fp32_flops": 67e12,         # float32 (no TF32) peak: the matched controls train in float32 on the GPU
+        "control_efficiency": 0.5,   # assumed for their full-batch steps (1158 rows x d x 8d matmuls)
+        "control_step_s": 1e-3}      # assumed overhead per training step (forward, backward, Adam: ~40 kernels)
+
+# The fits of benchmarks/scaling.py on the project's 2-core CPU machine, one thread, CPU seconds (docs/scaling.md,
+# "Measured", 2026-12-01, third session; as printed there: work per second 1/a to 3 digits, b to the ms):
+# stage -> (work per second, seconds per pass). Work: FLOPs for the model stages, weight bytes for load,
+# parameters for random_init, the operation counts of docs/scaling.md for the width-only CPU stages.
+FITTED = {"load": (1.34e9, 0.313), "known_facts": (4.58e10, 0.069), "capture": (6.69e10, 0.042),
+          "edits": (7.17e10, 0.073), "jacobians": (9.01e10, 0.023), "jacobians_lowrank": (9.96e10, 0.018),
+          "random_init": (6.4e7, 0.332), "lre_fit": (4.26e8, 0.079), "lre_fit_lowrank": (7.49e8, 0.081),
+          "ridge_fit": (3.88e9, 0.001), "readout": (3.98e6, 0.0), "control_step": (8.12e10, 0.010),
+          "control_measure": (8.48e5, 0.0)}
+# control_step is refitted on the 16 curve points of the SmolLM2 run of 2026-12-01 (each point's CPU seconds in its
+# one-thread worker, less control_measure, against FLOPs x steps and steps over its 3 seeds; widths 3-576): the
+# benchmark's fit (4.41e10, 0.233), made at widths 256-1024, put 0.23 s on every step of a d = 3 model.
+CPU_FITS = {stage: {"a": 1.0 / rate, "b": b} for stage, (rate, b) in FITTED.items()}
+# the matched control's parameters at width d: 16 d^2 (its 8d MLP) + (193 subjects + 6 relations + 577 attributes
+# + 9) d on the default table (counted by ``synthetic.controls.train_at``, as the benchmark's quadratic fit does)
+CPU_FITS["control_params"] = [16.0, 785.0, 0.0]
+# one thread's dense float32 matmul rate per CPU second on the fit's machine (``measured_rate()``, five runs on
+# 2026-12-02 at load average 1-2: 140-151 GFLOP/s): it over this machine's rate scales every CPU fit
+REFERENCE_RATE = 145e9
+PROCESS_BYTES = 0.5 * 2**30   # Python, torch and the tokenizer: the smallest benchmark model's peak RSS less its model
+
+
+def h200_control_step(flops: float) -> float:
+    """Seconds of one full-batch training step of a matched control on the H200 (``llmprobe run`` trains them on
+    the model's GPU): float32 FLOPs at the assumed efficiency plus a per-step overhead."""
+    return flops / (H200["fp32_flops"] * H200["control_efficiency"]) + H200["control_step_s"]
+
+
+def cpu_model_cost(fits: dict):
+    """The fitted cost of model work on this machine: seconds = a FLOPs + b passes (low-rank Jacobians by the
+    exact ones' fit when they were not measured)."""
+    def cost(stage: str, wk: Work, shape: Shape) -> float:
+        f = fits.get(stage) or fits[stage.replace("_lowrank", "")]
+        return f["a"] * wk.flops + f["b"] * wk.passes
+    return cost
+
+
+def h200_model_cost(stage: str, wk: Work, shape: Shape) -> float:
+    """Roofline of model work on one H200: FLOPs at an assumed efficiency, plus per pass the weights read from
+    HBM once and a launch overhead per block."""
+    weights = shape.params * H200["bytes_per_param"]
+    per_pass = weights / H200["hbm_bytes_per_s"] + shape.layers * H200["launch_s_per_block"]
+    return wk.flops / (H200["peak_flops"] * H200["efficiency"]) + wk.passes * per_pass
+
+
+def auto_rank(shape: Shape, lre_layers: list[int], cfg: AnalysisSettings | None = None) -> int | None:
+    """The Jacobian rank ``cfg.jacobian_rank`` (default ``auto``) takes for this shape (None: exact)."""
+    return jacobian_rank_for(cfg or AnalysisSettings(), shape.d, lre_layers, shape.layers)
+
+
+def control_params(d: int, width_fits: dict) -> float:
+    """Parameters of the matched control at width d: the quadratic through the measured widths' counts."""
+    p2, p1, p0 = width_fits["control_params"]
+    return p2 * d * d + p1 * d + p0
+
+
+def predict(shape: Shape, work: dict, model_cost, width_fits: dict, load_s: float, init_s: float,
+            rank: int | None, control_step=None, search_s: float = sum(CONTROL_SEARCH_S.values()),
+            cores: int | None = None) -> dict:
+    """Seconds per stage of ``llmprobe run`` for ``shape``: model work through ``model_cost(stage, Work, shape)``,
+    the width-only CPU work (decoder fits, readouts, controls) from ``width_fits`` (it runs on the host CPU on any
+    device), ``load_s`` and ``init_s`` (the random-init control's construction) given; the matched controls'
+    training steps by ``control_step(FLOPs)`` (default: the CPU fit), their threshold searches ``search_s`` (both
+    modes) and measurements at the CPU fit's speed, ``n_seeds`` trainings per point, one worker per mode.
+    wall = load + known facts + max(analyses, the longer mode's controls, all of that work over ``cores``) (the
+    analyses' seconds are one thread's, so on several cores this is an upper bound; ``cores`` None, on a GPU: the
+    last term left out, the GPU's small-batch passes leaving room for the controls' steps beside them)."""
+    def width_cost(stage: str, flops: float, count: float) -> float:
+        f = width_fits[stage]
+        return count * (f["a"] * flops + f["b"])
+
+    fwd = sum_work(forward_work(shape, b, blocks) for b, blocks in work["forward"])
+    edits = sum_work(forward_work(shape, b, blocks, head=True) for b, blocks in work["edits"])
+    jac = sum_work(jacobian_work(shape, p, work["lre_layers"], rank) for p in work["jacobian"])
+    heads = Work(work["head_rows"] * shape.head_flops(), 0)
+    states = forward_work(shape, work["states"], shape.layers)
+    out = {"load": load_s, "known_facts": model_cost("known_facts", known_work(shape, work["known"]), shape),
+           "jacobians": model_cost("jacobians" if rank is None else "jacobians_lowrank", jac, shape)}
+    factored = rank is not None and rank + 10 < shape.d and "lre_fit_lowrank" in width_fits   # as subject_jacobians
+    lre_fits = (width_cost("lre_fit_lowrank", float(shape.d) ** 2 * rank, work["lre_fits"]) if factored else
+                width_cost("lre_fit", float(shape.d) ** 3, work["lre_fits"]))
+    out["decoders_other"] = (model_cost("capture", fwd, shape) + model_cost("edits", edits, shape)
+                             + model_cost("capture", heads, shape) + lre_fits
+                             + width_cost("ridge_fit", 45.0 * shape.d ** 2, work["ridge_fits"]))
+    out["superposition"] = (model_cost("capture", states, shape) + init_s
+                            + width_cost("readout", float(work["n_subjects"]) ** 2 * shape.d, work["readouts"]))
+    per_mode = {}
+    for mode in (m for m in work.get("control_modes", CONTROL_D_STAR) if m in CONTROL_D_STAR):
+        seconds = search_s * CONTROL_SEARCH_S[mode] / sum(CONTROL_SEARCH_S.values())
+        for width in curve_widths(CONTROL_D_STAR[mode], shape.d, work.get("at_model_width", True)):
+            steps = CONTROL_POINT_STEPS[mode].get(width, CONTROL_STEPS) * work.get("n_seeds", 3)
+            flops = 6.0 * control_params(width, width_fits) * work["n_facts_table"]
+            seconds += (width_cost("control_step", flops, steps) if control_step is None else
+                        steps * control_step(flops))
+            seconds += width_cost("control_measure", float(work["n_subjects"]) ** 2 * width, 1)
+        per_mode[mode] = seconds
+    out["controls"] = max(per_mode.values(), default=0.0)          # one worker per mode, side by side
+    out["controls_total"] = sum(per_mode.values())
+    out["analyses"] = out["jacobians"] + out["decoders_other"] + out["superposition"]
+    # the workers and the analyses share the cores: no faster than their work spread over every core
+    shared = (out["analyses"] + out["controls_total"]) / cores if cores else 0.0
+    out["wall"] = out["load"] + out["known_facts"] + max(out["analyses"], out["controls"], shared)
+    return out
+
+
+def scaled_fits(fits: dict, factor: float) -> dict:
+    """``fits`` with every stage's a and b times ``factor`` (load, a disk read, and the control parameters kept)."""
+    return {stage: f if stage in ("load", "control_params") else {**f, "a": f["a"] * factor, "b": f["b"] * factor}
+            for stage, f in fits.items()}
+
+
+def predict_on(shape: Shape, work: dict, fits: dict, device: str, rank: int | None, cpu_scale: float = 1.0) -> dict:
+    """:func:`predict` on ``device``: "cpu" by ``fits`` times ``cpu_scale`` (float32 weights read at the load
+    fit's speed), "h200" by the roofline (bf16 weights read at ``H200["disk_bytes_per_s"]``), its host-CPU work
+    (fits, readouts, the controls' searches, the random twin's construction) by ``fits`` as they are."""
+    init = fits["random_init"]["a"] * shape.params + fits["random_init"]["b"] if work["readouts"] else 0.0
+    if device == "cpu":
+        here = scaled_fits(fits, cpu_scale)
+        load = here["load"]["a"] * shape.params * 4 + here["load"]["b"]
+        return predict(shape, work, cpu_model_cost(here), here, load, init * cpu_scale, rank,
+                       search_s=sum(CONTROL_SEARCH_S.values()) * cpu_scale, cores=len(os.sched_getaffinity(0)))
+    load = shape.params * H200["bytes_per_param"] / H200["disk_bytes_per_s"]
+    return predict(shape, work, h200_model_cost, fits, load, init, rank, h200_control_step)
+
+
+def memory(shape: Shape, work: dict, bytes_per_param: float) -> dict:
+    """Peak bytes: on the model's device the model and its random-init twin (superposition); on the host the
+    twin's construction (``from_config`` builds it on the CPU in the config's dtype, then it moves) and one
+    relation's Jacobians (float32, every LRE layer) with the float64 copies and SVDs of one fit."""
+    weights = shape.params * bytes_per_param
+    d = shape.d
+    jac_prompts = max((len(p) for p in work["jacobian"]), default=0)
+    jacobians = jac_prompts * len(work["lre_layers"]) * d * d * 4 + (3 + 2 * 4) * d * d * 8
+    return {"weights": weights, "device": 2 * weights, "host_init": weights, "host_jacobians": jacobians}
+
+
+# ------------------------------------------------------------------------------------------------- the plan
+def matmul_rate(threads: int = 1, seconds: float = 1.0, clock=time.perf_counter) -> float:
+    """FLOP/s of float32 matmuls shaped like the run's GEMMs (rows x 576 by 576 x 1536, rows 256, 1024, 4096),
+    the best of the shapes, each timed for ``seconds / 3`` of ``clock`` on ``threads`` torch threads (restored
+    after). ``clock``: wall seconds, or ``time.thread_time`` (one thread only: its CPU seconds, which other
+    processes' share of the cores does not inflate, as the fits' CPU seconds)."""
+    before, gen = torch.get_num_threads(), torch.Generator().manual_seed(0)   # (torch's own RNG left alone)
+    torch.set_num_threads(threads)
+    try:
+        best = 0.0
+        for rows in (256, 1024, 4096):
+            a, b = torch.randn(rows, 576, generator=gen), torch.randn(576, 1536, generator=gen)
+            a @ b
+            n, t = 0, clock()
+            while clock() - t < seconds / 3:
+                a @ b
+                n += 1
+            best = max(best, 2.0 * rows * 576 * 1536 * n / (clock() - t))
+        return best
+    finally:
+        torch.set_num_threads(before)
+
+
+@functools.lru_cache(maxsize=1)
+def measured_rate() -> float:
+    """This machine's one-thread matmul rate (per CPU second), measured once per process (about a second)."""
+    return matmul_rate(1, 1.0, time.thread_time)
+
+
+@functools.lru_cache(maxsize=1)
+def smollm2_tokenizer():
+    """The embedded SmolLM2 tokenizer (the cost model's prompt lengths): its cached copy's files, else its GGUF
+    file's metadata (no weights read). UsageError when the embedded model is not installed."""
+    from transformers import AutoTokenizer  # lazy: start-up time: the CLI's checks and errors do not load it
+
+    try:
+        gguf = default_gguf()
+    except ModelLoadError as error:
+        raise UsageError(f"the plan counts prompts with the embedded SmolLM2 tokenizer: {error}") from None
+    folder = embedded_folder(gguf)
+    if (folder / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(str(folder))
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+_WORKLOADS: dict = {}   # the workloads counted in this process, by their settings and depth
+
+
+def settings_workload(settings: Settings, n_layers: int) -> tuple[dict, AnalysisSettings, dict]:
+    """(workload, analysis settings, what it assumed) of ``llmprobe run`` with ``settings`` on an ``n_layers``-deep
+    model: its relations (first ``max_facts`` facts), layers, analyses, analysis settings and controls; known
+    facts: SmolLM2's counts (scaled to ``max_facts``; other relations at SmolLM2's overall fraction)."""
+    run = settings.run
+    cfg = settings_from(seed=run.seed, **settings.analysis_options())
+    analyses = settings.analyses("run")
+    modes = tuple(settings.controls.modes) if settings.controls.enabled else ()
+    key = json.dumps([run.relations, run.max_facts, run.layers, n_layers, asdict(cfg), analyses, modes,
+                      settings.controls.at_model_width, settings.controls.n_seeds], default=str)
+    if key not in _WORKLOADS:
+        every = load_relations(None if run.relations is None else list(run.relations))
+        relations = [r.with_facts(r.facts[:run.max_facts]) for r in every] if run.max_facts else every
+        known = {}
+        for full, rel in zip(every, relations):
+            share = SMOLLM2_KNOWN[rel.name] / len(full.facts) if rel.name in SMOLLM2_KNOWN else SMOLLM2_KNOWN_FRACTION
+            known[rel.name] = round(share * len(rel.facts))
+        work = run_workload(smollm2_tokenizer(), n_layers, known, cfg, relations, run.layers, analyses, modes,
+                            settings.controls.at_model_width)
+        work["n_seeds"] = settings.controls.n_seeds
+        assumed = {"relations": len(relations), "facts": sum(len(r.facts) for r in relations),
+                   "known": sum(known.values()), "layers": work["layers"], "lre_layers": work["lre_layers"],
+                   "analyses": analyses, "control_modes": work["control_modes"]}
+        _WORKLOADS[key] = (work, cfg, assumed)
+    return _WORKLOADS[key]
+
+
+STAGES = {"load": "load", "known_facts": "known facts", "jacobians": "Jacobians", "decoders_other": "decoders, rest",
+          "superposition": "superposition", "controls": "matched controls"}
+DEVICES = ("cpu", "h200")       # this CPU, one H200
+NOT_COUNTED = "crosspatch, selector, multihop"   # analyses of run the cost model has no stage for
+
+
+def plan_devices(run_device: str) -> tuple[str, ...]:
+    """The plan's devices for a run's ``--device``: auto both, cpu this CPU, h200 or cuda[:N] one H200."""
+    if run_device == "auto":
+        return DEVICES
+    if run_device == "cpu":
+        return ("cpu",)
+    if run_device == "h200" or run_device.startswith("cuda"):
+        return ("h200",)
+    raise UsageError(f"plan: --device {run_device!r}: choose auto (this CPU and one H200), cpu, h200 or cuda")
+
+
+def _bytes_per_param(settings: Settings, device: str) -> float:
+    run = settings.run
+    if device == "h200" and run.quantize:
+        return {"4bit": 0.5, "8bit": 1.0}[run.quantize]
+    dtype = run.dtype if run.dtype != "auto" else ("bfloat16" if device == "h200" else "float32")
+    return 4.0 if dtype == "float32" else 2.0
+
+
+def _ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def plan(model=None, settings: Settings | None = None, *, device: str = "cpu", rate: float | None = None,
+         trust_remote_code: bool = False) -> dict:
+    """The plan of ``llmprobe run`` of ``model`` (a name, folder, .gguf file, preset, transformers config or
+    Shape: :func:`model_shape`; None = ``settings.run.model``) with ``settings`` on ``device``: "cpu" (this CPU)
+    or "h200" (one H200). No weights are read.
+
+    This CPU: every CPU fit (seconds = a * work + b * passes; load aside) times REFERENCE_RATE / ``rate``, where
+    ``rate`` is one thread's float32 matmul FLOP/s per CPU second here (default :func:`measured_rate`: ~1 s, once
+    per process) and REFERENCE_RATE the same on the machine the fits were made on: a core twice as fast halves
+    the prediction. Both are one thread's: cores beyond one are not credited (SmolLM2's run on 2 idle cores took
+    as long as the one-thread fit predicts; its passes are small). One H200: the roofline of ``H200``, its
+    host-side work (fits, readouts, the controls' searches) at the fits' own speed.
+
+    Returns {"model", "source", "shape", "device", "rate", "jacobian_rank", "assumed", "stages": {stage:
+    {"seconds", "peak_bytes"}}, "total": {"seconds", "peak_bytes", "host_peak_bytes", "memory_bytes", "fits"}}:
+    peak_bytes on the device (this CPU: process RSS; H200: GPU memory), total seconds the wall time (load + known
+    facts + max(analyses, the longer control mode, all of that work over the cores): one controls worker per mode
+    beside the analyses; ``total["controls_seconds"]`` both modes' seconds), its peak the most at any time."""
+    settings = settings or Settings()
+    if device not in DEVICES:
+        raise UsageError(f"plan: unknown device {device!r}; choose cpu (this CPU) or h200 (one H200)")
+    model = settings.run.model if model is None else model
+    shape, source = model_shape(model, trust_remote_code)
+    work, cfg, assumed = settings_workload(settings, shape.layers)
+    rank = auto_rank(shape, work["lre_layers"], cfg) if work["jacobian"] else None
+    rate = (rate or measured_rate()) if device == "cpu" else None
+    seconds = predict_on(shape, work, CPU_FITS, device, rank, REFERENCE_RATE / rate if rate else 1.0)
+    mem = memory(shape, work, _bytes_per_param(settings, device))
+    weights, jacobians = mem["weights"], mem["host_jacobians"] if work["jacobian"] else 0
+    twin = weights if work["readouts"] else 0                    # the random-init twin of the superposition
+    control = 16 * control_params(shape.d, CPU_FITS) if work["control_modes"] else 0   # weights, grads, Adam
+    on_host = device == "cpu"
+    base = PROCESS_BYTES if on_host else 0          # the device's memory: this process's RSS, or the GPU's
+    decoders = base + weights + (jacobians if on_host else 0)    # one relation's Jacobians and fits: on the host
+    workers = len(work["control_modes"])                          # one controls process per mode
+    peaks = {"load": base + weights, "known_facts": base + weights, "jacobians": decoders, "decoders_other": decoders,
+             "superposition": base + weights + twin, "controls": workers * (base + control) if control else 0}
+    peak = max(peaks["known_facts"], max(decoders, peaks["superposition"]) + peaks["controls"])
+    host = peak if on_host else PROCESS_BYTES + max(mem["host_init"] if twin else 0, jacobians)
+    limit = _ram_bytes() if on_host else H200["hbm_bytes"]
+    label = DEFAULT_MODEL if model is None else str(model) if isinstance(model, (str, os.PathLike)) else shape.name
+    return {"model": label, "source": source, "shape": {**asdict(shape), "params": shape.params}, "device": device,
+            "rate": rate, "jacobian_rank": rank, "assumed": assumed,
+            "stages": {stage: {"seconds": seconds[stage], "peak_bytes": peaks[stage]} for stage in STAGES},
+            "total": {"seconds": seconds["wall"], "controls_seconds": seconds["controls_total"], "peak_bytes": peak,
+                      "host_peak_bytes": host,
+                      "memory_bytes": limit, "fits": peak <= limit}}
+
+
+def gib(x: float) -> str:
+    return f"{x / 2**30:.1f}"
+
+
+def duration(seconds: float) -> str:
+    """Seconds as 12 s, 3.4 min, 5.6 h or 7.8 d."""
+    for limit, unit, scale in ((120, "s", 1), (7200, "min", 60), (172800, "h", 3600)):
+        if seconds < limit:
+            return f"{seconds / scale:.0f} {unit}" if unit == "s" else f"{seconds / scale:.1f} {unit}"
+    return f"{seconds / 86400:.1f} d"
+
+
+def format_plan(plans: dict | list[dict]) -> str:
+    """A short table of one model's plans (one column pair per device: time, peak GiB), what it assumed, and
+    how each column was predicted."""
+    plans = [plans] if isinstance(plans, dict) else list(plans)
+    first = plans[0]
+    s, a = first["shape"], first["assumed"]
+    rank = "exact" if first["jacobian_rank"] is None else f"rank {first['jacobian_rank']}"
+    head = {"cpu": "this CPU", "h200": "one H200"}
+    lines = [f"plan of llmprobe run: {first['model']} ({first['source']}; no weights read)",
+             f"  {s['params'] / 1e9:.2f}B params, d_model {s['d']}, {s['layers']} layers, vocab {s['vocab']}; "
+             f"{len(a['layers'])} layers probed, LRE layers {','.join(map(str, a['lre_layers'])) or 'none'}, "
+             f"Jacobians {rank}",
+             f"  {a['relations']} relations, {a['facts']} facts, {a['known']} known (SmolLM2-135M's measured counts: "
+             f"a larger model knows more, costing more)",
+             f"{'stage':<18}" + "".join(f"{head[p['device']]:>22}" for p in plans)]
+    rows = [(label, [p["stages"][stage] for p in plans]) for stage, label in STAGES.items()]
+    rows.append(("run (wall)", [p["total"] for p in plans]))
+    for label, cells in rows:
+        lines.append(f"{label:<18}" + "".join(f"{duration(c['seconds']):>11}{gib(c['peak_bytes']):>7} GiB"
+                                              for c in cells))
+    lines.append(f"{'fits in memory':<18}" + "".join(
+        f"{('yes' if p['total']['fits'] else 'NO') + ' (' + gib(p['total']['memory_bytes']) + ' GiB)':>22}"
+        for p in plans))
+    for p in plans:
+        if p["device"] == "cpu":
+            lines.append(f"  this CPU: docs/scaling.md's fits x {REFERENCE_RATE / p['rate']:.2f} (one-thread matmul "
+                         f"{p['rate'] / 1e9:.0f} GFLOP/s here, {REFERENCE_RATE / 1e9:.0f} at the fit)")
+        else:
+            lines.append(f"  one H200: roofline ({H200['peak_flops'] / 1e12:.0f} TFLOP/s bf16 x "
+                         f"{H200['efficiency']:.0%}, {H200['hbm_bytes_per_s'] / 1e12:.1f} TB/s), host work at the "
+                         f"fit's speed; host peak "
+                         f"{gib(p['total']['host_peak_bytes'])} GiB")
+    lines.append(f"  wall = load + known facts + max(analyses, the longer control mode (one worker each), all of it "
+                 f"over the cores); not in the cost model: {NOT_COUNTED}")
+    return "\n".join(lines)

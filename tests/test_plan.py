@@ -1,0 +1,179 @@
+"""Issue 24, "A plan before it starts": ``llmprobe plan`` predicts each stage of ``llmprobe run`` from the model's
+config alone (``llmprobe.jobs.plan``, the cost model of benchmarks/scaling.py with its fits shipped)."""
+import json
+import os
+import re
+import shutil
+
+import pytest
+import torch
+import transformers
+from tiny_models import CONFIGS, save_tiny
+
+import llmprobe.jobs.plan as plan_module
+from llmprobe.checks import UsageError
+from llmprobe.cli import main
+from llmprobe.commands import print_plan
+from llmprobe.jobs.plan import (
+    CPU_FITS,
+    REFERENCE_RATE,
+    SMOLLM2_KNOWN,
+    STAGES,
+    TARGETS,
+    auto_rank,
+    format_plan,
+    matmul_rate,
+    plan,
+    predict_on,
+    run_workload,
+    shape_from_config,
+    smollm2_tokenizer,
+)
+from llmprobe.settings import from_options
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return save_tiny("llama", tmp_path_factory.mktemp("llama"))
+
+
+def config_only(folder, where, **changes):
+    """A folder holding only ``folder``'s config.json (no weights, no tokenizer), with ``changes`` made."""
+    where.mkdir()
+    config = json.loads((folder / "config.json").read_text())
+    (where / "config.json").write_text(json.dumps({**config, **changes}))
+    return where
+
+
+def test_a_config_alone_gets_a_plan_and_a_deeper_or_wider_model_costs_more(tiny, tmp_path):
+    base = plan(config_only(tiny, tmp_path / "base"), rate=REFERENCE_RATE)
+    assert list(base["stages"]) == list(STAGES) and base["shape"]["layers"] == 3 and base["device"] == "cpu"
+    assert all(stage["seconds"] > 0 and stage["peak_bytes"] > 0 for stage in base["stages"].values())
+    deep = plan(config_only(tiny, tmp_path / "deep", num_hidden_layers=6), rate=REFERENCE_RATE)
+    wide = plan(config_only(tiny, tmp_path / "wide", hidden_size=64, intermediate_size=128), rate=REFERENCE_RATE)
+    for bigger in (deep, wide):
+        for stage in ("jacobians", "decoders_other", "known_facts"):          # decoders_other: the capture passes
+            assert bigger["stages"][stage]["seconds"] > base["stages"][stage]["seconds"], stage
+        assert bigger["shape"]["params"] > base["shape"]["params"]
+    analyses = sum(base["stages"][s]["seconds"] for s in ("jacobians", "decoders_other", "superposition"))
+    controls = base["stages"]["controls"]["seconds"]             # the longer mode's worker
+    both = base["total"]["controls_seconds"]                     # trainable and frozen, one worker each
+    assert controls < both <= 2 * controls
+    assert base["total"]["seconds"] == pytest.approx(base["stages"]["load"]["seconds"] + base["stages"][
+        "known_facts"]["seconds"] + max(analyses, controls, (analyses + both) / len(os.sched_getaffinity(0))))
+
+
+def test_a_slower_machine_predicts_proportionally_more_cpu_time_and_the_same_h200_time(tiny):
+    fast, slow = plan(tiny, rate=REFERENCE_RATE), plan(tiny, rate=REFERENCE_RATE / 2)
+    assert slow["stages"]["jacobians"]["seconds"] == pytest.approx(2 * fast["stages"]["jacobians"]["seconds"])
+    assert plan(tiny, device="h200")["rate"] is None
+    with pytest.raises(UsageError, match="tpu"):
+        plan(tiny, device="tpu")
+
+
+def test_a_relation_subset_and_fewer_layers_predict_less(tiny):
+    full = plan(tiny, rate=REFERENCE_RATE)
+    some = plan(tiny, from_options("run", None, {"relations": ["country_capital", "country_continent"]}),
+                rate=REFERENCE_RATE)
+    assert some["assumed"]["relations"] == 2 < full["assumed"]["relations"]
+    assert some["assumed"]["known"] == SMOLLM2_KNOWN["country_capital"] + SMOLLM2_KNOWN["country_continent"]
+    for stage in ("known_facts", "jacobians", "decoders_other"):
+        assert some["stages"][stage]["seconds"] < full["stages"][stage]["seconds"], stage
+    assert some["total"]["seconds"] < full["total"]["seconds"]
+    smol = plan("HuggingFaceTB/SmolLM2-135M", rate=REFERENCE_RATE)
+    one = plan("HuggingFaceTB/SmolLM2-135M", from_options("run", None, {"layers": "15"}), rate=REFERENCE_RATE)
+    assert one["assumed"]["layers"] == one["assumed"]["lre_layers"] == [15]
+    for stage in ("jacobians", "decoders_other", "superposition"):     # LRE layers 6, 15, 24 -> 15 alone
+        assert one["stages"][stage]["seconds"] < smol["stages"][stage]["seconds"], stage
+    bare = plan("HuggingFaceTB/SmolLM2-135M", from_options("run", None, {"analyses": "ridge", "controls": False}),
+                rate=REFERENCE_RATE)
+    assert bare["stages"]["jacobians"]["seconds"] == bare["stages"]["controls"]["seconds"] == 0
+
+
+def test_an_unknown_path_or_name_offline_is_a_usage_error_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UsageError, match=re.escape(str(tmp_path / "nothing"))):
+        plan(str(tmp_path / "nothing"))
+    with pytest.raises(UsageError, match="nobody/no-such-model.*presets"):
+        plan("nobody/no-such-model")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UsageError, match="without config.json"):
+        plan(str(tmp_path / "empty"))
+
+
+def test_presets_work_offline_and_memory_grows_with_the_parameters(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    small = plan("HuggingFaceTB/SmolLM2-135M", device="h200")
+    large = plan("meta-llama/Meta-Llama-3-8B", device="h200")
+    assert large["source"].startswith("preset 8B") and large["shape"]["params"] == 8_030_261_248
+    params = large["shape"]["params"] / small["shape"]["params"]
+    assert 0.8 < (large["total"]["peak_bytes"] / small["total"]["peak_bytes"]) / params < 1.25
+    assert plan("Llama-3-70B", device="h200")["total"]["fits"] is False     # 70B and its random twin: 263 GiB
+
+
+def test_the_shipped_fits_reproduce_the_benchmark_and_its_documented_table():
+    """The plan of the default run is the benchmark's prediction with the shipped fits (this CPU at the fit
+    machine's rate), and those fits give docs/scaling.md's predicted walls (SmolLM2 20.0 min here; 8B on one H200
+    25.2 min)."""
+    shape = TARGETS[0]
+    work = run_workload(smollm2_tokenizer(), shape.layers, SMOLLM2_KNOWN)
+    expected = predict_on(shape, work, CPU_FITS, "cpu", auto_rank(shape, work["lre_layers"]))
+    got = plan(shape, rate=REFERENCE_RATE)
+    assert {s: got["stages"][s]["seconds"] for s in STAGES} == pytest.approx({s: expected[s] for s in STAGES})
+    assert got["total"]["seconds"] == pytest.approx(20.0 * 60, rel=0.05)
+    assert plan(TARGETS[3], device="h200")["total"]["seconds"] == pytest.approx(25.2 * 60, rel=0.05)
+
+
+def test_the_cli_prints_the_table_for_a_model_folder(tiny, capsys):
+    assert main(["plan", str(tiny), "--relations", "country_capital", "--layers", "every:1"]) == 0
+    out = capsys.readouterr().out
+    assert f"plan of llmprobe run: {tiny}" in out and "this CPU" in out and "one H200" in out
+    for label in (*STAGES.values(), "run (wall)"):
+        assert re.search(rf"^{re.escape(label)} +\d", out, re.M), label
+    assert main(["plan", "meta-llama/Meta-Llama-3-8B", "--device", "h200", "--out", "never-made"]) == 0
+    out = capsys.readouterr().out
+    assert "one H200" in out and "this CPU" not in out and "d_model 4096" in out
+
+
+def test_run_prints_the_plan_before_loading_and_never_fails_for_it(tiny, tmp_path, capsys, monkeypatch):
+    relation = tmp_path / "capital.json"
+    facts = [("France", "Paris"), ("Japan", "Tokyo"), ("Egypt", "Cairo"), ("Italy", "Rome")]
+    relation.write_text(json.dumps({"name": "capital", "templates": ["The capital of {} is"],
+                                    "neutral_templates": ["{}"],
+                                    "facts": [{"subject": s, "object": o} for s, o in facts]}))
+    assert main(["run", str(tiny), "--relations", str(relation), "--layers", "-1", "--device", "cpu",
+                 "--no-controls", "--analyses", "", "--out", str(tmp_path / "run")]) == 0
+    err = capsys.readouterr().err
+    assert "plan of llmprobe run" in err and err.index("plan of llmprobe run") < err.index("loading")
+
+    def broken(*args, **kwargs):
+        raise OSError("no config here")
+    monkeypatch.setattr("llmprobe.commands.plan", broken)
+    print_plan(from_options("run", None, {"model": str(tiny)}), False)
+    assert capsys.readouterr().err.strip() == "llmprobe: no plan of this run (OSError: no config here)"
+
+
+def test_a_folder_copied_without_weights_still_plans_and_format_plan_takes_one_plan(tiny, tmp_path):
+    folder = tmp_path / "copy"
+    shutil.copytree(tiny, folder)
+    for weights in folder.glob("*.safetensors"):
+        weights.write_bytes(b"not weights")                    # were they read, the plan would fail
+    text = format_plan(plan(folder, rate=REFERENCE_RATE))
+    assert text.count("\n") < 16 and "no weights read" in text
+    assert plan_module.measured_rate.cache_info().maxsize == 1    # the machine's rate: measured once a process
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_the_shape_of_every_family_counts_its_parameters(family):
+    """Within 15% of transformers' count (biases and GPT-2's learned positions are left out of the FLOPs)."""
+    config = CONFIGS[family](400)
+    real = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+    assert shape_from_config(config, family).params == pytest.approx(real, rel=0.15)
+
+
+def test_the_rate_measurement_leaves_torch_as_it_found_it():
+    """``llmprobe run`` measures it before it seeds and loads: its threads and random state stay the run's."""
+    torch.set_num_threads(2)
+    state = torch.random.get_rng_state()
+    assert matmul_rate(1, 0.05) > 1e8
+    assert torch.get_num_threads() == 2 and torch.equal(torch.random.get_rng_state(), state)
