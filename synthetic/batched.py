@@ -30,7 +30,7 @@ import time
 import torch
 
 from synthetic.model import FactRecallModel, ModelConfig, softmax_cross_entropy
-from synthetic.tasks import FactTask, KHopTask
+from synthetic.tasks import FactTask, KHopTask, SeqData
 from synthetic.train import (
     CHECKPOINT,
     SNAPSHOT,
@@ -232,6 +232,18 @@ def train_batched(tasks: list[FactTask | KHopTask], model_configs: list[ModelCon
     if cfg.threads and cfg.device == "cpu":
         torch.set_num_threads(cfg.threads)
     device = torch.device(cfg.device)
+    datas = _stackable_data(tasks, cfg, device)
+    models = [FactRecallModel(c).to(device) for c in model_configs]
+    batch = _Batch(tasks, datas, models, out_dirs, cfg, device, snapshot_at)
+    batch.resume(models, resume)
+    batch.start_clock()
+    batch.leave_finished()
+    batch.train()
+    return batch.results
+
+
+def _stackable_data(tasks: list, cfg: TrainConfig, device) -> list[SeqData]:
+    """Each task's data on ``device``; ValueError unless they share one shape and ``cfg`` asks for full batches."""
     datas = [task.data().to(device) for task in tasks]
     shapes = {(tuple(d.input_ids.shape), tuple(d.target_pos.tolist()), tuple(d.targets.shape)) for d in datas}
     if len(shapes) > 1:
@@ -240,127 +252,179 @@ def train_batched(tasks: list[FactTask | KHopTask], model_configs: list[ModelCon
     if cfg.batch_size and cfg.batch_size < n_rows:
         raise ValueError(f"batched training is full batch only: batch_size {cfg.batch_size} < {n_rows} facts "
                          f"(use synthetic.train.train for minibatches)")
-    models = [FactRecallModel(c).to(device) for c in model_configs]
-    M = len(models)
-    steps, histories, fit_steps = [0] * M, [[] for _ in range(M)], [None] * M
-    accs, losses = [0.0] * M, [float("nan")] * M
-    wall_share, cpu_share = [0.0] * M, [0.0] * M
-    snapshots: list[dict[int, dict]] = [{} for _ in range(M)]
-    stack = ModelStack(models, device)
-    for i, out_dir in enumerate(out_dirs):
-        if not out_dir:
-            continue
-        os.makedirs(out_dir, exist_ok=True)
-        if resume and (os.path.exists(os.path.join(out_dir, STATE)) or os.path.exists(
-                os.path.join(out_dir, CHECKPOINT))):
-            state, moments = read_checkpoint(out_dir, models[i])
-            stack.load(i, models[i])
-            stack.set_moments(i, moments)
-            steps[i], histories[i], wall_share[i] = state["step"], state["history"], state["elapsed"]
-            accs[i], losses[i] = state.get("accuracy", 0.0), state.get("loss", float("nan"))
-            fit_steps[i] = state.get("fit_step", steps[i] if accs[i] >= cfg.target_acc and steps[i] > 0 else None)
-        else:
-            _save_task(tasks[i], out_dir)
+    return datas
 
-    results: list[RunResult | None] = [None] * M
-    t0, last_ckpt = time.perf_counter(), time.perf_counter()
-    fit_times: list[float | None] = [None] * M
-    active = list(range(M))                  # original index of each model in the stack, in stack order
 
-    def finish(j: int, i: int, confirmed: bool) -> None:
+class _Batch:
+    """One :func:`train_batched` call: the :class:`ModelStack` of the models still training and, per model i (its
+    original index), its step count, history, latest loss and accuracy, fit (step, seconds), time shares,
+    snapshots and, once it has left the stack, its result. ``active``: the original index of each model in the
+    stack, in stack order (row j of the stack is model ``active[j]``)."""
+
+    def __init__(self, tasks: list, datas: list[SeqData], models: list[FactRecallModel], out_dirs: list,
+                 cfg: TrainConfig, device, snapshot_at: tuple[int, ...]):
+        M = len(models)
+        self.tasks, self.datas, self.out_dirs, self.cfg, self.snapshot_at = tasks, datas, out_dirs, cfg, snapshot_at
+        self.M, self.n_rows, self.positions = M, len(datas[0]), datas[0].target_pos
+        self.steps, self.histories, self.fit_steps = [0] * M, [[] for _ in range(M)], [None] * M
+        self.accs, self.losses = [0.0] * M, [float("nan")] * M
+        self.wall_share, self.cpu_share = [0.0] * M, [0.0] * M
+        self.snapshots: list[dict[int, dict]] = [{} for _ in range(M)]
+        self.stack = ModelStack(models, device)
+        self.results: list[RunResult | None] = [None] * M
+        self.fit_times: list[float | None] = [None] * M
+        self.active = list(range(M))
+        self.t0 = self.last_ckpt = time.perf_counter()
+
+    def resume(self, models: list[FactRecallModel], resume: bool) -> None:
+        """Each model with a checkpoint in its directory (and ``resume``) continues from it: parameters, Adam
+        moments and counts; a fresh directory gets the task file."""
+        cfg = self.cfg
+        for i, out_dir in enumerate(self.out_dirs):
+            if not out_dir:
+                continue
+            os.makedirs(out_dir, exist_ok=True)
+            if resume and (os.path.exists(os.path.join(out_dir, STATE)) or os.path.exists(
+                    os.path.join(out_dir, CHECKPOINT))):
+                state, moments = read_checkpoint(out_dir, models[i])
+                self.stack.load(i, models[i])
+                self.stack.set_moments(i, moments)
+                self.steps[i], self.histories[i], self.wall_share[i] = state["step"], state["history"], state["elapsed"]
+                self.accs[i], self.losses[i] = state.get("accuracy", 0.0), state.get("loss", float("nan"))
+                fitted = self.accs[i] >= cfg.target_acc and self.steps[i] > 0
+                self.fit_steps[i] = state.get("fit_step", self.steps[i] if fitted else None)
+            else:
+                _save_task(self.tasks[i], out_dir)
+
+    def start_clock(self) -> None:
+        """The batch's time starts (after the resume): the fit times count from here, the checkpoint interval too."""
+        self.t0, self.last_ckpt = time.perf_counter(), time.perf_counter()
+
+    def finish(self, j: int, i: int, confirmed: bool) -> None:
         """Model i (row j of the stack) is finished: evaluate unless ``confirmed`` (stopped at its fit), record,
         save."""
-        model = stack.model(j)
+        cfg, model = self.cfg, self.stack.model(j)
         if not confirmed:
-            accs[i] = evaluate(model, datas[i])       # the parameters it ends with
-        if fit_steps[i] is None and accs[i] >= cfg.target_acc:
-            fit_steps[i], fit_times[i] = steps[i], time.perf_counter() - t0     # reached with the last update
-            if 0 in snapshot_at:
-                snapshots[i][0] = snapshot(model)
-        if not histories[i] or histories[i][-1][0] != steps[i]:
-            histories[i].append([steps[i], round(losses[i], 5), round(accs[i], 5)])
-        results[i] = run_result(tasks[i], model, cfg, steps=steps[i], accuracy=accs[i], loss=losses[i],
-                                history=histories[i], wall_s=wall_share[i], cpu_s=cpu_share[i],
-                                time_to_target_s=fit_times[i], facts_per_step=n_rows, fit_step=fit_steps[i],
-                                batch_models=M)
-        results[i].snapshots = snapshots[i]
-        if out_dirs[i]:
-            save_run(out_dirs[i], results[i], stack.moments(j), wall_share[i], cfg)
+            self.accs[i] = evaluate(model, self.datas[i])       # the parameters it ends with
+        if self.fit_steps[i] is None and self.accs[i] >= cfg.target_acc:
+            self.fit_steps[i], self.fit_times[i] = self.steps[i], time.perf_counter() - self.t0   # the last update
+            if 0 in self.snapshot_at:
+                self.snapshots[i][0] = snapshot(model)
+        if not self.histories[i] or self.histories[i][-1][0] != self.steps[i]:
+            self.histories[i].append([self.steps[i], round(self.losses[i], 5), round(self.accs[i], 5)])
+        self.results[i] = run_result(
+            self.tasks[i], model, cfg, steps=self.steps[i], accuracy=self.accs[i], loss=self.losses[i],
+            history=self.histories[i], wall_s=self.wall_share[i], cpu_s=self.cpu_share[i],
+            time_to_target_s=self.fit_times[i], facts_per_step=self.n_rows, fit_step=self.fit_steps[i],
+            batch_models=self.M)
+        self.results[i].snapshots = self.snapshots[i]
+        if self.out_dirs[i]:
+            save_run(self.out_dirs[i], self.results[i], self.stack.moments(j), self.wall_share[i], cfg)
 
-    def save_all() -> None:
-        for j, i in enumerate(active):
-            if out_dirs[i]:
-                _save_checkpoint(out_dirs[i], stack.model(j), stack.moments(j), steps[i], wall_share[i],
-                                 histories[i], accs[i], losses[i], cfg, fit_steps[i])
+    def save_all(self) -> None:
+        """A checkpoint of every model still in the stack that has a directory."""
+        for j, i in enumerate(self.active):
+            if self.out_dirs[i]:
+                _save_checkpoint(self.out_dirs[i], self.stack.model(j), self.stack.moments(j), self.steps[i],
+                                 self.wall_share[i], self.histories[i], self.accs[i], self.losses[i], self.cfg,
+                                 self.fit_steps[i])
 
-    # models already finished in their checkpoint (as train(): by the stopping rule, or at the step cap)
-    leave = [j for j, i in enumerate(active) if (fit_steps[i] is not None and stop_now(steps[i] - fit_steps[i], cfg))
-             or steps[i] >= cfg.max_steps]
-    for j in leave:
-        finish(j, active[j], fit_steps[active[j]] is not None and cfg.past_fit is None)
-    active = [i for j, i in enumerate(active) if j not in leave]
-    if leave and active:
-        stack.keep([j for j in range(len(stack)) if j not in leave])
-    positions = datas[0].target_pos
+    def leave_finished(self) -> None:
+        """Models already finished in their checkpoint (as train(): by the stopping rule, or at the step cap) get
+        their results and leave the stack."""
+        cfg, active, steps, fit_steps = self.cfg, self.active, self.steps, self.fit_steps
+        leave = [j for j, i in enumerate(active)
+                 if (fit_steps[i] is not None and stop_now(steps[i] - fit_steps[i], cfg)) or steps[i] >= cfg.max_steps]
+        for j in leave:
+            self.finish(j, active[j], fit_steps[active[j]] is not None and cfg.past_fit is None)
+        self.active = [i for j, i in enumerate(active) if j not in leave]
+        if leave and self.active:
+            self.stack.keep([j for j in range(len(self.stack)) if j not in leave])
 
-    def stacked_data() -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.stack([datas[i].input_ids for i in active]), torch.stack([datas[i].targets for i in active]))
+    def stacked_data(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids [M, F, L] and targets [M, F, T] of the stack's models, in stack order."""
+        return (torch.stack([self.datas[i].input_ids for i in self.active]),
+                torch.stack([self.datas[i].targets for i in self.active]))
 
-    ids, targets = stacked_data() if active else (None, None)     # [M, F, L], [M, F, T] of the stack's models
-    try:
-        while active:
-            wall0, cpu0 = time.perf_counter(), time.process_time()
-            loss, correct = stack.loss(ids, positions, targets, chunk=cfg.chunk)
-            n_pred = targets[0].numel()
-            leave = []
-            step_losses, step_correct = loss.detach().tolist(), correct.tolist()     # one copy each, not M
-            for j, i in enumerate(active):
-                losses[i] = step_losses[j]
-                accs[i] = step_correct[j] / n_pred          # accuracy before the update, as in train()
-                if fit_steps[i] is None and accs[i] >= cfg.target_acc:
-                    accs[i] = evaluate(stack.model(j), datas[i])   # confirm with a plain argmax pass
-                    if accs[i] >= cfg.target_acc:
-                        fit_steps[i], fit_times[i] = steps[i], time.perf_counter() - t0
-                if fit_steps[i] is not None:
-                    if steps[i] - fit_steps[i] in snapshot_at:
-                        snapshots[i][steps[i] - fit_steps[i]] = {name: stack.tensor(j, name).cpu().clone()
-                                                                 for name in SNAPSHOT}
-                    if stop_now(steps[i] - fit_steps[i], cfg):
-                        leave.append(j)
-            dt_wall, dt_cpu = time.perf_counter() - wall0, time.process_time() - cpu0
-            for i in active:
-                wall_share[i] += dt_wall / len(active)
-                cpu_share[i] += dt_cpu / len(active)
-            for j in leave:                    # done before this step's update: it never changes again
-                finish(j, active[j], cfg.past_fit is None)
-            wall0, cpu0 = time.perf_counter(), time.process_time()
-            stay = [j for j in range(len(active)) if j not in leave]
-            if stay:
-                loss.sum().backward()
-                stack.adam_step([lr_at(steps[i], cfg) for i in active], cfg)
-            for j in stay:
-                i = active[j]
-                steps[i] += 1
-                if steps[i] % cfg.log_every == 0:
-                    histories[i].append([steps[i], round(losses[i], 5), round(accs[i], 5)])
-            dt_wall, dt_cpu = time.perf_counter() - wall0, time.process_time() - cpu0
-            for j in stay:
-                wall_share[active[j]] += dt_wall / len(stay)
-                cpu_share[active[j]] += dt_cpu / len(stay)
-            capped = [j for j in stay if steps[active[j]] >= cfg.max_steps]
-            for j in capped:
-                finish(j, active[j], False)
-            gone = set(leave) | set(capped)
-            if gone:
-                keep = [j for j in range(len(active)) if j not in gone]
-                active = [active[j] for j in keep]
-                if keep:
-                    stack.keep(keep)
-                    ids, targets = stacked_data()
-            if any(out_dirs) and active and time.perf_counter() - last_ckpt > cfg.checkpoint_every_s:
-                save_all()
-                last_ckpt = time.perf_counter()
-    except KeyboardInterrupt:
-        save_all()                  # the next call on these directories resumes from here
-        raise
-    return results
+    def train(self) -> None:
+        """Steps until every model has left the stack (by its stopping rule or the step cap); Ctrl-C saves every
+        checkpoint first."""
+        cfg = self.cfg
+        ids, targets = self.stacked_data() if self.active else (None, None)
+        try:
+            while self.active:
+                loss, leave = self.measure(ids, targets)
+                for j in leave:                    # done before this step's update: it never changes again
+                    self.finish(j, self.active[j], cfg.past_fit is None)
+                stay = self.update(loss, leave)
+                capped = [j for j in stay if self.steps[self.active[j]] >= cfg.max_steps]
+                for j in capped:
+                    self.finish(j, self.active[j], False)
+                if self.drop(set(leave) | set(capped)):
+                    ids, targets = self.stacked_data()
+                if any(self.out_dirs) and self.active and time.perf_counter() - self.last_ckpt > cfg.checkpoint_every_s:
+                    self.save_all()
+                    self.last_ckpt = time.perf_counter()
+        except KeyboardInterrupt:
+            self.save_all()                  # the next call on these directories resumes from here
+            raise
+
+    def measure(self, ids: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """The stack's forward pass on ids [M, F, L], targets [M, F, T]: each model's loss and accuracy before the
+        update, its fit, snapshots and stopping rule; returns (the losses [M], the rows j that stop here)."""
+        wall0, cpu0 = time.perf_counter(), time.process_time()
+        loss, correct = self.stack.loss(ids, self.positions, targets, chunk=self.cfg.chunk)
+        n_pred = targets[0].numel()
+        step_losses, step_correct = loss.detach().tolist(), correct.tolist()     # one copy each, not M
+        leave = [j for j, i in enumerate(self.active) if self.stops(j, i, step_losses[j], step_correct[j] / n_pred)]
+        dt_wall, dt_cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+        for i in self.active:
+            self.wall_share[i] += dt_wall / len(self.active)
+            self.cpu_share[i] += dt_cpu / len(self.active)
+        return loss, leave
+
+    def stops(self, j: int, i: int, loss: float, acc: float) -> bool:
+        """Model i (row j) at this step: its ``loss`` and accuracy ``acc`` (before the update, as in train();
+        confirmed by a plain argmax pass at the target), its fit and snapshot; True: its stopping rule is met."""
+        cfg = self.cfg
+        self.losses[i] = loss
+        self.accs[i] = acc
+        if self.fit_steps[i] is None and self.accs[i] >= cfg.target_acc:
+            self.accs[i] = evaluate(self.stack.model(j), self.datas[i])   # confirm with a plain argmax pass
+            if self.accs[i] >= cfg.target_acc:
+                self.fit_steps[i], self.fit_times[i] = self.steps[i], time.perf_counter() - self.t0
+        if self.fit_steps[i] is None:
+            return False
+        past = self.steps[i] - self.fit_steps[i]
+        if past in self.snapshot_at:
+            self.snapshots[i][past] = {name: self.stack.tensor(j, name).cpu().clone() for name in SNAPSHOT}
+        return stop_now(past, cfg)
+
+    def update(self, loss: torch.Tensor, leave: list[int]) -> list[int]:
+        """One Adam step of the rows that stay (not in ``leave``), their counts and history; returns those rows."""
+        cfg = self.cfg
+        wall0, cpu0 = time.perf_counter(), time.process_time()
+        stay = [j for j in range(len(self.active)) if j not in leave]
+        if stay:
+            loss.sum().backward()
+            self.stack.adam_step([lr_at(self.steps[i], cfg) for i in self.active], cfg)
+        for j in stay:
+            i = self.active[j]
+            self.steps[i] += 1
+            if self.steps[i] % cfg.log_every == 0:
+                self.histories[i].append([self.steps[i], round(self.losses[i], 5), round(self.accs[i], 5)])
+        dt_wall, dt_cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+        for j in stay:
+            self.wall_share[self.active[j]] += dt_wall / len(stay)
+            self.cpu_share[self.active[j]] += dt_cpu / len(stay)
+        return stay
+
+    def drop(self, gone: set[int]) -> bool:
+        """The rows ``gone`` leave the stack (its padding trimmed); True: models are left, their data to restack."""
+        if not gone:
+            return False
+        keep = [j for j in range(len(self.active)) if j not in gone]
+        self.active = [self.active[j] for j in keep]
+        if keep:
+            self.stack.keep(keep)
+        return bool(keep)

@@ -155,102 +155,26 @@ def train(task: FactTask | KHopTask, d_model: int | None = None, *, model_config
     if cfg.threads and cfg.device == "cpu":
         torch.set_num_threads(cfg.threads)
     if model is None:
-        if model_config is None:
-            if d_model is None:
-                raise ValueError("give d_model, model_config or model")
-            model_config = model_config_for(task, d_model, **model_kw)
-        model = FactRecallModel(model_config)
+        model = FactRecallModel(_model_config(task, d_model, model_config, model_kw))
     device = torch.device(cfg.device)
     model.to(device)
     data = task.data().to(device)
     n_rows = len(data)
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     opt = torch.optim.Adam(params.values(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-
-    step, elapsed, history, acc, loss_val, t_target, fit_step = 0, 0.0, [], 0.0, float("nan"), None, None
-    if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        if resume and (os.path.exists(os.path.join(out_dir, STATE)) or _checkpoint_state(out_dir)):
-            state = _load_checkpoint(out_dir, model, opt, params)
-            step, elapsed, history = state["step"], state["elapsed"], state["history"]
-            acc, loss_val = state.get("accuracy", 0.0), state.get("loss", float("nan"))
-            fit_step = state.get("fit_step", step if acc >= cfg.target_acc and step > 0 else None)
-        else:
-            _save_task(task, out_dir)
-
+    run = _start(task, model, opt, params, cfg, out_dir, resume)
     bs = n_rows if not cfg.batch_size else min(cfg.batch_size, n_rows)
-    full_batch = bs >= n_rows
-    steps_per_epoch = math.ceil(n_rows / bs)
-    bar = _progress(cfg, step)
-    t0 = time.perf_counter() - elapsed
+    bar = _progress(cfg, run.step)
+    run.t0 = time.perf_counter() - run.elapsed
     cpu0 = time.process_time()
-    last_ckpt = time.perf_counter()
-    snapshots: dict[int, dict] = {}
-    done = fit_step is not None and stop_now(step - fit_step, cfg)
-    perm, correct_epoch = None, 0
-
-    def record():
-        history.append([step, round(loss_val, 5), round(acc, 5)])
+    run.done = run.fit_step is not None and stop_now(run.step - run.fit_step, cfg)
 
     def save():
-        _save_checkpoint(out_dir, model, adam_moments(opt, params), step, time.perf_counter() - t0, history, acc,
-                         loss_val, cfg, fit_step)
+        _save_checkpoint(out_dir, model, adam_moments(opt, params), run.step, time.perf_counter() - run.t0,
+                         run.history, run.acc, run.loss, cfg, run.fit_step)
 
     try:
-        while not done and step < cfg.max_steps:
-            if full_batch:
-                ids, tgt = data.input_ids, data.targets
-            else:
-                pos = step % steps_per_epoch
-                if perm is None or pos == 0:
-                    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step // steps_per_epoch)
-                    perm = torch.randperm(n_rows, generator=g).to(device)
-                idx = perm[pos * bs:(pos + 1) * bs]
-                ids, tgt = data.input_ids[idx], data.targets[idx]
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, cfg)
-            loss, correct = model.loss(ids, data.target_pos, tgt, chunk=cfg.chunk)
-            loss_val = float(loss.detach())
-            if full_batch:
-                acc = int(correct) / tgt.numel()       # accuracy of the current parameters, before the update
-                if fit_step is None and acc >= cfg.target_acc:
-                    acc = evaluate(model, data)        # confirm with a plain argmax pass
-                    if acc >= cfg.target_acc:
-                        fit_step, t_target = step, time.perf_counter() - t0
-                if fit_step is not None:
-                    if step - fit_step in snapshot_at:
-                        snapshots[step - fit_step] = snapshot(model)
-                    if stop_now(step - fit_step, cfg):
-                        done = True                    # this step's update is not applied
-                        break
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            step += 1
-            if not full_batch:
-                correct_epoch += int(correct)
-                if step % steps_per_epoch == 0:
-                    running = correct_epoch / data.n_predictions
-                    correct_epoch = 0
-                    # the running accuracy is stale (parameters moved during the epoch): confirm with a full pass
-                    acc = evaluate(model, data) if running >= cfg.target_acc - 0.01 else running
-                    if fit_step is None and acc >= cfg.target_acc:
-                        fit_step, t_target = step, time.perf_counter() - t0
-                if fit_step is not None:
-                    if step - fit_step in snapshot_at:
-                        snapshots[step - fit_step] = snapshot(model)
-                    done = stop_now(step - fit_step, cfg)
-            if step % cfg.log_every == 0:
-                record()
-            if bar is not None:
-                bar.update(1)
-                if step % 10 == 0:
-                    bar.set_postfix(loss=f"{loss_val:.4f}", acc=f"{acc:.4f}", refresh=False)
-            if out_dir and time.perf_counter() - last_ckpt > cfg.checkpoint_every_s:
-                save()
-                last_ckpt = time.perf_counter()
-            if callback is not None and callback(step, loss_val, acc):
-                break
+        _steps(run, model, opt, data, bs, cfg, snapshot_at, bar, save if out_dir else None, callback)
     except KeyboardInterrupt:
         if out_dir:   # keep what was done; the next call on out_dir resumes from here
             save()
@@ -258,22 +182,165 @@ def train(task: FactTask | KHopTask, d_model: int | None = None, *, model_config
     finally:
         if bar is not None:
             bar.close()
-    if not done or cfg.past_fit is not None:
-        acc = evaluate(model, data)      # the parameters it ends with
-    if fit_step is None and acc >= cfg.target_acc:
-        fit_step, t_target = step, time.perf_counter() - t0      # reached with the last update
-        if 0 in snapshot_at:
-            snapshots[0] = snapshot(model)
-    if not history or history[-1][0] != step:
-        record()
-    wall = time.perf_counter() - t0
-    result = run_result(task, model, cfg, steps=step, accuracy=acc, loss=loss_val, history=history, wall_s=wall,
-                        cpu_s=time.process_time() - cpu0, time_to_target_s=t_target, facts_per_step=bs,
-                        fit_step=fit_step)
-    result.snapshots = snapshots
+    _conclude(run, model, data, cfg, snapshot_at)
+    wall = time.perf_counter() - run.t0
+    result = run_result(task, model, cfg, steps=run.step, accuracy=run.acc, loss=run.loss, history=run.history,
+                        wall_s=wall, cpu_s=time.process_time() - cpu0, time_to_target_s=run.t_target,
+                        facts_per_step=bs, fit_step=run.fit_step)
+    result.snapshots = run.snapshots
     if out_dir:
         save_run(out_dir, result, adam_moments(opt, params), wall, cfg)
     return result
+
+
+@dataclass
+class _RunState:
+    """Where one :func:`train` run stands: the step count, its history rows [step, loss, accuracy], the latest
+    loss and accuracy, the fit (``fit_step``, ``t_target`` seconds after ``t0``), the snapshots kept and whether
+    the stopping rule was met (``done``)."""
+    step: int = 0
+    elapsed: float = 0.0
+    history: list = field(default_factory=list)
+    acc: float = 0.0
+    loss: float = float("nan")
+    t_target: float | None = None
+    fit_step: int | None = None
+    snapshots: dict = field(default_factory=dict)
+    done: bool = False
+    t0: float = 0.0
+
+    def record(self) -> None:
+        self.history.append([self.step, round(self.loss, 5), round(self.acc, 5)])
+
+    def fit_now(self) -> None:
+        """This step (its parameters) reached the target accuracy."""
+        self.fit_step, self.t_target = self.step, time.perf_counter() - self.t0
+
+    def keep_snapshot(self, model: FactRecallModel, snapshot_at: tuple[int, ...]) -> None:
+        """A :func:`snapshot` of ``model`` when the steps past the fit are one of ``snapshot_at``."""
+        if self.step - self.fit_step in snapshot_at:
+            self.snapshots[self.step - self.fit_step] = snapshot(model)
+
+
+def _model_config(task, d_model: int | None, model_config: ModelConfig | None, model_kw: dict) -> ModelConfig:
+    """``model_config``, else the config of width ``d_model`` sized for ``task`` (ValueError: neither given)."""
+    if model_config is None:
+        if d_model is None:
+            raise ValueError("give d_model, model_config or model")
+        model_config = model_config_for(task, d_model, **model_kw)
+    return model_config
+
+
+def _start(task, model, opt, params: dict, cfg: TrainConfig, out_dir: str | None, resume: bool) -> _RunState:
+    """A fresh :class:`_RunState`, or (``out_dir`` holds a checkpoint, ``resume``) the checkpoint's, its parameters and
+    Adam moments loaded into ``model`` and ``opt``; a fresh ``out_dir`` gets the task file."""
+    run = _RunState()
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        if resume and (os.path.exists(os.path.join(out_dir, STATE)) or _checkpoint_state(out_dir)):
+            state = _load_checkpoint(out_dir, model, opt, params)
+            run.step, run.elapsed, run.history = state["step"], state["elapsed"], state["history"]
+            run.acc, run.loss = state.get("accuracy", 0.0), state.get("loss", float("nan"))
+            run.fit_step = state.get("fit_step", run.step if run.acc >= cfg.target_acc and run.step > 0 else None)
+        else:
+            _save_task(task, out_dir)
+    return run
+
+
+def _steps(run: _RunState, model, opt, data: SeqData, bs: int, cfg: TrainConfig, snapshot_at, bar, save, callback):
+    """The training loop: Adam steps on batches of ``bs`` rows until the stopping rule, ``cfg.max_steps`` or
+    ``callback`` says stop; the history, progress bar and checkpoints (``save``, None: none) kept on the way."""
+    n_rows = len(data)
+    full_batch = bs >= n_rows
+    steps_per_epoch = math.ceil(n_rows / bs)
+    last_ckpt = time.perf_counter()
+    perm, correct_epoch = None, 0
+    while not run.done and run.step < cfg.max_steps:
+        if full_batch:
+            ids, tgt = data.input_ids, data.targets
+        else:
+            ids, tgt, perm = _minibatch(data, run.step, steps_per_epoch, bs, perm, cfg)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(run.step, cfg)
+        loss, correct = model.loss(ids, data.target_pos, tgt, chunk=cfg.chunk)
+        run.loss = float(loss.detach())
+        if full_batch and _fits_before_update(run, model, data, int(correct) / tgt.numel(), cfg, snapshot_at):
+            break                                      # this step's update is not applied
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        run.step += 1
+        if not full_batch:
+            correct_epoch = _after_minibatch(run, model, data, correct_epoch + int(correct), steps_per_epoch, cfg,
+                                             snapshot_at)
+        if run.step % cfg.log_every == 0:
+            run.record()
+        if bar is not None:
+            bar.update(1)
+            if run.step % 10 == 0:
+                bar.set_postfix(loss=f"{run.loss:.4f}", acc=f"{run.acc:.4f}", refresh=False)
+        if save is not None and time.perf_counter() - last_ckpt > cfg.checkpoint_every_s:
+            save()
+            last_ckpt = time.perf_counter()
+        if callback is not None and callback(run.step, run.loss, run.acc):
+            break
+
+
+def _minibatch(data: SeqData, step: int, steps_per_epoch: int, bs: int, perm, cfg: TrainConfig) -> tuple:
+    """The rows of ``step``'s minibatch: (input_ids [bs, L], targets [bs, T], the epoch's order ``perm`` [n],
+    drawn afresh at each epoch's start from a generator seeded by (``cfg.seed``, epoch))."""
+    pos = step % steps_per_epoch
+    if perm is None or pos == 0:
+        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step // steps_per_epoch)
+        perm = torch.randperm(len(data), generator=g).to(data.input_ids.device)
+    idx = perm[pos * bs:(pos + 1) * bs]
+    return data.input_ids[idx], data.targets[idx], perm
+
+
+def _fits_before_update(run: _RunState, model, data: SeqData, acc: float, cfg: TrainConfig, snapshot_at) -> bool:
+    """Full batch: ``acc`` of the current parameters (before the update), confirmed by a plain argmax pass when it
+    reaches the target; True (``run.done``) when the stopping rule is met at this step."""
+    run.acc = acc
+    if run.fit_step is None and run.acc >= cfg.target_acc:
+        run.acc = evaluate(model, data)        # confirm with a plain argmax pass
+        if run.acc >= cfg.target_acc:
+            run.fit_now()
+    if run.fit_step is not None:
+        run.keep_snapshot(model, snapshot_at)
+        if stop_now(run.step - run.fit_step, cfg):
+            run.done = True
+            return True
+    return False
+
+
+def _after_minibatch(run: _RunState, model, data: SeqData, correct_epoch: int, steps_per_epoch: int, cfg: TrainConfig,
+                     snapshot_at) -> int:
+    """Minibatch mode, after an update: at an epoch's end the accuracy (the epoch's running count, confirmed by a
+    full pass near the target), the fit, snapshots and the stopping rule; returns the epoch's count so far."""
+    if run.step % steps_per_epoch == 0:
+        running = correct_epoch / data.n_predictions
+        correct_epoch = 0
+        # the running accuracy is stale (parameters moved during the epoch): confirm with a full pass
+        run.acc = evaluate(model, data) if running >= cfg.target_acc - 0.01 else running
+        if run.fit_step is None and run.acc >= cfg.target_acc:
+            run.fit_now()
+    if run.fit_step is not None:
+        run.keep_snapshot(model, snapshot_at)
+        run.done = stop_now(run.step - run.fit_step, cfg)
+    return correct_epoch
+
+
+def _conclude(run: _RunState, model, data: SeqData, cfg: TrainConfig, snapshot_at) -> None:
+    """After the loop: the accuracy of the final parameters (unless it stopped at its confirmed fit), a fit
+    reached with the last update, and the last history row."""
+    if not run.done or cfg.past_fit is not None:
+        run.acc = evaluate(model, data)      # the parameters it ends with
+    if run.fit_step is None and run.acc >= cfg.target_acc:
+        run.fit_now()                        # reached with the last update
+        if 0 in snapshot_at:
+            run.snapshots[0] = snapshot(model)
+    if not run.history or run.history[-1][0] != run.step:
+        run.record()
 
 
 def stop_now(past: int, cfg: TrainConfig) -> bool:

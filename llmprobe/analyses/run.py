@@ -69,14 +69,55 @@ def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits
     layers = sorted({lm.adapter.layer_index(l) for l in layers})
     if not layers:
         raise ValueError("run_analyses needs at least one layer")
+    lre_layers, causal_layers, swap_layers = _analysis_layers(lm, layers, n_layers, cfg, analyses)
+    start = time.perf_counter()
+    settings = _settings_record(cfg, analyses, layers, lre_layers, causal_layers, swap_layers)
+    result = {"settings": settings, "partial": True, "relations": {}, "errors": [], "timing": {}}
+    done = done or {}
+    done_relations = done.get("relations") or {}
 
+    def progress_made() -> None:
+        if on_progress is not None:
+            on_progress(result)
+
+    do_lre, do_ridge = "lre" in analyses, "ridge" in analyses
+    if do_lre or do_ridge:
+        for relation in log.bar(relations, "decoders"):
+            result["relations"][relation.name] = _relation_decoders(
+                relation, done_relations.get(relation.name), result["errors"], log, analyses,
+                lambda: decoders_for_relation(lm, relation, known.get(relation.name), layers, lre_layers,
+                                              causal_layers, do_lre, do_ridge, cfg, log, fitted))
+            progress_made()
+        result["timing"]["decoders_seconds"] = round(time.perf_counter() - start, 1)
+    if "superposition" in analyses:
+        _analysis(result, done, "superposition", log, lambda: superposition(
+            lm, superposition_table(lm.tokenizer, relations, known, cfg), layers, swap_layers, cfg, log))
+        progress_made()
+    for name, analysis in MECHANISMS.items():
+        if name not in analyses:
+            continue
+        _analysis(result, done, name, log, lambda: analysis(lm, relations, known, layers, cfg, log))
+        progress_made()
+    result["timing"]["total_seconds"] = round(time.perf_counter() - start, 1)
+    result["partial"] = False
+    return result
+
+
+def _analysis_layers(lm, layers: list[int], n_layers: int, cfg, analyses: tuple) -> tuple[list, list, list]:
+    """(LRE layers, causality layers, swap-edit layers): the settings' choices (default: ``pick_layers`` for LRE,
+    the LRE layers for the others) among ``layers``; causality only at LRE layers when LRE runs."""
     def chosen(spec, default):
         picked = sorted({lm.adapter.layer_index(l) for l in spec}) if spec is not None else default
         return [l for l in picked if l in layers]
     lre_layers = chosen(cfg.lre_layers, pick_layers(layers, cfg.max_lre_layers, n_layers))
     causal_layers = [l for l in chosen(cfg.causality_layers, lre_layers) if l in lre_layers or "lre" not in analyses]
     swap_layers = chosen(cfg.swap_layers, lre_layers)
-    start = time.perf_counter()
+    return lre_layers, causal_layers, swap_layers
+
+
+def _settings_record(cfg, analyses: tuple, layers, lre_layers, causal_layers, swap_layers) -> dict:
+    """The result's ``settings``: every field of ``cfg`` (tuples as lists), the places and the notes that say
+    what the numbers are."""
     settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()}
     settings.update({
         "analyses": list(analyses), "layers": layers, "lre_layers": lre_layers, "causality_layers": causal_layers,
@@ -91,78 +132,45 @@ def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits
                      f"({cfg.n_boot} resamples) elsewhere",
         "spread": "standard deviation over re-fits (decoders: re-drawn train/validation and Jacobian subjects on "
                   "the same test set; superposition: cross-fitting folds)"})
-    result = {"settings": settings, "partial": True, "relations": {}, "errors": [], "timing": {}}
-    done = done or {}
-    done_relations = done.get("relations") or {}
+    return settings
 
-    def progress_made() -> None:
-        if on_progress is not None:
-            on_progress(result)
 
-    do_lre, do_ridge = "lre" in analyses, "ridge" in analyses
-    if do_lre or do_ridge:
-        for relation in log.bar(relations, "decoders"):
-            if isinstance(done_relations.get(relation.name), dict):
-                entry = done_relations[relation.name]
-                if entry.get("error"):
-                    result["errors"].append(entry["error"])
-                log(f"{relation.name}: decoders taken over from the earlier result")
-                log.skip()                                  # done in 0 s: not in the time-left estimate
-                result["relations"][relation.name] = entry
-                progress_made()
-                continue
-            log(f"{relation.name}: decoders ({', '.join(a for a in analyses if a != 'superposition')})")
-            try:
-                entry = decoders_for_relation(lm, relation, known.get(relation.name), layers, lre_layers,
-                                              causal_layers, do_lre, do_ridge, cfg, log, fitted)
-            except Exception as error:  # noqa: BLE001 - one relation's failure must not stop the others
-                text = str(error) if isinstance(error, (AnalysisError, ValueError)) else \
-                    f"{type(error).__name__}: {error}"
-                message = text if relation.name in text else f"relation {relation.name}: {text}"
-                entry = {"error": message}
-                result["errors"].append(message)
-                log(message)
-                log.skip()                                  # refused (too few facts) or stopped: not in the rate
-            result["relations"][relation.name] = entry
-            progress_made()
-        result["timing"]["decoders_seconds"] = round(time.perf_counter() - start, 1)
-    if "superposition" in analyses:
-        t = time.perf_counter()
-        if isinstance(done.get("superposition"), dict):
-            result["superposition"] = done["superposition"]
-            if result["superposition"].get("error"):
-                result["errors"].append(f"superposition: {result['superposition']['error']}")
-            log("superposition: taken over from the earlier result")
-        else:
-            try:
-                table = superposition_table(lm.tokenizer, relations, known, cfg)
-                result["superposition"] = superposition(lm, table, layers, swap_layers, cfg, log)
-            except Exception as error:  # noqa: BLE001 - reported, the decoders' results are kept
-                error = error if isinstance(error, (AnalysisError, ValueError)) else f"{type(error).__name__}: {error}"
-                result["superposition"] = {"error": str(error)}
-                result["errors"].append(f"superposition: {error}")
-                log(f"superposition: {error}")
-        result["timing"]["superposition_seconds"] = round(time.perf_counter() - t, 1)
-        progress_made()
-    for name, analysis in MECHANISMS.items():
-        if name not in analyses:
-            continue
-        t = time.perf_counter()
-        if isinstance(done.get(name), dict):
-            result[name] = done[name]
-            if result[name].get("error"):
-                result["errors"].append(f"{name}: {result[name]['error']}")
-            log(f"{name}: taken over from the earlier result")
-        else:
-            try:
-                result[name] = analysis(lm, relations, known, layers, cfg, log)
-            except Exception as error:  # noqa: BLE001 - reported, the other analyses' results are kept
-                error = error if isinstance(error, (AnalysisError, ValueError)) else f"{type(error).__name__}: {error}"
-                result[name] = {"error": str(error)}
-                result["errors"].append(f"{name}: {error}")
-                log(f"{name}: {error}")
-        result["timing"][f"{name}_seconds"] = round(time.perf_counter() - t, 1)
-        progress_made()
-    result["timing"]["total_seconds"] = round(time.perf_counter() - start, 1)
-    result["partial"] = False
-    return result
+def _relation_decoders(relation, earlier, errors: list, log, analyses: tuple, compute) -> dict:
+    """One relation's decoders entry: ``earlier`` (its entry in an earlier result) when that is a dict, else
+    ``compute()``; a failure becomes an ``error`` entry (also appended to ``errors``) and the others go on."""
+    if isinstance(earlier, dict):
+        if earlier.get("error"):
+            errors.append(earlier["error"])
+        log(f"{relation.name}: decoders taken over from the earlier result")
+        log.skip()                                  # done in 0 s: not in the time-left estimate
+        return earlier
+    log(f"{relation.name}: decoders ({', '.join(a for a in analyses if a != 'superposition')})")
+    try:
+        return compute()
+    except Exception as error:  # noqa: BLE001 - one relation's failure must not stop the others
+        text = str(error) if isinstance(error, (AnalysisError, ValueError)) else f"{type(error).__name__}: {error}"
+        message = text if relation.name in text else f"relation {relation.name}: {text}"
+        errors.append(message)
+        log(message)
+        log.skip()                                  # refused (too few facts) or stopped: not in the rate
+        return {"error": message}
+
+
+def _analysis(result: dict, done: dict, name: str, log, compute) -> None:
+    """``result[name]``: ``done[name]`` when that is a dict, else ``compute()`` (a failure: an ``error`` entry, the
+    other analyses' results kept); its error re-listed in ``result["errors"]``, its time in ``result["timing"]``."""
+    t = time.perf_counter()
+    if isinstance(done.get(name), dict):
+        result[name] = done[name]
+        if result[name].get("error"):
+            result["errors"].append(f"{name}: {result[name]['error']}")
+        log(f"{name}: taken over from the earlier result")
+    else:
+        try:
+            result[name] = compute()
+        except Exception as error:  # noqa: BLE001 - reported, the other analyses' results are kept
+            error = error if isinstance(error, (AnalysisError, ValueError)) else f"{type(error).__name__}: {error}"
+            result[name] = {"error": str(error)}
+            result["errors"].append(f"{name}: {error}")
+            log(f"{name}: {error}")
+    result["timing"][f"{name}_seconds"] = round(time.perf_counter() - t, 1)

@@ -682,27 +682,79 @@ def superposition_readout(H: Any, A: Any, U: Sequence[Any], *, controls: dict | 
     A = _check_table(A, U)
     check_rows("H", H, "A", A)
     n, R = A.shape
+    names = _relation_names(relation_names, R)
+    _check_jackknife(jackknife_groups, rank)
+    A, U, maps = merge_equal_attributes(A, U)
+    merged = _merged_attributes(names, maps)
+    readout_kw = {"alpha": alpha if readout_alpha is None else readout_alpha, "metric": metric}
+    splits = kfold_indices(n, k, seed)
+    fold = _fold_labels(splits, n)
+    groups = _jackknife_groups(n, jackknife_groups, seed) if jackknife_groups else None
+    draws = _draws(H, A, U, maps, controls, n_shuffles, n_random, seed)
+    conds = {name: _condition(items, splits, fold, groups, alpha, rank, readout_kw, decode)
+             for name, items in draws.items()}
+
+    report = SuperpositionReport(settings={
+        "n_subjects": n, "n_relations": R, "relations": names, "k": k, "alpha": _jsonable(alpha), "rank": rank,
+        "readout": {**readout_kw, "alpha": _jsonable(readout_kw["alpha"])}, "n_shuffles": n_shuffles,
+        "n_random": n_random, "seed": seed, "level": level, "jackknife_groups": jackknife_groups,
+        "n_boot": None if jackknife_groups else n_boot, "merged_attributes": merged})
+    stats = _Intervals(names, fold, level, dict(n_boot=n_boot, level=level, seed=seed), R)
+    for name, (values, reps, alphas) in conds.items():
+        report.conditions[name] = stats.condition(values, reps, alphas, decode)
+    real, real_reps, _ = conds["real"]
+    for name, (other, other_reps, _) in conds.items():
+        if name != "real":
+            report.margins[name] = stats.margins(real, real_reps, other, other_reps, n, decode)
+    return report
+
+
+def _relation_names(relation_names: Sequence[str] | None, R: int) -> list[str]:
+    """The R relations' names (default r0, r1, ...); ValueError when their count is not R."""
     names = list(relation_names) if relation_names is not None else [f"r{r}" for r in range(R)]
     if len(names) != R:
         raise ValueError(f"relation_names has {len(names)} names but A has {R} relations")
+    return names
+
+
+def _check_jackknife(jackknife_groups: int, rank: int | None) -> None:
+    """ValueError unless ``jackknife_groups`` is 0 or >= 2, and 0 with a rank truncation (no refit for it)."""
     if jackknife_groups and rank is not None:
         raise ValueError("rank truncation has no refit (jackknife) interval; pass jackknife_groups=0")
     if jackknife_groups < 0 or jackknife_groups == 1:
         raise ValueError(f"jackknife_groups must be 0 (no refits) or >= 2, got {jackknife_groups}")
-    A, U, maps = merge_equal_attributes(A, U)
+
+
+def _merged_attributes(names: list[str], maps: list[torch.Tensor]) -> dict:
+    """{relation: [[old attribute indices merged into one answer], ...]} for the relations with a merge, from
+    ``maps`` (per relation: old index [n_attr_r] -> new index)."""
     merged = {nm: [torch.nonzero(new == j).flatten().tolist() for j in range(int(new.max()) + 1)
                    if int((new == j).sum()) > 1] for nm, new in zip(names, maps)}
-    readout_kw = {"alpha": alpha if readout_alpha is None else readout_alpha, "metric": metric}
-    splits = kfold_indices(n, k, seed)
+    return {nm: groups_ for nm, groups_ in merged.items() if groups_}
+
+
+def _fold_labels(splits: list, n: int) -> torch.Tensor:
+    """The cross-fitting fold of each subject: LongTensor [n], fold f = the test set of ``splits[f]``."""
     fold = torch.zeros(n, dtype=torch.long)
     for f, (_, test) in enumerate(splits):
         fold[test] = f
-    groups = None
-    if jackknife_groups:
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 7))
-        groups = torch.empty(n, dtype=torch.long)
-        groups[perm] = torch.arange(n) % min(jackknife_groups, n)
+    return fold
 
+
+def _jackknife_groups(n: int, jackknife_groups: int, seed: int) -> torch.Tensor:
+    """The jackknife group of each subject: LongTensor [n] in 0 .. min(jackknife_groups, n) - 1, a seeded random
+    cut of the subjects into groups of (near) equal size."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 7))
+    groups = torch.empty(n, dtype=torch.long)
+    groups[perm] = torch.arange(n) % min(jackknife_groups, n)
+    return groups
+
+
+def _draws(H: torch.Tensor, A: torch.Tensor, U: list[torch.Tensor], maps: list[torch.Tensor],
+           controls: dict | None, n_shuffles: int, n_random: int, seed: int) -> dict[str, list]:
+    """{condition: [(H [n, d], A [n, R], U [R x [n_attr_r, d_u_r]]) per draw]}: the real data, the shuffled
+    tables, the random attribute vectors (``n_random`` > 0) and each supplied control (its states checked, its
+    U_c merged as U was by ``maps``)."""
     draws: dict[str, list] = {"real": [(H, A, U)],
                               "shuffled": [(H, shuffle_table(A, seed + 1 + i), U) for i in range(n_shuffles)]}
     if n_random:
@@ -719,82 +771,97 @@ def superposition_readout(H: Any, A: Any, U: Sequence[Any], *, controls: dict | 
                 raise ValueError(f"controls[{name!r}]: U_c must have U's relations and attribute counts")
             U_c = _merge_like(U_c, maps)
         draws[name] = [(H_c, A, U_c)]
+    return draws
 
-    conds = {}
-    for name, items in draws.items():
-        measured = [_measure(H_d, A_d, U_d, splits, fold, groups, alpha, rank, readout_kw, decode)
-                    for H_d, A_d, U_d in items]
-        values = torch.stack([m[0] for m in measured]).mean(0)
-        reps = torch.stack([m[1] for m in measured]).mean(0) if groups is not None else None
-        conds[name] = (values, reps, measured[0][2])
 
-    boot = dict(n_boot=n_boot, level=level, seed=seed)
-    cols = {"readout_acc": 2, "decode_acc": 2 + R, "chance": 2 + 2 * R}
+def _condition(items: list, splits, fold, groups, alpha, rank, readout_kw, decode) -> tuple:
+    """One condition measured on each of its draws ``items`` (``_measure``): (values [n, 2 + 3R] and reps
+    [G, n, 2 + 3R] (None without groups) averaged over the draws, the first draw's alphas per fold)."""
+    measured = [_measure(H_d, A_d, U_d, splits, fold, groups, alpha, rank, readout_kw, decode)
+                for H_d, A_d, U_d in items]
+    values = torch.stack([m[0] for m in measured]).mean(0)
+    reps = torch.stack([m[1] for m in measured]).mean(0) if groups is not None else None
+    return values, reps, measured[0][2]
 
-    def r2_metric(values, reps):
-        refits = _per_fold(values[:, :2], fold, _pooled_r2)
+
+@dataclass(frozen=True)
+class _Intervals:
+    """The metrics of one report from out-of-fold values [n, 2 + 3R] (columns: SSE, SST, readout hits [R], decode
+    hits [R], chance hits [R]) and their jackknife replicates reps [G, n, 2 + 3R] (None: bootstrap and Wilson).
+    ``names`` [R] relations, ``fold`` [n] each subject's cross-fitting fold, ``boot`` the bootstrap's keywords."""
+    names: list
+    fold: torch.Tensor
+    level: float
+    boot: dict
+    R: int
+
+    def column(self, key: str) -> int:
+        """First column of ``key`` ("readout_acc", "decode_acc", "chance") in the values [n, 2 + 3R]."""
+        return {"readout_acc": 2, "decode_acc": 2 + self.R, "chance": 2 + 2 * self.R}[key]
+
+    def condition(self, values, reps, alphas, decode: bool) -> dict:
+        """One condition's entry of ``SuperpositionReport.conditions``."""
+        return {
+            "alpha_per_fold": alphas,
+            "r2": self.r2(values, reps),
+            "readout_acc": self.per_relation(values, reps, self.column("readout_acc")),
+            "decode_acc": self.per_relation(values, reps, self.column("decode_acc")) if decode else None,
+            "chance": self.per_relation(values, reps, self.column("chance")),
+        }
+
+    def margins(self, real, real_reps, other, other_reps, n: int, decode: bool) -> dict:
+        """real - ``other`` over the same subjects: one entry of ``SuperpositionReport.margins``."""
+        decode_acc = self.column("decode_acc")
+        return {
+            "r2": self.r2_margin(real, real_reps, other, other_reps, n),
+            "readout_acc": self.margin(real, real_reps, other, other_reps, self.column("readout_acc")),
+            "decode_acc": self.margin(real, real_reps, other, other_reps, decode_acc) if decode else None,
+        }
+
+    def r2(self, values, reps) -> Metric:
+        """The pooled held-out R^2 of the parts values[:, :2], spread over the folds."""
+        refits = _per_fold(values[:, :2], self.fold, _pooled_r2)
         if reps is None:
-            return bootstrap(values[:, :2].numpy(), _pooled_r2, bounds=(-math.inf, 1.0), refits=refits, **boot)
+            return bootstrap(values[:, :2].numpy(), _pooled_r2, bounds=(-math.inf, 1.0), refits=refits, **self.boot)
         return jackknife(_pooled_r2(values[:, :2]), [_pooled_r2(x[:, :2]) for x in reps],
-                         int((~torch.isnan(values[:, :2]).any(1)).sum()), bounds=(-math.inf, 1.0), level=level,
+                         int((~torch.isnan(values[:, :2]).any(1)).sum()), bounds=(-math.inf, 1.0), level=self.level,
                          refits=refits)
 
-    def per_relation(values, reps, start) -> dict:
+    def per_relation(self, values, reps, start: int) -> dict:
+        """{relation: proportion of hits in column start + r (None: no subject has the fact)}."""
         out = {}
-        for r, nm in enumerate(names):
+        for r, nm in enumerate(self.names):
             col = values[:, start + r]
             keep = ~torch.isnan(col)
             if not bool(keep.any()):
                 out[nm] = None
                 continue
-            refits = _per_fold(col, fold, _nanmean)
-            out[nm] = proportion(col[keep].tolist(), refits=refits, level=level) if reps is None else \
+            refits = _per_fold(col, self.fold, _nanmean)
+            out[nm] = proportion(col[keep].tolist(), refits=refits, level=self.level) if reps is None else \
                 jackknife(_nanmean(col), [_nanmean(x[:, start + r]) for x in reps], int(keep.sum()),
-                          proportion=True, level=level, refits=refits)
+                          proportion=True, level=self.level, refits=refits)
         return out
 
-    def margin(a, a_reps, b, b_reps, start) -> dict:
+    def margin(self, a, a_reps, b, b_reps, start: int) -> dict:
+        """{relation: paired difference a - b of the hits in column start + r (None: no subject in both)}."""
         out = {}
-        for r, nm in enumerate(names):
+        for r, nm in enumerate(self.names):
             x, y = a[:, start + r], b[:, start + r]
             keep = ~torch.isnan(x - y)
             if not bool(keep.any()):
                 out[nm] = None
             elif a_reps is None:
-                out[nm] = paired_difference(x.tolist(), y.tolist(), **boot)
+                out[nm] = paired_difference(x.tolist(), y.tolist(), **self.boot)
             else:
                 diff = a_reps[:, :, start + r] - b_reps[:, :, start + r]
                 out[nm] = jackknife(_nanmean(x - y), [_nanmean(d) for d in diff], int(keep.sum()),
-                                    bounds=(-1.0, 1.0), level=level)
+                                    bounds=(-1.0, 1.0), level=self.level)
         return out
 
-    report = SuperpositionReport(settings={
-        "n_subjects": n, "n_relations": R, "relations": names, "k": k, "alpha": _jsonable(alpha), "rank": rank,
-        "readout": {**readout_kw, "alpha": _jsonable(readout_kw["alpha"])}, "n_shuffles": n_shuffles,
-        "n_random": n_random, "seed": seed, "level": level, "jackknife_groups": jackknife_groups,
-        "n_boot": None if jackknife_groups else n_boot,
-        "merged_attributes": {nm: groups_ for nm, groups_ in merged.items() if groups_}})
-    for name, (values, reps, alphas) in conds.items():
-        report.conditions[name] = {
-            "alpha_per_fold": alphas,
-            "r2": r2_metric(values, reps),
-            "readout_acc": per_relation(values, reps, cols["readout_acc"]),
-            "decode_acc": per_relation(values, reps, cols["decode_acc"]) if decode else None,
-            "chance": per_relation(values, reps, cols["chance"]),
-        }
-    real, real_reps, _ = conds["real"]
-    for name, (other, other_reps, _) in conds.items():
-        if name == "real":
-            continue
+    def r2_margin(self, real, real_reps, other, other_reps, n: int) -> Metric:
+        """The pooled R^2 of ``real`` minus that of ``other`` over the same n subjects."""
         if real_reps is None:
-            r2 = bootstrap(torch.cat([real[:, :2], other[:, :2]], 1).numpy(), _r2_diff, **boot)
-        else:
-            r2 = jackknife(_pooled_r2(real[:, :2]) - _pooled_r2(other[:, :2]),
-                           [_pooled_r2(x[:, :2]) - _pooled_r2(y[:, :2]) for x, y in zip(real_reps, other_reps)],
-                           n, level=level)
-        report.margins[name] = {
-            "r2": r2,
-            "readout_acc": margin(real, real_reps, other, other_reps, cols["readout_acc"]),
-            "decode_acc": margin(real, real_reps, other, other_reps, cols["decode_acc"]) if decode else None,
-        }
-    return report
+            return bootstrap(torch.cat([real[:, :2], other[:, :2]], 1).numpy(), _r2_diff, **self.boot)
+        return jackknife(_pooled_r2(real[:, :2]) - _pooled_r2(other[:, :2]),
+                         [_pooled_r2(x[:, :2]) - _pooled_r2(y[:, :2]) for x, y in zip(real_reps, other_reps)],
+                         n, level=self.level)
