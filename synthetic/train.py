@@ -390,10 +390,8 @@ def load_run(out_dir: str, device: str = "cpu") -> tuple[FactRecallModel, FactTa
     """Load a trained model, its task and its ``run.json`` (or checkpoint state) from a training directory."""
     state = _read_state(out_dir)
     model = FactRecallModel(ModelConfig.from_dict(state["model_config"]))
-    tensors = _load_tensors(os.path.join(out_dir, CHECKPOINT), device=device)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(tensors[name])
+    path = os.path.join(out_dir, CHECKPOINT)
+    _copy_parameters(model, _load_tensors(path, device=device), path)
     task = _load_task(out_dir)
     run_path = os.path.join(out_dir, RUN)
     info = state
@@ -475,6 +473,23 @@ def _load_tensors(path: str, device: str = "cpu") -> dict:
         raise _not_safetensors(path, error) from None
 
 
+def _copy_parameters(model: FactRecallModel, tensors: dict, path: str) -> None:
+    """Copy checkpoint ``tensors`` into ``model``'s parameters; UsageError naming ``path`` and every parameter
+    that is missing from it or has another shape than the model its ``model_config`` describes (a checkpoint whose
+    config was edited, or tensors of another model)."""
+    params = dict(model.named_parameters())
+    missing = [name for name in params if name not in tensors]
+    wrong = [f"{name} {tuple(tensors[name].shape)} (the config gives {tuple(p.shape)})"
+             for name, p in params.items() if name in tensors and tensors[name].shape != p.shape]
+    if missing or wrong:
+        raise UsageError(f"{path} does not hold the model its model_config describes: "
+                         + "; ".join(filter(None, [f"missing {', '.join(missing)}" if missing else "",
+                                                  f"shapes {', '.join(wrong)}" if wrong else ""])))
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(tensors[name].to(p.device))
+
+
 def _read_state(out_dir) -> dict:
     """The checkpoint's training state: its safetensors metadata, else (an older checkpoint) checkpoint.json."""
     state = _checkpoint_state(out_dir)
@@ -519,11 +534,10 @@ def read_checkpoint(out_dir, model) -> tuple[dict, dict]:
     if saved != model.config.to_dict():
         raise ValueError(f"{out_dir} holds a checkpoint of a different model ({saved}); use another directory "
                          f"or resume=False")
-    tensors = _load_tensors(os.path.join(out_dir, CHECKPOINT))
+    path = os.path.join(out_dir, CHECKPOINT)
+    tensors = _load_tensors(path)
     device = next(model.parameters()).device
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(tensors[name].to(device))
+    _copy_parameters(model, tensors, path)
     moments = {name: (tensors[f"opt.{name}.exp_avg"].to(device), tensors[f"opt.{name}.exp_avg_sq"].to(device),
                       state["opt_step"][name])
                for name, _ in model.named_parameters() if f"opt.{name}.exp_avg" in tensors}

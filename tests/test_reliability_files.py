@@ -742,3 +742,30 @@ def test_corrupt_synth_checkpoint_is_exit_2_naming_the_file(damage, tmp_path, ca
         status, err = _synth_cli(capsys, *args)
         assert status == 2 and "not a readable safetensors checkpoint" in err and "checkpoint.safetensors" in err \
             and "Traceback" not in err, (args[0], err)
+
+
+@pytest.mark.parametrize("damage", ["wider-config", "missing-tensor"])
+def test_a_synth_checkpoint_not_matching_its_model_config_is_exit_2_naming_the_tensors(damage, tmp_path, capsys):
+    """Row 11: a well-typed model_config that does not describe the saved tensors (d_model edited, or a tensor
+    gone) gave a RuntimeError (size mismatch) or KeyError traceback from ``synth analyze``; now exit 2 naming
+    checkpoint.safetensors and each parameter that is missing or has another shape."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    run = _synth_run(tmp_path / "run")
+    path = run / "checkpoint.safetensors"
+    with safe_open(str(path), framework="pt") as handle:
+        state = json.loads(handle.metadata()["llmprobe_state"])
+    tensors = load_file(str(path))
+    if damage == "wider-config":
+        state["model_config"]["d_model"] *= 2
+        expected = r"shapes .*\(the config gives"
+    else:
+        name = next(k for k in tensors if not k.startswith("opt."))
+        del tensors[name]
+        expected = f"missing {re.escape(name)}"
+    save_file(tensors, str(path), metadata={"llmprobe_state": json.dumps(state)})
+    (run / "run.json").unlink(missing_ok=True)         # the checkpoint's own state is the one read
+    status, err = _synth_cli(capsys, "analyze", run, "--controls", "", "--no-swap", "--no-plots")
+    assert status == 2 and "checkpoint.safetensors does not hold the model its model_config describes" in err \
+        and re.search(expected, err) and "Traceback" not in err, err
