@@ -1,17 +1,33 @@
-"""Benchmark: the least time the default `llmprobe run` on SmolLM2-135M can take on this machine.
+"""Benchmark: the least time the default `llmprobe run` on SmolLM2-135M can take on this machine, stage by stage,
+against a measured run.
 
-Counts the model FLOPs of every stage of the default run (the workload count of ``llmprobe.jobs.plan``, the cost
-model of ``benchmarks/scaling.py`` and ``llmprobe plan``: the bundled relations, SmolLM2's known-fact counts, the
-splits of ``relation_split``, exact Jacobians at d = 576) and divides them by this machine's dense float32
-matrix-multiply rate, measured in the same run with every usable core on matrices shaped like the run's (rows x 576
-by 576 x 1536: ``llmprobe.jobs.plan.matmul_rate``). That rate is an upper bound on what any pass reaches (the
-passes are small-batch matmuls, attention, norms), so the quotient is a lower bound on each stage's time: no
-implementation of the same measurement on these cores can be faster.
+Counts the FLOPs of every stage of the default run and divides them by this machine's dense float32
+matrix-multiply rate, measured in the same run on matrices shaped like the run's (rows x 576 by 576 x 1536:
+``llmprobe.jobs.plan.matmul_rate``), with every usable core and with one (the controls' workers are one thread
+each, by design: their numbers must not depend on the thread count). That rate is an upper bound on what any
+pass reaches (small-batch matmuls, attention, norms are slower), so each quotient is a lower bound on the stage's
+time: no implementation of the same measurement on these cores can be faster.
 
-    python benchmarks/main_job_floor.py
+* model work: the workload count of ``llmprobe.jobs.plan`` (the bundled relations, SmolLM2's known-fact counts,
+  the splits of ``relation_split``, exact Jacobians at d = 576): known facts, Jacobians, capture and LM-head
+  scoring, causality and swap edits, superposition states;
+* the decoder fits: per LRE fit the SVDs of W and of its random-spectrum twin (~ 2 x 4 d^3 with the products),
+  per ridge fit ~ 45 d^2 (as the cost model counts them);
+* the matched controls' training: with ``--report``, every model-step the report's controls trained (the d*
+  bisections' tries and each curve point's seeds, to the steps recorded), 6 x parameters x facts FLOPs per
+  full-batch step; without it, the plan's step counts;
+* not counted (their time is shown, no floor): the crosspatch, selector and multihop analyses.
+
+With ``--report RUN/report.json`` it prints beside each stage the run's measured seconds (``timings``) and the
+ratio, and the whole run's wall time against the critical path's floor: load + known facts + the largest of
+(the analyses' floor on every core, each controls worker's floor on one core, all of it over every core).
+
+    python benchmarks/main_job_floor.py [--report runs/smollm2/report.json]
 """
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import sys
 
@@ -19,6 +35,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from llmprobe.jobs.plan import (  # noqa: E402  (the cost model's workload count and the matmul rate)
+    CONTROL_D_STAR,
+    CONTROL_POINT_STEPS,
+    CONTROL_STEPS,
     SMOLLM2_KNOWN,
     TARGETS,
     forward_work,
@@ -29,32 +48,99 @@ from llmprobe.jobs.plan import (  # noqa: E402  (the cost model's workload count
     smollm2_tokenizer,
     sum_work,
 )
+from synthetic.controls import curve_widths  # noqa: E402
 
 
-def main() -> dict:
+def control_params(d: int) -> int:
+    """Parameters of the matched control at width d on the default table (16 d^2 + 785 d: its 8d MLP, 193
+    subjects, 6 relations, 577 attributes)."""
+    return 16 * d * d + 785 * d
+
+
+def control_flops(report: dict | None, n_facts: int, d_model: int) -> dict[str, float]:
+    """{mode: FLOPs of every training step it took}: from the report's controls block (the bisection's tries and
+    every seed of every curve point) or, without a report, the plan's steps (3 seeds per point)."""
+    out = {}
+    block = (report or {}).get("controls") if isinstance((report or {}).get("controls"), dict) else None
+    if block:
+        n_facts = block["table"]["n_facts"]
+        for mode, entry in block["modes"].items():
+            steps = [(t["d"], t["steps"]) for t in entry["threshold"]["tried"]]
+            steps += [(p["d"], s["steps"]) for p in entry["points"] for s in p["seeds"]]
+            out[mode] = sum(6.0 * control_params(d) * n_facts * n for d, n in steps)
+        return out
+    for mode, d_star in CONTROL_D_STAR.items():
+        out[mode] = sum(6.0 * control_params(d) * n_facts * 3 * CONTROL_POINT_STEPS[mode].get(d, CONTROL_STEPS)
+                        for d in curve_widths(d_star, d_model))
+    return out
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--report", help="a default run's report.json: its measured seconds beside the floors")
+    args = parser.parse_args(argv)
+    report = json.load(open(args.report)) if args.report else None
+    timings = (report or {}).get("timings") or {}
+    analyses_t = ((report or {}).get("analyses") or {}).get("timing") or {}
+
     threads = len(os.sched_getaffinity(0))
-    rate = matmul_rate(threads, seconds=3.0)
+    rate, rate1 = matmul_rate(threads, seconds=3.0), matmul_rate(1, seconds=3.0)
     shape = TARGETS[0]
     work = run_workload(smollm2_tokenizer(), shape.layers, SMOLLM2_KNOWN)
-    stages = {
-        "known facts": known_work(shape, work["known"]).flops,
+    d = shape.d
+    decoders = {
         "Jacobians (exact)": sum_work(jacobian_work(shape, p, work["lre_layers"]) for p in work["jacobian"]).flops,
-        "capture + LM-head scoring": (sum_work(forward_work(shape, b, n) for b, n in work["forward"])
-                                      .flops + work["head_rows"] * shape.head_flops()),
+        "capture + LM-head scoring": (sum_work(forward_work(shape, b, n) for b, n in work["forward"]).flops
+                                      + work["head_rows"] * shape.head_flops()),
         "causality and swap edits": sum_work(forward_work(shape, b, n, head=True) for b, n in work["edits"]).flops,
-        "superposition states": forward_work(shape, work["states"], shape.layers).flops,
+        "decoder fits (SVDs, ridge)": work["lre_fits"] * 8.0 * d ** 3 + work["ridge_fits"] * 45.0 * d ** 2,
     }
-    print(f"dense float32 matmul on {threads} thread(s): {rate / 1e9:.0f} GFLOP/s (measured now; the ceiling)")
-    print(f"{'stage':<28}{'TFLOP':>8}{'floor s':>9}")
-    for name, flops in stages.items():
-        print(f"{name:<28}{flops / 1e12:>8.2f}{flops / rate:>9.0f}")
-    total = sum(stages.values())
-    print(f"{'model work, all stages':<28}{total / 1e12:>8.2f}{total / rate:>9.0f}")
+    known = known_work(shape, work["known"]).flops
+    states = forward_work(shape, work["states"], shape.layers).flops
+    controls = control_flops(report, work["n_facts_table"], d)
+
+    print(f"dense float32 matmul: {rate / 1e9:.0f} GFLOP/s on {threads} thread(s), {rate1 / 1e9:.0f} on one "
+          f"(measured now; the ceiling)")
+    print(f"{'stage':<34}{'TFLOP':>8}{'floor s':>9}{'measured s':>12}{'ratio':>7}")
+
+    def row(name, flops, measured=None, on=rate):
+        floor = flops / on
+        ratio = f"{measured / floor:>7.1f}" if measured and floor else ""
+        print(f"{name:<34}{flops / 1e12:>8.2f}{floor:>9.0f}" + (f"{measured:>12.0f}{ratio}" if measured else ""))
+        return floor
+
+    row("known facts", known, timings.get("known_facts_s"))
+    for name, flops in decoders.items():
+        row(f"  {name}", flops)
+    row("decoders (all of the above)", sum(decoders.values()), analyses_t.get("decoders_seconds"))
+    row("superposition states", states, analyses_t.get("superposition_seconds"))
+    for name in ("crosspatch", "selector", "multihop"):
+        if analyses_t.get(f"{name}_seconds"):
+            print(f"{name + ' (not counted)':<34}{'':>8}{'':>9}{analyses_t[f'{name}_seconds']:>12.0f}")
+    analyses_flops = sum(decoders.values()) + states
+    analyses_floor = row("analyses, counted stages", analyses_flops, timings.get("analyses_s"))
+    worker_floors = {}
+    for mode, flops in controls.items():
+        seconds = (report or {}).get("controls", {}).get("modes", {}).get(mode)
+        measured = sum(p["wall_seconds"] for p in seconds["points"]) + seconds["threshold"]["search_seconds"] \
+            if seconds else None
+        worker_floors[mode] = row(f"controls {mode} (one thread)", flops, measured, on=rate1)
+    shared = (analyses_flops + sum(controls.values())) / rate
+    floor = (known / rate + max([analyses_floor, shared, *worker_floors.values()])
+             + timings.get("load_s", 0.0))
+    print(f"critical path floor: load + known facts + max(analyses {analyses_floor:.0f} s, controls workers "
+          + ", ".join(f"{m} {s:.0f} s" for m, s in worker_floors.items()) + f", all work over {threads} cores "
+          f"{shared:.0f} s) = {floor:.0f} s")
+    if report and report.get("wall_seconds"):
+        print(f"run wall {report['wall_seconds']:.0f} s = {report['wall_seconds'] / floor:.2f} x the floor "
+              f"(the uncounted analyses are in the wall, not in the floor)")
     prompts = sum(len(p) for p in work["jacobian"])
     tokens = sum(a for p in work["jacobian"] for _, a in p)
-    print(f"Jacobians: {prompts} prompts ({tokens} tokens from the subject's last to the prompt's end) x {shape.d} "
+    print(f"Jacobians: {prompts} prompts ({tokens} tokens from the subject's last to the prompt's end) x {d} "
           f"products through the blocks after layer {min(work['lre_layers'])} (LRE layers {work['lre_layers']})")
-    return {"rate": rate, "threads": threads, "stages": stages, "jacobian_prompts": prompts}
+    return {"rate": rate, "rate_one_thread": rate1, "threads": threads, "floor": floor,
+            "stages": {**decoders, "known facts": known, "superposition states": states,
+                       **{f"controls {m}": f for m, f in controls.items()}}, "jacobian_prompts": prompts}
 
 
 if __name__ == "__main__":
