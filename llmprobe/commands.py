@@ -23,7 +23,7 @@ from llmprobe.checks import (
     is_out_of_memory,
     output_folder,
 )
-from llmprobe.io import file_lock
+from llmprobe.io import file_lock, reuse_freed_memory
 from llmprobe.jobs.main import run
 from llmprobe.jobs.plan import format_plan, plan, plan_devices
 from llmprobe.jobs.probe import probe, summary_table
@@ -307,6 +307,7 @@ def run_command(args) -> int:
             check_outputs(args)
             if getattr(args, "threads", None):
                 torch.set_num_threads(args.threads)
+            reuse_freed_memory()
             with output_lock(args):
                 status = args.func(args)
         return status if isinstance(status, int) and not isinstance(status, bool) else EXIT_OK

@@ -1,7 +1,10 @@
-"""Atomic file writes: results are written to a temp file beside the target, then renamed over it."""
+"""Atomic file writes: results are written to a temp file beside the target, then renamed over it. And the
+process's allocator setting (:func:`reuse_freed_memory`)."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import glob
 import io
 import json
@@ -15,6 +18,24 @@ try:
     import fcntl
 except ImportError:  # Windows: appends are not locked
     fcntl = None
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3        # glibc's mallopt parameters (malloc.h)
+
+
+def reuse_freed_memory(mmap_below: int = 256 << 20, trim_above: int = 1 << 30) -> bool:
+    """Ask glibc's malloc to serve blocks under ``mmap_below`` bytes from its heap and to return freed memory at
+    the heap's top to the OS only beyond ``trim_above`` bytes. By default every block over 32 MB is a fresh mmap
+    and freed memory goes back at once, so the next tensor of the same size faults its pages in again: a
+    SmolLM2 run took 102 million minor page faults and 235 s of system time (8% of its CPU). The numbers do not
+    change (the allocator only decides where a tensor lives). Returns False where there is no glibc
+    (macOS, Windows, musl): nothing is changed there."""
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return bool(mallopt(M_MMAP_THRESHOLD, mmap_below)) and bool(mallopt(M_TRIM_THRESHOLD, trim_above))
 
 
 def write_bytes(path: str | Path, data: bytes) -> Path:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
+import torch
 from test_analyses import _relations
 from tiny_models import CONFIGS, save_tiny
 
@@ -481,3 +482,39 @@ def test_every_range_names_a_number_setting_and_its_edges_are_allowed():
              "analysis.n_icl=0", "analysis.jackknife_groups=0", "analysis.jacobian_oversample=0",
              "analysis.ranks=[1]", "analysis.test_fraction=0.01", "analysis.selection_folds=2"]
     assert config.resolve(sets=edges).run.seed == 0
+
+
+def test_the_controls_workers_threads_come_out_of_the_analyses_budget(tiny, tmp_path, all_known, monkeypatch):
+    """While the two control workers (one thread each) train, run's analyses take max(1, threads - workers)
+    torch threads (recorded in timings.analyses_threads), and the process gets its threads back afterwards."""
+    seen = []
+
+    class Recorder:
+        def __init__(self, args, kwargs, on_progress=None):
+            self.mode = kwargs["modes"][0]
+
+        def get(self):
+            seen.append(torch.get_num_threads())          # during the run: the analyses' budget
+            table = {"n_subjects": 0, "relations": [], "n_facts": 0, "bits": 0.0}
+            return {"modes": {}, "table": table, "d_model": 8, "seed": 0, "seeds": [0], "training": {"past_fit": 1},
+                    "wall_seconds": 0.0, "cpu_seconds": 0.0}, 0.0
+
+        def ready(self):
+            return True
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(llmprobe.jobs.main, "ControlsWorker", Recorder)
+    folder, relations = tiny
+    before = torch.get_num_threads()
+    try:
+        for threads, expected in ((5, 3), (2, 1)):
+            torch.set_num_threads(threads)
+            out = tmp_path / f"out{threads}"
+            assert main(["run", folder, "--relations", *relations, "--analyses", "", "--layers", "-1", "--device",
+                         "cpu", "--no-model-width", "--out", str(out)]) == 0
+            assert json.loads((out / "report.json").read_text())["timings"]["analyses_threads"] == expected
+            assert seen[-1] == expected and torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)

@@ -12,6 +12,7 @@ from multiprocessing.connection import wait
 
 import torch
 
+from llmprobe.io import reuse_freed_memory
 from synthetic.controls import train_controls
 
 
@@ -97,6 +98,7 @@ def _one_thread(parent_pid: int | None = None) -> None:
     """Worker set-up: one torch thread; Ctrl-C is left to the parent (which stops the worker); and the worker
     exits on its own when the parent is gone (kill -9 of the parent leaves no orphan training on)."""
     torch.set_num_threads(1)
+    reuse_freed_memory()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if parent_pid is not None:
         threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True,

@@ -15,6 +15,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch
+
 from llmprobe.analyses.settings import settings_from
 from llmprobe.analyses.superposition import superposition_table
 from llmprobe.checks import UsageError
@@ -44,7 +46,10 @@ def run(model=None, *, settings: Settings | None = None, out: str | Path = "runs
 
     The matched controls need only the known facts, so they train while this process runs the analyses: one
     worker process per control mode (trainable, frozen), each on one CPU thread, so the critical path is the
-    longer mode, not both in a row (SmolLM2: trainable 822 s, frozen 575 s of one thread); they train on the
+    longer mode, not both in a row (SmolLM2: trainable 822 s, frozen 575 s of one thread). Their threads come
+    out of this process's budget: while they train, the analyses run on max(1, torch threads - workers) threads
+    (``timings.analyses_threads``; on 2 cores 1 thread: a second thread there makes the decoders 1.3x faster
+    alone but costs 13% more CPU, which the workers need); they train on the
     model's GPU when it has one (the widest control, at the model's own width, is a GPU-sized job for a 7B
     model). Their numbers are those of ``train_controls`` called anywhere (it fixes one thread itself), mode by
     mode: nothing is shared between the modes but the table (``synthetic.controls.merge_controls``).
@@ -101,6 +106,7 @@ class MatchedControls:
         self.settings, self.previous = settings, previous
         self.started = False
         self.workers: list[ControlsWorker] = []      # one per control mode, each on one thread
+        self.threads_before: int | None = None       # this process's torch threads before the workers took theirs
 
     def start(self, report: dict, known: dict, lm, relations: list) -> None:
         """Key the stage; record why nothing is trained, take the previous controls over, or start the worker."""
@@ -135,6 +141,10 @@ class MatchedControls:
             f"([controls] lines)")
         self.workers = [ControlsWorker((table, report["model"]["d_model"]), {**arguments, "modes": (mode,)},
                                        on_progress=_controls_progress) for mode in modes]
+        if arguments["device"] == "cpu":          # the workers' threads come out of this process's budget
+            self.threads_before = torch.get_num_threads()
+            torch.set_num_threads(max(1, self.threads_before - len(self.workers)))
+        report["timings"]["analyses_threads"] = torch.get_num_threads()
 
     def finish(self, report: dict, out: Path) -> None:
         """Wait for the worker's controls (a failure is recorded in the errors; the probe's numbers are kept) and
@@ -175,6 +185,9 @@ class MatchedControls:
     def stop(self) -> None:
         for worker in self.workers:
             worker.stop()
+        if self.threads_before is not None:
+            torch.set_num_threads(self.threads_before)
+            self.threads_before = None
 
 
 def control_table(lm, relations: list, known: dict, report: dict, like_for_like: bool, analysis_options: dict):
