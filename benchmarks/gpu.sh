@@ -29,8 +29,12 @@ python -c "import torch; p = torch.cuda.get_device_properties(0); \
 print(f'device: {p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}, CUDA {torch.version.cuda}')"
 nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv 2>/dev/null || true
 
-# 1. the main job on the GPU. The matched controls are left out (--no-controls): they train on the CPU in a
-#    worker on any device (439 s on this project's 2-core machine) and would not test the GPU.
+# 0. the plan of the run below, to set beside what it measures (llmprobe plan: config only, no weights)
+echo "== llmprobe plan --device h200 --no-controls"
+python -m llmprobe.cli plan --device h200 --no-controls 2>&1 | tail -n 14 || true
+
+# 1. the main job on the GPU. The matched controls are left out (--no-controls) to keep the check under 8
+#    minutes: on a CUDA model they train on its GPU (one worker per mode), ~2.4 min predicted by llmprobe plan.
 echo "== llmprobe run --device cuda --no-controls (limit 270 s)"
 status=0
 timeout 270 python -m llmprobe.cli run --device cuda --no-controls --out "$OUT_DIR/run" > "$OUT_DIR/run.log" 2>&1 \

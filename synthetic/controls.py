@@ -316,7 +316,8 @@ def train_controls(table: FactTable, d_model: int, seed: int = 0, at_model_width
         block_modes = {}
         for mode in modes:
             start = time.perf_counter()
-            progress(f"{mode} ({modes.index(mode) + 1}/{len(modes)} modes), seed {seed}: searching d*, the smallest "
+            of_modes = f" ({modes.index(mode) + 1}/{len(modes)} modes)" if len(modes) > 1 else ""
+            progress(f"{mode}{of_modes}, seed {seed}: searching d*, the smallest "
                      f"width in {cfg.d_min}..{cfg.d_max} reaching 100% train accuracy, by bisection")
             found = control_threshold(task, mode, cfg, seed=seed)
             d_star = found["d_star"]
