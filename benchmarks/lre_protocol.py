@@ -10,6 +10,7 @@ of faithfulness and causality at each relation's selected layer, with n = relati
 published means (GPT-J, GPT-2-XL, LLaMA-13B).
 
     python benchmarks/lre_protocol.py --relations lre:all --out runs/lre_protocol.json    # embedded SmolLM2
+    python benchmarks/lre_protocol.py --table runs/lre_protocol.json     # the table of a saved (partial) run
 
 Only relations the model knows enough of are measured, so a category mean here covers fewer relations than the
 paper's; the table says how many.
@@ -26,6 +27,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from llmprobe.analyses.run import run_analyses  # noqa: E402
+from llmprobe.checks import read_json  # noqa: E402
 from llmprobe.datasets import LRE_CATEGORIES, load_relations  # noqa: E402
 from llmprobe.io import write_json  # noqa: E402
 from llmprobe.jobs.probe import locatable, parse_layers  # noqa: E402
@@ -52,9 +54,10 @@ def category(relation) -> str:
 
 
 def measure(lm, relations: list, layers: list[int], n_icl: int = 5, n_splits: int = 3, seed: int = 0,
-            options: dict | None = None, log=print) -> dict:
+            options: dict | None = None, log=print, out_path: str | None = None) -> dict:
     """Known facts and both selection modes of every relation: {"relations": {name: {category, n_rows, n_known
-    per trial, measured, modes: {mode: relation entry}}}, "seconds"}."""
+    per trial, measured, modes: {mode: relation entry}}}, "seconds"}; written to ``out_path`` (atomically) after
+    every relation, so a long run that is stopped keeps the relations it finished."""
     t0 = time.perf_counter()
     out: dict = {"relations": {}, "layers": layers, "n_icl": n_icl, "n_splits": n_splits}
     for relation in relations:
@@ -73,6 +76,9 @@ def measure(lm, relations: list, layers: list[int], n_icl: int = 5, n_splits: in
                                n_splits=n_splits, progress=False, protocol="lre", n_icl=n_icl,
                                lre_selection=mode, lre_layers=tuple(layers), **(options or {}))
             entry["modes"][mode] = got["relations"][relation.name]
+        out["seconds"] = round(time.perf_counter() - t0, 1)
+        if out_path:
+            write_json(out_path, out)
     out["seconds"] = round(time.perf_counter() - t0, 1)
     return out
 
@@ -125,8 +131,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-facts", type=int, default=None, help="keep the first N rows of each relation")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--out", default=None, help="write every relation's entries here (JSON)")
+    parser.add_argument("--out", default=None, help="write every relation's entries here (JSON, after each one)")
+    parser.add_argument("--table", default=None, help="print the table of a saved --out file (measure nothing)")
     args = parser.parse_args(argv)
+    if args.table:
+        measured = read_json(args.table)
+        print(format_table(table(measured)))
+        print(f"({measured['seconds']} s; layers {measured['layers']}; relations measured: "
+              f"{sum(e['measured'] for e in measured['relations'].values())} of {len(measured['relations'])})")
+        return measured
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = load_model(args.model, device=args.device)
@@ -134,12 +147,10 @@ def main(argv=None) -> dict:
     if args.max_facts:
         relations = [r.with_facts(r.facts[:args.max_facts]) for r in relations]
     layers = [l for l in parse_layers(args.layers, lm.adapter.n_layers) if l != lm.adapter.n_layers - 1]
-    measured = measure(lm, relations, layers, args.n_icl, args.trials)
+    measured = measure(lm, relations, layers, args.n_icl, args.trials, out_path=args.out)
     print(format_table(table(measured)))
     print(f"({measured['seconds']} s; layers {layers}; relations measured: "
           f"{sum(e['measured'] for e in measured['relations'].values())} of {len(measured['relations'])})")
-    if args.out:
-        write_json(args.out, measured)
     return measured
 
 
