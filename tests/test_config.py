@@ -223,18 +223,21 @@ def test_a_missing_settings_file_is_a_usage_error(tmp_path, capsys):
     assert "none.toml" in capsys.readouterr().err
 
 
-def test_control_settings_reach_the_controls_worker(tiny, tmp_path, all_known, monkeypatch):
-    """controls.* from --set reach train_controls' arguments and settings.controls (the worker is replaced by a
-    recorder: training itself is tested in test_controls.py)."""
-    seen = {}
+def _record_controls(monkeypatch) -> dict:
+    """Replace run's ControlsWorker by a recorder (training itself is tested in test_controls.py): it keeps the
+    keyword arguments the workers get ("kwargs") and this process's torch threads when their controls are
+    collected ("threads": the analyses' budget while they trained), and returns an empty controls block of the
+    shape train_controls returns."""
+    seen = {"kwargs": {}, "threads": []}
 
     class Recorder:
         def __init__(self, args, kwargs, on_progress=None):
-            seen.update(kwargs)
+            seen["kwargs"].update(kwargs)
 
-        def get(self):       # an empty controls block of the shape train_controls returns
+        def get(self):
+            seen["threads"].append(torch.get_num_threads())
             table = {"n_subjects": 0, "relations": [], "n_facts": 0, "bits": 0.0}
-            return {"modes": {}, "table": table, "d_model": 8, "seed": 2, "seeds": [2], "training": {"past_fit": 1},
+            return {"modes": {}, "table": table, "d_model": 8, "seed": 0, "seeds": [0], "training": {"past_fit": 1},
                     "wall_seconds": 0.0, "cpu_seconds": 0.0}, 0.0
 
         def ready(self):
@@ -244,6 +247,13 @@ def test_control_settings_reach_the_controls_worker(tiny, tmp_path, all_known, m
             pass
 
     monkeypatch.setattr(llmprobe.jobs.main, "ControlsWorker", Recorder)
+    return seen
+
+
+def test_control_settings_reach_the_controls_worker(tiny, tmp_path, all_known, monkeypatch):
+    """controls.* from --set reach train_controls' arguments and settings.controls (the worker is replaced by a
+    recorder: training itself is tested in test_controls.py)."""
+    seen = _record_controls(monkeypatch)["kwargs"]
     folder, relations = tiny
     out = tmp_path / "out"
     assert main(["run", folder, "--relations", *relations, "--analyses", "", "--layers", "-1", "--device", "cpu",
@@ -487,25 +497,7 @@ def test_every_range_names_a_number_setting_and_its_edges_are_allowed():
 def test_the_controls_workers_threads_come_out_of_the_analyses_budget(tiny, tmp_path, all_known, monkeypatch):
     """While the two control workers (one thread each) train, run's analyses take max(1, threads - workers)
     torch threads (recorded in timings.analyses_threads), and the process gets its threads back afterwards."""
-    seen = []
-
-    class Recorder:
-        def __init__(self, args, kwargs, on_progress=None):
-            self.mode = kwargs["modes"][0]
-
-        def get(self):
-            seen.append(torch.get_num_threads())          # during the run: the analyses' budget
-            table = {"n_subjects": 0, "relations": [], "n_facts": 0, "bits": 0.0}
-            return {"modes": {}, "table": table, "d_model": 8, "seed": 0, "seeds": [0], "training": {"past_fit": 1},
-                    "wall_seconds": 0.0, "cpu_seconds": 0.0}, 0.0
-
-        def ready(self):
-            return True
-
-        def stop(self):
-            pass
-
-    monkeypatch.setattr(llmprobe.jobs.main, "ControlsWorker", Recorder)
+    seen = _record_controls(monkeypatch)["threads"]
     folder, relations = tiny
     before = torch.get_num_threads()
     try:

@@ -52,13 +52,16 @@ CHECK_SCRIPT = """<script>window.addEventListener('load', () => {
 });</script>"""
 
 
-def _browser_view(page_html: str, folder) -> dict:
-    """What headless Chromium sees of a page: the id of the body's first element, images, broken images, summary
-    lines."""
+def _browser_view(page_html: str, folder, script: str = CHECK_SCRIPT, window: str | None = None) -> dict:
+    """What headless Chromium sees of a page: the JSON that ``script`` (appended to a copy of the page) puts into
+    the body's data-check attribute once the page is loaded (default: the id of the body's first element, images,
+    broken images, summary lines); ``window`` "W,H" sets the window size."""
     page = folder / "check.html"
-    page.write_text(page_html.replace("</body>", CHECK_SCRIPT + "</body>"), encoding="utf-8")
-    run = subprocess.run([BROWSER, "--headless=new", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=10000",
-                          "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
+    page.write_text(page_html.replace("</body>", script + "</body>"), encoding="utf-8")
+    size = [f"--window-size={window}"] if window else []
+    run = subprocess.run([BROWSER, "--headless=new", "--no-sandbox", "--disable-gpu", *size,
+                          "--virtual-time-budget=10000", "--dump-dom", page.as_uri()],
+                         capture_output=True, text=True, timeout=120)
     found = re.search(r'data-check="([^"]*)"', run.stdout)
     assert run.returncode == 0 and found, run.stderr[-2000:]
     return json.loads(html.unescape(found.group(1)))
@@ -179,14 +182,7 @@ def test_the_compare_page_at_1200_px_names_every_source_in_its_figures(tmp_path)
           panels: JSON.parse(f.dataset.panels), right: f.querySelector('img').getBoundingClientRect().right})),
         width: window.innerWidth, scroll: document.documentElement.scrollWidth, height: document.body.scrollHeight}));
     });</script>"""
-    check = tmp_path / "check.html"
-    check.write_text(page.replace("</body>", script + "</body>"), encoding="utf-8")
-    run = subprocess.run([BROWSER, "--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1200,2000",
-                          "--virtual-time-budget=10000", "--dump-dom", check.as_uri()],
-                         capture_output=True, text=True, timeout=120)
-    found = re.search(r'data-check="([^"]*)"', run.stdout)
-    assert run.returncode == 0 and found, run.stderr[-2000:]
-    view = json.loads(html.unescape(found.group(1)))
+    view = _browser_view(page, tmp_path, script, window="1200,2000")
     relations, models = set(view["known"]), view["models"]
     assert len(relations) == 15 and models == ["llama", "qwen2"]
     depth = [f for f in view["figures"] if f["title"].endswith(" by depth")]
@@ -228,14 +224,7 @@ def test_the_summary_table_fits_a_1200_px_window(tmp_path, monkeypatch):
         titles: [...table.querySelectorAll('tbody tr')].map(tr => tr.children[1].title),
         notes: [...section.querySelectorAll('.measures li')].map(li => li.textContent)}));
     });</script>"""
-    check = tmp_path / "check.html"
-    check.write_text(page.replace("</body>", script + "</body>"), encoding="utf-8")
-    run = subprocess.run([BROWSER, "--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1200,1600",
-                          "--virtual-time-budget=10000", "--dump-dom", check.as_uri()],
-                         capture_output=True, text=True, timeout=120)
-    found = re.search(r'data-check="([^"]*)"', run.stdout)
-    assert run.returncode == 0 and found, run.stderr[-2000:]
-    view = json.loads(html.unescape(found.group(1)))
+    view = _browser_view(page, tmp_path, script, window="1200,1600")
     assert view["window"] == 1200
     assert view["table"] <= view["section"] and view["right"] <= view["window"], view
     assert view["page"] <= view["window"] and view["cut"] == [], view
