@@ -36,10 +36,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from llmprobe.jobs.plan import (  # noqa: E402  (the cost model's workload count and the matmul rate)
     CONTROL_D_STAR,
-    CONTROL_POINT_STEPS,
-    CONTROL_STEPS,
     SMOLLM2_KNOWN,
     TARGETS,
+    control_curve,
+    control_step_flops,
     forward_work,
     jacobian_work,
     known_work,
@@ -48,13 +48,6 @@ from llmprobe.jobs.plan import (  # noqa: E402  (the cost model's workload count
     smollm2_tokenizer,
     sum_work,
 )
-from synthetic.controls import curve_widths  # noqa: E402
-
-
-def control_params(d: int) -> int:
-    """Parameters of the matched control at width d on the default table (16 d^2 + 785 d: its 8d MLP, 193
-    subjects, 6 relations, 577 attributes)."""
-    return 16 * d * d + 785 * d
 
 
 def control_flops(report: dict | None, n_facts: int, d_model: int) -> dict[str, float]:
@@ -67,11 +60,10 @@ def control_flops(report: dict | None, n_facts: int, d_model: int) -> dict[str, 
         for mode, entry in block["modes"].items():
             steps = [(t["d"], t["steps"]) for t in entry["threshold"]["tried"]]
             steps += [(p["d"], s["steps"]) for p in entry["points"] for s in p["seeds"]]
-            out[mode] = sum(6.0 * control_params(d) * n_facts * n for d, n in steps)
+            out[mode] = sum(control_step_flops(d, n_facts) * n for d, n in steps)
         return out
-    for mode, d_star in CONTROL_D_STAR.items():
-        out[mode] = sum(6.0 * control_params(d) * n_facts * 3 * CONTROL_POINT_STEPS[mode].get(d, CONTROL_STEPS)
-                        for d in curve_widths(d_star, d_model))
+    for mode in CONTROL_D_STAR:
+        out[mode] = sum(control_step_flops(d, n_facts) * steps for d, steps in control_curve(mode, d_model))
     return out
 
 

@@ -400,5 +400,5 @@ def merge_controls(blocks: list[dict]) -> dict:
             "cpu_seconds": round(sum(b["cpu_seconds"] for b in blocks), 1)}
 
 
-__all__ = ["MODES", "merge_controls", "RECIPES", "known_table", "train_at", "control_threshold", "curve_widths", "measure_control",
-           "train_controls", "compared_with", "fixed_threads", "over_seeds", "r2_value", "movement"]
+__all__ = ["MODES", "RECIPES", "known_table", "train_at", "control_threshold", "curve_widths", "measure_control",
+           "train_controls", "merge_controls", "compared_with", "fixed_threads", "over_seeds", "r2_value", "movement"]

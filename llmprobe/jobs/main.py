@@ -49,9 +49,8 @@ def run(model=None, *, settings: Settings | None = None, out: str | Path = "runs
     longer mode, not both in a row (SmolLM2: trainable 822 s, frozen 575 s of one thread). Their threads come
     out of this process's budget: while they train, the analyses run on max(1, torch threads - workers) threads
     (``timings.analyses_threads``; on 2 cores 1 thread: a second thread there makes the decoders 1.3x faster
-    alone but costs 13% more CPU, which the workers need); they train on the
-    model's GPU when it has one (the widest control, at the model's own width, is a GPU-sized job for a 7B
-    model). Their numbers are those of ``train_controls`` called anywhere (it fixes one thread itself), mode by
+    alone but costs 13% more CPU, which the workers need); they train on the model's GPU when it has one (the
+    widest control, at the model's own width, is a GPU-sized job for a 7B model). Their numbers are those of ``train_controls`` called anywhere (it fixes one thread itself), mode by
     mode: nothing is shared between the modes but the table (``synthetic.controls.merge_controls``).
 
     ``run.batch_size`` is every batched stage's largest micro-batch (known facts and analyses); ``device_map``,

@@ -428,10 +428,24 @@ def auto_rank(shape: Shape, lre_layers: list[int], cfg: AnalysisSettings | None 
     return jacobian_rank_for(cfg or AnalysisSettings(), shape.d, lre_layers, shape.layers)
 
 
-def control_params(d: int, width_fits: dict) -> float:
+def control_params(d: int, width_fits: dict = CPU_FITS) -> float:
     """Parameters of the matched control at width d: the quadratic through the measured widths' counts."""
     p2, p1, p0 = width_fits["control_params"]
     return p2 * d * d + p1 * d + p0
+
+
+def control_step_flops(d: int, n_facts: int, width_fits: dict = CPU_FITS) -> float:
+    """FLOPs of one full-batch training step of the matched control at width d on ``n_facts`` facts: 6 per
+    parameter per fact (forward and backward)."""
+    return 6.0 * control_params(d, width_fits) * n_facts
+
+
+def control_curve(mode: str, d_model: int, at_model_width: bool = True, n_seeds: int = 3) -> list[tuple[int, float]]:
+    """(width, training steps of all its seeds) of every point of ``mode``'s curve as planned: the widths of
+    ``synthetic.controls.curve_widths`` from the measured d*, each seed's steps as measured on the default table
+    (``CONTROL_POINT_STEPS``, else ``CONTROL_STEPS``)."""
+    return [(d, CONTROL_POINT_STEPS[mode].get(d, CONTROL_STEPS) * n_seeds)
+            for d in curve_widths(CONTROL_D_STAR[mode], d_model, at_model_width)]
 
 
 def predict(shape: Shape, work: dict, model_cost, width_fits: dict, load_s: float, init_s: float,
@@ -467,9 +481,8 @@ def predict(shape: Shape, work: dict, model_cost, width_fits: dict, load_s: floa
     per_mode = {}
     for mode in (m for m in work.get("control_modes", CONTROL_D_STAR) if m in CONTROL_D_STAR):
         seconds = search_s * CONTROL_SEARCH_S[mode] / sum(CONTROL_SEARCH_S.values())
-        for width in curve_widths(CONTROL_D_STAR[mode], shape.d, work.get("at_model_width", True)):
-            steps = CONTROL_POINT_STEPS[mode].get(width, CONTROL_STEPS) * work.get("n_seeds", 3)
-            flops = 6.0 * control_params(width, width_fits) * work["n_facts_table"]
+        for width, steps in control_curve(mode, shape.d, work.get("at_model_width", True), work.get("n_seeds", 3)):
+            flops = control_step_flops(width, work["n_facts_table"], width_fits)
             seconds += (width_cost("control_step", flops, steps) if control_step is None else
                         steps * control_step(flops))
             seconds += width_cost("control_measure", float(work["n_subjects"]) ** 2 * width, 1)

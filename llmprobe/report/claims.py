@@ -181,10 +181,15 @@ def _same_width_control(report: dict) -> dict | None:
                  d_model), None)
 
 
+def _trainable_controls(report: dict) -> list[dict]:
+    """The report's trainable matched controls, one synthetic source per curve point, in the block's order."""
+    return [s for s in control_sources(report.get("controls"), report.get("schema_version"))
+            if not (s.get("model") or {}).get("frozen_subjects")]
+
+
 def _at_dstar(report: dict) -> dict | None:
     """The trainable matched control at its threshold width d* (a synthetic source), or None."""
-    trainable = [s for s in control_sources(report.get("controls"), report.get("schema_version"))
-                 if not (s.get("model") or {}).get("frozen_subjects")]
+    trainable = _trainable_controls(report)
     return next((s for s in trainable if (s.get("threshold") or {}).get("d_star") == (s.get("model") or {}).get(
         "d_model")),
                 trainable[0] if trainable else None)
@@ -383,9 +388,7 @@ def _every_seed_fits(report: dict) -> dict | None:
     """{"d", "bits_per_param", "seeds"} of the trainable control's narrowest curve width at which every seed
     reached 100% train accuracy (``train.over_seeds``), or None when the report has no such point. d* itself is
     the sweep's rule (one initialisation of two fitting suffices), the rule of the cells it is compared with."""
-    points = sorted((s for s in control_sources(report.get("controls"), report.get("schema_version"))
-                     if not (s.get("model") or {}).get("frozen_subjects")), key=lambda s: s["model"]["d_model"])
-    for source in points:
+    for source in sorted(_trainable_controls(report), key=lambda s: s["model"]["d_model"]):
         seeds, train = (source.get("train") or {}).get("over_seeds"), source.get("train") or {}
         if seeds and seeds["n_fit"] == seeds["n"] and train.get("bits_per_param") is not None:
             return {"d": source["model"]["d_model"], "bits_per_param": train["bits_per_param"],
