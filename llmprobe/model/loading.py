@@ -303,6 +303,75 @@ def check_tokenizer_fits(tokenizer, model: nn.Module, where: str) -> None:
                              f"models")
 
 
+def _locate(name: str | None, gguf_file: str | None, revision: str | None, allow_pickle: bool
+            ) -> tuple[str, str, str | None, list[Path]]:
+    """Where ``name``'s files are: ``(source, folder, gguf file or None, checked weight files)``, with
+    source one of embedded, gguf, local, hub; a missing path or an unreachable hub is a ModelLoadError."""
+    local = os.path.expanduser(name) if name else name
+    weight_files: list[Path] = []
+    if name is None or name == DEFAULT_MODEL:
+        source, folder, gguf = "embedded", _embedded_safetensors(), None
+    elif local.endswith(".gguf") and Path(local).is_file():
+        source, folder, gguf = "gguf", str(Path(local).parent), Path(local).name
+    elif Path(local).is_dir():
+        source, folder, gguf = "local", local, gguf_file
+        if not gguf:
+            _check_quantized_folder(Path(local), _read_config(Path(local)))
+            weight_files = _check_local_weights(Path(local), allow_pickle)
+    elif Path(local).exists():
+        raise ModelLoadError(f"{name!r} is a file but not a .gguf model; pass a model folder (config.json and "
+                             f"safetensors weights), a .gguf file or a hub name")
+    elif _looks_like_path(name):
+        raise ModelLoadError(f"no such folder or file: {name!r} ({os.path.abspath(local)} does not exist); pass an "
+                             f"existing model folder or .gguf file, a hub name like Qwen/Qwen2.5-0.5B, or omit MODEL "
+                             f"for the embedded default {DEFAULT_MODEL}")
+    else:
+        source, folder, gguf = "hub", name, gguf_file
+        check_hub_reachable(name, revision)
+    return source, folder, gguf, weight_files
+
+
+def _from_pretrained(folder: str, gguf: str | None, label: str, where: str, kwargs: dict, model_kwargs: dict,
+                     device_map, allow_pickle: bool, weight_files: list[Path]) -> tuple:
+    """``(tokenizer, model, loading_info)`` from transformers, every failure turned into a ModelLoadError that
+    names ``label`` (the model as the user named it) and ``where`` (source, folder, GGUF file)."""
+    from transformers import (  # lazy: start-up time: the CLI's checks and errors do not load transformers
+        AutoModelForCausalLM,
+        AutoTokenizer,
+    )
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, **{k: v for k, v in kwargs.items() if k != "dtype"})
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"could not load the tokenizer of {label!r} {where}: {error}") from error
+    except Exception as error:  # noqa: BLE001 - a malformed GGUF file surfaces as struct.error, KeyError, ...
+        if not gguf:
+            raise
+        kind = type(error).__name__ if type(error).__module__ == "builtins" else \
+            f"{type(error).__module__}.{type(error).__name__}"
+        raise ModelLoadError(f"{Path(folder) / gguf}: not a readable GGUF file, corrupt or truncated ({kind}: "
+                             f"{error})") from error
+    try:
+        model, loading_info = AutoModelForCausalLM.from_pretrained(
+            folder, device_map=device_map, output_loading_info=True, **kwargs, **model_kwargs)
+    except (OSError, ValueError) as error:
+        hint = "" if allow_pickle or "safetensors" not in str(error) else \
+            " (llmprobe loads safetensors weights only unless allow_pickle=True / --allow-pickle)"
+        raise ModelLoadError(f"could not load {label!r} {where}: {error}{hint}") from error
+    except Exception as error:  # noqa: BLE001 - a corrupt weights file surfaces as many types
+        if is_out_of_memory(error):
+            raise _out_of_memory(label, folder, kwargs, weight_files) from error
+        if "ignore_mismatched_sizes" in str(error):
+            raise ModelLoadError(f"the weights of {label!r} {where} have other shapes than its "
+                                 f"config.json declares (transformers' load report above lists them as MISMATCH): "
+                                 f"the config or the weight files are corrupt or from another model") from None
+        files = ", ".join(str(p) for p in weight_files) or str(Path(folder) / gguf if gguf else folder)
+        raise ModelLoadError(f"could not read the weights of {label!r} from {files}: corrupt, "
+                             f"truncated or not a weights file ({type(error).__name__}: "
+                             f"{str(error).splitlines()[0] if str(error) else ''})") from error
+    return tokenizer, model, loading_info
+
+
 def load_model(
     name: str | None = None,
     *,
@@ -331,11 +400,6 @@ def load_model(
     weights only (``pytorch_model.bin``) needs ``allow_pickle=True`` and is then read with
     ``weights_only=True``. Every failure is a :class:`ModelLoadError` that names the path, file or device.
     """
-    from transformers import (  # lazy: start-up time: the CLI's checks and errors do not load transformers
-        AutoModelForCausalLM,
-        AutoTokenizer,
-    )
-
     start = time.perf_counter()
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
@@ -349,27 +413,7 @@ def load_model(
         raise ModelLoadError("--max-memory and --offload-folder place the model through accelerate and need "
                              "--device-map (auto, balanced or sequential)")
     quantization = quantization_config(quantize, torch_dtype)
-    local = os.path.expanduser(name) if name else name
-    weight_files: list[Path] = []
-    if name is None or name == DEFAULT_MODEL:
-        source, folder, gguf = "embedded", _embedded_safetensors(), None
-    elif local.endswith(".gguf") and Path(local).is_file():
-        source, folder, gguf = "gguf", str(Path(local).parent), Path(local).name
-    elif Path(local).is_dir():
-        source, folder, gguf = "local", local, gguf_file
-        if not gguf:
-            _check_quantized_folder(Path(local), _read_config(Path(local)))
-            weight_files = _check_local_weights(Path(local), allow_pickle)
-    elif Path(local).exists():
-        raise ModelLoadError(f"{name!r} is a file but not a .gguf model; pass a model folder (config.json and "
-                             f"safetensors weights), a .gguf file or a hub name")
-    elif _looks_like_path(name):
-        raise ModelLoadError(f"no such folder or file: {name!r} ({os.path.abspath(local)} does not exist); pass an "
-                             f"existing model folder or .gguf file, a hub name like Qwen/Qwen2.5-0.5B, or omit MODEL "
-                             f"for the embedded default {DEFAULT_MODEL}")
-    else:
-        source, folder, gguf = "hub", name, gguf_file
-        check_hub_reachable(name, revision)
+    source, folder, gguf, weight_files = _locate(name, gguf_file, revision, allow_pickle)
     if device_map is None and device == "cuda" and torch.cuda.device_count() > 1:
         device_map = "auto"
     kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code, revision=revision)
@@ -382,35 +426,8 @@ def load_model(
         model_kwargs["quantization_config"] = quantization
         device_map = device_map or {"": device if ":" in device else f"{device}:0"}
     where = f"({source}: {folder}{', gguf_file=' + gguf if gguf else ''})"
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, **{k: v for k, v in kwargs.items() if k != "dtype"})
-    except (OSError, ValueError) as error:
-        raise ModelLoadError(f"could not load the tokenizer of {name or DEFAULT_MODEL!r} {where}: {error}") from error
-    except Exception as error:  # noqa: BLE001 - a malformed GGUF file surfaces as struct.error, KeyError, ...
-        if not gguf:
-            raise
-        kind = type(error).__name__ if type(error).__module__ == "builtins" else \
-            f"{type(error).__module__}.{type(error).__name__}"
-        raise ModelLoadError(f"{Path(folder) / gguf}: not a readable GGUF file, corrupt or truncated ({kind}: "
-                             f"{error})") from error
-    try:
-        model, loading_info = AutoModelForCausalLM.from_pretrained(
-            folder, device_map=device_map, output_loading_info=True, **kwargs, **model_kwargs)
-    except (OSError, ValueError) as error:
-        hint = "" if allow_pickle or "safetensors" not in str(error) else \
-            " (llmprobe loads safetensors weights only unless allow_pickle=True / --allow-pickle)"
-        raise ModelLoadError(f"could not load {name or DEFAULT_MODEL!r} {where}: {error}{hint}") from error
-    except Exception as error:  # noqa: BLE001 - a corrupt weights file surfaces as many types
-        if is_out_of_memory(error):
-            raise _out_of_memory(name or DEFAULT_MODEL, folder, kwargs, weight_files) from error
-        if "ignore_mismatched_sizes" in str(error):
-            raise ModelLoadError(f"the weights of {name or DEFAULT_MODEL!r} {where} have other shapes than its "
-                                 f"config.json declares (transformers' load report above lists them as MISMATCH): "
-                                 f"the config or the weight files are corrupt or from another model") from None
-        files = ", ".join(str(p) for p in weight_files) or str(Path(folder) / gguf if gguf else folder)
-        raise ModelLoadError(f"could not read the weights of {name or DEFAULT_MODEL!r} from {files}: corrupt, "
-                             f"truncated or not a weights file ({type(error).__name__}: "
-                             f"{str(error).splitlines()[0] if str(error) else ''})") from error
+    tokenizer, model, loading_info = _from_pretrained(folder, gguf, name or DEFAULT_MODEL, where, kwargs,
+                                                      model_kwargs, device_map, allow_pickle, weight_files)
     _check_loading_info(loading_info, name or DEFAULT_MODEL, where)
     check_tokenizer_fits(tokenizer, model, f"of {name or DEFAULT_MODEL!r} {where}")
     if device_map is None:
@@ -420,8 +437,17 @@ def load_model(
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     adapter = ModelAdapter(model)
-    info = {
-        "name": name or DEFAULT_MODEL,
+    info = _describe(model, adapter, name or DEFAULT_MODEL, source, folder, gguf, torch_dtype, device_map,
+                     quantize, revision)
+    info["load_seconds"] = round(time.perf_counter() - start, 2)
+    return LoadedModel(model, tokenizer, adapter, info)
+
+
+def _describe(model: nn.Module, adapter: ModelAdapter, label: str, source: str, folder: str, gguf: str | None,
+              dtype: torch.dtype, device_map, quantize: str | None, revision: str | None) -> dict:
+    """What was loaded, for the report's ``model`` block: names, sizes, placement, revision, weights hash."""
+    return {
+        "name": label,
         "source": source,
         "path": str(folder),
         "architecture": type(model).__name__,
@@ -429,16 +455,14 @@ def load_model(
         "n_layers": adapter.n_layers,
         "d_model": adapter.d_model,
         "n_params": sum(p.numel() for p in model.parameters()),
-        "dtype": str(torch_dtype).replace("torch.", ""),
+        "dtype": str(dtype).replace("torch.", ""),
         "device": str(module_device(adapter.embed)),
         "device_map": device_map if isinstance(device_map, str) else None,
         "placement": _placement(model),
         "quantize": quantize,
         "revision": revision or _hub_commit(model),
         "weights_hash": weights_hash(Path(folder), gguf) if source != "hub" else None,
-        "load_seconds": round(time.perf_counter() - start, 2),
     }
-    return LoadedModel(model, tokenizer, adapter, info)
 
 
 def _placement(model: nn.Module) -> dict | None:
