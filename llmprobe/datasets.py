@@ -332,12 +332,7 @@ def _read_jsonl(path: Path, **kw) -> list[Relation]:
     rows = []
     for n, line in enumerate(_read_text(path).split("\n"), 1):
         if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{path}: line {n} is not valid JSON ({e.msg})") from None
-            except RecursionError:
-                raise DatasetError(f"{path}: line {n} is nested too deeply to read ({TOO_DEEP})") from None
+            rows.append(parse_json(line, f"{path}: line {n}", DatasetError, f" ({TOO_DEEP})"))
     bad = [i for i, r in enumerate(rows) if not isinstance(r, dict)]
     if bad:
         raise _err(str(path), f"rows[{bad[0]}]", "must be a JSON object")

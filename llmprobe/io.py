@@ -14,6 +14,8 @@ import time
 import warnings
 from pathlib import Path
 
+from llmprobe.checks import UsageError, parse_json
+
 try:
     import fcntl
 except ImportError:  # Windows: appends are not locked
@@ -152,8 +154,8 @@ def read_jsonl(path: str | Path) -> list[dict]:
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+            records.append(parse_json(line, f"{path}: line {number}"))
+        except UsageError:
             warnings.warn(f"{path}: line {number} is not valid JSON (torn by an interrupted write?); skipped",
                           stacklevel=2)
     return records

@@ -310,6 +310,17 @@ def test_rerun_needs_recorded_settings(tmp_path, capsys):
     assert "no recorded settings" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text, says", [("{cut", "not valid JSON"), ("[" * 100_000 + "]" * 100_000,
+                                                                      "nested too deeply to read")],
+                         ids=["cut", "deep"])
+def test_rerun_of_an_unreadable_report_names_it(tmp_path, capsys, text, says):
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "report.json").write_text(text)
+    assert main(["rerun", str(tmp_path / "old")]) == 2
+    err = capsys.readouterr().err
+    assert "rerun:" in err and "report.json" in err and says in err and "Traceback" not in err
+
+
 # ------------------------------------------------------------------------------------------- defaults
 # a valid value other than the default for every run setting, as the Python API takes it; a new RunSettings field
 # must get one here

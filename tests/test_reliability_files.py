@@ -167,6 +167,27 @@ def test_append_jsonl_repairs_a_torn_last_line(tmp_path):
     assert records == [{"a": 1}, {"c": 3}]
 
 
+def test_a_results_line_nested_too_deeply_is_skipped_like_a_torn_one(tmp_path):
+    """read_jsonl parses each line through checks.parse_json: a line too deep for json (RecursionError, which
+    escaped before) is skipped with the same warning as a torn line."""
+    path = tmp_path / "results.jsonl"
+    path.write_text('{"a": 1}\n' + "[" * 100_000 + "]" * 100_000 + '\n{"c": 3}\n')
+    with pytest.warns(UserWarning, match="results.jsonl.*line 2 is not valid JSON"):
+        assert read_jsonl(path) == [{"a": 1}, {"c": 3}]
+
+
+@pytest.mark.parametrize("index, says", [
+    ("{not json", r"not valid JSON"),
+    ("[" * 100_000 + "]" * 100_000, r"nested too deeply to read"),
+    ('["a list"]', r"'weight_map' must map tensor names to shard file names"),
+], ids=["cut", "deep", "list"])
+def test_an_unreadable_weights_index_names_itself(tiny_gpt2, tmp_path, index, says):
+    folder = shutil.copytree(tiny_gpt2, tmp_path / "model")
+    (folder / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors\.index\.json.*" + says):
+        load_model(str(folder), device="cpu")
+
+
 def test_stale_tmp_files_are_cleaned_on_the_next_write(tmp_path):
     stale = tmp_path / ".report.json.abc123.tmp"
     stale.write_text("half")
@@ -516,7 +537,7 @@ def test_deeply_nested_relation_files_name_the_file(tmp_path, suffix):
     """Row 11: a deeply nested relation file raised RecursionError."""
     path = tmp_path / f"deep{suffix}"
     path.write_text("[" * 100_000 + "]" * 100_000 + "\n")
-    with pytest.raises(DatasetError, match=f"deep{suffix}: (line 1 is )?nested too deeply to read"):
+    with pytest.raises(DatasetError, match=f"deep{suffix}: (line 1: )?nested too deeply to read"):
         load_relations([str(path)])
 
 

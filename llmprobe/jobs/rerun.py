@@ -1,11 +1,10 @@
 """``llmprobe rerun``: repeat a report's probe or run with its recorded settings and compare every number."""
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
-from llmprobe.checks import UsageError, output_folder
+from llmprobe.checks import UsageError, output_folder, read_json
 from llmprobe.jobs.main import run
 from llmprobe.jobs.probe import load_options, probe
 from llmprobe.model.loading import load_model
@@ -66,10 +65,11 @@ def rerun(folder: str | Path, out: str | Path | None = None, allow_different_wei
     (:func:`compare_numbers`)}."""
     folder = Path(folder)
     try:
-        old = json.loads((folder / "report.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
-        raise UsageError(f"rerun: cannot read {folder / 'report.json'} ({getattr(error, 'strerror', None) or error})"
-                         ) from None
+        old = read_json(folder / "report.json", too_deep=" (not a report llmprobe wrote)")
+    except OSError as error:
+        raise UsageError(f"rerun: cannot read {folder / 'report.json'} ({error.strerror or error})") from None
+    except UsageError as error:
+        raise UsageError(f"rerun: {error}") from None
     if not isinstance(old, dict):
         raise UsageError(f"rerun: {folder / 'report.json'} is not a report (a JSON object)")
     command, settings = from_record(old.get("settings"), f"{folder / 'report.json'} settings")
@@ -90,7 +90,7 @@ def rerun(folder: str | Path, out: str | Path | None = None, allow_different_wei
     report = (probe if command == "probe" else run)(settings=settings, out=out, lm=lm)
     return {"command": command, "out": str(out), "weights": weights, "offload_folder": settings.run.offload_folder,
             "report": report,
-            "comparison": compare_numbers(old, json.loads((out / "report.json").read_text(encoding="utf-8")))}
+            "comparison": compare_numbers(old, read_json(out / "report.json"))}
 
 
 __all__ = ["rerun", "compare_numbers", "numbers"]

@@ -204,10 +204,10 @@ def _index_shards(folder: Path) -> list[Path]:
     shards: set[Path] = set()
     for index in sorted(folder.glob("*.index.json")):
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
-        except (OSError, ValueError, RecursionError, AttributeError) as error:
-            raise ModelLoadError(f"{index}: not a readable weights index ({type(error).__name__}: {error})"
-                                 ) from None
+            data = parse_json(index.read_bytes(), f"weights index {index}", ModelLoadError)
+        except OSError as error:
+            raise ModelLoadError(f"{index}: not a readable weights index ({error.strerror or error})") from None
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise ModelLoadError(f"{index}: 'weight_map' must map tensor names to shard file names")
         for name in sorted(set(weight_map.values())):
