@@ -161,7 +161,7 @@ def probe(model=None, *, settings: Settings | None = None, out: str | Path | Non
     report.
 
     ``model``: a name or folder, or a model object with ``tokenizer`` (a transformers model, a TransformerBridge,
-    an nnsight LanguageModel: ``llmprobe.model.interop.as_loaded_model``); ``lm``: an already loaded model
+    an nnsight TransformersModel or LanguageModel: ``llmprobe.model.interop.as_loaded_model``); ``lm``: an already loaded model
     (``model`` is then only recorded). ``options``: every run setting by its name (``relations``, ``layers``,
     ``analyses``, ``device``, ``max_facts``, ``seed``, ...: ``llmprobe.settings.RunSettings``) and
     ``analysis_options`` (fields of ``llmprobe.analyses.AnalysisSettings``, e.g. ``{"protocol": "lre"}``), over
