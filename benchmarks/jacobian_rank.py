@@ -36,9 +36,10 @@ from llmprobe.analyses.settings import (  # noqa: E402
     pick_layers,
     settings_from,  # noqa: E402
 )
+from llmprobe.checks import parse_layers  # noqa: E402
 from llmprobe.datasets import Relation, load_relations  # noqa: E402
 from llmprobe.io import write_json  # noqa: E402
-from llmprobe.jobs.probe import fitting, locatable, parse_layers  # noqa: E402
+from llmprobe.jobs.probe import fitting, locatable  # noqa: E402
 from llmprobe.metric import paired_difference  # noqa: E402
 from llmprobe.model.known import known_facts  # noqa: E402
 from llmprobe.model.loading import load_model  # noqa: E402

@@ -27,10 +27,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from llmprobe.analyses.run import run_analyses  # noqa: E402
-from llmprobe.checks import read_json  # noqa: E402
+from llmprobe.checks import parse_layers, read_json  # noqa: E402
 from llmprobe.datasets import LRE_CATEGORIES, load_relations  # noqa: E402
 from llmprobe.io import write_json  # noqa: E402
-from llmprobe.jobs.probe import locatable, parse_layers  # noqa: E402
+from llmprobe.jobs.probe import locatable  # noqa: E402
 from llmprobe.model.known import KNOWN, known_facts  # noqa: E402
 from llmprobe.model.loading import load_model  # noqa: E402
 

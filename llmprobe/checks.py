@@ -114,6 +114,27 @@ def layer_spec(spec) -> None:
                              f"like 0,6,-1") from None
 
 
+def parse_layers(spec: str | list[int] | None, n_layers: int) -> list[int]:
+    """``all`` | ``0,6,12`` | ``-1`` | ``every:3`` -> sorted layer indices in 0..n_layers-1 (UsageError otherwise)."""
+    if spec is None or spec == "all":
+        return list(range(n_layers))
+    layer_spec(spec)
+    if isinstance(spec, str) and spec.startswith("every:"):
+        step = int(spec.split(":", 1)[1])
+        return sorted(set(range(0, n_layers, step)) | {n_layers - 1})
+    items = spec.split(",") if isinstance(spec, str) else spec
+    layers = set()
+    for item in items:
+        try:
+            layer = int(item)
+        except (TypeError, ValueError):
+            raise UsageError(f"bad layer {item!r} in --layers {spec!r}: use all, every:K, or integers") from None
+        if not -n_layers <= layer < n_layers:
+            raise UsageError(f"layer {layer} out of range: the model has {n_layers} layers")
+        layers.add(layer % n_layers)
+    return sorted(layers)
+
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 QUANTIZE = ("4bit", "8bit")

@@ -72,6 +72,34 @@ def test_the_time_left_is_estimated_from_the_relations_computed_not_the_skipped_
     assert "~02:00 left" in lines[2] and "~01:00 left" in lines[3]     # 60 s per computed relation
 
 
+def test_the_time_left_is_the_plans_seconds_scaled_by_measured_over_planned(capsys, monkeypatch):
+    """With the plan's seconds per relation (``bar(planned=...)``): before any relation was computed, the plan's
+    seconds of those left, said "(planned)"; then those seconds times measured / planned of the relations computed
+    (a relation taken over, skip(), in neither), so a heavy relation left counts for more than a light one."""
+    import llmprobe.analyses.settings as settings
+
+    clock = [0.0]
+    monkeypatch.setattr(settings.time, "perf_counter", lambda: clock[0])
+    log = Log(True)
+    takes = {"resumed": 0.0, "a": 20.0, "b": 60.0, "c": 0.0}
+    for name in log.bar(list(takes), "decoders", planned=[40.0, 10.0, 30.0, 20.0]):
+        log(f"{name}: begun")
+        if name == "resumed":
+            log.skip()
+        clock[0] += takes[name] / 2
+        log(f"{name}: half way")
+        clock[0] += takes[name] / 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if "begun" in line or "half" in line]
+    assert "decoders 1/4, ~01:40 left (planned)" in lines[0]    # 40 + 10 + 30 + 20 s planned
+    assert "decoders 2/4, ~01:00 left (planned)" in lines[2]    # the resumed one computed nothing
+    assert "decoders 2/4, ~00:50 left (planned)" in lines[3]    # 10 s into a's 20: it counts down
+    assert "decoders 3/4, ~01:40 left]" in lines[4]             # (30 + 20) x 20 s measured / 10 s planned
+    assert "decoders 3/4, ~01:10 left]" in lines[5]             # 30 s into b's 60 s estimate, 40 s after it
+    assert "decoders 4/4, ~00:40 left]" in lines[6]             # 20 x (20 + 60) / (10 + 30)
+    with pytest.raises(ValueError, match="2 planned seconds for 3 items"):
+        list(log.bar(["a", "b", "c"], "decoders", planned=[1.0, 2.0]))
+
+
 def test_controls_say_what_they_train_and_find_in_words():
     lines = []
     countries = [("France", "Paris", "Europe"), ("Japan", "Tokyo", "Asia"), ("Brazil", "Brasilia", "Americas"),
@@ -107,7 +135,9 @@ def test_probe_model_runs_the_analyses_and_writes_the_html_report(tiny, relation
     report = json.loads((out / "report.json").read_text())
     assert report["settings"]["run"]["analyses"] == ["lre", "ridge", "superposition"] and "analyses" in report
     assert (out / "report.html").is_file() and (out / "report.md").is_file()
-    assert re.search(r"\| decoders 1/1, estimating\.\.\.\]", capsys.readouterr().err)
+    err = capsys.readouterr().err              # the decoders' time left: the plan's until one was computed
+    assert re.search(r"\| decoders 1/1, ~\d\d:\d\d left \(planned\)\]", err), err[-2000:]
+    assert re.search(r"decoders: 100%.*\| 1/1 \[\d\d:\d\d, done\]", err)
     assert main(["probe", tiny, "--relations", relation, "--layers", "-1", "--device", "cpu", "--analyses", "",
                  "--out", str(tmp_path / "known")]) == 0
     assert "analyses" not in json.loads((tmp_path / "known" / "report.json").read_text())

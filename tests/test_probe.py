@@ -4,8 +4,9 @@ import json
 import pytest
 from tiny_models import save_tiny, tiny_tokenizer
 
+from llmprobe.checks import parse_layers
 from llmprobe.cli import main
-from llmprobe.jobs.probe import parse_layers, probe
+from llmprobe.jobs.probe import probe
 from llmprobe.jobs.stages import earlier_stage, mark_interrupted, stage_key, start_stage
 from llmprobe.model import subjects as subjects_module
 from llmprobe.model.known import first_token_ids, is_known, object_token_sequences

@@ -36,7 +36,7 @@ MECHANISMS = {"crosspatch": crosspatch, "selector": selector, "multihop": multih
 
 def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits: int = 3, seed: int = 0,
                  max_subjects: int = 90, progress: bool = True, on_progress=None, done: dict | None = None,
-                 fitted: dict | None = None, **options) -> dict:
+                 fitted: dict | None = None, planned: dict | None = None, **options) -> dict:
     """Run the requested analyses on a loaded model; returns a JSON-ready dict.
 
     ``relations``: ``llmprobe.datasets.Relation`` list; ``known``: relation name -> list of
@@ -57,7 +57,8 @@ def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits
     seeded by (seed, relation name, ...) and no analysis after the decoders reads a decoder result, so a part
     taken over has the numbers a fresh run would give it. ``timing`` counts this call's work only.
     ``fitted``, if given, receives the fitted decoders of the relations computed here (not those taken over), see
-    ``decoders.decoders_for_relation``.
+    ``decoders.decoders_for_relation``. ``planned``, if given: relation name -> the plan's seconds of its
+    decoders (``llmprobe.jobs.plan.decoder_seconds``), which the progress bar's time left is scaled from.
     """
     analyses = tuple(analyses)
     unknown = [a for a in analyses if a not in ANALYSES]
@@ -82,7 +83,8 @@ def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits
 
     do_lre, do_ridge = "lre" in analyses, "ridge" in analyses
     if do_lre or do_ridge:
-        for relation in log.bar(relations, "decoders"):
+        plan = [planned.get(r.name, 0.0) for r in relations] if planned else None
+        for relation in log.bar(relations, "decoders", planned=plan):
             result["relations"][relation.name] = _relation_decoders(
                 relation, done_relations.get(relation.name), result["errors"], log, analyses,
                 lambda: decoders_for_relation(lm, relation, known.get(relation.name), layers, lre_layers,

@@ -104,48 +104,75 @@ def settings_from(n_splits: int = 3, seed: int = 0, max_subjects: int = 90, **op
 
 
 class Log:
-    """Progress on stderr: a tqdm bar per stage (:meth:`bar`: "decoders 3/9 [05:12<10:24]") and lines with the
-    seconds since the analyses started and, inside a stage, its item "k/N" and the time left, estimated from the
-    items computed (not those :meth:`skip` marks): ``[analyses 743s | decoders 3/9, ~10:24 left] country_continent:
-    ...``; "estimating..." until one item was computed."""
+    """Progress on stderr: a tqdm bar per stage (:meth:`bar`: "decoders 3/9 [05:12, ~10:24 left]") and lines with
+    the seconds since the analyses started and, inside a stage, its item "k/N" and the time left:
+    ``[analyses 743s | decoders 3/9, ~10:24 left] country_continent: ...``. The time left comes from the items
+    computed (not those :meth:`skip` marks): with the plan's seconds per item (``bar(planned=...)``, from
+    ``llmprobe.jobs.plan``) it is the items left's planned seconds times measured / planned of the items computed
+    (the plan before any was computed, "(planned)"); without it their mean time times the items left
+    ("estimating..." until one was computed)."""
 
     def __init__(self, enabled: bool):
         self.enabled, self.start = enabled, time.perf_counter()
         self.what, self.done, self.total = "", 0, 0        # the stage in progress: items done (computed or not) of N
         self.computed, self.seconds = 0, 0.0               # items computed and their time: the rate of the time left
-        self.skipped = False                               # the current item: marked by skip()
+        self.planned: list[float] | None = None            # the plan's seconds per item, or None
+        self.planned_computed = 0.0                        # the plan's seconds of the items computed
+        self.skipped, self.begun = False, 0.0              # the current item: marked by skip(); its start
 
-    def bar(self, items: list, what: str, unit: str = "relation") -> Iterator:
-        """``items`` one by one under a progress bar named ``what`` (k of N, elapsed and remaining time)."""
+    def bar(self, items: list, what: str, unit: str = "relation", planned: list[float] | None = None) -> Iterator:
+        """``items`` one by one under a progress bar named ``what`` (k of N, elapsed and remaining time);
+        ``planned``: the plan's seconds of each item (as many as ``items``), or None."""
+        if planned is not None and len(planned) != len(items):
+            raise ValueError(f"bar: {len(planned)} planned seconds for {len(items)} items")
         self.what, self.done, self.total, self.computed, self.seconds = what, 0, len(items), 0, 0.0
+        self.planned, self.planned_computed = (list(planned) if planned is not None else None), 0.0
+        self.begun = time.perf_counter()
+        style = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"    # postfix: ", ~10:24 left"
         try:
-            with tqdm(total=len(items), desc=what, unit=unit, file=sys.stderr, disable=not self.enabled) as bar:
+            with tqdm(total=len(items), desc=what, unit=unit, file=sys.stderr, disable=not self.enabled,
+                      bar_format=style, postfix=self.left() or "estimating...") as bar:
                 for item in items:
-                    self.skipped, begun = False, time.perf_counter()
+                    self.skipped, self.begun = False, time.perf_counter()
                     yield item
                     if not self.skipped:
                         self.computed += 1
-                        self.seconds += time.perf_counter() - begun
-                    self.done += 1
+                        self.seconds += time.perf_counter() - self.begun
+                        self.planned_computed += self.planned[self.done] if self.planned else 0.0
+                    self.done, self.begun = self.done + 1, time.perf_counter()
+                    bar.set_postfix_str(self.left() or "done", refresh=False)
                     bar.update()
         finally:
-            self.total = 0
+            self.total, self.planned = 0, None
 
     def skip(self) -> None:
         """The bar's current item is not computed (taken over from an earlier result, or refused at once: too few
         facts): it counts as done, but its time (about 0 s) stays out of the rate the time left is estimated from."""
         self.skipped = True
 
-    def where(self) -> str:
-        """`` | decoders 3/9, ~10:24 left`` while a stage runs (the time left: the mean time of the items computed
-        times the items left; "estimating..." until one was computed), else ""."""
+    def left(self) -> str:
+        """``~10:24 left`` (measured), ``~10:24 left (planned)`` (the plan alone, nothing computed yet) or ""
+        (nothing to estimate from, or the stage is over). The current item's estimate counts down with its
+        elapsed time, never below the estimate of the items after it."""
         if self.done >= self.total:
             return ""
-        text = f" | {self.what} {self.done + 1}/{self.total}"
-        if not self.computed:
-            return text + ", estimating..."
-        left = self.seconds / self.computed * (self.total - self.done)
-        return text + f", ~{tqdm.format_interval(left)} left"
+        if self.planned is not None and (self.planned_computed > 0 or not self.computed):
+            rate = self.seconds / self.planned_computed if self.computed else 1.0
+            now, after = self.planned[self.done] * rate, sum(self.planned[self.done + 1:]) * rate
+        elif self.computed:
+            now = self.seconds / self.computed
+            after = now * (self.total - self.done - 1)
+        else:
+            return ""
+        left = after + max(0.0, now - (time.perf_counter() - self.begun))
+        return f"~{tqdm.format_interval(left)} left" + ("" if self.computed else " (planned)")
+
+    def where(self) -> str:
+        """`` | decoders 3/9, ~10:24 left`` while a stage runs (:meth:`left`; "estimating..." when there is
+        nothing to estimate from yet), else ""."""
+        if self.done >= self.total:
+            return ""
+        return f" | {self.what} {self.done + 1}/{self.total}, {self.left() or 'estimating...'}"
 
     def __call__(self, message: str) -> None:
         if self.enabled:

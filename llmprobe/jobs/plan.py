@@ -32,9 +32,8 @@ from llmprobe.analyses.decoders import AUTO_JACOBIAN_RANK, jacobian_rank_for
 from llmprobe.analyses.settings import AnalysisError, AnalysisSettings, pick_layers, settings_from
 from llmprobe.analyses.splits import relation_split
 from llmprobe.analyses.superposition import superposition_table
-from llmprobe.checks import UsageError
+from llmprobe.checks import UsageError, parse_layers
 from llmprobe.datasets import load_relations
-from llmprobe.jobs.probe import parse_layers
 from llmprobe.model.known import object_token_sequences
 from llmprobe.model.loading import (
     DEFAULT_INSTALL,
@@ -679,6 +678,26 @@ def plan(model=None, settings: Settings | None = None, *, device: str = "cpu", r
                       "host_peak_bytes": host,
                       "memory_bytes": limit, "fits": peak <= limit}}
 
+
+
+def decoder_seconds(lm, relations: list, known_counts: dict, layers: list[int], cfg: AnalysisSettings,
+                    analyses=ANALYSES) -> list[float]:
+    """The plan's seconds of each relation's decoders (Jacobians, LRE and ridge fits, causality edits) in
+    ``run_analyses`` on the loaded model ``lm`` (its config and tokenizer; on a GPU the H200 roofline): what the
+    decoders' progress bar estimates the time left from. ``known_counts``: relation name -> known facts. A
+    relation skipped for too few facts plans 0 s."""
+    shape = shape_from_config(lm.model.config, lm.info.get("name") or "model")
+    device = "cpu" if lm.device.type == "cpu" else "h200"
+    scale = REFERENCE_RATE / measured_rate() if device == "cpu" else 1.0
+    decoders = tuple(a for a in analyses if a in ("lre", "ridge"))
+    seconds = []
+    for relation in relations:
+        work = run_workload(lm.tokenizer, shape.layers, {relation.name: known_counts.get(relation.name, 0)}, cfg,
+                            [relation], layers, decoders, control_modes=())
+        rank = auto_rank(shape, work["lre_layers"], cfg) if work["jacobian"] else None
+        out = predict_on(shape, work, CPU_FITS, device, rank, scale)
+        seconds.append(out["jacobians"] + out["decoders_other"] if work["forward"] else 0.0)
+    return seconds
 
 def gib(x: float) -> str:
     return f"{x / 2**30:.1f}"

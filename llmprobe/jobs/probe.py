@@ -17,8 +17,10 @@ from tqdm.auto import tqdm
 
 from llmprobe.analyses import run as analyses_run
 from llmprobe.analyses.saved import DECODERS_JSON, DECODERS_TENSORS, read_fits, save_decoders, weights_id
-from llmprobe.checks import UsageError, layer_spec, output_folder
+from llmprobe.analyses.settings import settings_from
+from llmprobe.checks import output_folder, parse_layers
 from llmprobe.datasets import DatasetError, Relation, load_relations
+from llmprobe.jobs.plan import decoder_seconds
 from llmprobe.jobs.stages import (
     checkpoint,
     claim_folder,
@@ -49,27 +51,6 @@ def library_versions() -> dict:
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
     return versions
-
-
-def parse_layers(spec: str | list[int] | None, n_layers: int) -> list[int]:
-    """``all`` | ``0,6,12`` | ``-1`` | ``every:3`` -> sorted layer indices in 0..n_layers-1 (UsageError otherwise)."""
-    if spec is None or spec == "all":
-        return list(range(n_layers))
-    layer_spec(spec)
-    if isinstance(spec, str) and spec.startswith("every:"):
-        step = int(spec.split(":", 1)[1])
-        return sorted(set(range(0, n_layers, step)) | {n_layers - 1})
-    items = spec.split(",") if isinstance(spec, str) else spec
-    layers = set()
-    for item in items:
-        try:
-            layer = int(item)
-        except (TypeError, ValueError):
-            raise UsageError(f"bad layer {item!r} in --layers {spec!r}: use all, every:K, or integers") from None
-        if not -n_layers <= layer < n_layers:
-            raise UsageError(f"layer {layer} out of range: the model has {n_layers} layers")
-        layers.add(layer % n_layers)
-    return sorted(layers)
 
 
 def dataset_hash(relations: list[Relation]) -> str:
@@ -332,9 +313,23 @@ class ProbeJob:
             report["analyses"] = analyses_run.run_analyses(
                 self.lm, self.analysed, self.known, report["layers"], analyses=analyses,
                 seed=self.settings.run.seed, on_progress=self.analyses_progress, done=earlier, fitted=self.fitted,
-                **self.settings.analysis_options())
+                planned=self.planned_decoders(analyses), **self.settings.analysis_options())
         report["timings"]["analyses_s"] = round(time.perf_counter() - t, 1)
         stage["done"] = True
+
+    def planned_decoders(self, analyses: tuple) -> dict | None:
+        """Relation name -> the plan's seconds of its decoders (``jobs.plan.decoder_seconds``), for the progress
+        bar's time left; None (said on stderr) when the plan cannot be made: it never stops the analyses."""
+        if not {"lre", "ridge"} & set(analyses):
+            return None
+        try:
+            cfg = settings_from(seed=self.settings.run.seed, **self.settings.analysis_options())
+            known = {name: sum(r.known for r in results) for name, results in self.known.items()}
+            seconds = decoder_seconds(self.lm, self.analysed, known, self.report["layers"], cfg, analyses)
+        except Exception as error:  # noqa: BLE001 - the time left is an estimate; the analyses go on without it
+            say(f"no plan of the decoders' time ({type(error).__name__}: {(str(error).splitlines() or [''])[0]})")
+            return None
+        return {relation.name: t for relation, t in zip(self.analysed, seconds)}
 
     def analyses_progress(self, partial: dict) -> None:
         """``run_analyses``' checkpoint: the finished relations (their decoders first) are safe from an interrupt."""
@@ -427,4 +422,4 @@ def summary_table(report: dict) -> str:
     return "\n".join(rows)
 
 
-__all__ = ["probe", "ProbeJob", "parse_layers", "library_versions", "summary_table", "DatasetError"]
+__all__ = ["probe", "ProbeJob", "library_versions", "summary_table", "DatasetError"]
