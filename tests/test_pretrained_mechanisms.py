@@ -290,6 +290,17 @@ def test_every_family_runs_every_new_analysis(taught, monkeypatch):
     transplant = sel["gate_transplant"]
     assert transplant["error"] is None and transplant["block"] in [[0], [1], [2]] and transplant["n_items"] > 0
     assert transplant["clean"]["value"] > 0.5
+    parts = transplant["by_relation"]        # the same test facts split by their own relation
+    assert set(parts) <= {r.name for r in relations} and sum(p["n_items"] for p in parts.values()) == \
+        transplant["n_items"]
+    for part in parts.values():
+        assert (part["error"] is None) == (part["n_items"] >= selector_module.MIN_RELATION_ITEMS)
+        if part["error"] is None:
+            assert part["same_relation"]["n"] == part["other_relation"]["n"] == part["n_items"]
+    if all(p["error"] is None for p in parts.values()):
+        for key in ("same_relation", "other_relation", "random_units", "clean"):
+            assert math.isclose(sum(p[key]["value"] * p["n_items"] for p in parts.values()),
+                                transplant[key]["value"] * transplant["n_items"], abs_tol=1e-9), key
     hop = res["multihop"]
     assert [c["name"] for c in hop["compositions"]] == ["landmark_country/capital", "landmark_country/continent",
                                                         "guide_landmark/landmark_country/capital"]

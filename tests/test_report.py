@@ -312,6 +312,35 @@ def test_the_selector_line_is_measured_on_the_model_against_random_units(same, o
     assert line["comparison"]["metric"]["value"] == 1.0 and "the matched control" in line["comparison"]["name"]
 
 
+def test_the_gate_transplant_is_shown_per_relation_beside_the_pooled_line(tmp_path):
+    """The selector line pools the transplant's test facts; the report also shows each relation's share (the
+    same metrics on its own facts, from analyses.selector.gate_transplant.by_relation), one with too few facts
+    with its count and why it has no numbers."""
+    from llmprobe.analyses.selector import transplant_metrics
+
+    import torch
+    planted = {"capital": (10, 9, 1, 8), "language": (10, 10, 9, 9)}    # n, same, other, random kept
+    by_relation = {}
+    for name, (n, same, other, random) in planted.items():
+        hits = {"clean": torch.ones(n, dtype=torch.bool),
+                **{k: torch.tensor(_hits(v, n)).bool() for k, v in
+                   (("same_relation", same), ("other_relation", other), ("random_units", random))}}
+        by_relation[name] = {"n_items": n, **transplant_metrics(hits, 200, 0), "error": None}
+    by_relation["demonym"] = {"n_items": 2, "error": "2 test facts; its own numbers need at least 5"}
+    report = _selector_report(19, 10, 17, n=22)
+    report["analyses"]["selector"]["gate_transplant"]["by_relation"] = by_relation
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    text = render_markdown([read_report(path)], "t")
+    rows = {line.split(" | ")[1]: line for line in text.splitlines()
+            if line.startswith("| ") and "MLP gate transplant" not in line and " | 3-5 | " in line}
+    assert set(rows) == {"capital", "language", "demonym"}
+    assert "| 0.100 [" in rows["capital"] and "| 0.800 [" in rows["capital"] and "+0.700 [" in rows["capital"]
+    assert "+0.000 [" in rows["language"] or "-0.000 [" in rows["language"]
+    assert "2 test facts; its own numbers need at least 5" in rows["demonym"]
+    assert "MLP gate transplant per relation" in text
+
+
 def test_the_matched_control_alone_does_not_measure_the_selector():
     """An old report: the matched control's transplant only. The line is not measured, not the control's verdict."""
     report = _claims_report(controls=MATCHED_SELECTOR)

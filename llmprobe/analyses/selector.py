@@ -45,6 +45,7 @@ VALIDATION_ITEMS = 24       # ... and validation facts that choose its block of 
 N_BLOCKS = 5                # candidate blocks: the model's layers cut into this many contiguous runs
 VALIDATION_FRACTION = 1 / 3     # of the group's subjects: validation (block choice); the rest: test
 PAIR_ITEMS = 3              # crosspatch items per ordered relation pair
+MIN_RELATION_ITEMS = 5      # test facts of one relation for its own gate-transplant numbers (``by_relation``)
 PATCHES = ("neutral", "cross_relation", "same_relation", "random_subject", "random_vector")
 RANDOM_SEED = 12345         # the random-init control: the superposition analysis' model (seed + this)
 
@@ -379,7 +380,7 @@ def _transplant_items(grid: FactGrid, split: bool, limit: int, gen: random.Rando
     in_split = [(s in grid.validation) == split for s in grid.subjects]
     cand = [(i, r) for r in range(R) for i in grid.known(r) if in_split[i]]
     gen.shuffle(cand)
-    items = {"own": [], "same": [], "other": [], "answers": []}
+    items = {"own": [], "same": [], "other": [], "answers": [], "relation": []}
     for i, r in cand:
         donors = [j for j in grid.known(r) if j != i and in_split[j] and grid.firsts[r][j] != grid.firsts[r][i]]
         others = [q for q in range(R) if q != r and grid.located[q][i]]
@@ -391,6 +392,7 @@ def _transplant_items(grid: FactGrid, split: bool, limit: int, gen: random.Rando
         items["same"].append((template, grid.subjects[j]))
         items["other"].append((grid.relations[q].templates[0], grid.subjects[i]))
         items["answers"].append(grid.firsts[r][i])
+        items["relation"].append(grid.relations[r].name)
         if len(items["answers"]) == limit:
             break
     return items
@@ -408,7 +410,8 @@ def blocks_of(n_layers: int, n_blocks: int = N_BLOCKS) -> list[list[int]]:
 
 def _transplant(lm, grid: FactGrid, cfg: AnalysisSettings, log: Log) -> dict:
     """Gate transplants: the block of layers with the largest (same - other) keep rate on validation facts,
-    then every measure on test facts."""
+    then every measure on test facts, pooled and per relation of the test facts (``by_relation``: the same items
+    split by their own relation r; a relation with fewer than MIN_RELATION_ITEMS gets its count and an error)."""
     gen = random.Random(generator(cfg, "selector", "transplant items").initial_seed())
     val = _transplant_items(grid, True, VALIDATION_ITEMS, gen)
     test = _transplant_items(grid, False, TRANSPLANT_ITEMS, gen)
@@ -428,7 +431,15 @@ def _transplant(lm, grid: FactGrid, cfg: AnalysisSettings, log: Log) -> dict:
         f"facts), {len(test['answers'])} test facts")
     hits = gate_transplant(lm.model, *_prompt_sets(lm.tokenizer, test), best,
                            generator(cfg, "selector", "random units"), cfg.batch_size)
-    return {"block": best, "n_items": len(test["answers"]),
+    by_relation = {}
+    for name in dict.fromkeys(test["relation"]):
+        rows = torch.tensor([k for k, r in enumerate(test["relation"]) if r == name])
+        by_relation[name] = ({"n_items": len(rows), **transplant_metrics({k: v[rows] for k, v in hits.items()},
+                                                                         cfg.n_boot, cfg.seed), "error": None}
+                             if len(rows) >= MIN_RELATION_ITEMS else
+                             {"n_items": len(rows), "error": f"{len(rows)} test facts; its own numbers need at "
+                                                             f"least {MIN_RELATION_ITEMS} (they count in the pool)"})
+    return {"block": best, "n_items": len(test["answers"]), "by_relation": by_relation,
             "block_choice": {"candidates": blocks, "validation_same_minus_other": [round(s, 4) for s in scores],
                              "n_validation": len(val["answers"]), "rule": "largest mean (same - other) keep rate "
                                                                           "on validation facts, earliest on ties"},

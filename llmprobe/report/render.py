@@ -205,6 +205,27 @@ def control_rows(report: dict) -> list[list]:
              transplant.get("same_subject")]]
 
 
+def transplant_rows(report: dict) -> list[list]:
+    """Per relation of the pretrained model's gate-transplant test facts (``selector.gate_transplant.by_relation``):
+    the answers kept clean, with another subject's gates of the same relation, with the same subject's gates of
+    another relation and with as many random units switched off, and the selector line's difference: the share
+    another relation's gates break less the share random units break (random_minus_other of the kept)."""
+    transplant = ((report.get("analyses") or {}).get("selector") or {}).get("gate_transplant") or {}
+    if report.get("kind") == "synthetic" or not transplant.get("by_relation"):
+        return []
+    block = transplant.get("block") or []
+    where = f"{block[0]}-{block[-1]}" if block else "-"
+    rows = []
+    for name, part in transplant["by_relation"].items():
+        if part.get("error"):
+            rows.append([source_name(report), name, where, part.get("n_items"), part["error"], "-", "-", "-", "-"])
+            continue
+        rows.append([source_name(report), name, where, part["n_items"], _with_ci(part.get("clean")),
+                     _with_ci(part.get("same_relation")), _with_ci(part.get("other_relation")),
+                     _with_ci(part.get("random_units")), _difference_text(part.get("random_minus_other"))])
+    return rows
+
+
 def summary_tables(reports: list[dict], rows: list[dict]) -> list[tuple[str, list[str], list[list]]]:
     """(title, header, body) tables shared by the HTML and Markdown renderers."""
     tables = []
@@ -231,6 +252,13 @@ def summary_tables(reports: list[dict], rows: list[dict]) -> list[tuple[str, lis
                        ["source", "layer", "R^2", "R^2 controls", "mean readout accuracy", "shuffled",
                         "swap success", "swap control", "others unchanged",
                         "swap by edit scale: success (random dir.) / others unchanged"], superposition))
+    transplants = [row for report in reports for row in transplant_rows(report)]
+    if transplants:
+        tables.append(("MLP gate transplant per relation (test facts, at the block chosen on validation facts; "
+                       "fraction of known answers kept; the selector line pools these)",
+                       ["source", "relation", "layers", "facts", "clean", "same relation, other subject",
+                        "other relation, same subject", "random units",
+                        "broken: other relation - random units"], transplants))
     controls = [row for report in reports for row in control_rows(report)]
     if controls:
         tables.append(("Matched synthetic controls (readouts of their subject embeddings e_s; what they were trained "
