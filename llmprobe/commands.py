@@ -35,7 +35,7 @@ from llmprobe.report.claims import claims_block, claims_text
 from llmprobe.report.render import compare, export
 from llmprobe.report.schema import train_over_seeds
 from llmprobe.settings import Settings, resolve, settings_toml
-from synthetic.executors import ray_map
+from synthetic.executors import RayFailed, ray_map
 
 MODEL = "run.model"   # the dest of the MODEL argument (every setting's flag has its settings key as dest)
 
@@ -149,12 +149,14 @@ def _run_models(args, models: list) -> int:
         try:
             ray_map(_run_one, jobs, address=args.address)
         except Exception as error:
-            if not type(error).__module__.startswith("ray."):
+            if not isinstance(error, RayFailed) and not type(error).__module__.startswith("ray."):
                 raise
             text = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
-            print(f"llmprobe: error: Ray failed ({type(error).__name__}: {text}); the models that finished have "
-                  f"their reports in {args.out}/<model>; run again with --resume to finish the others",
-                  file=sys.stderr)
+            why = error.why if isinstance(error, RayFailed) else f"{type(error).__name__}: {text}"
+            finished = (f" (finished: {', '.join(os.path.basename(out) for out in error.results) or 'none'})"
+                        if isinstance(error, RayFailed) else "")
+            print(f"llmprobe: error: Ray failed ({why}); the models that finished have their reports in "
+                  f"{args.out}/<model>{finished}; run again with --resume to finish the others", file=sys.stderr)
             return EXIT_USAGE
     else:
         for job in jobs:
