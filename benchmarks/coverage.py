@@ -142,7 +142,7 @@ def timing(groups: int) -> None:
         wall, cpu = [], []
         for _ in range(3):
             start, start_cpu = time.perf_counter(), time.process_time()
-            superposition_readout(H, A, U, controls={"random_init": (H.flip(0), U)}, decode=False,
+            superposition_readout(H, A, U, nulls={"random_init": (H.flip(0), U)}, decode=False,
                                   jackknife_groups=G, n_random=n_random)
             wall.append(time.perf_counter() - start)
             cpu.append(time.process_time() - start_cpu)

@@ -27,7 +27,6 @@ ratio, and the whole run's wall time against the critical path's floor: load + k
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -35,35 +34,36 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from llmprobe.jobs.plan import (  # noqa: E402  (the cost model's workload count and the matmul rate)
-    CONTROL_D_STAR,
+    MATCHED_D_STAR,
     SMOLLM2_KNOWN,
     TARGETS,
-    control_curve,
-    control_step_flops,
     forward_work,
     jacobian_work,
     known_work,
+    matched_curve,
+    matched_step_flops,
     matmul_rate,
     run_workload,
     smollm2_tokenizer,
     sum_work,
 )
+from llmprobe.report.schema import read_report  # noqa: E402
 
 
-def control_flops(report: dict | None, n_facts: int, d_model: int) -> dict[str, float]:
+def matched_flops(report: dict | None, n_facts: int, d_model: int) -> dict[str, float]:
     """{mode: FLOPs of every training step it took}: from the report's controls block (the bisection's tries and
     every seed of every curve point) or, without a report, the plan's steps (3 seeds per point)."""
     out = {}
-    block = (report or {}).get("controls") if isinstance((report or {}).get("controls"), dict) else None
+    block = (report or {}).get("matched") if isinstance((report or {}).get("matched"), dict) else None
     if block:
         n_facts = block["table"]["n_facts"]
         for mode, entry in block["modes"].items():
             steps = [(t["d"], t["steps"]) for t in entry["threshold"]["tried"]]
             steps += [(p["d"], s["steps"]) for p in entry["points"] for s in p["seeds"]]
-            out[mode] = sum(control_step_flops(d, n_facts) * n for d, n in steps)
+            out[mode] = sum(matched_step_flops(d, n_facts) * n for d, n in steps)
         return out
-    for mode in CONTROL_D_STAR:
-        out[mode] = sum(control_step_flops(d, n_facts) * steps for d, steps in control_curve(mode, d_model))
+    for mode in MATCHED_D_STAR:
+        out[mode] = sum(matched_step_flops(d, n_facts) * steps for d, steps in matched_curve(mode, d_model))
     return out
 
 
@@ -71,7 +71,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--report", help="a default run's report.json: its measured seconds beside the floors")
     args = parser.parse_args(argv)
-    report = json.load(open(args.report)) if args.report else None
+    report = read_report(args.report) if args.report else None      # a schema-2 report read in schema 3's words
     timings = (report or {}).get("timings") or {}
     analyses_t = ((report or {}).get("analyses") or {}).get("timing") or {}
 
@@ -89,7 +89,7 @@ def main(argv=None) -> dict:
     }
     known = known_work(shape, work["known"]).flops
     states = forward_work(shape, work["states"], shape.layers).flops
-    controls = control_flops(report, work["n_facts_table"], d)
+    controls = matched_flops(report, work["n_facts_table"], d)
 
     print(f"dense float32 matmul: {rate / 1e9:.0f} GFLOP/s on {threads} thread(s), {rate1 / 1e9:.0f} on one "
           f"(measured now; the ceiling)")
@@ -113,7 +113,7 @@ def main(argv=None) -> dict:
     analyses_floor = row("analyses, counted stages", analyses_flops, timings.get("analyses_s"))
     worker_floors = {}
     for mode, flops in controls.items():
-        seconds = (report or {}).get("controls", {}).get("modes", {}).get(mode)
+        seconds = (report or {}).get("matched", {}).get("modes", {}).get(mode)
         measured = sum(p["wall_seconds"] for p in seconds["points"]) + seconds["threshold"]["search_seconds"] \
             if seconds else None
         worker_floors[mode] = row(f"controls {mode} (one thread)", flops, measured, on=rate1)

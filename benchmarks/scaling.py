@@ -247,7 +247,7 @@ def measure_width(d: int, quick: bool = False) -> dict:
     from llmprobe.datasets import load_relations
     from llmprobe.geometry import RidgeDecoder, random_spectrum_factors, random_spectrum_like, superposition_readout
     from llmprobe.model.lre import JacobianResult
-    from synthetic.controls import measure_control, train_at
+    from synthetic.matched import measure_control, train_at
     from synthetic.sweep import SweepConfig
     from synthetic.tasks import from_fact_table
     from synthetic.train import TrainConfig
@@ -285,7 +285,7 @@ def measure_width(d: int, quick: bool = False) -> dict:
     n, R = table.A.shape
     Hs = torch.randn(n, d, generator=gen)
     U = [torch.randn(len(a), d, generator=gen) for a in table.attributes]
-    _, seconds = timed(lambda: superposition_readout(Hs, table.A, U, controls={"random_init": (Hs.flip(0), U)},
+    _, seconds = timed(lambda: superposition_readout(Hs, table.A, U, nulls={"random_init": (Hs.flip(0), U)},
                                                      k=cfg.folds, seed=0, n_boot=n_boot, decode=False), "cpu")
     out["stages"]["readout"] = {"seconds": seconds, "flops": float(n) * n * d, "calls": 1}
     task = from_fact_table(table.fact_table())
@@ -293,17 +293,17 @@ def measure_width(d: int, quick: bool = False) -> dict:
     sweep = SweepConfig(d_max=d, train=TrainConfig(max_steps=steps, progress=False, target_acc=2.0))
     (model, result), seconds = timed(lambda: train_at(task, "trainable", d, sweep, 0), "cpu")
     n_facts = int((task.table >= 0).sum())
-    out["stages"]["control_step"] = {"seconds": seconds / max(1, result["steps"]),
+    out["stages"]["matched_step"] = {"seconds": seconds / max(1, result["steps"]),
                                      "flops": 6.0 * result["n_params"] * n_facts, "calls": 1,
                                      "n_params": result["n_params"], "n_facts": n_facts}
     _, seconds = timed(lambda: measure_control(model, task, 0, 50 if quick else 500), "cpu")
-    out["stages"]["control_measure"] = {"seconds": seconds, "flops": float(n) * n * d, "calls": 1}
+    out["stages"]["matched_measure"] = {"seconds": seconds, "flops": float(n) * n * d, "calls": 1}
     return out
 
 
 # ------------------------------------------------------------------------------------ measured on SmolLM2
 SMOLLM2_RUN = {"load": 4.4, "known_facts": 77.1, "jacobians": 540.9, "decoders_other": 284.7, "superposition": 148.3,
-               "controls": 438.7, "wall": 1057.6}   # its measured run (report.json timings; 2 idle cores, README)
+               "matched": 438.7, "wall": 1057.6}   # its measured run (report.json timings; 2 idle cores, README)
 LOW_RANK = 64           # rank of the low-rank Jacobian estimate timed (k = 74 < d at every benchmark width)
 # SmolLM2's measured low-rank speed-ups (CPU seconds, exact / rank K; `benchmarks/jacobian_rank.py --timing-only
 # --measured 32,64,128 --timing-relations 2`: the first 9 subjects of the first 2 bundled relations, layers 6/15/24)
@@ -403,8 +403,8 @@ def fit_and_predict(measured: list[dict], measured_widths: list[dict], args, t0:
     fits = {name: fit_stage([m["stages"][name] for m in measured if name in m["stages"]]) for name in names}
     width_fits = {name: fit_stage([m["stages"][name] for m in measured_widths])
                   for name in measured_widths[0]["stages"]}
-    width_fits["control_params"] = fit_linear([[d * d, d, 1] for d in widths],
-                                              [m["stages"]["control_step"]["n_params"] for m in measured_widths])[0]
+    width_fits["matched_params"] = fit_linear([[d * d, d, 1] for d in widths],
+                                              [m["stages"]["matched_step"]["n_params"] for m in measured_widths])[0]
     print_measured(measured, measured_widths, fits, width_fits)
     tok = AutoTokenizer.from_pretrained(tokenizer_folder())
     predictions = {}
@@ -489,12 +489,12 @@ def print_measured(measured: list[dict], widths: list[dict], fits: dict, width_f
 
 
 def print_predictions(predictions: dict) -> None:
-    stages = ("load", "known_facts", "jacobians", "decoders_other", "superposition", "controls", "wall")
+    stages = ("load", "known_facts", "jacobians", "decoders_other", "superposition", "matched", "wall")
     for where in ("cpu", "h200"):
         title = ("this machine, one thread (the fit above)" if where == "cpu" else
                  f"one H200 (roofline: {H200['peak_flops'] / 1e12:.0f} TFLOP/s bf16 x {H200['efficiency']:.0%}, "
                  f"{H200['hbm_bytes_per_s'] / 1e12:.1f} TB/s, {H200['launch_s_per_block'] * 1e3:.1f} ms/block/pass; "
-                 f"control steps at {H200['fp32_flops'] / 1e12:.0f} TFLOP/s fp32 x {H200['control_efficiency']:.0%}; "
+                 f"control steps at {H200['fp32_flops'] / 1e12:.0f} TFLOP/s fp32 x {H200['matched_efficiency']:.0%}; "
                  "CPU-side fits, control searches and measurements at this machine's one-thread speed)")
         for label in ("full", "auto"):
             print(f"\npredicted `llmprobe run`, {title}, "

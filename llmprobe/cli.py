@@ -101,12 +101,14 @@ SETTING_FLAGS = (
         "metavar": "DIR", "help": "folder for the weights that fit in no device's --max-memory (read at each pass)"}),
     ("--quantize", "run.quantize", ("probe", "run"), {
         "choices": QUANTIZE, "help": "load the weights quantised by bitsandbytes (needs the package and CUDA)"}),
-    ("--no-controls", "controls.enabled", ("run",), {"action": "store_const", "const": False,
-                                                     "help": "skip the matched synthetic controls"}),
-    ("--no-model-width", "controls.at_model_width", ("run",), {
+    ("--no-matched", "matched.enabled", ("run",), {"action": "store_const", "const": False,
+                                                   "help": "skip the matched synthetic controls (also --no-controls)"}),
+    ("--no-model-width", "matched.at_model_width", ("run",), {
         "action": "store_const", "const": False,
         "help": "train controls only at the threshold d*, not also at the model's d_model"}),
 )
+
+OLD_FLAGS = {"--no-matched": ("--no-controls",)}      # a flag's earlier spelling, still taken
 
 
 def _default(command: str, key: str) -> str:
@@ -124,8 +126,8 @@ def _add_setting_flags(parser: argparse.ArgumentParser, command: str) -> None:
         if command in where:
             shown = {} if "choices" in options or "action" in options and "type" not in options else {
                 "metavar": flag.lstrip("-").replace("-", "_").upper()}     # as argparse names a flag's value
-            parser.add_argument(flag, dest=key, **{**shown, **options,
-                                                   "help": options.get("help", "") + _default(command, key)})
+            parser.add_argument(flag, *OLD_FLAGS.get(flag, ()), dest=key,
+                                **{**shown, **options, "help": options.get("help", "") + _default(command, key)})
     _add_settings_args(parser, flags=True)
 
 
@@ -150,7 +152,7 @@ def _add_model_args(parser: argparse.ArgumentParser, command: str) -> None:
 def _add_settings_args(parser: argparse.ArgumentParser, flags: bool) -> None:
     """--config and --set; ``flags``: the command also has setting flags (--layers, ...), which override both."""
     parser.add_argument("--config", metavar="FILE.toml",
-                        help="settings file with [run], [analysis] and [controls] tables (docs/config.md lists every "
+                        help="settings file with [run], [analysis] and [matched] tables (docs/config.md lists every "
                              "key); --set " + ("and the setting flags above override it" if flags else "overrides it"))
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="sets",
                         help="one setting, e.g. --set analysis.n_splits=5 or --set 'analysis.ridge_alphas=[0.1, 1]' "

@@ -114,7 +114,7 @@ def print_summary(report: dict, out: str) -> None:
     """The end of ``probe`` and ``run``: known-fact rates, the matched controls, the warnings (on stderr, at most
     ``MAX_WARNINGS``), one line per claim with its number, interval, null and verdict, and report.html's path."""
     print(summary_table(report))
-    for line in _control_lines(report.get("controls")):
+    for line in _matched_lines(report.get("matched")):
         print(line)
     errors = report["errors"]
     for error in errors[:MAX_WARNINGS]:
@@ -204,14 +204,14 @@ def _number(value, spec: str = ".3f") -> str:
     return format(value, spec) if isinstance(value, (int, float)) else "n/a"
 
 
-def _control_lines(block) -> list[str]:
-    """One summary line per trained matched control (the ``controls`` block of ``synthetic.controls``)."""
+def _matched_lines(block) -> list[str]:
+    """One summary line per trained matched control (the ``matched`` block of ``synthetic.matched``)."""
     lines = []
     for mode, entry in ((block or {}).get("modes") or {}).items() if isinstance(block, dict) else ():
         d_star = (entry.get("threshold") or {}).get("d_star")
         for point in entry.get("points") or []:
             r2, train = point.get("r2") or {}, point.get("train") or {}
-            shuffled = ((r2.get("controls") or {}).get("shuffled") or {}).get("value")
+            shuffled = ((r2.get("nulls") or {}).get("shuffled") or {}).get("value")
             label = f"synthetic {mode} d={point.get('d')}" + (" (d*)" if point.get("d") == d_star else "")
             seeds = train_over_seeds(point)
             accuracy = (f"{_number(seeds['accuracy_mean'])} (min {_number(seeds['accuracy_min'])}, "

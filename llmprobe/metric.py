@@ -1,13 +1,14 @@
 """The typed metric: every number llmprobe reports, pretrained or synthetic, is a :class:`Metric`.
 
 A ``Metric`` holds the estimate, the interval that brackets *that* estimate, ``n`` (the number of test items it
-averages), the ``spread`` over re-fits (re-drawn Jacobian subjects, re-splits, re-shuffles) and named controls of
-the same type. Its JSON form is the one interval vocabulary of every report::
+averages), the ``spread`` over re-fits (re-drawn Jacobian subjects, re-splits, re-shuffles) and its named *nulls*
+(controls built to break what the measure needs: shuffled attributes, a random direction, a random-init model),
+metrics of the same type. Its JSON form is the one interval vocabulary of every report::
 
     {"value": 0.71, "ci": [0.52, 0.85], "n": 24, "interval": "wilson",
      "spread": {"sd": 0.04, "values": [0.70, 0.75, 0.67]},      # or null: no re-fit was made
-     "control": "random_direction",                             # the control shown beside the value, or null
-     "controls": {"random_direction": {...same type...}, ...}}
+     "primary_null": "random_direction",                        # the null shown beside the value, or null
+     "nulls": {"random_direction": {...same type...}, ...}}
 
 Intervals (95% by default):
 
@@ -26,7 +27,7 @@ Intervals (95% by default):
   replicate values travel with the metric (``jackknife``) so that :func:`pooled` can pool them.
 
 Nothing here imports torch, a model loader, the analyses or the report code: this is the ground module that the
-geometry, the analyses, the synthetic controls and the reports all read.
+geometry, the analyses, the matched synthetic models and the reports all read.
 """
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def wilson(mean: float, n: int, level: float = LEVEL) -> tuple[float, float]:
 @dataclass
 class Metric:
     """One reported number. ``ci`` brackets ``value``; ``n`` test items; ``spread`` {"sd", "values"} over
-    re-fits (None when no re-fit was made); ``controls`` {name: Metric}; ``control`` the name shown beside it;
+    re-fits (None when no re-fit was made); ``nulls`` {name: Metric}; ``primary_null`` the name shown beside it;
     ``jackknife``: the statistic with each group of items left out and every fit redone (:func:`jackknife`; None
     for other intervals), aligned with the other metrics of the same measurement."""
 
@@ -85,21 +86,21 @@ class Metric:
     n: int
     interval: str
     spread: dict | None = None
-    controls: dict[str, "Metric"] = field(default_factory=dict)
-    control: str | None = None
+    nulls: dict[str, "Metric"] = field(default_factory=dict)
+    primary_null: str | None = None
     note: str | None = None
     jackknife: list[float] | None = None
 
-    def with_controls(self, controls: dict[str, "Metric"], primary: str | None = None) -> "Metric":
-        """Attach controls (same type); ``primary`` (default: the first) is the one shown beside the value."""
-        self.controls = {**self.controls, **controls}
-        self.control = primary or self.control or (next(iter(self.controls)) if self.controls else None)
+    def with_nulls(self, nulls: dict[str, "Metric"], primary: str | None = None) -> "Metric":
+        """Attach nulls (same type); ``primary`` (default: the first) is the one shown beside the value."""
+        self.nulls = {**self.nulls, **nulls}
+        self.primary_null = primary or self.primary_null or (next(iter(self.nulls)) if self.nulls else None)
         return self
 
     def to_dict(self) -> dict:
         out = {"value": _float(self.value), "ci": [_float(self.ci[0]), _float(self.ci[1])], "n": int(self.n),
-               "interval": self.interval, "spread": self.spread, "control": self.control,
-               "controls": {name: m.to_dict() for name, m in self.controls.items()}}
+               "interval": self.interval, "spread": self.spread, "primary_null": self.primary_null,
+               "nulls": {name: m.to_dict() for name, m in self.nulls.items()}}
         if self.note:
             out["note"] = self.note
         if self.jackknife is not None:
@@ -109,7 +110,7 @@ class Metric:
     @classmethod
     def from_dict(cls, d: dict) -> "Metric":
         return cls(d["value"], tuple(d["ci"]), d["n"], d["interval"], d.get("spread"),
-                   {k: cls.from_dict(v) for k, v in (d.get("controls") or {}).items()}, d.get("control"),
+                   {k: cls.from_dict(v) for k, v in (d.get("nulls") or {}).items()}, d.get("primary_null"),
                    d.get("note"), d.get("jackknife"))
 
 
@@ -230,7 +231,7 @@ def pooled_readout(readout: dict | None) -> dict | None:
 
 def pooled(metrics: dict | None, note: str) -> dict | None:
     """Proportions pooled over relations ({relation: metric}, each item counts once): a typed metric (JSON form)
-    and the same pooling for every control all relations have. Interval: when every metric carries aligned
+    and the same pooling for every null all relations have. Interval: when every metric carries aligned
     jackknife replicates (one measurement's relations), the pooled replicates' :func:`jackknife` interval (so the
     dependence between relations, which share subjects and fits, is kept); else Wilson on the pooled n."""
     entries = [m for m in (metrics or {}).values() if m and m.get("value") is not None and m.get("n")]
@@ -247,10 +248,10 @@ def pooled(metrics: dict | None, note: str) -> dict | None:
         return Metric(value, wilson(min(1.0, max(0.0, value)), n), n, "wilson", note=note)
 
     out = pool(entries)
-    names = set.intersection(*(set(m.get("controls") or {}) for m in entries))
-    controls = {name: pool([m["controls"][name] for m in entries]) for name in sorted(names)
-                if all((m["controls"][name] or {}).get("n") for m in entries)}
-    return out.with_controls(controls, "shuffled" if "shuffled" in controls else None).to_dict()
+    names = set.intersection(*(set(m.get("nulls") or {}) for m in entries))
+    nulls = {name: pool([m["nulls"][name] for m in entries]) for name in sorted(names)
+             if all((m["nulls"][name] or {}).get("n") for m in entries)}
+    return out.with_nulls(nulls, "shuffled" if "shuffled" in nulls else None).to_dict()
 
 
 def is_metric(obj) -> bool:
@@ -259,7 +260,7 @@ def is_metric(obj) -> bool:
 
 
 def iter_metrics(tree, path: tuple = ()) -> Iterator[tuple[tuple, dict]]:
-    """Every metric (JSON form) in a nested dict, with its key path; a metric's controls are not descended."""
+    """Every metric (JSON form) in a nested dict, with its key path; a metric's nulls are not descended."""
     if is_metric(tree):
         yield path, tree
         return

@@ -15,7 +15,7 @@ EMBEDDING_MODES = {
     "frozen_all": ("frozen_subjects", "frozen_unembed"),   # subject embeddings and unembedding frozen
     "frozen_unembed": ("frozen_unembed",),             # the unembedding frozen, subject embeddings learn
 }
-CONTROL_MODES = ("trainable", "frozen")
-CONTROL_RECIPES = ("adam", "weight_decay")           # the matched controls' optimiser recipes (synthetic.controls.RECIPES)          # subject embeddings of the matched synthetic models
+MATCHED_MODES = ("trainable", "frozen")
+MATCHED_RECIPES = ("adam", "weight_decay")           # the matched controls' optimiser recipes (synthetic.matched.RECIPES)          # subject embeddings of the matched synthetic models
 SWEEP_MODES = ("trainable", "frozen", "frozen_all")        # the capacity sweep's modes (synthetic.sweep)
 SWAP_MODES = ("trainable", "frozen", "frozen_unembed")     # the freeze-and-swap sweep's modes (synthetic.swap)

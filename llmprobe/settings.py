@@ -6,10 +6,10 @@ settings, written nowhere else:
 * ``run``: what to load and probe (:class:`RunSettings`: model, relations, layers, device, seed, ...);
 * ``analysis``: every field of :class:`llmprobe.analyses.AnalysisSettings` but ``seed`` (the one seed is
   ``run.seed``);
-* ``controls``: the matched synthetic controls of ``llmprobe run`` (:class:`ControlSettings`).
+* ``matched``: the matched synthetic controls of ``llmprobe run`` (:class:`MatchedSettings`).
 
 They are resolved in this order, each overriding the one before: the defaults, ``--config FILE.toml`` (tables
-``[run]``, ``[analysis]``, ``[controls]``), ``--set SECTION.KEY=VALUE`` (repeatable; VALUE is a TOML value, or
+``[run]``, ``[analysis]``, ``[matched]``), ``--set SECTION.KEY=VALUE`` (repeatable; VALUE is a TOML value, or
 the text written where the setting takes text: ``run.layers=0,6``), then the explicit command-line flags
 (``--layers``, ``--protocol``, ...; :func:`resolve`). The Python API's keywords (``probe(layers=..., max_facts=...,
 analysis_options={...})``) go through the same checks (:func:`from_options`). TOML has no null: the string
@@ -32,13 +32,14 @@ import re
 import sys
 import types
 import typing
+import warnings
 from pathlib import Path
 
 import tomllib
 
 from llmprobe.analyses.settings import AnalysisSettings, settings_from
 from llmprobe.checks import DEVICE_MAPS, DTYPES, QUANTIZE, UsageError, analysis_names, layer_spec, parse_max_memory
-from llmprobe.names import ANALYSES, CONTROL_MODES, CONTROL_RECIPES
+from llmprobe.names import ANALYSES, MATCHED_MODES, MATCHED_RECIPES
 
 
 @dataclasses.dataclass
@@ -65,41 +66,44 @@ class RunSettings:
 
 
 @dataclasses.dataclass
-class ControlSettings:
+class MatchedSettings:
     """The matched synthetic controls of ``llmprobe run`` (the job passes each to
-    ``synthetic.controls.train_controls``)."""
+    ``synthetic.matched.train_matched``)."""
 
-    enabled: bool = True                    # false: skip the controls (--no-controls)
+    enabled: bool = True                    # false: skip the controls (--no-matched)
     at_model_width: bool = True             # false: train only at d*, not also up to the model's d_model
     max_steps: int = 2000                   # step cap of every control's training (the bisection's too)
     d_max: int | None = None                # widest width the bisection tries; none = the model's d_model
     n_boot: int = 500                       # bootstrap resamples of the controls' R^2 intervals
-    modes: tuple[str, ...] = CONTROL_MODES  # trainable and/or frozen subject embeddings
+    modes: tuple[str, ...] = MATCHED_MODES  # trainable and/or frozen subject embeddings
     n_seeds: int = 3                        # seeds (model init and subject order) of every point of the curve
     past_fit: int = 100                     # convergence rule: steps trained past the first 100% train accuracy
     recipe: str = "adam"                    # adam (lr 0.1) or weight_decay (lr 0.03, wd 1e-4: the paper's regime)
 
 
-SECTIONS = {"run": RunSettings, "analysis": AnalysisSettings, "controls": ControlSettings}
+SECTIONS = {"run": RunSettings, "analysis": AnalysisSettings, "matched": MatchedSettings}
 SHARED = {"analysis": ("seed",)}            # fields set through another section (analysis.seed is run.seed)
 COMMAND_ANALYSES = {"probe": ("lre", "ridge", "superposition"), "run": ANALYSES}   # run.analyses = none
 PLACEMENT = ("device_map", "max_memory", "offload_folder", "quantize")     # run settings that place the model
 TRAINING = ("max_steps", "d_max", "n_boot", "modes", "n_seeds", "past_fit", "recipe")                       # control settings of the training
 # Python API keywords beside the run settings (which are keywords by their own names): keyword -> section (a
 # dict of that section's settings) or "section.key"
+# the words of llmprobe 0.1's first reports, still read (with a FutureWarning): section and run() keywords
+RENAMED_SECTIONS = {"controls": "matched"}
+RENAMED_KEYWORDS = {"controls": "matched", "control_options": "matched_options"}
 API_KEYWORDS = {"probe": {"analysis_options": "analysis"},
-                "run": {"analysis_options": "analysis", "controls": "controls.enabled",
-                        "at_model_width": "controls.at_model_width", "control_options": "controls"}}
+                "run": {"analysis_options": "analysis", "matched": "matched.enabled", "at_model_width": "matched.at_model_width",
+                        "matched_options": "matched"}}
 
 
 @dataclasses.dataclass
 class Settings:
     """Every setting of one ``probe`` or ``run``: ``settings.run.layers``, ``settings.analysis.n_splits``,
-    ``settings.controls.max_steps`` (``analysis.seed`` is not one: ``run.seed`` is the seed)."""
+    ``settings.matched.max_steps`` (``analysis.seed`` is not one: ``run.seed`` is the seed)."""
 
     run: RunSettings = dataclasses.field(default_factory=RunSettings)
     analysis: AnalysisSettings = dataclasses.field(default_factory=AnalysisSettings)
-    controls: ControlSettings = dataclasses.field(default_factory=ControlSettings)
+    matched: MatchedSettings = dataclasses.field(default_factory=MatchedSettings)
 
     def section(self, name: str) -> dict:
         """{setting: value} of one section, in field order."""
@@ -122,6 +126,7 @@ class Settings:
         """Set the settings of ``tree`` ({section: {setting: value}}, as a TOML file or report.json holds them);
         returns self."""
         for section, table in tree.items():
+            section = renamed_section(section, where)
             if section not in SECTIONS and not isinstance(table, dict):
                 raise UsageError(f"{where}: {section} is outside the sections; put each setting under "
                                  f"{', '.join(f'[{name}]' for name in SECTIONS)}")
@@ -147,26 +152,26 @@ class Settings:
                 "jacobian_batch_size": min(AnalysisSettings.jacobian_batch_size, self.run.batch_size),
                 **self.changed("analysis")}
 
-    def control_arguments(self) -> dict:
-        """Keyword arguments of ``synthetic.controls.train_controls`` that are settings (every one given)."""
-        return {"seed": self.run.seed, "at_model_width": self.controls.at_model_width,
-                **{key: getattr(self.controls, key) for key in TRAINING}}
+    def matched_arguments(self) -> dict:
+        """Keyword arguments of ``synthetic.matched.train_matched`` that are settings (every one given)."""
+        return {"seed": self.run.seed, "at_model_width": self.matched.at_model_width,
+                **{key: getattr(self.matched, key) for key in TRAINING}}
 
     def record(self, command: str, model: str | None) -> dict:
-        """The ``settings`` block of report.json: {"command", "run", "analysis", "controls"} with every setting of
+        """The ``settings`` block of report.json: {"command", "run", "analysis", "matched"} with every setting of
         each section (``model`` as recorded; ``run.analyses`` the analyses run; ``analysis`` as the analyses
-        used it; local paths absolute; ``controls`` null for ``probe``)."""
+        used it; local paths absolute; ``matched`` null for ``probe``)."""
         run = {**self.section("run"), "model": _absolute(model), "analyses": self.analyses(command)}
         if run["offload_folder"] is not None:
             run["offload_folder"] = str(Path(run["offload_folder"]).expanduser().resolve())
         if run["relations"] is not None:
             run["relations"] = [_absolute(r) for r in run["relations"]]
         analysis = {**self.section("analysis"), **self.analysis_options()}
-        controls = self.section("controls") if command == "run" else None
+        matched = self.section("matched") if command == "run" else None
         return {"command": command,
                 **{name: None if block is None else {k: list(v) if isinstance(v, tuple) else v
                                                      for k, v in block.items()}
-                   for name, block in (("run", run), ("analysis", analysis), ("controls", controls))}}
+                   for name, block in (("run", run), ("analysis", analysis), ("matched", matched))}}
 
 
 def field_types(section: str) -> dict:
@@ -248,6 +253,17 @@ def read_toml(path: str | Path) -> dict:
         raise UsageError(f"--config {str(path)!r}: not valid TOML: {error}") from None
 
 
+def renamed_section(section: str, where: str) -> str:
+    """``section``, or its new name (with a FutureWarning naming ``where``) when it is an old one
+    (:data:`RENAMED_SECTIONS`: ``[controls]`` is ``[matched]``)."""
+    if section in RENAMED_SECTIONS:
+        new = RENAMED_SECTIONS[section]
+        warnings.warn(f"{where}: the section {section!r} is now {new!r}; read as {new!r}", FutureWarning,
+                      stacklevel=3)
+        return new
+    return section
+
+
 def parse_set(text: str) -> tuple[str, str, object]:
     """``"analysis.ridge_alphas=[0.1, 1]"`` -> ("analysis", "ridge_alphas", (0.1, 1.0)), checked and converted.
     The value is read as TOML; where the setting takes text, a value that is not of the setting's type is
@@ -258,6 +274,7 @@ def parse_set(text: str) -> tuple[str, str, object]:
     if not equals or not dot or not key:
         raise UsageError(f"{where}: use --set SECTION.KEY=VALUE, e.g. --set analysis.n_splits=5 "
                          f"(sections: {', '.join(SECTIONS)})")
+    section = renamed_section(section, where)
     hint = _known_key(section, key, where)
     raw = raw.strip()
     try:
@@ -298,6 +315,11 @@ def from_options(command: str, settings: Settings | None, options: dict) -> Sett
     as ``os.PathLike``. An unknown keyword raises UsageError naming it."""
     settings = copy.deepcopy(settings) if settings is not None else Settings()
     where, run_keys, extra = f"{command}()", field_types("run"), API_KEYWORDS[command]
+    if command == "run":
+        for old in set(options) & set(RENAMED_KEYWORDS):
+            warnings.warn(f"{where}: the keyword {old!r} is now {RENAMED_KEYWORDS[old]!r}", FutureWarning,
+                          stacklevel=3)
+        options = {RENAMED_KEYWORDS.get(keyword, keyword): value for keyword, value in options.items()}
     unknown = sorted(set(options) - set(run_keys) - set(extra))
     if unknown:
         raise UsageError(f"{where}: unknown keyword(s) {', '.join(unknown)}; the settings are "
@@ -357,8 +379,8 @@ RANGES = {
     "analysis.n_boot": (1, None, False), "analysis.jackknife_groups": (0, None, False),
     "analysis.batch_size": (1, None, False), "analysis.jacobian_batch_size": (1, None, False),
     "analysis.jacobian_chunk": (1, None, False), "analysis.jacobian_oversample": (0, None, False),
-    "controls.n_seeds": (1, None, False), "controls.past_fit": (0, None, False),
-    "controls.max_steps": (1, None, False), "controls.d_max": (1, None, False), "controls.n_boot": (1, None, False),
+    "matched.n_seeds": (1, None, False), "matched.past_fit": (0, None, False),
+    "matched.max_steps": (1, None, False), "matched.d_max": (1, None, False), "matched.n_boot": (1, None, False),
 }
 
 
@@ -389,7 +411,7 @@ def _check_range(key: str, value, bounds: tuple) -> None:
 def check(settings: Settings) -> Settings:
     """The checks beyond the types: names, choices and ranges (UsageError naming the setting); returns the
     settings."""
-    run, controls = settings.run, settings.controls
+    run, matched = settings.run, settings.matched
     for key, choices in (("dtype", DTYPES), ("device_map", DEVICE_MAPS), ("quantize", QUANTIZE)):
         value = getattr(run, key)
         if value is not None and value not in choices:
@@ -404,12 +426,12 @@ def check(settings: Settings) -> Settings:
     for key, bounds in RANGES.items():
         section, name = key.split(".")
         _check_range(key, getattr(getattr(settings, section), name), bounds)
-    if controls.recipe not in CONTROL_RECIPES:
-        raise UsageError(f"controls.recipe must be one of {', '.join(CONTROL_RECIPES)}, got {controls.recipe!r}")
-    unknown = [m for m in controls.modes if m not in CONTROL_MODES]
-    if unknown or not controls.modes:
-        raise UsageError(f"controls.modes must be a non-empty list of {', '.join(CONTROL_MODES)}, got "
-                         f"{list(controls.modes)}")
+    if matched.recipe not in MATCHED_RECIPES:
+        raise UsageError(f"matched.recipe must be one of {', '.join(MATCHED_RECIPES)}, got {matched.recipe!r}")
+    unknown = [m for m in matched.modes if m not in MATCHED_MODES]
+    if unknown or not matched.modes:
+        raise UsageError(f"matched.modes must be a non-empty list of {', '.join(MATCHED_MODES)}, got "
+                         f"{list(matched.modes)}")
     try:
         settings_from(seed=run.seed, **settings.section("analysis"))
     except (TypeError, ValueError) as error:
@@ -477,5 +499,5 @@ def settings_toml(settings: Settings | None = None) -> str:
     return "\n".join(line for line in lines if line is not None) + "\n"
 
 
-__all__ = ["Settings", "RunSettings", "ControlSettings", "SECTIONS", "resolve", "from_options", "check",
+__all__ = ["Settings", "RunSettings", "MatchedSettings", "SECTIONS", "resolve", "from_options", "check",
            "parse_set", "read_toml", "coerce", "from_record", "settings_toml"]

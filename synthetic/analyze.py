@@ -40,7 +40,7 @@ from synthetic.tasks import FactTask, KHopTask, random_bijections
 from synthetic.train import STATE, TrainConfig, load_run, train
 
 ANALYSIS = "analysis.json"
-CONTROLS = ("frozen", "frozen_all")          # embedding modes (llmprobe.names.EMBEDDING_MODES) of the controls
+NULLS = ("frozen", "frozen_all")             # embedding modes (llmprobe.names.EMBEDDING_MODES) of the null models
 
 # Defaults of a run trained by ``analyze`` itself: past 100% with a small weight decay, which removes the random
 # init from e_s (the superposition is then clean; see docs/mechanisms.md).
@@ -48,15 +48,15 @@ DEFAULT_TRAIN = {"lr": 0.03, "max_steps": 1000, "weight_decay": 1e-4, "target_ac
 
 
 def control_config(config: ModelConfig, kind: str) -> ModelConfig:
-    """The run's architecture with the control's frozen parts (``kind`` in :data:`CONTROLS`)."""
-    if kind not in CONTROLS:
-        raise ValueError(f"unknown control {kind!r}; choose from {', '.join(CONTROLS)}")
+    """The run's architecture with the control's frozen parts (``kind`` in :data:`NULLS`)."""
+    if kind not in NULLS:
+        raise ValueError(f"unknown control {kind!r}; choose from {', '.join(NULLS)}")
     return ModelConfig.from_dict({**config.to_dict(), **mode_flags(kind)})
 
 
 def train_control(task: FactTask, config: ModelConfig, train_config: TrainConfig, kind: str
                   ) -> tuple[FactRecallModel, dict]:
-    """Train a control model (``kind`` in CONTROLS) on ``task``; returns (model, summary of the run)."""
+    """Train a control model (``kind`` in NULLS) on ``task``; returns (model, summary of the run)."""
     res = train(task, model_config=control_config(config, kind), config=train_config)
     return res.model.eval(), _run_summary(res.to_dict())
 
@@ -78,7 +78,7 @@ def train_run(run_dir: str, subjects: int, relations: int, d: int, seed: int = 0
     return _run_summary(res.to_dict())
 
 
-def analyze(run_dir: str, *, controls=CONTROLS, swap: bool = True, n_boot: int = 500, seed: int = 0,
+def analyze(run_dir: str, *, nulls=NULLS, swap: bool = True, n_boot: int = 500, seed: int = 0,
             swap_steps=(0, 10, 25, 50, 100), swap_lr: float = 0.03, plots: bool = True,
             img_dir: str | None = None, train_spec: dict | None = None, progress: bool = True) -> dict:
     """All mechanism analyses of the one-hop run in ``run_dir``; writes ``analysis.json``, ``analysis.md`` and the
@@ -101,7 +101,7 @@ def analyze(run_dir: str, *, controls=CONTROLS, swap: bool = True, n_boot: int =
     train_cfg = TrainConfig.from_dict({**(info.get("train") or {}), "progress": False})
     models = {"trainable": model}
     runs = {"trainable": _run_summary(info)}
-    for kind in controls:
+    for kind in nulls:
         log(f"training control '{kind}' (same table, d={model.config.d_model}, d_mlp={model.config.d_mlp})")
         models[kind], runs[kind] = train_control(task, model.config, train_cfg, kind)
     result = {"run_dir": os.path.abspath(run_dir), "task": {"kind": task.kind, "n_subjects": task.n_subjects,
@@ -111,9 +111,9 @@ def analyze(run_dir: str, *, controls=CONTROLS, swap: bool = True, n_boot: int =
               "trained_here": trained_here}
 
     log("superposition readouts (trainable, shuffled, controls, untrained)")
-    readout_controls = {k: m for k, m in models.items() if k != "trainable"}
-    readout_controls["untrained"] = random_init(model, model.config.seed + 1)
-    result["superposition"] = mech.superposition(model, task, controls=readout_controls, n_boot=n_boot, seed=seed)
+    readout_nulls = {k: m for k, m in models.items() if k != "trainable"}
+    readout_nulls["untrained"] = random_init(model, model.config.seed + 1)
+    result["superposition"] = mech.superposition(model, task, nulls=readout_nulls, n_boot=n_boot, seed=seed)
 
     log("selector: unit selectivity, ablation matrix, gate transplant, relation patch")
     unit_stats = {}
@@ -240,7 +240,7 @@ def table_intervals(result: dict) -> dict:
                    "shuffled_r2": shuffled.get("r2"),
                    "shuffled_readout_acc": pooled_readout(shuffled.get("readout_acc")),
                    "swap_edit_success": edit.get("success"),
-                   "swap_edit_random_flip": ((edit.get("flip") or {}).get("controls") or {}).get("random_direction")
+                   "swap_edit_random_flip": ((edit.get("flip") or {}).get("nulls") or {}).get("random_direction")
                    if name == "trainable" else None}
         out[name] = {key: [round(m["ci"][0], 4), round(m["ci"][1], 4)] for key, m in metrics.items()
                      if m and m.get("ci") and None not in m["ci"][:2] and key in result["table"][name]}

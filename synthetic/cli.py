@@ -10,7 +10,7 @@ import sys
 
 from llmprobe import io as llmio
 from llmprobe.checks import UsageError, argparse_type, int_list, positive_int
-from synthetic.analyze import ANALYSIS, CONTROLS, DEFAULT_TRAIN, analyze
+from synthetic.analyze import ANALYSIS, DEFAULT_TRAIN, NULLS, analyze
 from synthetic.bounds import summary
 from synthetic.construction import smallest_construction
 from synthetic.multihop import (
@@ -174,7 +174,7 @@ def _add_analyze(sub) -> None:
                     "RUN_DIR/analysis.json, analysis.md and plots. An empty RUN_DIR is trained first "
                     "(--subjects, --relations, --d).")
     p.add_argument("run_dir", metavar="RUN_DIR")
-    p.add_argument("--controls", default=",".join(CONTROLS),
+    p.add_argument("--nulls", "--controls", dest="nulls", default=",".join(NULLS),
                    help="comma list of frozen,frozen_all ('' = none; default %(default)s)")
     p.add_argument("--no-swap", action="store_true", help="skip freeze-and-swap")
     p.add_argument("--swap-steps", default="0,10,25,50,100", type=_int_text("--swap-steps", minimum=0),
@@ -375,11 +375,11 @@ def cmd_analyze(args) -> dict:
                 "d_mlp": args.mlp_width, "attention": args.attention,
                 "train_config": TrainConfig(lr=args.lr, max_steps=args.max_steps, weight_decay=args.weight_decay,
                                             target_acc=1.0 if args.stop_at_100 else 1.01, progress=False)}
-    controls = tuple(c for c in args.controls.split(",") if c)
-    unknown = set(controls) - set(CONTROLS)
+    nulls = tuple(c for c in args.nulls.split(",") if c)
+    unknown = set(nulls) - set(NULLS)
     if unknown:
-        raise UsageError(f"unknown control(s) {sorted(unknown)}; choose from {', '.join(CONTROLS)}")
-    result = analyze(args.run_dir, controls=controls, swap=not args.no_swap, n_boot=args.n_boot, seed=args.seed,
+        raise UsageError(f"unknown null model(s) {sorted(unknown)}; choose from {', '.join(NULLS)}")
+    result = analyze(args.run_dir, nulls=nulls, swap=not args.no_swap, n_boot=args.n_boot, seed=args.seed,
                      swap_steps=tuple(int_list(args.swap_steps, "--swap-steps", minimum=0)), swap_lr=args.swap_lr,
                      plots=not args.no_plots, img_dir=args.img_dir, train_spec=spec)
     print(result["table_md"])

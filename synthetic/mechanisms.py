@@ -133,7 +133,7 @@ def _round(x, nd=4):
 
 
 # -------------------------------------------------------------------------------------------- 1. superposition
-def superposition(model: FactRecallModel, task: FactTask, controls: dict[str, FactRecallModel] | None = None,
+def superposition(model: FactRecallModel, task: FactTask, nulls: dict[str, FactRecallModel] | None = None,
                   k: int = 5, n_boot: int = 500, seed: int = 0, swap_edit: bool = True,
                   max_edits: int = 512) -> dict:
     """Superposition readouts of e_s with the shuffled-table control and each control model (same task).
@@ -145,10 +145,10 @@ def superposition(model: FactRecallModel, task: FactTask, controls: dict[str, Fa
     t0 = time.perf_counter()
     H, A, U = readout_inputs(model, task)
     ctrl = {}
-    for name, m in (controls or {}).items():
+    for name, m in (nulls or {}).items():
         H_c, _, U_c = readout_inputs(m, task)
         ctrl[name] = (H_c, U_c)
-    rep = superposition_readout(H, A, U, controls=ctrl, relation_names=task.relations, k=k, n_boot=n_boot,
+    rep = superposition_readout(H, A, U, nulls=ctrl, relation_names=task.relations, k=k, n_boot=n_boot,
                                 seed=seed).to_dict()
     summary = {}
     for name, cond in rep["conditions"].items():
@@ -159,7 +159,7 @@ def superposition(model: FactRecallModel, task: FactTask, controls: dict[str, Fa
     out = {"report": rep, "summary": _round(summary)}
     if swap_edit:
         out["swap_edit"] = swap_edits(model, task, k=k, seed=seed, max_edits=max_edits)
-        for name, m in (controls or {}).items():
+        for name, m in (nulls or {}).items():
             out[f"swap_edit_{name}"] = swap_edits(m, task, k=k, seed=seed, max_edits=max_edits)
     out["wall_s"] = round(time.perf_counter() - t0, 2)
     return out
@@ -230,7 +230,7 @@ def swap_edits(model: FactRecallModel, task: FactTask, k: int = 5, seed: int = 0
     out = {"n_edits": n}
     for key in ("flip", "others_kept", "success"):
         metric = proportion(scored["edit"][key].double().tolist())
-        out[key] = metric.with_controls({"random_direction": proportion(
+        out[key] = metric.with_nulls({"random_direction": proportion(
             scored["random_direction"][key].double().tolist())}).to_dict()
     return _round(out)
 
@@ -515,7 +515,7 @@ def key_numbers(sup: dict | None, sel: dict | None) -> dict:
         if "swap_edit" in sup:
             se = sup["swap_edit"]
             out["swap_edit_success"] = se["success"]["value"]
-            out["swap_edit_random_flip"] = se["flip"]["controls"]["random_direction"]["value"]
+            out["swap_edit_random_flip"] = se["flip"]["nulls"]["random_direction"]["value"]
     if sel:
         out.update({"selectivity_index": sel["selectivity_index"]["mean"],
                     "relation_gating": sel["relation_gating"]["mean"],

@@ -82,18 +82,18 @@ def test_result_has_the_documented_keys_and_typed_metrics(tiny_result):
         for layer in ("0", "1", "2"):
             entry = rel["layers"][layer]
             ridge = entry["ridge"]["faithfulness"]
-            assert ridge["n"] == len(test) and set(ridge["controls"]) == {"shuffled", "majority"}
+            assert ridge["n"] == len(test) and set(ridge["nulls"]) == {"shuffled", "majority"}
             assert len(ridge["spread"]["values"]) == 3
             if layer in ("0", "1"):
                 lre = entry["lre"]
-                assert lre["faithfulness"]["control"] == "majority" and lre["faithfulness"]["n"] == len(test)
+                assert lre["faithfulness"]["primary_null"] == "majority" and lre["faithfulness"]["n"] == len(test)
                 causal = lre["causality"]
-                assert causal["n"] == rel["n_test_pairs"] > 0 and causal["control"] == "random_direction"
-                assert set(causal["controls"]) == {"random_direction", "random_operator", "scaled_patch",
+                assert causal["n"] == rel["n_test_pairs"] > 0 and causal["primary_null"] == "random_direction"
+                assert set(causal["nulls"]) == {"random_direction", "random_operator", "scaled_patch",
                                                    "full_patch"}
                 assert {"beta", "rank", "edit_rank", "n_candidates", "n_selection", "n_folds"} <= set(lre["chosen"][0])
                 assert entry["ridge"]["causality"]["n"] == rel["n_test_pairs"]
-                assert set(entry["ridge"]["causality"]["controls"]) == {"random_direction", "scaled_patch"}
+                assert set(entry["ridge"]["causality"]["nulls"]) == {"random_direction", "scaled_patch"}
             else:
                 assert "lre" not in entry
         assert rel["selected"]["lre"]["layer"] in (0, 1) and rel["selected"]["lre"]["causality_layer"] in (0, 1)
@@ -102,14 +102,14 @@ def test_result_has_the_documented_keys_and_typed_metrics(tiny_result):
     for layer in ("0", "1", "2"):
         entry = sup["layers"][layer]
         r2 = entry["r2"]
-        assert r2["n"] == 28 and set(r2["controls"]) == {"shuffled", "random_attributes", "random_init"}
-        assert r2["control"] == "random_attributes" and r2["gain"] == r2["margins"]["random_attributes"]
+        assert r2["n"] == 28 and set(r2["nulls"]) == {"shuffled", "random_attributes", "random_init"}
+        assert r2["primary_null"] == "random_attributes" and r2["gain"] == r2["margins"]["random_attributes"]
         assert r2["interval"].startswith("jackknife") and len(r2["jackknife"]) == 20
         for name in sup["relations"]:
             m = entry["readout"][name]
             assert m["interval"] == "wilson (jackknife)" and 0 <= m["chance"] <= 1
-            assert set(m["controls"]) == {"shuffled", "random_attributes", "random_init", "chance"}
-            assert m["controls"]["chance"]["value"] == m["chance"] and m["gain"]["n"] == m["n"]
+            assert set(m["nulls"]) == {"shuffled", "random_attributes", "random_init", "chance"}
+            assert m["nulls"]["chance"]["value"] == m["chance"] and m["gain"]["n"] == m["n"]
     swap = sup["layers"]["0"]["swap"]
     assert [b["scale"] for b in swap["by_scale"]] == list(settings["swap_scales"]) and swap["n_edits"] > 0
     assert swap["by_scale"][0]["success"]["n"] == swap["n_edits"]
@@ -121,7 +121,7 @@ def test_every_value_lies_inside_an_interval_of_nonzero_width(tiny_result):
     """The reviewer's check on a whole result: n >= 1 -> lo <= value <= hi and hi > lo, controls included."""
     seen = 0
     for path, m in iter_metrics(tiny_result):
-        for metric in [m, *m["controls"].values()]:
+        for metric in [m, *m["nulls"].values()]:
             if metric["n"] and metric["value"] is not None:
                 lo, hi = metric["ci"]
                 assert lo - 1e-12 <= metric["value"] <= hi + 1e-12 and hi > lo, (path, metric)
@@ -190,10 +190,10 @@ def test_planted_lre_is_faithful_and_causal_beyond_its_controls(toy_lre):
     random-direction and random-operator controls; full patching (a reference) works too."""
     entry = toy_lre["layers"]["0"]["lre"]
     faith, causal = entry["faithfulness"], entry["causality"]
-    assert faith["value"] == 1.0 and faith["ci"][0] > faith["controls"]["majority"]["value"]
-    assert causal["value"] == 1.0 and causal["controls"]["full_patch"]["value"] == 1.0
+    assert faith["value"] == 1.0 and faith["ci"][0] > faith["nulls"]["majority"]["value"]
+    assert causal["value"] == 1.0 and causal["nulls"]["full_patch"]["value"] == 1.0
     for control in ("random_direction", "random_operator"):
-        assert causal["ci"][0] > causal["controls"][control]["ci"][1], control
+        assert causal["ci"][0] > causal["nulls"][control]["ci"][1], control
     assert toy_lre["model_accuracy"] == 1.0
 
 
@@ -212,7 +212,7 @@ def test_causality_with_a_random_W_of_the_same_spectrum_drops_to_its_random_oper
     monkeypatch.setattr(decoders_module, "subject_jacobians", random_jacobians)
     causal = _run_toy(*toy)["layers"]["0"]["lre"]["causality"]
     assert causal["value"] <= 0.4
-    assert causal["ci"][0] <= causal["controls"]["random_operator"]["value"] <= causal["ci"][1] + 0.1
+    assert causal["ci"][0] <= causal["nulls"]["random_operator"]["value"] <= causal["ci"][1] + 0.1
 
 
 def test_selections_never_look_at_the_test_labels(toy, toy_lre):
@@ -284,7 +284,7 @@ def test_reference_protocol_uses_in_context_examples_and_the_prefix_rule(toy):
     assert out["template"].count("\n") == 3 and out["template"].endswith(template)
     assert not set(out["context_subjects"]) & set(out["test_subjects"])
     faith = out["layers"]["0"]["lre"]["faithfulness"]
-    assert faith["value"] > faith["controls"]["majority"]["value"]
+    assert faith["value"] > faith["nulls"]["majority"]["value"]
 
 
 def test_planted_superposition_beats_shuffled_and_random_init_controls():
@@ -322,15 +322,15 @@ def test_planted_superposition_beats_shuffled_and_random_init_controls():
     for layer in ("0", "1"):
         entry = sup["layers"][layer]
         r2 = entry["r2"]
-        assert r2["value"] > 0.7 and r2["ci"][0] > r2["controls"]["shuffled"]["value"] + 0.3
-        assert r2["value"] > r2["controls"]["random_init"]["value"] + 0.3
+        assert r2["value"] > 0.7 and r2["ci"][0] > r2["nulls"]["shuffled"]["value"] + 0.3
+        assert r2["value"] > r2["nulls"]["random_init"]["value"] + 0.3
         assert abs(r2["gain"]["value"]) < 0.05 and r2["gain"]["ci"][0] < 0.05
         for name in attrs:
             m = entry["readout"][name]
             assert m["value"] >= 0.9, (layer, name, m)
-            assert m["ci"][0] > m["controls"]["shuffled"]["value"] and m["ci"][0] > m["chance"]
-            assert m["value"] > m["controls"]["random_init"]["value"] + 0.2
-            assert m["controls"]["random_attributes"]["value"] <= m["value"] + 0.05
+            assert m["ci"][0] > m["nulls"]["shuffled"]["value"] and m["ci"][0] > m["chance"]
+            assert m["value"] > m["nulls"]["random_init"]["value"] + 0.2
+            assert m["nulls"]["random_attributes"]["value"] <= m["value"] + 0.05
 
 
 class SelectorToy(nn.Module):
@@ -400,7 +400,7 @@ def test_swap_edit_through_a_real_forward_pass_on_a_planted_selector():
     swap = res["superposition"]["layers"]["0"]["swap"]["by_scale"][0]
     success, others = swap["success"], swap["others_unchanged"]
     assert success["n"] >= 16 and success["value"] >= 0.9 and others["value"] >= 0.9
-    assert success["ci"][0] > success["controls"]["random_direction"]["ci"][1]
+    assert success["ci"][0] > success["nulls"]["random_direction"]["ci"][1]
 
 
 def test_neutral_templates_that_open_with_the_subject_are_dropped_without_a_bos_token(tmp_path):

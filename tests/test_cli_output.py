@@ -15,7 +15,7 @@ from llmprobe.cli import main
 from llmprobe.datasets import Fact, FactTable, Relation
 from llmprobe.report.claims import CLAIMS, GRADES
 from synthetic.analyze import analyze, legend
-from synthetic.controls import train_controls
+from synthetic.matched import train_matched
 from synthetic.sweep import fit_trend, table_markdown
 from synthetic.train import TrainConfig
 
@@ -106,7 +106,7 @@ def test_controls_say_what_they_train_and_find_in_words():
                  ("Egypt", "Cairo", "Africa"), ("Italy", "Rome", "Europe"), ("India", "New Delhi", "Asia")]
     table = FactTable.from_relations([Relation(name, ["{}"], [], [Fact(c[0], c[k]) for c in countries])
                                       for k, name in ((1, "capital"), (2, "continent"))])
-    out = train_controls(table, d_model=4, max_steps=50, modes=("trainable",), at_model_width=False, n_boot=20,
+    out = train_matched(table, d_model=4, max_steps=50, modes=("trainable",), at_model_width=False, n_boot=20,
                          progress=lines.append, n_seeds=1)
     d_star = out["modes"]["trainable"]["threshold"]["d_star"]
     text = "\n".join(lines)
@@ -177,7 +177,7 @@ def test_a_two_cell_sweep_says_drift_cannot_be_judged():
 def test_synth_analyze_table_has_intervals_and_a_legend_line_per_measure(tmp_path):
     spec = {"subjects": 16, "relations": 2, "d": 8, "d_mlp": 32,
             "train_config": TrainConfig(lr=0.03, max_steps=100, weight_decay=1e-4, target_acc=1.01, progress=False)}
-    result = analyze(str(tmp_path / "run"), controls=("frozen_all",), n_boot=20, swap_steps=(0, 5), plots=False,
+    result = analyze(str(tmp_path / "run"), nulls=("frozen_all",), n_boot=20, swap_steps=(0, 5), plots=False,
                      train_spec=spec, progress=False)
     rows = {line.split(" | ")[0][2:]: line for line in result["table_md"].splitlines()
             if line.startswith("| ") and not line.startswith("| measure")}

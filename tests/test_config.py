@@ -121,7 +121,7 @@ def test_settings_from_a_file_reach_the_analyses_and_land_in_report_json(tiny, t
                  "--analyses", "lre,superposition", "--config", path, "--out", str(out)]) == 0
     report = json.loads((out / "report.json").read_text())
     recorded, used = report["settings"]["analysis"], report["analyses"]["settings"]
-    assert report["settings"]["command"] == "probe" and report["settings"]["controls"] is None
+    assert report["settings"]["command"] == "probe" and report["settings"]["matched"] is None
     assert report["settings"]["run"]["seed"] == 3 and used["seed"] == 3 and report["seed"] == 3
     for key, value in chosen.items():
         expected = list(value) if isinstance(value, tuple) else value
@@ -135,17 +135,17 @@ def test_settings_from_a_file_reach_the_analyses_and_land_in_report_json(tiny, t
 def test_flags_override_set_which_overrides_the_file(tmp_path):
     path = write_toml(tmp_path / "s.toml", {"run": {"layers": "0", "batch_size": 4, "seed": 1},
                                             "analysis": {"n_splits": 2, "protocol": "lre", "n_icl": 3},
-                                            "controls": {"max_steps": 7, "at_model_width": True}})
+                                            "matched": {"max_steps": 7, "at_model_width": True}})
     values = settings_of(["run", "--config", path, "--set", "analysis.n_splits=4", "--set", "run.layers=2",
                           "--set", "analysis.n_icl=4", "--layers", "-1", "--n-icl", "6", "--no-model-width"])
     assert values.run.layers == "-1" and values.run.batch_size == 4 and values.run.seed == 1
     assert values.analysis.n_splits == 4 and values.analysis.protocol == "lre" and values.analysis.n_icl == 6
-    assert values.controls.max_steps == 7 and values.controls.at_model_width is False
+    assert values.matched.max_steps == 7 and values.matched.at_model_width is False
     assert values.analyses("run") == ANALYSES and values.analyses("probe") == ("lre", "ridge", "superposition")
     assert values.changed("analysis") == {"n_splits": 4, "protocol": "lre", "n_icl": 6}
     assert values.analysis_options() == {"batch_size": 4, "jacobian_batch_size": 4, "n_splits": 4, "protocol": "lre",
                                          "n_icl": 6}
-    assert values.control_arguments() == {"seed": 1, "at_model_width": False, "max_steps": 7, "d_max": None,
+    assert values.matched_arguments() == {"seed": 1, "at_model_width": False, "max_steps": 7, "d_max": None,
                                           "n_boot": 500, "modes": ("trainable", "frozen"), "n_seeds": 3,
                                           "past_fit": 100, "recipe": "adam"}
     assert settings_of(["probe"]).analyses("probe") == ("lre", "ridge", "superposition")
@@ -192,7 +192,7 @@ def test_cli_flags_over_a_file_land_in_report_json(tiny, tmp_path):
     ("[analysis]\nseed = 4\n", r"analysis\.seed is set as run\.seed"),
     ("seed = 4\n", r"seed is outside the sections"),
     ("[model]\nname = \"x\"\n", r"unknown section 'model'"),
-    ("[controls]\nmodes = [\"frozen_all\"]\n", r"controls\.modes must be a non-empty list of trainable, frozen"),
+    ("[matched]\nmodes = [\"frozen_all\"]\n", r"matched\.modes must be a non-empty list of trainable, frozen"),
     ("[analysis]\nprotocol = \"reference\"\n", r"protocol must be one of"),
     ("[run]\ndevice_map = \"everywhere\"\n", r"run\.device_map must be one of auto, balanced"),
     ("[run]\nmax_memory = [\"cpu=lots\"]\n", r"run\.max_memory: .*lots"),
@@ -211,7 +211,7 @@ def test_a_bad_settings_file_is_refused_naming_the_key(content, message, tmp_pat
     ("n_splits=3", r"use --set SECTION\.KEY=VALUE"),
     ("analysis.n_splits=three", r"analysis\.n_splits: expected int, got \"three\""),
     ("analysis.ranks=[none, 8]", r"analysis\.ranks: expected list of \(int or none"),
-    ("controls.max_steps=0", r"controls\.max_steps must be at least 1"),
+    ("matched.max_steps=0", r"matched\.max_steps must be at least 1"),
 ])
 def test_a_bad_set_is_refused_naming_the_key(text, message, tmp_path, capsys):
     assert main(["run", str(tmp_path / "no-model"), "--set", text, "--out", str(tmp_path / "o")]) == 2
@@ -224,10 +224,10 @@ def test_a_missing_settings_file_is_a_usage_error(tmp_path, capsys):
 
 
 def _record_controls(monkeypatch) -> dict:
-    """Replace run's ControlsWorker by a recorder (training itself is tested in test_controls.py): it keeps the
+    """Replace run's MatchedWorker by a recorder (training itself is tested in test_matched.py): it keeps the
     keyword arguments the workers get ("kwargs") and this process's torch threads when their controls are
     collected ("threads": the analyses' budget while they trained), and returns an empty controls block of the
-    shape train_controls returns."""
+    shape train_matched returns."""
     seen = {"kwargs": {}, "threads": []}
 
     class Recorder:
@@ -246,23 +246,23 @@ def _record_controls(monkeypatch) -> dict:
         def stop(self):
             pass
 
-    monkeypatch.setattr(llmprobe.jobs.main, "ControlsWorker", Recorder)
+    monkeypatch.setattr(llmprobe.jobs.main, "MatchedWorker", Recorder)
     return seen
 
 
 def test_control_settings_reach_the_controls_worker(tiny, tmp_path, all_known, monkeypatch):
-    """controls.* from --set reach train_controls' arguments and settings.controls (the worker is replaced by a
-    recorder: training itself is tested in test_controls.py)."""
+    """matched.* from --set reach train_matched' arguments and settings.matched (the worker is replaced by a
+    recorder: training itself is tested in test_matched.py)."""
     seen = _record_controls(monkeypatch)["kwargs"]
     folder, relations = tiny
     out = tmp_path / "out"
     assert main(["run", folder, "--relations", *relations, "--analyses", "", "--layers", "-1", "--device", "cpu",
-                 "--set", "controls.max_steps=7", "--set", "controls.modes=['frozen']", "--set", "controls.d_max=9",
-                 "--set", "controls.n_boot=11", "--no-model-width", "--seed", "2", "--out", str(out)]) == 0
+                 "--set", "matched.max_steps=7", "--set", "matched.modes=['frozen']", "--set", "matched.d_max=9",
+                 "--set", "matched.n_boot=11", "--no-model-width", "--seed", "2", "--out", str(out)]) == 0
     assert seen["max_steps"] == 7 and seen["modes"] == ("frozen",) and seen["d_max"] == 9 and seen["n_boot"] == 11
     assert seen["at_model_width"] is False and seen["seed"] == 2 and seen["device"] == "cpu"   # a CPU model
     recorded = json.loads((out / "report.json").read_text())["settings"]
-    assert recorded["command"] == "run" and recorded["controls"] == {
+    assert recorded["command"] == "run" and recorded["matched"] == {
         "enabled": True, "at_model_width": False, "max_steps": 7, "d_max": 9, "n_boot": 11, "modes": ["frozen"],
         "n_seeds": 3, "past_fit": 100, "recipe": "adam"}
     # rerun repeats run (not probe) with the same control settings
@@ -334,11 +334,11 @@ AS_SETTINGS = {**API_RUN, "relations": ("capital", "/no/such/rel.json"), "layers
 
 def test_the_python_api_takes_every_setting_by_name_and_names_an_unknown_keyword(tmp_path):
     assert set(API_RUN) == set(config.field_types("run")), "give API_RUN a value for the new run setting"
-    settings = config.from_options("run", None, {**API_RUN, "controls": False, "at_model_width": False,
+    settings = config.from_options("run", None, {**API_RUN, "matched": False, "at_model_width": False,
                                                  "analysis_options": {"n_splits": 2},
-                                                 "control_options": {"max_steps": 9, "modes": ["frozen"]}})
+                                                 "matched_options": {"max_steps": 9, "modes": ["frozen"]}})
     assert settings.section("run") == AS_SETTINGS
-    assert settings.analysis.n_splits == 2 and settings.controls == config.ControlSettings(
+    assert settings.analysis.n_splits == 2 and settings.matched == config.MatchedSettings(
         enabled=False, at_model_width=False, max_steps=9, modes=("frozen",))
     assert config.from_options("probe", None, {"layers": None}).run.layers == "all"
     # over given settings, which stay as they were
@@ -347,11 +347,11 @@ def test_the_python_api_takes_every_setting_by_name_and_names_an_unknown_keyword
     assert (over.run.seed, over.run.max_facts, over.analysis.n_splits, base.run.max_facts) == (3, 2, 4, None)
     # refused before anything is loaded, naming the keyword or the setting
     for call, message in ((lambda: probe("no/such-model", max_fact=3, out=tmp_path), r"unknown keyword\(s\) max_fact;"),
-                          (lambda: probe("no/such-model", control_options={}, out=tmp_path), "control_options"),
+                          (lambda: probe("no/such-model", matched_options={}, out=tmp_path), "matched_options"),
                           (lambda: run("no/such-model", controlz=False, out=tmp_path), "controlz"),
                           (lambda: probe("no/such-model", batch_size="8", out=tmp_path), r"run\.batch_size: expected int"),
-                          (lambda: run("no/such-model", control_options={"max_step": 3}, out=tmp_path),
-                           r"unknown setting controls\.max_step \(did you mean controls\.max_steps"),
+                          (lambda: run("no/such-model", matched_options={"max_step": 3}, out=tmp_path),
+                           r"unknown setting matched\.max_step \(did you mean matched\.max_steps"),
                           (lambda: probe("no/such-model", analysis_options={"seed": 1}, out=tmp_path),
                            r"analysis\.seed is set as run\.seed"),
                           (lambda: probe("no/such-model", layers=["x"], out=tmp_path), "list of integers")):
@@ -375,14 +375,14 @@ def test_the_api_and_the_command_line_record_the_same_settings(tiny, tmp_path):
 
 
 def test_the_control_defaults_agree_with_train_controls():
-    """The job passes every control setting to train_controls; its own defaults (the synthetic API) agree."""
-    from synthetic import controls
+    """The job passes every control setting to train_matched; its own defaults (the synthetic API) agree."""
+    from synthetic import matched
 
-    trained = inspect.signature(controls.train_controls).parameters
-    block = config.Settings().section("controls")
+    trained = inspect.signature(matched.train_matched).parameters
+    block = config.Settings().section("matched")
     for key in config.TRAINING + ("at_model_width",):
         assert block[key] == trained[key].default, key
-    assert set(config.Settings().control_arguments()) <= set(trained) and config.CONTROL_MODES == controls.MODES
+    assert set(config.Settings().matched_arguments()) <= set(trained) and config.MATCHED_MODES == matched.MODES
 
 
 def test_importing_the_settings_loads_no_torch():
@@ -479,7 +479,7 @@ def config_embedded():
     ("analysis.lre_layers=[]", r"analysis\.lre_layers must list at least one value"),
     ("run.seed=99999999999999999999", r"run\.seed must be at least 0 and at most 4294967295, got 9{20}"),
     ("run.seed=-1", r"run\.seed must be at least 0 and at most 4294967295, got -1"),
-    ("controls.n_boot=0", r"controls\.n_boot must be at least 1, got 0"),
+    ("matched.n_boot=0", r"matched\.n_boot must be at least 1, got 0"),
 ])
 def test_settings_out_of_range_are_refused_naming_the_key_and_the_range(text, message, tmp_path, capsys):
     """Row 12: these were checked for their type only, and ran with every analysis failing (exit 0), or wrote a
@@ -490,7 +490,7 @@ def test_settings_out_of_range_are_refused_naming_the_key_and_the_range(text, me
     section, key = name.split(".")
     value = tomllib.loads(f"v = {raw}")["v"]
     options = {key: value} if section == "run" else {f"{section}_options" if section == "analysis" else
-                                                     "control_options": {key: value}}
+                                                     "matched_options": {key: value}}
     with pytest.raises(UsageError, match=message):                   # the Python API: the same check
         config.from_options("run", None, options)
 
@@ -521,3 +521,21 @@ def test_the_controls_workers_threads_come_out_of_the_analyses_budget(tiny, tmp_
             assert seen[-1] == expected and torch.get_num_threads() == threads
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_old_words_of_the_matched_settings_are_still_taken_with_a_warning(tmp_path):
+    """Before report schema 3 the matched synthetic models' settings were the section [controls], the flag
+    --no-controls and run()'s keywords controls= / control_options=: each is still read, as the new name, and says
+    so (FutureWarning)."""
+    toml = tmp_path / "old.toml"
+    toml.write_text("[controls]\nmax_steps = 11\n")
+    with pytest.warns(FutureWarning, match="'controls' is now 'matched'"):
+        assert config.resolve(config=toml).matched.max_steps == 11
+    with pytest.warns(FutureWarning, match="'controls' is now 'matched'"):
+        assert config.resolve(sets=["controls.n_seeds=2"]).matched.n_seeds == 2
+    with pytest.warns(FutureWarning, match="now 'matched"):
+        old = config.from_options("run", None, {"controls": False, "control_options": {"max_steps": 9}})
+    assert old.matched == config.MatchedSettings(enabled=False, max_steps=9)
+    from llmprobe.cli import build_parser
+    args = build_parser().parse_args(["run", "--no-controls"])
+    assert getattr(args, "matched.enabled") is False

@@ -109,10 +109,10 @@ def test_superposition_rank_and_missing():
     assert acc.shape == (R,) and bool((acc > 0.9).all())
 
 
-def test_superposition_readout_report_with_controls():
+def test_superposition_readout_report_with_nulls():
     H, A, U, W, c = planted(n=200, seed=5)
     rand = torch.randn_like(H)
-    rep = superposition_readout(H, A, U, controls={"random_init": rand}, k=4, n_boot=200)   # alpha: LOO grid
+    rep = superposition_readout(H, A, U, nulls={"random_init": rand}, k=4, n_boot=200)   # alpha: LOO grid
     d = json.loads(json.dumps(rep.to_dict()))
     real, shuf, ctrl = (d["conditions"][k] for k in ("real", "shuffled", "random_init"))
     assert real["r2"]["value"] > 0.95 and shuf["r2"]["value"] < 0.1 and ctrl["r2"]["value"] < 0.1
@@ -127,8 +127,8 @@ def test_superposition_readout_report_with_controls():
     m = d["margins"]["random_init"]["r2"]
     assert m["ci"][0] <= m["value"] <= m["ci"][1] and m["ci"][0] > 0.8 and m["interval"] == "jackknife"
     typed = rep.measure("readout_acc", "r0")
-    assert set(typed.controls) == {"shuffled", "random_attributes", "random_init", "chance"}
-    assert typed.control == "shuffled" and typed.controls["chance"].value < 0.2
+    assert set(typed.nulls) == {"shuffled", "random_attributes", "random_init", "chance"}
+    assert typed.primary_null == "shuffled" and typed.nulls["chance"].value < 0.2
     assert rep.settings["merged_attributes"] == {}
 
 
@@ -177,15 +177,15 @@ def test_one_hot_structure_alone_shows_no_gain_over_random_attributes():
     H = sum(E[r][A[:, r]] for r in range(3)) + 0.3 * torch.randn(n, d, generator=g)
     rep = superposition_readout(H, A, U, k=4, decode=False)
     r2 = rep.measure("r2", primary="random_attributes")
-    assert r2.value > 0.8 and r2.controls["shuffled"].value < 0.1
+    assert r2.value > 0.8 and r2.nulls["shuffled"].value < 0.1
     gain = rep.gain("r2")
     assert abs(gain.value) < 0.03 and gain.ci[0] < 0 < gain.ci[1]
-    null = max((m for k, m in r2.controls.items()), key=lambda m: m.value)
-    assert null is r2.controls["random_attributes"] and not r2.ci[0] > null.ci[1]
+    null = max((m for k, m in r2.nulls.items()), key=lambda m: m.value)
+    assert null is r2.nulls["random_attributes"] and not r2.ci[0] > null.ci[1]
     for r in range(3):
         acc = rep.measure("readout_acc", f"r{r}")
         assert acc.value > 0.9 and abs(rep.gain("readout_acc", f"r{r}").value) < 0.05
-        assert not acc.ci[0] > acc.controls["random_attributes"].ci[1]
+        assert not acc.ci[0] > acc.nulls["random_attributes"].ci[1]
 
 
 def test_attributes_with_equal_vectors_are_merged_into_one_answer():
@@ -393,7 +393,7 @@ def test_errors_on_bad_shapes():
     with pytest.raises(ValueError, match="jackknife_groups"):
         superposition_readout(H, A, U, jackknife_groups=1)
     with pytest.raises(ValueError, match="attribute counts"):
-        superposition_readout(H, A, U, controls={"c": (H, [u[:5] for u in U])})
+        superposition_readout(H, A, U, nulls={"c": (H, [u[:5] for u in U])})
     Hd, O, Wd, bd = affine_world()
     with pytest.raises(ValueError, match="J"):
         LinearRelationDecoder().fit(Hd, O, Wd.T)

@@ -161,7 +161,7 @@ def test_run_takes_a_model_object(family, tmp_path):
     """run() with an object (no controls here: their worker gets only the fact table, never the model)."""
     folder, relation, _ = family
     model, tokenizer = _hf(folder)
-    kwargs = dict(relations=[relation], layers="0", analyses=("lre",), device="cpu", controls=False,
+    kwargs = dict(relations=[relation], layers="0", analyses=("lre",), device="cpu", matched=False,
                   formats=("json",), analysis_options=FAST)
     by_object = run(model, tokenizer=tokenizer, out=tmp_path / "object", **kwargs)
     by_path = run(folder, out=tmp_path / "path", **kwargs)

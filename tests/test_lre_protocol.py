@@ -253,7 +253,7 @@ def test_selection_modes_and_the_as_published_label(planted, mode):
             assert trial["n_val"] + trial["n_test"] == trial["n_known"] and trial["n_test"] >= 2
     if published:
         assert all(c["val_faithfulness"] == c["test_faithfulness"] for c in lre["chosen"])
-    assert lre["faithfulness"]["value"] > lre["faithfulness"]["controls"]["majority"]["value"]
+    assert lre["faithfulness"]["value"] > lre["faithfulness"]["nulls"]["majority"]["value"]
 
 
 def test_an_unknown_selection_mode_is_refused(planted):

@@ -49,7 +49,7 @@ def test_local_table_maps_global_ids_per_relation():
 
 
 def test_readout_trainable_beats_frozen_all_and_shuffled(task, trainable, frozen_all):
-    out = M.superposition(trainable, task, controls={"frozen_all": frozen_all}, n_boot=50, max_edits=64)
+    out = M.superposition(trainable, task, nulls={"frozen_all": frozen_all}, n_boot=50, max_edits=64)
     s = out["summary"]
     assert s["real"]["readout_acc"] > 0.5 and s["real"]["r2"] > 0.6
     assert s["shuffled"]["readout_acc"] < 0.1 and abs(s["shuffled"]["r2"]) < 0.05
@@ -57,7 +57,7 @@ def test_readout_trainable_beats_frozen_all_and_shuffled(task, trainable, frozen
     json.dumps(out)                                       # JSON-ready
     se = out["swap_edit"]
     assert se["n_edits"] > 0 and all(se[k]["n"] == se["n_edits"] for k in ("flip", "others_kept", "success"))
-    assert se["success"]["value"] >= se["flip"]["controls"]["random_direction"]["value"]
+    assert se["success"]["value"] >= se["flip"]["nulls"]["random_direction"]["value"]
 
 
 def planted_selector(n_subjects: int = 60, n_relations: int = 3, n_attr: int = 4, spare: int = 16, seed: int = 0):
@@ -104,8 +104,8 @@ def test_swap_edit_flips_relation_r_on_a_planted_selector_and_a_random_direction
     for key in ("flip", "others_kept", "success"):
         m = se[key]
         assert m["value"] == 1.0 and m["n"] == n and m["interval"] == "wilson"
-        assert m["ci"][0] < 1.0 == m["ci"][1] and m["control"] == "random_direction"
-    rand = {key: se[key]["controls"]["random_direction"] for key in ("flip", "others_kept", "success")}
+        assert m["ci"][0] < 1.0 == m["ci"][1] and m["primary_null"] == "random_direction"
+    rand = {key: se[key]["nulls"]["random_direction"] for key in ("flip", "others_kept", "success")}
     assert rand["flip"]["n"] == n and rand["flip"]["value"] <= 0.05 and rand["success"]["value"] <= 0.05
     assert rand["success"]["ci"][1] < se["success"]["ci"][0]           # the intervals do not overlap
     assert rand["others_kept"]["value"] >= 0.95          # same norm, no direction: (almost) nothing moves
@@ -228,7 +228,7 @@ def test_analyze_writes_report(tmp_path):
     run = tmp_path / "run"
     spec = {"subjects": 24, "relations": 2, "d": 16, "d_mlp": 32,
             "train_config": TrainConfig(lr=0.03, max_steps=120, weight_decay=1e-4, target_acc=1.01, progress=False)}
-    res = analyze(str(run), controls=("frozen_all",), n_boot=20, swap_steps=(0, 5), img_dir=str(tmp_path / "img"),
+    res = analyze(str(run), nulls=("frozen_all",), n_boot=20, swap_steps=(0, 5), img_dir=str(tmp_path / "img"),
                   train_spec=spec, progress=False)
     obj = json.loads((run / "analysis.json").read_text())
     assert set(obj["table"]) == {"trainable", "frozen_all", "untrained"}

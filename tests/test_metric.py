@@ -60,11 +60,11 @@ def test_bootstrap_of_one_item_or_equal_items_is_widened_not_zero_width():
 
 
 def test_refits_give_the_spread_and_json_round_trips():
-    m = proportion([1, 0, 1, 1], refits=[0.75, 0.5, 1.0]).with_controls(
+    m = proportion([1, 0, 1, 1], refits=[0.75, 0.5, 1.0]).with_nulls(
         {"random_direction": proportion([0, 0, 0, 1])})
     assert m.spread["sd"] == pytest.approx(0.25) and m.spread["values"] == [0.75, 0.5, 1.0]
     d = json.loads(json.dumps(m.to_dict()))
-    assert d["control"] == "random_direction" and d["controls"]["random_direction"]["n"] == 4
+    assert d["primary_null"] == "random_direction" and d["nulls"]["random_direction"]["n"] == 4
     assert Metric.from_dict(d).to_dict() == d
     found = dict(iter_metrics({"a": {"b": d}, "c": [d]}))
     assert set(found) == {("a", "b"), ("c", "0")}                            # controls are not descended

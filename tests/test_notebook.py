@@ -109,15 +109,15 @@ def test_load_report_shows_the_summary_a_tidy_frame_and_plots(run):
     assert page.startswith("<div><section id='summary'>") and page.count("data:image/png;base64,") == 4
     assert "capital<b>" not in page and "LRE edits causal" in page
     frame = report.to_frame()
-    assert list(frame.columns) == ["source", "kind", "relation", "layer", "depth", "measure", "control", "value",
+    assert list(frame.columns) == ["source", "kind", "relation", "layer", "depth", "measure", "null", "value",
                                    "lo", "hi", "n"]
-    faith = frame[(frame.measure == "ridge.faithfulness") & frame.control.isna()]
+    faith = frame[(frame.measure == "ridge.faithfulness") & frame.null.isna()]
     assert sorted(faith.layer) == [0, 1, 2] and (faith.lo <= faith.value).all() and (faith.value <= faith.hi).all()
     data = report.data["analyses"]["relations"]["capital<b>"]["layers"]["1"]["ridge"]["faithfulness"]
     row = faith[faith.layer == 1].iloc[0]
     assert (row.value, row.lo, row.hi, row.n) == (data["value"], *data["ci"], data["n"])
-    controls = frame[(frame.measure == "ridge.faithfulness") & frame.control.notna() & (frame.layer == 1)]
-    assert dict(zip(controls.control, controls.value)) == {k: c["value"] for k, c in data["controls"].items()}
+    controls = frame[(frame.measure == "ridge.faithfulness") & frame.null.notna() & (frame.layer == 1)]
+    assert dict(zip(controls.null, controls.value)) == {k: c["value"] for k, c in data["nulls"].items()}
     figure = report.plot("superposition.r2")
     assert [line.get_xdata().tolist() for line in figure.axes[0].lines][0] == [0, 1, 2]
     with pytest.raises(ValueError, match="no measure 'nope'.*lre.faithfulness"):

@@ -56,8 +56,8 @@ def test_a_config_alone_gets_a_plan_and_a_deeper_or_wider_model_costs_more(tiny,
             assert bigger["stages"][stage]["seconds"] > base["stages"][stage]["seconds"], stage
         assert bigger["shape"]["params"] > base["shape"]["params"]
     analyses = sum(base["stages"][s]["seconds"] for s in ("jacobians", "decoders_other", "superposition"))
-    controls = base["stages"]["controls"]["seconds"]             # the longer mode's worker
-    both = base["total"]["controls_seconds"]                     # trainable and frozen, one worker each
+    controls = base["stages"]["matched"]["seconds"]             # the longer mode's worker
+    both = base["total"]["matched_seconds"]                     # trainable and frozen, one worker each
     assert controls < both <= 2 * controls
     assert base["total"]["seconds"] == pytest.approx(base["stages"]["load"]["seconds"] + base["stages"][
         "known_facts"]["seconds"] + max(analyses, controls, (analyses + both) / len(os.sched_getaffinity(0))))
@@ -85,9 +85,9 @@ def test_a_relation_subset_and_fewer_layers_predict_less(tiny):
     assert one["assumed"]["layers"] == one["assumed"]["lre_layers"] == [15]
     for stage in ("jacobians", "decoders_other", "superposition"):     # LRE layers 6, 15, 24 -> 15 alone
         assert one["stages"][stage]["seconds"] < smol["stages"][stage]["seconds"], stage
-    bare = plan("HuggingFaceTB/SmolLM2-135M", from_options("run", None, {"analyses": "ridge", "controls": False}),
+    bare = plan("HuggingFaceTB/SmolLM2-135M", from_options("run", None, {"analyses": "ridge", "matched": False}),
                 rate=REFERENCE_RATE)
-    assert bare["stages"]["jacobians"]["seconds"] == bare["stages"]["controls"]["seconds"] == 0
+    assert bare["stages"]["jacobians"]["seconds"] == bare["stages"]["matched"]["seconds"] == 0
 
 
 def test_an_unknown_path_or_name_offline_is_a_usage_error_naming_it(tmp_path, monkeypatch):

@@ -120,8 +120,8 @@ def test_construction_is_a_perfect_selector(construction, task):
     metrics = transplant_metrics(hits, n_boot=200)
     assert metrics["same_relation"]["value"] == 1.0 and metrics["same_relation"]["n"] == N * R
     assert metrics["same_minus_other"]["value"] == 1.0
-    assert metrics["same_relation"]["ci"][0] > metrics["same_relation"]["controls"]["other_relation_gate"]["ci"][1]
-    assert set(metrics["same_relation"]["controls"]) == {"other_relation_gate", "random_units"}
+    assert metrics["same_relation"]["ci"][0] > metrics["same_relation"]["nulls"]["other_relation_gate"]["ci"][1]
+    assert set(metrics["same_relation"]["nulls"]) == {"other_relation_gate", "random_units"}
 
 
 def test_key_value_memory_fails_the_selector_test(key_value, task):
@@ -146,8 +146,8 @@ def test_a_transplant_of_the_whole_activation_would_fail_the_construction(constr
 def test_gating_index_is_all_relation_in_the_construction_and_all_subject_in_the_memory(construction, key_value):
     sel = _grid_gates(construction, {"random_init": random_init(construction, seed=3)})
     assert sel["relation_share"]["value"] > 0.99 and sel["subject_share"]["value"] < 0.01
-    assert sel["relation_share"]["controls"]["shuffled_relations"]["value"] < 0.5
-    assert sel["relation_share"]["controls"]["random_init"]["value"] < 0.99
+    assert sel["relation_share"]["nulls"]["shuffled_relations"]["value"] < 0.5
+    assert sel["relation_share"]["nulls"]["random_init"]["value"] < 0.99
     memory = _grid_gates(key_value)
     assert memory["relation_share"]["value"] < 0.01 and memory["subject_share"]["value"] > 0.99
     assert memory["subject_share"]["ci"][0] > 0.9 and memory["relation_share"]["n"] == N
@@ -283,7 +283,7 @@ def test_every_family_runs_every_new_analysis(taught, monkeypatch):
     assert cross["recipients_clean"]["value"] > 0.5
     for entry in cross["layers"].values():
         assert entry["cross_relation"]["n"] == cross["n_items"] == sum(p["neutral"]["n"] for p in entry["pairs"])
-        assert set(entry["cross_relation"]["controls"]) == {"random_subject", "random_vector"}
+        assert set(entry["cross_relation"]["nulls"]) == {"random_subject", "random_vector"}
     sel = res["selector"]
     assert sel["mlp"] == ("plain" if lm.adapter.model_type in ("phi", "gpt2") else "gated")
     assert set(sel["gating"]["layers"]) == {"0", "1", "2"}
@@ -307,7 +307,7 @@ def test_every_family_runs_every_new_analysis(taught, monkeypatch):
     assert hop["pooled"]["k=2"]["n_items"] == sum(c["n_items"] for c in hop["compositions"] if c["k"] == 2)
     assert hop["pooled"]["k=3"]["n_items"] == hop["compositions"][2]["n_items"] > 0 and hop["skipped"] == {}
     assert set(hop["latent_bridge"]["layers"]) == {"0", "1", "2"}
-    assert set(hop["latent_bridge"]["layers"]["0"]["readout"]["controls"]) == {"shuffled", "majority", "random_init"}
+    assert set(hop["latent_bridge"]["layers"]["0"]["readout"]["nulls"]) == {"shuffled", "majority", "random_init"}
     seen = 0
     for path, metric in iter_metrics({k: res[k] for k in ("crosspatch", "selector", "multihop")}):
         if metric["n"] and metric["value"] is not None and not math.isnan(metric["value"]):

@@ -306,7 +306,7 @@ def test_sigterm_stops_the_worker_keeps_finished_stages_and_resume_finishes_the_
     assert not _alive(worker) and not _children(proc.pid)
     report = json.loads((out / "report.json").read_text())
     assert report["partial"] is True and report["stages"]["known_facts"]["done"] is True
-    assert report["stages"]["analyses"]["done"] is False and report["stages"]["controls"]["done"] is False
+    assert report["stages"]["analyses"]["done"] is False and report["stages"]["matched"]["done"] is False
     assert report["relations"]["capital"]["n_known"] == 6 and "analyses" not in report
     assert any(e.startswith("interrupted during") and "analyses" in e and "--resume" in e for e in report["errors"])
     assert len(json.loads((out / "known_facts.json").read_text())) == 3
@@ -317,14 +317,14 @@ def test_sigterm_stops_the_worker_keeps_finished_stages_and_resume_finishes_the_
     stages = report["stages"]
     assert report["partial"] is False and all(s["done"] for s in stages.values())
     assert stages["known_facts"]["resumed"] and not stages["analyses"]["resumed"]
-    assert not stages["controls"]["resumed"] and report["controls"]
+    assert not stages["matched"]["resumed"] and report["matched"]
     assert not any(e.startswith("interrupted") for e in report["errors"])
 
     done = subprocess.run(run_args + ["--resume"], env=ENV, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     again = json.loads((out / "report.json").read_text())
     assert all(s["resumed"] for s in again["stages"].values())          # nothing left to compute
-    assert again["analyses"] == report["analyses"] and again["controls"] == report["controls"]
+    assert again["analyses"] == report["analyses"] and again["matched"] == report["matched"]
 
 
 @pytest.mark.skipif(not POSIX_PROC, reason="reads /proc")
@@ -614,9 +614,9 @@ def test_two_commands_into_one_folder_the_second_is_refused(models, capital, tmp
 
 
 CONTROLS_WRAPPER = WRAPPER.replace('if __name__ == "__main__":', '''
-import llmprobe.jobs.controls
+import llmprobe.jobs.matched
 
-real_controls = llmprobe.jobs.controls.train_controls
+real_controls = llmprobe.jobs.matched.train_matched
 
 
 def slow_controls(*args, **kw):     # in the worker (spawn runs this file there too): wait for the test's kill -9
@@ -625,7 +625,7 @@ def slow_controls(*args, **kw):     # in the worker (spawn runs this file there 
     return real_controls(*args, **kw)
 
 
-llmprobe.jobs.controls.train_controls = slow_controls
+llmprobe.jobs.matched.train_matched = slow_controls
 if __name__ == "__main__":''')
 
 
@@ -647,13 +647,13 @@ def test_a_dead_controls_worker_leaves_a_partial_report_and_exit_1(run_args, tmp
     assert proc.returncode == 1, stderr[-2000:]
     assert "Traceback" not in stderr and "partial" in stderr and "controls" in stderr and "--resume" in stderr
     report = json.loads((out / "report.json").read_text())
-    assert report["partial"] is True and report["stages"]["controls"]["done"] is False
+    assert report["partial"] is True and report["stages"]["matched"]["done"] is False
     assert report["stages"]["analyses"]["done"] is True
     assert any("controls worker died" in e for e in report["errors"])
     done = subprocess.run(run_args + ["--resume"], env=ENV, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads((out / "report.json").read_text())
-    assert report["partial"] is False and report["stages"]["controls"]["done"] and report["controls"]["modes"]
+    assert report["partial"] is False and report["stages"]["matched"]["done"] and report["matched"]["modes"]
     assert report["stages"]["analyses"]["resumed"] and not any("died" in e for e in report["errors"])
 
 

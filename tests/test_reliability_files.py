@@ -603,7 +603,7 @@ def test_compare_refuses_to_write_into_a_compared_folder(tmp_path, capsys):
      r"analyses\.relations\.capital\.layers: layer key 'x' is not a layer index"),
     (lambda r: r["analyses"]["superposition"]["layers"].update({"-": {}}),
      r"analyses\.superposition\.layers: layer key '-' is not a layer index"),
-    (lambda r: r.update(controls=["a", "b"]), r"'controls' is a list of str, expected a list of objects"),
+    (lambda r: r.update(matched=["a", "b"]), r"'matched' is a list of str, expected a list of objects"),
     (lambda r: r["relations"].update(capital="x"), r"'relations\.capital' is a JSON str, expected an object"),
     (lambda r: r["analyses"].update(relations=[]), r"'analyses\.relations' is a JSON list, expected an object"),
     ("digits", r"not valid JSON \(a number of more than \d+ digits\)"),

@@ -92,10 +92,10 @@ def _pages(tmp_path):
 
 
 def _sources(folders):
-    from llmprobe.report.render import label_apart, with_controls
+    from llmprobe.report.render import label_apart, with_matched
     from llmprobe.report.schema import read_report
 
-    return label_apart(with_controls([read_report(f) for f in folders]))
+    return label_apart(with_matched([read_report(f) for f in folders]))
 
 
 def test_every_figure_names_every_source_and_relation_it_draws(tmp_path):

@@ -10,20 +10,20 @@ from llmprobe.report.claims import CLAIMS, claims_block, claims_text, summary_cl
 from llmprobe.report.render import (
     LONG_TABLE,
     compare,
-    control_rows,
     export,
+    matched_rows,
     metric_rows,
     render_html,
     render_markdown,
 )
-from llmprobe.report.schema import REPORT_SCHEMA_VERSION, control_sources, missing_stages, read_report
+from llmprobe.report.schema import REPORT_SCHEMA_VERSION, matched_sources, missing_stages, read_report
 
 
 def _typed(value, controls=None, half=0.05):
     """A typed metric (JSON form) with n=10 and the named controls."""
     def one(v):
         return Metric(v, (v - half, v + half), 10, "wilson")
-    return one(value).with_controls({k: one(v) for k, v in (controls or {}).items()}).to_dict()
+    return one(value).with_nulls({k: one(v) for k, v in (controls or {}).items()}).to_dict()
 
 
 def _report(tmp_path, name, relation="capital<script>", known=0.5):
@@ -47,8 +47,8 @@ def test_metric_rows_flatten_layers_and_controls(tmp_path):
     values, controls = layered[0::2], layered[1::2]             # each value row, then its control's row
     assert [r["layer"] for r in values] == [0, 2, 4] and [r["layer"] for r in controls] == [0, 2, 4]
     assert [r["depth"] for r in values] == [0.0, 0.5, 1.0]
-    assert all(r["control"] is None for r in values)
-    assert all(r["control"] == "shuffled" and r["value"] == 0.1 and r["hi"] == pytest.approx(0.15) for r in controls)
+    assert all(r["null"] is None for r in values)
+    assert all(r["null"] == "shuffled" and r["value"] == 0.1 and r["hi"] == pytest.approx(0.15) for r in controls)
     assert values[2]["value"] == pytest.approx(0.4) and values[2]["hi"] == pytest.approx(0.45)
     known = [r for r in rows if r["measure"] == "known_rate"]
     assert known[0]["value"] == 0.5 and known[0]["n"] == 10
@@ -120,7 +120,7 @@ def test_run_page_shows_selected_layers_controls_capacity_and_ablations(tmp_path
     }
     folder = tmp_path / "run"
     folder.mkdir()
-    (folder / "report.json").write_text(json.dumps({**pretrained, "controls": [control]}))
+    (folder / "report.json").write_text(json.dumps({**pretrained, "matched": [control]}))
     compare([folder], tmp_path / "out")
     page = (tmp_path / "out" / "report.html").read_text()
     for caption in ("layer chosen on validation", "Pretrained vs synthetic", "Capacity of the matched controls",
@@ -140,7 +140,7 @@ def _prop(hits: int, n: int) -> dict:
 
 
 def _with(metric: dict, controls: dict[str, dict]) -> dict:
-    return Metric.from_dict(metric).with_controls({k: Metric.from_dict(v) for k, v in controls.items()}).to_dict()
+    return Metric.from_dict(metric).with_nulls({k: Metric.from_dict(v) for k, v in controls.items()}).to_dict()
 
 
 def _r2(value, lo, hi, controls=None) -> dict:
@@ -169,7 +169,7 @@ def _claims_report(causal: dict[str, tuple] | None = None, superposition: dict |
     if superposition is not None:
         report["analyses"]["superposition"] = {"relations": [relation], "layers": superposition}
     if controls is not None:
-        report["controls"] = controls
+        report["matched"] = controls
     return report
 
 
@@ -276,9 +276,9 @@ def _selector_report(same: int, other: int, random: int, n=64, controls: dict | 
     hits = {"same": _hits(same, n), "other": _hits(other, n), "random": _hits(random, n)}
     same_m, other_m, random_m = (proportion(hits[k]) for k in ("same", "other", "random"))
     transplant = {"block": [3, 4, 5], "n_items": n, "clean": proportion(_hits(n, n)).to_dict(),
-                  "same_relation": same_m.with_controls({"other_relation_gate": other_m,
+                  "same_relation": same_m.with_nulls({"other_relation_gate": other_m,
                                                          "random_units": random_m}).to_dict(),
-                  "other_relation": other_m.with_controls({"random_units": random_m}).to_dict(),
+                  "other_relation": other_m.with_nulls({"random_units": random_m}).to_dict(),
                   "random_units": random_m.to_dict(),
                   "same_minus_other": paired_difference(hits["same"], hits["other"]).to_dict(),
                   "random_minus_other": paired_difference(hits["random"], hits["other"]).to_dict()}
@@ -316,9 +316,9 @@ def test_the_gate_transplant_is_shown_per_relation_beside_the_pooled_line(tmp_pa
     """The selector line pools the transplant's test facts; the report also shows each relation's share (the
     same metrics on its own facts, from analyses.selector.gate_transplant.by_relation), one with too few facts
     with its count and why it has no numbers."""
-    from llmprobe.analyses.selector import transplant_metrics
-
     import torch
+
+    from llmprobe.analyses.selector import transplant_metrics
     planted = {"capital": (10, 9, 1, 8), "language": (10, 10, 9, 9)}    # n, same, other, random kept
     by_relation = {}
     for name, (n, same, other, random) in planted.items():
@@ -358,7 +358,7 @@ def _crosspatch_report(layers: dict[int, tuple]) -> dict:
     for layer, (neutral, same, subject, vector) in layers.items():
         controls = {"random_subject": Metric.from_dict(_prop(subject, 45)),
                     "random_vector": Metric.from_dict(_prop(vector, 45))}
-        entries[str(layer)] = {"neutral": Metric.from_dict(_prop(neutral, 45)).with_controls(controls).to_dict(),
+        entries[str(layer)] = {"neutral": Metric.from_dict(_prop(neutral, 45)).with_nulls(controls).to_dict(),
                                "same_relation": _prop(same, 45), "random_subject": _prop(subject, 45),
                                "random_vector": _prop(vector, 45)}
     report["analyses"]["crosspatch"] = {"relations": ["capital"], "n_items": 45, "layers": entries}
@@ -462,8 +462,8 @@ def test_metrics_csv_has_one_row_per_claim(tmp_path):
     assert [r["verdict"] for r in rows] == ["not measured", "supported"] + ["not measured"] * 5
     causal = rows[1]
     assert causal["measure"] == "claim: LRE edits causal" and causal["relation"] == "capital" and causal["layer"] == "2"
-    assert float(causal["value"]) == 0.8 and causal["null"] == "random_operator" and causal["n_tests"] == "1"
-    assert causal["control"] == "" and float(causal["null_value"]) == pytest.approx(0.04)
+    assert float(causal["value"]) == 0.8 and causal["hardest_null"] == "random_operator" and causal["n_tests"] == "1"
+    assert causal["null"] == "" and float(causal["hardest_null_value"]) == pytest.approx(0.04)
     assert float(causal["difference"]) == pytest.approx(0.76) and float(causal["difference_lo"]) > 0.1
     assert causal["min_effect"] == "0.1" and float(causal["p_holm"]) < 0.025
 
@@ -516,11 +516,11 @@ def page_report(name, relations, n_layers=4, widths=(4, 8, 16, 32), n_facts=30, 
             "relations": {r: {"n_facts": n_facts, "n_known": n_facts // 2, "known_rate": 0.5} for r in relations},
             "settings": {"command": "run", "run": {"analyses": ["lre", "superposition"], "layers": "all", "seed": 0,
                                                    "max_facts": n_facts},
-                         "analysis": {"n_boot": n_boot, "folds": 3}, "controls": {"enabled": True, "max_steps": 500}},
-            "stages": {s: {"key": "k", "done": True, "resumed": False} for s in ("known_facts", "analyses", "controls")},
+                         "analysis": {"n_boot": n_boot, "folds": 3}, "matched": {"enabled": True, "max_steps": 500}},
+            "stages": {s: {"key": "k", "done": True, "resumed": False} for s in ("known_facts", "analyses", "matched")},
             "analyses": {"relations": relation_entries, "superposition": {"relations": list(relations),
                                                                           "layers": superposition}},
-            "controls": block, "errors": []}
+            "matched": block, "errors": []}
 
 
 def write_report(folder, report):
@@ -534,8 +534,8 @@ def test_a_partial_report_says_at_the_top_which_stages_are_missing(tmp_path):
     the controls never finished. The page and the Markdown say so first, one line per missing stage."""
     report = page_report("/runs/models/tiny", ["capital", "continent", "language"])
     report.update(partial=True, errors=["interrupted during analyses, controls: ..."])
-    report["stages"]["analyses"]["done"] = report["stages"]["controls"]["done"] = False
-    del report["controls"], report["analyses"]["superposition"]
+    report["stages"]["analyses"]["done"] = report["stages"]["matched"]["done"] = False
+    del report["matched"], report["analyses"]["superposition"]
     for relation in ("continent", "language"):
         del report["analyses"]["relations"][relation]
     folder = write_report(tmp_path / "run", report)
@@ -546,11 +546,11 @@ def test_a_partial_report_says_at_the_top_which_stages_are_missing(tmp_path):
     assert len(items) == 2
     assert items[0].startswith("analyses not finished: decoders of 1 of 3 relations (capital); superposition "
                                "readouts missing")
-    assert items[1].startswith("controls not finished: no matched synthetic controls")
+    assert items[1].startswith("matched controls not finished: no matched synthetic models")
     text = (folder / "report.md").read_text()
     assert text.index("**Partial report**") < text.index("## Summary") and "- analyses not finished" in text
-    report["stages"].pop("controls")                      # never started: still named, as not started
-    assert [line.split(":")[0] for line in missing_stages(report)] == ["analyses not finished", "controls not started"]
+    report["stages"].pop("matched")                      # never started: still named, as not started
+    assert [line.split(":")[0] for line in missing_stages(report)] == ["analyses not finished", "matched controls not started"]
     finished = write_report(tmp_path / "done", page_report("/runs/models/tiny", ["capital"]))
     export(finished)
     assert "Partial report" not in (finished / "report.html").read_text()
@@ -605,12 +605,12 @@ def test_metrics_csv_and_to_frame_share_one_tidy_schema(tmp_path):
         rows = list(reader)
     assert tuple(reader.fieldnames) == ROW_FIELDS + CLAIM_FIELDS
     at = [r for r in rows if r["source"] == "tiny" and r["measure"] == "lre.faithfulness" and r["layer"] == "3"]
-    assert [(r["control"], float(r["value"]), float(r["hi"])) for r in at] == [
+    assert [(r["null"], float(r["value"]), float(r["hi"])) for r in at] == [
         ("", pytest.approx(0.5), pytest.approx(0.55)), ("shuffled", 0.1, pytest.approx(0.15))]
     frame = Report(read_report(folder)).to_frame()
     assert tuple(frame.columns) == ROW_FIELDS and len(frame) == len([r for r in rows if not r["verdict"]])
     at = frame[(frame.source == "tiny") & (frame.measure == "lre.faithfulness") & (frame.layer == 3)]
-    assert at.control.isna().tolist() == [True, False] and at.control.iloc[1] == "shuffled"
+    assert at.null.isna().tolist() == [True, False] and at.null.iloc[1] == "shuffled"
     assert at.value.tolist() == pytest.approx([0.5, 0.1]) and at.hi.tolist() == pytest.approx([0.55, 0.15])
     assert pd.api.types.is_float_dtype(frame.value)
 
@@ -630,7 +630,7 @@ def test_the_capacity_line_reads_the_width_where_every_seed_fits(seeds_at_dstar,
     marginal, and when the narrowest width where every seed fits lies on the other side of the range the line
     says inconclusive instead of a verdict resting on that one initialisation."""
     report = _capacity_report("general maps", 2000, 1.60, True)
-    report["controls"]["modes"]["trainable"]["points"] = [
+    report["matched"]["modes"]["trainable"]["points"] = [
         {"d": 6, "train": {"bits_per_param": 1.60}, "readout": {}, "seeds": _seed_rows(seeds_at_dstar)},
         {"d": 12, "train": {"bits_per_param": bits_next}, "readout": {}, "seeds": _seed_rows([True] * 3)}]
     line = _line(report, "capacity O(R log N) in the matched controls")
@@ -649,9 +649,9 @@ def test_the_controls_table_shows_training_over_every_seed_not_seed_0():
             {"fit_step": None, "steps": 2000, "accuracy": 0.99}]
     block = {"table": {}, "modes": {"frozen": {"threshold": {"d_star": 8}, "points": [
         {"d": 128, "train": {"accuracy": 0.916, "steps": 408, "bits_per_param": 0.016}, "seeds": rows}]}}}
-    (source,) = control_sources(block)
+    (source,) = matched_sources(block)
     assert source["train"]["over_seeds"] == {"n": 3, "n_fit": 2, "accuracy_min": 0.916,
                                              "accuracy_mean": pytest.approx((0.916 + 1.0 + 0.99) / 3),
                                              "steps": [186, 2000]}
-    row = control_rows(source)[0]
+    row = matched_rows(source)[0]
     assert row[3] == "0.969 (min 0.916); 2/3 seeds fit" and row[4] == "186-2000"

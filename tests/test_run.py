@@ -1,4 +1,4 @@
-"""The main job: the known-fact table of the matched controls (the controls themselves: test_controls.py), the
+"""The main job: the known-fact table of the matched controls (the controls themselves: test_matched.py), the
 end-to-end run on a tiny model, compare and report commands."""
 import json
 

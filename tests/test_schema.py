@@ -23,7 +23,7 @@ from llmprobe.jobs.probe import LIBRARIES
 from llmprobe.report.schema import REPORT_SCHEMA_VERSION
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "report_schema.md"
-PLACEHOLDERS = ("<relation>", "<layer>", "<decoder>", "<control>", "<setting>", "<library>", "<property>", "<mode>", "<steps>")
+PLACEHOLDERS = ("<relation>", "<layer>", "<decoder>", "<null>", "<setting>", "<library>", "<property>", "<mode>", "<steps>")
 METRIC = "<metric>"
 TYPES = {"int", "float", "str", "bool", "null", "object", "list", "any", "metric"}
 # documented paths the tiny report cannot produce (every other documented path must appear)
@@ -39,12 +39,12 @@ NOT_PRODUCED = {
 @dataclasses.dataclass
 class Schema:
     types: dict            # documented path -> set of allowed types
-    controls: set          # control names of the "Controls" table
+    nulls: set             # null names of the "Nulls" table
     nodes: set             # documented paths and every prefix of them (at "." and "[]")
 
     @classmethod
     def parse(cls, text: str) -> "Schema":
-        types, controls, header = {}, set(), None
+        types, nulls, header = {}, set(), None
         for line in text.splitlines():
             if not line.startswith("|"):
                 header = None
@@ -61,9 +61,9 @@ class Schema:
                 path = name.group(1)
                 assert path not in types, f"{path} documented twice"
                 types[path] = _parse_type(cells[1], path)
-            elif header[0] == "control":
-                assert name, f"bad control row: {line}"
-                controls.add(name.group(1))
+            elif header[0] == "null":
+                assert name, f"bad null row: {line}"
+                nulls.add(name.group(1))
         nodes = set()
         for path in types:
             for m in re.finditer(r"\.|\[\]", path):
@@ -72,7 +72,7 @@ class Schema:
         for path in types:
             bad = set(re.findall(r"<[^>]+>", path)) - set(PLACEHOLDERS) - {METRIC}
             assert not bad, f"{path}: unknown placeholder(s) {bad}"
-        return cls(types, controls, nodes)
+        return cls(types, nulls, nodes)
 
     def is_leaf(self, path: str) -> bool:
         return path in self.types and not any(n.startswith((path + ".", path + "[]")) for n in self.nodes)
@@ -106,7 +106,7 @@ def check(report: dict, schema: Schema) -> dict:
         "<layer>": str.isdigit,
         "<decoder>": lambda k: k in ("lre", "ridge"),
         "<relation>": lambda k: k in report["dataset"]["relations"],
-        "<control>": lambda k: k in schema.controls,
+        "<null>": lambda k: k in schema.nulls,
         "<setting>": lambda k: k in AnalysisSettings.__dataclass_fields__,
         "<library>": lambda k: k in ("python",) + LIBRARIES,
         "<property>": lambda k: True,
@@ -204,17 +204,17 @@ def test_the_tiny_report_exercises_what_it_should(report):
     """Guards the fixture: a report without decoders, swap edits, errors or controls would check little. The
     controls train on the superposition fit's table (like for like), language included although the model
     knows only 3 of its facts."""
-    assert {"load_s", "known_facts_s", "analyses_s", "controls_s"} <= set(report["timings"])
+    assert {"load_s", "known_facts_s", "analyses_s", "matched_s"} <= set(report["timings"])
     rels = report["analyses"]["relations"]
     assert rels["capital"]["error"] is None and "lre" in rels["capital"]["layers"]["0"]
     assert "3 known facts" in rels["language"]["error"]
     assert "swap" in report["analyses"]["superposition"]["layers"]["0"]
     assert any("language" in e for e in report["analyses"]["errors"])
-    assert list(report["controls"]["modes"]) == ["trainable", "frozen"]
+    assert list(report["matched"]["modes"]) == ["trainable", "frozen"]
     sup = report["analyses"]["superposition"]
-    assert report["controls"]["table"]["relations"] == sup["relations"]
-    assert report["controls"]["table"]["n_subjects"] == sup["subjects"]
-    assert report["controls"]["table"]["n_facts"] == sup["n_facts"]
+    assert report["matched"]["table"]["relations"] == sup["relations"]
+    assert report["matched"]["table"]["n_subjects"] == sup["subjects"]
+    assert report["matched"]["table"]["n_facts"] == sup["n_facts"]
 
 
 def test_every_key_of_the_report_is_documented(report, schema):
@@ -245,10 +245,45 @@ def test_the_check_catches_a_stray_key(report, schema, where):
     r = json.loads(json.dumps(report))
     rel = r["analyses"]["relations"]["capital"]
     target = {"top": r, "model": r["model"], "metric": rel["layers"]["0"]["lre"]["faithfulness"],
-              "metric_control": rel["layers"]["0"]["ridge"]["faithfulness"]["controls"]["shuffled"],
-              "setting": r["analyses"]["settings"], "control_report": r["controls"]["modes"]["frozen"]["points"][0],
-              "selector": r["controls"]["modes"]["trainable"]["points"][0]["selector"],
+              "metric_control": rel["layers"]["0"]["ridge"]["faithfulness"]["nulls"]["shuffled"],
+              "setting": r["analyses"]["settings"], "control_report": r["matched"]["modes"]["frozen"]["points"][0],
+              "selector": r["matched"]["modes"]["trainable"]["points"][0]["selector"],
               "relation_layer": rel["layers"]["1"]}[where]
     target["stray_key"] = 1
     undocumented = check(r, schema)["undocumented"]
     assert len(undocumented) == 1 and "stray_key" in next(iter(undocumented)), undocumented
+
+
+def _as_version_2(node, top: bool = True):
+    """``node`` in version 2's words: a metric's nulls/primary_null as controls/control, the matched block, its
+    stage, settings section and timings as controls (the inverse of ``upgrade``, written apart from it)."""
+    if isinstance(node, list):
+        return [_as_version_2(v, False) for v in node]
+    if not isinstance(node, dict):
+        return node
+    metric = all(k in node for k in ("value", "ci", "n", "interval"))
+    words = {"nulls": "controls", "primary_null": "control"} if metric else {}
+    out = {words.get(k, k): _as_version_2(v, False) for k, v in node.items()}
+    if top:
+        out = {("controls" if k == "matched" else k): v for k, v in out.items()}
+        for key in ("stages", "settings"):
+            out[key] = {("controls" if k == "matched" else k): v for k, v in out[key].items()}
+        out["timings"] = {k.replace("matched_", "controls_"): v for k, v in out["timings"].items()}
+        out["schema_version"] = 2
+    return out
+
+
+def test_a_version_2_report_is_read_in_todays_words(report, tmp_path):
+    """A report written by the version before (both meanings called controls) reads as the same report in version
+    3's words, every number unchanged; the rerun's number list is the same too."""
+    from llmprobe.jobs.rerun import numbers
+    from llmprobe.report.schema import read_report, upgrade
+
+    old = _as_version_2(report)
+    assert "controls" in old and "controls" in old["stages"] and "controls_s" in old["timings"]
+    assert '"nulls"' not in json.dumps(old) and '"matched"' not in json.dumps(old)
+    (tmp_path / "report.json").write_text(json.dumps(old))
+    read = read_report(tmp_path)
+    read.pop("_path")
+    assert read == report and upgrade(report) is report
+    assert numbers(upgrade(old)) == numbers(report)

@@ -346,8 +346,8 @@ def test_bisection_api_step_by_step():
 def test_one_width_config_for_sweep_controls_and_modes():
     """A search point's model (synthetic.sweep.width_config, what the sweep, its batched rounds and the matched
     controls train): the mode's frozen parts from llmprobe.names.EMBEDDING_MODES, the MLP rule, the init's seed."""
-    from llmprobe.names import CONTROL_MODES, EMBEDDING_MODES, SWAP_MODES, SWEEP_MODES
-    from synthetic import controls, swap
+    from llmprobe.names import EMBEDDING_MODES, MATCHED_MODES, SWAP_MODES, SWEEP_MODES
+    from synthetic import matched, swap
     from synthetic.model import mode_flags
     from synthetic.sweep import MODES, width_config
 
@@ -359,8 +359,8 @@ def test_one_width_config_for_sweep_controls_and_modes():
     assert mode_flags("trainable") == {} and mode_flags("frozen_unembed") == {"frozen_unembed": True}
     with pytest.raises(ValueError, match="unknown embedding mode"):
         mode_flags("frozen_subjects")
-    assert (MODES, controls.MODES, swap.MODES) == (SWEEP_MODES, CONTROL_MODES, SWAP_MODES)
-    assert set(SWEEP_MODES) | set(CONTROL_MODES) | set(SWAP_MODES) == set(EMBEDDING_MODES)
+    assert (MODES, matched.MODES, swap.MODES) == (SWEEP_MODES, MATCHED_MODES, SWAP_MODES)
+    assert set(SWEEP_MODES) | set(MATCHED_MODES) | set(SWAP_MODES) == set(EMBEDDING_MODES)
     with pytest.raises(ValueError, match="unknown swap-sweep mode"):
         swap.sweep_points([256], [2], modes=("frozen_all",))
 

@@ -286,14 +286,14 @@ def lre_layer(lm, data: RelationData, layer: int, jac: JacobianResult, jac_rows:
                      "W_factors": svd.factors(rank), "J_factors": svd.factors(None) if rank is not None else None,
                      "beta": beta, "rank": rank, "edit_rank": record.get("edit_rank"), "refit": k,
                      "val_faithfulness": val_f[-1]})
-    entry = {"faithfulness": _summary(faith).with_controls({"majority": _summary(majority)}).to_dict(),
+    entry = {"faithfulness": _summary(faith).with_nulls({"majority": _summary(majority)}).to_dict(),
              "chosen": chosen}
     scores = {"faithfulness": sum(val_f) / len(val_f), "fit": max(fits, key=lambda f: f["val_faithfulness"])}
     if hits["edit"]:
         full = causality_hits(lm, data, layer, [H[tt] - H[ts]], ts, tt, cfg)[0]
         controls = {name: _summary(hits[name]) for name in names[1:]}
         controls["full_patch"] = proportion(full.double().tolist(), note=FULL_PATCH_NOTE)
-        entry["causality"] = _summary(hits["edit"]).with_controls(controls, "random_direction").to_dict()
+        entry["causality"] = _summary(hits["edit"]).with_nulls(controls, "random_direction").to_dict()
         finite = [v for v in val_c if v == v]
         scores["causality"] = sum(finite) / len(finite) if finite else float("nan")
     return entry, scores
@@ -329,11 +329,11 @@ def ridge_layer(lm, data: RelationData, layer: int, split: RelationSplit, causal
         chosen.append({"alpha": alpha, "val_faithfulness": float(val_hits[best])})
         fits.append({"W": dec.operator_.W, "b": dec.operator_.b, "beta": 1.0, "rank": None, "alpha": alpha,
                      "refit": k, "val_faithfulness": val_f[-1]})
-    entry = {"faithfulness": _summary(faith).with_controls({"shuffled": _summary(shuffled),
+    entry = {"faithfulness": _summary(faith).with_nulls({"shuffled": _summary(shuffled),
                                                            "majority": _summary(majority)}).to_dict(),
              "chosen": chosen}
     if edit:
-        entry["causality"] = _summary(edit, note="full-rank pseudo-inverse of the ridge W").with_controls(
+        entry["causality"] = _summary(edit, note="full-rank pseudo-inverse of the ridge W").with_nulls(
             {"random_direction": _summary(rdir), "scaled_patch": _summary(spatch)}).to_dict()
     return entry, {"faithfulness": sum(val_f) / len(val_f), "fit": max(fits, key=lambda f: f["val_faithfulness"])}
 
@@ -497,13 +497,13 @@ def lre_protocol(lm, relation, results, lre_layers: list[int], causal_layers: li
                    "test_causality": float(t["causality"]["edit"].double().mean()) if "causality" in t else None}
                   for t in trials]
         faith = _per_fact([(t["test_ids"], t["faithfulness"]) for t in trials], out["selection_note"])
-        entry = {"faithfulness": faith.with_controls(
+        entry = {"faithfulness": faith.with_nulls(
             {"majority": _per_fact([(t["test_ids"], t["majority"]) for t in trials])}).to_dict(), "chosen": chosen}
         edited = [t for t in trials if "causality" in t]          # trials with edit pairs
         if edited:
             parts = {name: _per_fact([(t["pair_ids"], t["causality"][name]) for t in edited])
                      for name in ("edit", "random_direction", "random_operator", "scaled_patch")}
-            entry["causality"] = parts.pop("edit").with_controls(parts, "random_direction").to_dict()
+            entry["causality"] = parts.pop("edit").with_nulls(parts, "random_direction").to_dict()
         out["layers"][str(layer)] = {"lre": entry}
     score = {layer: sum(t["val_faithfulness"] for t in trials) / len(trials) for layer, trials in measured.items()}
     layer = max(score, key=lambda l: (score[l], -l))          # ties: the first layer, as the reference's max

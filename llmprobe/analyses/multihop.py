@@ -229,7 +229,7 @@ def _accuracy(hits: dict[str, torch.Tensor], answers: list[str], cfg: AnalysisSe
     majority = proportion([float(a == top) for a in answers])
     out = {"n_items": len(answers)}
     for name in ("direct", "cot", "ceiling"):
-        out[name] = proportion(h[name]).with_controls({"majority": majority}).to_dict()
+        out[name] = proportion(h[name]).with_nulls({"majority": majority}).to_dict()
     out["cot_bridges"] = proportion(h["cot_bridges"]).to_dict()
     out["cot_minus_direct"] = paired_difference(h["cot"], h["direct"], n_boot=cfg.n_boot, seed=cfg.seed).to_dict()
     out["ceiling_minus_cot"] = paired_difference(h["ceiling"], h["cot"], n_boot=cfg.n_boot, seed=cfg.seed).to_dict()
@@ -283,7 +283,7 @@ def _latent_bridge(lm, rows, direct: list[str], states: dict[int, torch.Tensor],
         if control is not None:
             rand, _ = _readout_hits(control[0][layer][rows_of].double(), y, control[1], group, cfg.folds, cfg.seed)
             controls["random_init"] = proportion(rand.double().tolist())
-        entry = {"readout": proportion(hits.double().tolist()).with_controls(controls).to_dict(), "by_bridge": {}}
+        entry = {"readout": proportion(hits.double().tolist()).with_nulls(controls).to_dict(), "by_bridge": {}}
         for name in sorted(groups):
             keep = [f"{rows[i][0].name} bridge {s + 1}" == name for i, s in index]
             entry["by_bridge"][name] = proportion([float(h) for h, k in zip(hits, keep) if k]).to_dict()

@@ -220,9 +220,9 @@ def transplant_metrics(hits: dict[str, torch.Tensor], n_boot: int = 1000, seed: 
     as_list = {k: v.double().tolist() for k, v in hits.items()}
     other, rand = proportion(as_list["other_relation"]), proportion(as_list["random_units"])
     return {"clean": proportion(as_list["clean"]).to_dict(),
-            "same_relation": proportion(as_list["same_relation"]).with_controls(
+            "same_relation": proportion(as_list["same_relation"]).with_nulls(
                 {"other_relation_gate": other, "random_units": rand}).to_dict(),
-            "other_relation": proportion(as_list["other_relation"]).with_controls(
+            "other_relation": proportion(as_list["other_relation"]).with_nulls(
                 {"random_units": proportion(as_list["random_units"])}).to_dict(),
             "random_units": rand.to_dict(),
             "same_minus_other": paired_difference(as_list["same_relation"], as_list["other_relation"],
@@ -269,9 +269,9 @@ def gating_index(gates: dict[int, torch.Tensor], n_subjects: int, n_relations: i
     for layer, G in gates.items():
         G = G.reshape(S, R, -1)
         others = {name: c[layer].reshape(S, R, -1) for name, c in (controls or {}).items()}
-        relation = share(G, 0).with_controls({"shuffled_relations": share(G[torch.arange(S)[:, None], perm], 0),
+        relation = share(G, 0).with_nulls({"shuffled_relations": share(G[torch.arange(S)[:, None], perm], 0),
                                               **{name: share(X, 0) for name, X in others.items()}})
-        subject = share(G, 1).with_controls({name: share(X, 1) for name, X in others.items()})
+        subject = share(G, 1).with_nulls({name: share(X, 1) for name, X in others.items()})
         out[str(layer)] = {"relation_share": relation.to_dict(), "subject_share": subject.to_dict()}
     return out
 
@@ -536,9 +536,9 @@ def _patch_metrics(hits: dict[str, torch.Tensor], cfg: AnalysisSettings) -> dict
     ``random_vector``, the reference ``same_relation``, and their paired differences to it."""
     h = {k: v.tolist() for k, v in hits.items()}
     nulls = lambda: {"random_subject": proportion(h["random_subject"]), "random_vector": proportion(h["random_vector"])}
-    out = {"neutral": proportion(h["neutral"]).with_controls(nulls()).to_dict(),
-           "cross_relation": proportion(h["cross_relation"]).with_controls(nulls()).to_dict(),
-           "same_relation": proportion(h["same_relation"]).with_controls(nulls()).to_dict(),
+    out = {"neutral": proportion(h["neutral"]).with_nulls(nulls()).to_dict(),
+           "cross_relation": proportion(h["cross_relation"]).with_nulls(nulls()).to_dict(),
+           "same_relation": proportion(h["same_relation"]).with_nulls(nulls()).to_dict(),
            "random_subject": proportion(h["random_subject"]).to_dict(),
            "random_subject_follows": proportion(h["random_subject_follows"]).to_dict(),
            "random_vector": proportion(h["random_vector"]).to_dict()}

@@ -167,10 +167,10 @@ def superposition(lm, table: SuperpositionTable, layers: list[int], swap_layers:
     U, collisions = attribute_vectors(lm, table.attributes, cfg.attribute_vectors)
     log(f"superposition: {len(subjects)} subjects x {len(names)} relations, states at {len(layers)} layers")
     H = subject_states(lm, table.neutral, subjects, layers, batch_size=cfg.batch_size)
-    controls_H, U_c = None, None
+    null_H, U_c = None, None
     if cfg.random_control:
         rlm = random_init(lm, seed=cfg.seed + 12345)
-        controls_H = subject_states(rlm, table.neutral, subjects, layers, batch_size=cfg.batch_size)
+        null_H = subject_states(rlm, table.neutral, subjects, layers, batch_size=cfg.batch_size)
         U_c, _ = attribute_vectors(rlm, table.attributes, cfg.attribute_vectors)
         del rlm
     out = {
@@ -186,8 +186,8 @@ def superposition(lm, table: SuperpositionTable, layers: list[int], swap_layers:
         "layers": {}, "error": None,
     }
     for layer in log.bar(layers, "superposition", unit="layer"):
-        controls = {"random_init": (controls_H[layer], U_c)} if controls_H is not None else None
-        rep = superposition_readout(H[layer], A, U, controls=controls, relation_names=names, k=cfg.folds,
+        nulls = {"random_init": (null_H[layer], U_c)} if null_H is not None else None
+        rep = superposition_readout(H[layer], A, U, nulls=nulls, relation_names=names, k=cfg.folds,
                                     seed=cfg.seed, n_boot=cfg.n_boot, decode=False,
                                     jackknife_groups=cfg.jackknife_groups)
         r2 = rep.measure("r2", primary="random_attributes").to_dict()
@@ -209,7 +209,7 @@ def superposition(lm, table: SuperpositionTable, layers: list[int], swap_layers:
             entry["swap"] = swap(lm, table, U, H[layer], layer, cfg)
         out["layers"][str(layer)] = entry
         log(f"superposition: layer {layer} done (R^2 {r2['value']:.3f}, random_attributes "
-            f"{r2['controls']['random_attributes']['value']:.3f}, shuffled {r2['controls']['shuffled']['value']:.3f})")
+            f"{r2['nulls']['random_attributes']['value']:.3f}, shuffled {r2['nulls']['shuffled']['value']:.3f})")
     out["seconds"] = round(time.perf_counter() - t0, 1)
     return out
 
@@ -281,9 +281,9 @@ def swap(lm, table: SuperpositionTable, U: list[torch.Tensor], H: torch.Tensor, 
     preds = preds.view(len(scales), 4, m)
 
     def measured(p):  # p [4, m]: edit read on r, edit read on q, random read on r, random read on q
-        return {"success": proportion((p[0] == target).double().tolist()).with_controls(
+        return {"success": proportion((p[0] == target).double().tolist()).with_nulls(
                     {"random_direction": proportion((p[2] == target).double().tolist())}).to_dict(),
-                "others_unchanged": proportion((p[1] == clean_q).double().tolist()).with_controls(
+                "others_unchanged": proportion((p[1] == clean_q).double().tolist()).with_nulls(
                     {"random_direction": proportion((p[3] == clean_q).double().tolist())}).to_dict()}
     norm_ratio = float((deltas.double().norm(dim=1) / H[torch.tensor(idx)].double().norm(dim=1)).mean())
     return {

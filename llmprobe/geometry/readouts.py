@@ -557,18 +557,18 @@ class SuperpositionReport:
 
     def measure(self, key: str, relation: str | None = None, primary: str = "shuffled") -> Metric | None:
         """The real condition's ``key`` ("r2", "readout_acc", "decode_acc"; per ``relation`` for the last two)
-        with every other condition attached as a named control (``primary`` shown beside it); a readout also
-        gets its chance rate (the training fold's majority answer) as the control ``chance``."""
+        with every other condition attached as a named null (``primary`` shown beside it); a readout also
+        gets its chance rate (the training fold's majority answer) as the null ``chance``."""
         def pick(condition, name=key):
             entry = self.conditions[condition].get(name)
             return entry.get(relation) if relation is not None and entry is not None else entry
         real = pick("real")
         if real is None:
             return None
-        controls = {name: m for name in self.conditions if name != "real" for m in [pick(name)] if m is not None}
+        nulls = {name: m for name in self.conditions if name != "real" for m in [pick(name)] if m is not None}
         if key == "readout_acc" and pick("real", "chance") is not None:
-            controls["chance"] = pick("real", "chance")
-        return copy.copy(real).with_controls(controls, primary if primary in controls else None)
+            nulls["chance"] = pick("real", "chance")
+        return copy.copy(real).with_nulls(nulls, primary if primary in nulls else None)
 
     def gain(self, key: str = "r2", relation: str | None = None) -> Metric | None:
         """real - random_attributes (``key`` as in :meth:`measure`): what the attribute vectors explain beyond
@@ -647,7 +647,7 @@ def _nanmean(x: torch.Tensor) -> float:
 JACKKNIFE_GROUPS = 20       # refits per condition: coverage >= 0.93 at n = 193 (benchmarks/coverage.py), 10 is not
 
 
-def superposition_readout(H: Any, A: Any, U: Sequence[Any], *, controls: dict | None = None,
+def superposition_readout(H: Any, A: Any, U: Sequence[Any], *, nulls: dict | None = None,
                           relation_names: Sequence[str] | None = None,
                           alpha: float | Sequence[float] = ALPHA_GRID,
                           rank: int | None = None, readout_alpha: float | Sequence[float] | None = None,
@@ -655,12 +655,12 @@ def superposition_readout(H: Any, A: Any, U: Sequence[Any], *, controls: dict | 
                           k: int = 5, n_shuffles: int = 1, seed: int = 0, n_boot: int = 1000,
                           level: float = 0.95, decode: bool = True, n_random: int = 1,
                           jackknife_groups: int = JACKKNIFE_GROUPS) -> SuperpositionReport:
-    """Measure superposition readouts with their controls (``docs/measures.md``).
+    """Measure superposition readouts with their nulls (``docs/measures.md``).
 
     H [n, d] relation-free subject states, A [n, R] fact table (-1 = missing), U list of R [n_attr_r, d_u_r].
     Attributes of a relation with equal vectors are merged into one answer first (``merge_equal_attributes``;
-    listed in ``settings["merged_attributes"]``). controls: {name: H_c} or {name: (H_c, U_c)}: states of the same
-    subjects from a control model (e.g. the same architecture with random weights), measured identically (with
+    listed in ``settings["merged_attributes"]``). nulls: {name: H_c} or {name: (H_c, U_c)}: states of the same
+    subjects from a null model (e.g. the same architecture with random weights), measured identically (with
     U_c, merged as U, else U). Always included: the shuffled table (``shuffle_table``, n_shuffles seeds) and
     ``random_attributes`` (n_random draws of :func:`random_attributes`; 0 = none); per-subject values are averaged
     over the draws.
@@ -690,7 +690,7 @@ def superposition_readout(H: Any, A: Any, U: Sequence[Any], *, controls: dict | 
     splits = kfold_indices(n, k, seed)
     fold = _fold_labels(splits, n)
     groups = _jackknife_groups(n, jackknife_groups, seed) if jackknife_groups else None
-    draws = _draws(H, A, U, maps, controls, n_shuffles, n_random, seed)
+    draws = _draws(H, A, U, maps, nulls, n_shuffles, n_random, seed)
     conds = {name: _condition(items, splits, fold, groups, alpha, rank, readout_kw, decode)
              for name, items in draws.items()}
 
@@ -751,24 +751,24 @@ def _jackknife_groups(n: int, jackknife_groups: int, seed: int) -> torch.Tensor:
 
 
 def _draws(H: torch.Tensor, A: torch.Tensor, U: list[torch.Tensor], maps: list[torch.Tensor],
-           controls: dict | None, n_shuffles: int, n_random: int, seed: int) -> dict[str, list]:
+           nulls: dict | None, n_shuffles: int, n_random: int, seed: int) -> dict[str, list]:
     """{condition: [(H [n, d], A [n, R], U [R x [n_attr_r, d_u_r]]) per draw]}: the real data, the shuffled
-    tables, the random attribute vectors (``n_random`` > 0) and each supplied control (its states checked, its
+    tables, the random attribute vectors (``n_random`` > 0) and each supplied null model (its states checked, its
     U_c merged as U was by ``maps``)."""
     draws: dict[str, list] = {"real": [(H, A, U)],
                               "shuffled": [(H, shuffle_table(A, seed + 1 + i), U) for i in range(n_shuffles)]}
     if n_random:
         draws["random_attributes"] = [(H, A, random_attributes(U, seed + 1000 + i)) for i in range(n_random)]
-    for name, ctrl in (controls or {}).items():
+    for name, ctrl in (nulls or {}).items():
         H_c, U_c = (ctrl if isinstance(ctrl, (tuple, list)) else (ctrl, None))
-        H_c = as_float(H_c, f"controls[{name!r}]", 2)
-        check_rows("H", H, f"controls[{name!r}]", H_c)
+        H_c = as_float(H_c, f"nulls[{name!r}]", 2)
+        check_rows("H", H, f"nulls[{name!r}]", H_c)
         if U_c is None:
             U_c = U
         else:
             U_c = _check_attrs(U_c)
             if [U_r.shape[0] for U_r in U_c] != [new.numel() for new in maps]:
-                raise ValueError(f"controls[{name!r}]: U_c must have U's relations and attribute counts")
+                raise ValueError(f"nulls[{name!r}]: U_c must have U's relations and attribute counts")
             U_c = _merge_like(U_c, maps)
         draws[name] = [(H_c, A, U_c)]
     return draws

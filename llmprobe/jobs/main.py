@@ -2,13 +2,13 @@
 superposition fit measures, measure both with the same readout code, and write one report (JSON, HTML, Markdown,
 CSV).
 
-Matched controls (``synthetic.controls``, imported here): the superposition fit's fact table (same subjects,
+Matched controls (``synthetic.matched``, imported here): the superposition fit's fact table (same subjects,
 relations and attribute sets, all facts; the known-fact table when the superposition analysis is not run;
 general maps, not only bijections) trains the paper's one-layer model with trainable
 and with frozen subject embeddings, as a curve over width: d* (the capacity sweep's bisection), 2 d*, 4 d*, ...
 and the model's own d_model (only d* without ``at_model_width``). Each point is measured by
 ``llmprobe.geometry.superposition_readout`` on its subject embeddings, with the shuffled-table and random-init
-controls, as the pretrained model's subject states are; ``report["controls"]`` is that block.
+controls, as the pretrained model's subject states are; ``report["matched"]`` is that block.
 """
 from __future__ import annotations
 
@@ -20,13 +20,13 @@ import torch
 from llmprobe.analyses.settings import settings_from
 from llmprobe.analyses.superposition import superposition_table
 from llmprobe.checks import UsageError
-from llmprobe.jobs.controls import ControlsWorker
+from llmprobe.jobs.matched import MatchedWorker
 from llmprobe.jobs.probe import ProbeJob, job_settings, library_versions, say
 from llmprobe.jobs.stages import checkpoint, earlier_stage, mark_interrupted, stage_key, start_stage, unfinished
 from llmprobe.report.claims import claims_block
-from llmprobe.report.render import with_controls, write_all
+from llmprobe.report.render import with_matched, write_all
 from llmprobe.settings import TRAINING, Settings
-from synthetic.controls import known_table, merge_controls
+from synthetic.matched import known_table, merge_matched
 
 FORMATS = {"html": "report.html", "md": "report.md", "json": "metrics.json", "csv": "metrics.csv"}   # -> file
 
@@ -50,8 +50,8 @@ def run(model=None, *, settings: Settings | None = None, out: str | Path = "runs
     out of this process's budget: while they train, the analyses run on max(1, torch threads - workers) threads
     (``timings.analyses_threads``; on 2 cores 1 thread: a second thread there makes the decoders 1.3x faster
     alone but costs 13% more CPU, which the workers need); they train on the model's GPU when it has one (the
-    widest control, at the model's own width, is a GPU-sized job for a 7B model). Their numbers are those of ``train_controls`` called anywhere (it fixes one thread itself), mode by
-    mode: nothing is shared between the modes but the table (``synthetic.controls.merge_controls``).
+    widest control, at the model's own width, is a GPU-sized job for a 7B model). Their numbers are those of ``train_matched`` called anywhere (it fixes one thread itself), mode by
+    mode: nothing is shared between the modes but the table (``synthetic.matched.merge_matched``).
 
     ``run.batch_size`` is every batched stage's largest micro-batch (known facts and analyses); ``device_map``,
     ``max_memory``, ``offload_folder``, ``quantize`` place the model (``llmprobe.load_model``).
@@ -71,7 +71,7 @@ def run(model=None, *, settings: Settings | None = None, out: str | Path = "runs
     job = ProbeJob("run", job_settings("run", model, settings, options), Path(out), resume, overwrite,
                    tuple(FORMATS[f] for f in formats))
     job.load(model, tokenizer, lm, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
-    controls = MatchedControls(job.settings, job.previous) if job.settings.controls.enabled else None
+    controls = MatchedStage(job.settings, job.previous) if job.settings.matched.enabled else None
     try:
         report = job.run(on_known=controls.start if controls else None)
         if controls:
@@ -90,21 +90,21 @@ def run(model=None, *, settings: Settings | None = None, out: str | Path = "runs
     report["partial"] = bool(unfinished(report))            # the controls failed: --resume trains them
     report["claims"] = claims_block(report)
     checkpoint(job.out, report)
-    write_all(with_controls([report]), job.out,
+    write_all(with_matched([report]), job.out,
               f"llmprobe: {report['model']['name']} and its matched synthetic controls", formats)
     return report
 
 
-class MatchedControls:
+class MatchedStage:
     """The controls stage of ``run``: started once the known facts are in (``start``, probe's ``on_known``),
-    trained by a :class:`ControlsWorker` while the analyses run, collected by ``finish`` (or, after an interrupt,
+    trained by a :class:`MatchedWorker` while the analyses run, collected by ``finish`` (or, after an interrupt,
     by ``collect_finished`` if the worker is done), taken over instead from the previous report when its stage
     key matches."""
 
     def __init__(self, settings: Settings, previous: dict):
         self.settings, self.previous = settings, previous
         self.started = False
-        self.workers: list[ControlsWorker] = []      # one per control mode, each on one thread
+        self.workers: list[MatchedWorker] = []      # one per control mode, each on one thread
         self.threads_before: int | None = None       # this process's torch threads before the workers took theirs
 
     def start(self, report: dict, known: dict, lm, relations: list) -> None:
@@ -112,13 +112,13 @@ class MatchedControls:
         self.started = True
         settings = self.settings
         like_for_like = "superposition" in settings.analyses("run")
-        training = {k: v for k, v in settings.changed("controls").items() if k in TRAINING}
-        key = stage_key(report["stages"]["known_facts"]["key"], "controls 2", settings.controls.at_model_width,
+        training = {k: v for k, v in settings.changed("matched").items() if k in TRAINING}
+        key = stage_key(report["stages"]["known_facts"]["key"], "controls 2", settings.matched.at_model_width,
                         settings.run.seed, like_for_like, sorted(settings.changed("analysis").items()),
                         *([sorted(training.items())] if training else []))
-        stage = start_stage(report, "controls", key)
+        stage = start_stage(report, "matched", key)
         try:
-            table, dropped = control_table(lm, relations, known, report, like_for_like,
+            table, dropped = matched_table(lm, relations, known, report, like_for_like,
                                            settings.changed("analysis"))
         except ValueError as error:
             report["errors"].append(f"matched controls: {error}")
@@ -126,20 +126,20 @@ class MatchedControls:
             return
         if dropped:
             report["errors"].append(f"matched controls: left out for too few known facts: {', '.join(dropped)}")
-        before = earlier_stage(self.previous, "controls", key)
-        if before is not None and before.get("done") and isinstance(self.previous.get("controls"), dict):
-            report["controls"] = self.previous["controls"]
-            if "controls_s" in (self.previous.get("timings") or {}):
-                report["timings"]["controls_s"] = self.previous["timings"]["controls_s"]
+        before = earlier_stage(self.previous, "matched", key)
+        if before is not None and before.get("done") and isinstance(self.previous.get("matched"), dict):
+            report["matched"] = self.previous["matched"]
+            if "matched_s" in (self.previous.get("timings") or {}):
+                report["timings"]["matched_s"] = self.previous["timings"]["matched_s"]
             stage.update(done=True, resumed=True)
             return
-        arguments = {**settings.control_arguments(), "device": str(lm.device) if lm.device.type == "cuda" else "cpu"}
+        arguments = {**settings.matched_arguments(), "device": str(lm.device) if lm.device.type == "cuda" else "cpu"}
         modes = tuple(arguments.pop("modes"))
         say(f"matched controls: {len(table.subjects)} subjects x {len(table.relations)} relations, trained in "
             f"{len(modes)} worker process{'es' if len(modes) > 1 else ''} ({', '.join(modes)}) meanwhile "
-            f"([controls] lines)")
-        self.workers = [ControlsWorker((table, report["model"]["d_model"]), {**arguments, "modes": (mode,)},
-                                       on_progress=_controls_progress) for mode in modes]
+            f"([matched] lines)")
+        self.workers = [MatchedWorker((table, report["model"]["d_model"]), {**arguments, "modes": (mode,)},
+                                       on_progress=_matched_progress) for mode in modes]
         if arguments["device"] == "cpu":          # the workers' threads come out of this process's budget
             self.threads_before = torch.get_num_threads()
             torch.set_num_threads(max(1, self.threads_before - len(self.workers)))
@@ -152,21 +152,21 @@ class MatchedControls:
             return
         t = time.perf_counter()
         if not self.ready():
-            say("waiting for the matched controls ([controls] lines)")
+            say("waiting for the matched controls ([matched] lines)")
         try:
-            report["controls"], report["timings"]["controls_s"] = self.get()
-            report["stages"]["controls"]["done"] = True
+            report["matched"], report["timings"]["matched_s"] = self.get()
+            report["stages"]["matched"]["done"] = True
         except Exception as error:  # noqa: BLE001 - the probe's numbers are kept and exported
             report["errors"].append(f"matched controls failed: {type(error).__name__}: {error}")
-        report["timings"]["controls_wait_s"] = round(time.perf_counter() - t, 1)
+        report["timings"]["matched_wait_s"] = round(time.perf_counter() - t, 1)
         checkpoint(out, report)   # the probe's numbers are safe before export
 
     def collect_finished(self, report: dict) -> None:
         """After an interrupt: the controls, if the worker has already sent them."""
-        stage = report["stages"].get("controls")
+        stage = report["stages"].get("matched")
         if stage and not stage["done"] and self.workers and self.ready():
             try:
-                report["controls"], report["timings"]["controls_s"] = self.get()
+                report["matched"], report["timings"]["matched_s"] = self.get()
                 stage["done"] = True
             except RuntimeError:            # the worker failed: the stage stays unfinished
                 pass
@@ -179,7 +179,7 @@ class MatchedControls:
         """Wait for every worker: (the merged controls block, the longest worker's seconds); RuntimeError when one
         failed or died."""
         results = [worker.get() for worker in self.workers]
-        return merge_controls([block for block, _ in results]), max(seconds for _, seconds in results)
+        return merge_matched([block for block, _ in results]), max(seconds for _, seconds in results)
 
     def stop(self) -> None:
         for worker in self.workers:
@@ -189,7 +189,7 @@ class MatchedControls:
             self.threads_before = None
 
 
-def control_table(lm, relations: list, known: dict, report: dict, like_for_like: bool, analysis_options: dict):
+def matched_table(lm, relations: list, known: dict, report: dict, like_for_like: bool, analysis_options: dict):
     """(FactTable, relations left out) the matched controls train on: the superposition fit's table when
     ``like_for_like`` (nothing left out), else the known-fact table."""
     if like_for_like:
@@ -198,9 +198,9 @@ def control_table(lm, relations: list, known: dict, report: dict, like_for_like:
     return known_table(report["relations"], known)
 
 
-def _controls_progress(message: str) -> None:
+def _matched_progress(message: str) -> None:
     """The controls worker's progress lines (relayed to this process), on stderr like every other stage's."""
-    say(message, prefix="[controls]")
+    say(message, prefix="[matched]")
 
 
 __all__ = ["run", "known_table"]

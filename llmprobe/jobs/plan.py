@@ -48,7 +48,7 @@ from llmprobe.model.scoring import first_token_targets
 from llmprobe.model.subjects import encode
 from llmprobe.names import ANALYSES
 from llmprobe.settings import Settings
-from synthetic.controls import curve_widths
+from synthetic.matched import curve_widths
 
 # ------------------------------------------------------------------------------------------ shapes and FLOPs
 VOCAB = 49152               # the SmolLM2 tokenizer's vocabulary (the benchmark models use it)
@@ -281,21 +281,21 @@ SMOLLM2_KNOWN = {"company_hq_city": 5, "company_hq_country": 10, "country_capita
 SMOLLM2_KNOWN_FRACTION = 380 / 1574   # of every bundled fact: assumed for a relation not in SMOLLM2_KNOWN
 # the matched controls' table is the superposition table of the bundled relations (all facts), the same for any
 # model; measured on it in the SmolLM2 run of 2026-12-01 (3 seeds, 100 steps past the fit, 2000-step cap):
-CONTROL_D_STAR = {"trainable": 3, "frozen": 8}
+MATCHED_D_STAR = {"trainable": 3, "frozen": 8}
 CONTROL_STEPS = 200     # mean training steps per seed of the curve's points at d >= 48 (27 trainings, both modes)
 CONTROL_POINT_STEPS = {"trainable": {3: 2000, 6: 262, 12: 190, 24: 165},     # narrower points: per seed, measured
                        "frozen": {8: 1767, 16: 298, 32: 199}}
-CONTROL_SEARCH_S = {"trainable": 71.4, "frozen": 69.2}   # each mode's d* bisection (widths 2-8, model-independent)
+MATCHED_SEARCH_S = {"trainable": 71.4, "frozen": 69.2}   # each mode's d* bisection (widths 2-8, model-independent)
 PREDICT_RANK = AUTO_JACOBIAN_RANK   # the low rank ``--jacobian-rank auto`` takes (128)
 
 
 def run_workload(tok, n_layers: int, known_counts: dict | None, cfg: AnalysisSettings | None = None,
                  relations: list | None = None, layers: str = "every:3", analyses=ANALYSES,
-                 control_modes=tuple(CONTROL_D_STAR), at_model_width: bool = True) -> dict:
+                 matched_modes=tuple(MATCHED_D_STAR), at_model_width: bool = True) -> dict:
     """What ``llmprobe run`` does with these settings (default: its defaults), in model-independent units:
     batches of (rows, tokens), Jacobian prompts, CPU fit counts. ``relations`` None = every bundled relation;
     ``known_counts`` None = every fact known. Without ``lre`` no Jacobians, LRE fits or causality edits; without
-    ``ridge`` no ridge fits; without ``superposition`` no states, readouts or swap edits; ``control_modes`` ()
+    ``ridge`` no ridge fits; without ``superposition`` no states, readouts or swap edits; ``matched_modes`` ()
     = no matched controls."""
     cfg = cfg or AnalysisSettings()
     relations = load_relations(None) if relations is None else relations
@@ -305,7 +305,7 @@ def run_workload(tok, n_layers: int, known_counts: dict | None, cfg: AnalysisSet
                   pick_layers(layers, cfg.max_lre_layers, n_layers))
     w: dict = {"layers": layers, "lre_layers": lre_layers, "known": [], "forward": [], "edits": [], "jacobian": [],
                "lre_fits": 0, "ridge_fits": 0, "head_rows": 0, "states": [], "readouts": len(layers) if do_sup else 0,
-               "control_modes": tuple(control_modes), "at_model_width": at_model_width}
+               "matched_modes": tuple(matched_modes), "at_model_width": at_model_width}
     for rel in relations:
         template = rel.templates[0]
         prompts = [template.replace("{}", f.subject, 1) for f in rel.facts]
@@ -342,9 +342,9 @@ def run_workload(tok, n_layers: int, known_counts: dict | None, cfg: AnalysisSet
             sample = prompts[:n] * math.ceil(edits / n)
             w["edits"].append((padded_batches(tok, sample[:edits], cfg.batch_size), n_layers - 1 - layer))
     try:
-        table = superposition_table(tok, relations, {}, cfg) if do_sup or control_modes else None
+        table = superposition_table(tok, relations, {}, cfg) if do_sup or matched_modes else None
     except AnalysisError:                                # too few shared subjects: no readouts, no controls
-        table, w["readouts"], w["control_modes"] = None, 0, ()
+        table, w["readouts"], w["matched_modes"] = None, 0, ()
     w["n_subjects"] = len(table.subjects) if table is not None else 0
     w["n_facts_table"] = int((table.A >= 0).sum()) if table is not None else 0
     if table is None or not do_sup:
@@ -374,8 +374,8 @@ H200 = {"peak_flops": 989e12,        # bf16 dense tensor-core peak (NVIDIA H200 
         "hbm_bytes": 139 * 2**30,    # usable GPU memory (what torch reports on the H200 machine)
         "bytes_per_param": 2,        # bfloat16 (``--dtype auto`` on CUDA)
         "fp32_flops": 67e12,         # float32 (no TF32) peak: the matched controls train in float32 on the GPU
-        "control_efficiency": 0.5,   # assumed for their full-batch steps (1158 rows x d x 8d matmuls)
-        "control_step_s": 1e-3}      # assumed overhead per training step (forward, backward, Adam: ~40 kernels)
+        "matched_efficiency": 0.5,   # assumed for their full-batch steps (1158 rows x d x 8d matmuls)
+        "matched_step_s": 1e-3}      # assumed overhead per training step (forward, backward, Adam: ~40 kernels)
 
 # The fits of benchmarks/scaling.py on the project's 2-core CPU machine, one thread, CPU seconds (docs/scaling.md,
 # "Measured", 2026-12-01, third session; as printed there: work per second 1/a to 3 digits, b to the ms):
@@ -384,25 +384,25 @@ H200 = {"peak_flops": 989e12,        # bf16 dense tensor-core peak (NVIDIA H200 
 FITTED = {"load": (1.34e9, 0.313), "known_facts": (4.58e10, 0.069), "capture": (6.69e10, 0.042),
           "edits": (7.17e10, 0.073), "jacobians": (9.01e10, 0.023), "jacobians_lowrank": (9.96e10, 0.018),
           "random_init": (6.4e7, 0.332), "lre_fit": (4.26e8, 0.079), "lre_fit_lowrank": (7.49e8, 0.081),
-          "ridge_fit": (3.88e9, 0.001), "readout": (3.98e6, 0.0), "control_step": (8.12e10, 0.010),
-          "control_measure": (8.48e5, 0.0)}
-# control_step is refitted on the 16 curve points of the SmolLM2 run of 2026-12-01 (each point's CPU seconds in its
-# one-thread worker, less control_measure, against FLOPs x steps and steps over its 3 seeds; widths 3-576): the
+          "ridge_fit": (3.88e9, 0.001), "readout": (3.98e6, 0.0), "matched_step": (8.12e10, 0.010),
+          "matched_measure": (8.48e5, 0.0)}
+# matched_step is refitted on the 16 curve points of the SmolLM2 run of 2026-12-01 (each point's CPU seconds in its
+# one-thread worker, less matched_measure, against FLOPs x steps and steps over its 3 seeds; widths 3-576): the
 # benchmark's fit (4.41e10, 0.233), made at widths 256-1024, put 0.23 s on every step of a d = 3 model.
 CPU_FITS = {stage: {"a": 1.0 / rate, "b": b} for stage, (rate, b) in FITTED.items()}
 # the matched control's parameters at width d: 16 d^2 (its 8d MLP) + (193 subjects + 6 relations + 577 attributes
-# + 9) d on the default table (counted by ``synthetic.controls.train_at``, as the benchmark's quadratic fit does)
-CPU_FITS["control_params"] = [16.0, 785.0, 0.0]
+# + 9) d on the default table (counted by ``synthetic.matched.train_at``, as the benchmark's quadratic fit does)
+CPU_FITS["matched_params"] = [16.0, 785.0, 0.0]
 # one thread's dense float32 matmul rate per CPU second on the fit's machine (``measured_rate()``, five runs on
 # 2026-12-02 at load average 1-2: 140-151 GFLOP/s): it over this machine's rate scales every CPU fit
 REFERENCE_RATE = 145e9
 PROCESS_BYTES = 0.5 * 2**30   # Python, torch and the tokenizer: the smallest benchmark model's peak RSS less its model
 
 
-def h200_control_step(flops: float) -> float:
+def h200_matched_step(flops: float) -> float:
     """Seconds of one full-batch training step of a matched control on the H200 (``llmprobe run`` trains them on
     the model's GPU): float32 FLOPs at the assumed efficiency plus a per-step overhead."""
-    return flops / (H200["fp32_flops"] * H200["control_efficiency"]) + H200["control_step_s"]
+    return flops / (H200["fp32_flops"] * H200["matched_efficiency"]) + H200["matched_step_s"]
 
 
 def cpu_model_cost(fits: dict):
@@ -427,33 +427,33 @@ def auto_rank(shape: Shape, lre_layers: list[int], cfg: AnalysisSettings | None 
     return jacobian_rank_for(cfg or AnalysisSettings(), shape.d, lre_layers, shape.layers)
 
 
-def control_params(d: int, width_fits: dict = CPU_FITS) -> float:
+def matched_params(d: int, width_fits: dict = CPU_FITS) -> float:
     """Parameters of the matched control at width d: the quadratic through the measured widths' counts."""
-    p2, p1, p0 = width_fits["control_params"]
+    p2, p1, p0 = width_fits["matched_params"]
     return p2 * d * d + p1 * d + p0
 
 
-def control_step_flops(d: int, n_facts: int, width_fits: dict = CPU_FITS) -> float:
+def matched_step_flops(d: int, n_facts: int, width_fits: dict = CPU_FITS) -> float:
     """FLOPs of one full-batch training step of the matched control at width d on ``n_facts`` facts: 6 per
     parameter per fact (forward and backward)."""
-    return 6.0 * control_params(d, width_fits) * n_facts
+    return 6.0 * matched_params(d, width_fits) * n_facts
 
 
-def control_curve(mode: str, d_model: int, at_model_width: bool = True, n_seeds: int = 3) -> list[tuple[int, float]]:
+def matched_curve(mode: str, d_model: int, at_model_width: bool = True, n_seeds: int = 3) -> list[tuple[int, float]]:
     """(width, training steps of all its seeds) of every point of ``mode``'s curve as planned: the widths of
-    ``synthetic.controls.curve_widths`` from the measured d*, each seed's steps as measured on the default table
+    ``synthetic.matched.curve_widths`` from the measured d*, each seed's steps as measured on the default table
     (``CONTROL_POINT_STEPS``, else ``CONTROL_STEPS``)."""
     return [(d, CONTROL_POINT_STEPS[mode].get(d, CONTROL_STEPS) * n_seeds)
-            for d in curve_widths(CONTROL_D_STAR[mode], d_model, at_model_width)]
+            for d in curve_widths(MATCHED_D_STAR[mode], d_model, at_model_width)]
 
 
 def predict(shape: Shape, work: dict, model_cost, width_fits: dict, load_s: float, init_s: float,
-            rank: int | None, control_step=None, search_s: float = sum(CONTROL_SEARCH_S.values()),
+            rank: int | None, matched_step=None, search_s: float = sum(MATCHED_SEARCH_S.values()),
             cores: int | None = None) -> dict:
     """Seconds per stage of ``llmprobe run`` for ``shape``: model work through ``model_cost(stage, Work, shape)``,
     the width-only CPU work (decoder fits, readouts, controls) from ``width_fits`` (it runs on the host CPU on any
     device), ``load_s`` and ``init_s`` (the random-init control's construction) given; the matched controls'
-    training steps by ``control_step(FLOPs)`` (default: the CPU fit), their threshold searches ``search_s`` (both
+    training steps by ``matched_step(FLOPs)`` (default: the CPU fit), their threshold searches ``search_s`` (both
     modes) and measurements at the CPU fit's speed, ``n_seeds`` trainings per point, one worker per mode.
     wall = load + known facts + max(analyses, the longer mode's controls, all of that work over ``cores``) (the
     analyses' seconds are one thread's, so on several cores this is an upper bound; ``cores`` None, on a GPU: the
@@ -478,26 +478,26 @@ def predict(shape: Shape, work: dict, model_cost, width_fits: dict, load_s: floa
     out["superposition"] = (model_cost("capture", states, shape) + init_s
                             + width_cost("readout", float(work["n_subjects"]) ** 2 * shape.d, work["readouts"]))
     per_mode = {}
-    for mode in (m for m in work.get("control_modes", CONTROL_D_STAR) if m in CONTROL_D_STAR):
-        seconds = search_s * CONTROL_SEARCH_S[mode] / sum(CONTROL_SEARCH_S.values())
-        for width, steps in control_curve(mode, shape.d, work.get("at_model_width", True), work.get("n_seeds", 3)):
-            flops = control_step_flops(width, work["n_facts_table"], width_fits)
-            seconds += (width_cost("control_step", flops, steps) if control_step is None else
-                        steps * control_step(flops))
-            seconds += width_cost("control_measure", float(work["n_subjects"]) ** 2 * width, 1)
+    for mode in (m for m in work.get("matched_modes", MATCHED_D_STAR) if m in MATCHED_D_STAR):
+        seconds = search_s * MATCHED_SEARCH_S[mode] / sum(MATCHED_SEARCH_S.values())
+        for width, steps in matched_curve(mode, shape.d, work.get("at_model_width", True), work.get("n_seeds", 3)):
+            flops = matched_step_flops(width, work["n_facts_table"], width_fits)
+            seconds += (width_cost("matched_step", flops, steps) if matched_step is None else
+                        steps * matched_step(flops))
+            seconds += width_cost("matched_measure", float(work["n_subjects"]) ** 2 * width, 1)
         per_mode[mode] = seconds
-    out["controls"] = max(per_mode.values(), default=0.0)          # one worker per mode, side by side
-    out["controls_total"] = sum(per_mode.values())
+    out["matched"] = max(per_mode.values(), default=0.0)          # one worker per mode, side by side
+    out["matched_total"] = sum(per_mode.values())
     out["analyses"] = out["jacobians"] + out["decoders_other"] + out["superposition"]
     # the workers and the analyses share the cores: no faster than their work spread over every core
-    shared = (out["analyses"] + out["controls_total"]) / cores if cores else 0.0
-    out["wall"] = out["load"] + out["known_facts"] + max(out["analyses"], out["controls"], shared)
+    shared = (out["analyses"] + out["matched_total"]) / cores if cores else 0.0
+    out["wall"] = out["load"] + out["known_facts"] + max(out["analyses"], out["matched"], shared)
     return out
 
 
 def scaled_fits(fits: dict, factor: float) -> dict:
     """``fits`` with every stage's a and b times ``factor`` (load, a disk read, and the control parameters kept)."""
-    return {stage: f if stage in ("load", "control_params") else {**f, "a": f["a"] * factor, "b": f["b"] * factor}
+    return {stage: f if stage in ("load", "matched_params") else {**f, "a": f["a"] * factor, "b": f["b"] * factor}
             for stage, f in fits.items()}
 
 
@@ -510,9 +510,9 @@ def predict_on(shape: Shape, work: dict, fits: dict, device: str, rank: int | No
         here = scaled_fits(fits, cpu_scale)
         load = here["load"]["a"] * shape.params * 4 + here["load"]["b"]
         return predict(shape, work, cpu_model_cost(here), here, load, init * cpu_scale, rank,
-                       search_s=sum(CONTROL_SEARCH_S.values()) * cpu_scale, cores=len(os.sched_getaffinity(0)))
+                       search_s=sum(MATCHED_SEARCH_S.values()) * cpu_scale, cores=len(os.sched_getaffinity(0)))
     load = shape.params * H200["bytes_per_param"] / H200["disk_bytes_per_s"]
-    return predict(shape, work, h200_model_cost, fits, load, init, rank, h200_control_step)
+    return predict(shape, work, h200_model_cost, fits, load, init, rank, h200_matched_step)
 
 
 def memory(shape: Shape, work: dict, bytes_per_param: float) -> dict:
@@ -581,9 +581,9 @@ def settings_workload(settings: Settings, n_layers: int) -> tuple[dict, Analysis
     run = settings.run
     cfg = settings_from(seed=run.seed, **settings.analysis_options())
     analyses = settings.analyses("run")
-    modes = tuple(settings.controls.modes) if settings.controls.enabled else ()
+    modes = tuple(settings.matched.modes) if settings.matched.enabled else ()
     key = json.dumps([run.relations, run.max_facts, run.layers, n_layers, asdict(cfg), analyses, modes,
-                      settings.controls.at_model_width, settings.controls.n_seeds], default=str)
+                      settings.matched.at_model_width, settings.matched.n_seeds], default=str)
     if key not in _WORKLOADS:
         every = load_relations(None if run.relations is None else list(run.relations))
         relations = [r.with_facts(r.facts[:run.max_facts]) for r in every] if run.max_facts else every
@@ -592,17 +592,17 @@ def settings_workload(settings: Settings, n_layers: int) -> tuple[dict, Analysis
             share = SMOLLM2_KNOWN[rel.name] / len(full.facts) if rel.name in SMOLLM2_KNOWN else SMOLLM2_KNOWN_FRACTION
             known[rel.name] = round(share * len(rel.facts))
         work = run_workload(smollm2_tokenizer(), n_layers, known, cfg, relations, run.layers, analyses, modes,
-                            settings.controls.at_model_width)
-        work["n_seeds"] = settings.controls.n_seeds
+                            settings.matched.at_model_width)
+        work["n_seeds"] = settings.matched.n_seeds
         assumed = {"relations": len(relations), "facts": sum(len(r.facts) for r in relations),
                    "known": sum(known.values()), "layers": work["layers"], "lre_layers": work["lre_layers"],
-                   "analyses": analyses, "control_modes": work["control_modes"]}
+                   "analyses": analyses, "matched_modes": work["matched_modes"]}
         _WORKLOADS[key] = (work, cfg, assumed)
     return _WORKLOADS[key]
 
 
 STAGES = {"load": "load", "known_facts": "known facts", "jacobians": "Jacobians", "decoders_other": "decoders, rest",
-          "superposition": "superposition", "controls": "matched controls"}
+          "superposition": "superposition", "matched": "matched controls"}
 DEVICES = ("cpu", "h200")       # this CPU, one H200
 NOT_COUNTED = "crosspatch, selector, multihop"   # analyses of run the cost model has no stage for
 
@@ -647,7 +647,7 @@ def plan(model=None, settings: Settings | None = None, *, device: str = "cpu", r
     {"seconds", "peak_bytes"}}, "total": {"seconds", "peak_bytes", "host_peak_bytes", "memory_bytes", "fits"}}:
     peak_bytes on the device (this CPU: process RSS; H200: GPU memory), total seconds the wall time (load + known
     facts + max(analyses, the longer control mode, all of that work over the cores): one controls worker per mode
-    beside the analyses; ``total["controls_seconds"]`` both modes' seconds), its peak the most at any time."""
+    beside the analyses; ``total["matched_seconds"]`` both modes' seconds), its peak the most at any time."""
     settings = settings or Settings()
     if device not in DEVICES:
         raise UsageError(f"plan: unknown device {device!r}; choose cpu (this CPU) or h200 (one H200)")
@@ -660,21 +660,21 @@ def plan(model=None, settings: Settings | None = None, *, device: str = "cpu", r
     mem = memory(shape, work, _bytes_per_param(settings, device))
     weights, jacobians = mem["weights"], mem["host_jacobians"] if work["jacobian"] else 0
     twin = weights if work["readouts"] else 0                    # the random-init twin of the superposition
-    control = 16 * control_params(shape.d, CPU_FITS) if work["control_modes"] else 0   # weights, grads, Adam
+    control = 16 * matched_params(shape.d, CPU_FITS) if work["matched_modes"] else 0   # weights, grads, Adam
     on_host = device == "cpu"
     base = PROCESS_BYTES if on_host else 0          # the device's memory: this process's RSS, or the GPU's
     decoders = base + weights + (jacobians if on_host else 0)    # one relation's Jacobians and fits: on the host
-    workers = len(work["control_modes"])                          # one controls process per mode
+    workers = len(work["matched_modes"])                          # one controls process per mode
     peaks = {"load": base + weights, "known_facts": base + weights, "jacobians": decoders, "decoders_other": decoders,
-             "superposition": base + weights + twin, "controls": workers * (base + control) if control else 0}
-    peak = max(peaks["known_facts"], max(decoders, peaks["superposition"]) + peaks["controls"])
+             "superposition": base + weights + twin, "matched": workers * (base + control) if control else 0}
+    peak = max(peaks["known_facts"], max(decoders, peaks["superposition"]) + peaks["matched"])
     host = peak if on_host else PROCESS_BYTES + max(mem["host_init"] if twin else 0, jacobians)
     limit = _ram_bytes() if on_host else H200["hbm_bytes"]
     label = DEFAULT_MODEL if model is None else str(model) if isinstance(model, (str, os.PathLike)) else shape.name
     return {"model": label, "source": source, "shape": {**asdict(shape), "params": shape.params}, "device": device,
             "rate": rate, "jacobian_rank": rank, "assumed": assumed,
             "stages": {stage: {"seconds": seconds[stage], "peak_bytes": peaks[stage]} for stage in STAGES},
-            "total": {"seconds": seconds["wall"], "controls_seconds": seconds["controls_total"], "peak_bytes": peak,
+            "total": {"seconds": seconds["wall"], "matched_seconds": seconds["matched_total"], "peak_bytes": peak,
                       "host_peak_bytes": host,
                       "memory_bytes": limit, "fits": peak <= limit}}
 
@@ -693,7 +693,7 @@ def decoder_seconds(lm, relations: list, known_counts: dict, layers: list[int], 
     seconds = []
     for relation in relations:
         work = run_workload(lm.tokenizer, shape.layers, {relation.name: known_counts.get(relation.name, 0)}, cfg,
-                            [relation], layers, decoders, control_modes=())
+                            [relation], layers, decoders, matched_modes=())
         rank = auto_rank(shape, work["lre_layers"], cfg) if work["jacobian"] else None
         out = predict_on(shape, work, CPU_FITS, device, rank, scale)
         seconds.append(out["jacobians"] + out["decoders_other"] if work["forward"] else 0.0)

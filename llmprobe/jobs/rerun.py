@@ -8,6 +8,7 @@ from llmprobe.checks import UsageError, output_folder, read_json
 from llmprobe.jobs.main import run
 from llmprobe.jobs.probe import load_options, probe
 from llmprobe.model.loading import load_model
+from llmprobe.report.schema import upgrade
 from llmprobe.settings import from_record
 
 TIME_KEY = re.compile(r"second|time|_s$")     # keys of wall-clock times, which a rerun does not reproduce
@@ -15,7 +16,7 @@ TIME_KEY = re.compile(r"second|time|_s$")     # keys of wall-clock times, which 
 
 def numbers(report: dict) -> dict:
     """Every number a rerun should reproduce: {dotted path: value} of the int and float leaves of the report's
-    ``relations``, ``analyses`` and ``controls`` (times left out; NaN written as null kept as None)."""
+    ``relations``, ``analyses`` and ``matched`` (times left out; NaN written as null kept as None)."""
     found = {}
 
     def walk(value, path: str) -> None:
@@ -29,7 +30,7 @@ def numbers(report: dict) -> dict:
         elif value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
             found[path] = value
 
-    for block in ("relations", "analyses", "controls"):
+    for block in ("relations", "analyses", "matched"):
         if block in report:
             walk(report[block], block)
     return found
@@ -72,6 +73,7 @@ def rerun(folder: str | Path, out: str | Path | None = None, allow_different_wei
         raise UsageError(f"rerun: {error}") from None
     if not isinstance(old, dict):
         raise UsageError(f"rerun: {folder / 'report.json'} is not a report (a JSON object)")
+    old = upgrade(old)                              # a version-2 report in today's words
     command, settings = from_record(old.get("settings"), f"{folder / 'report.json'} settings")
     out = Path(out) if out is not None else folder.parent / f"{folder.resolve().name}-rerun"
     if out.resolve() == folder.resolve():

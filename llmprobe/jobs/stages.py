@@ -1,6 +1,6 @@
 """The stage protocol of ``probe`` and ``run``, written once.
 
-A report is computed in stages (``known_facts``, ``analyses``, ``controls``). Each has a record in
+A report is computed in stages (``known_facts``, ``analyses``, ``matched``). Each has a record in
 ``report["stages"]``: ``{"key", "done", "resumed", ...}``, where the key (:func:`stage_key`) is a digest of
 everything its numbers depend on (model hash, data, settings). With ``resume``, a stage whose key matches the
 previous report's in the same folder (:func:`previous_report`, :func:`earlier_stage`) is taken over instead of

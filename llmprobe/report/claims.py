@@ -8,7 +8,7 @@ import math
 from statistics import NormalDist
 
 from llmprobe.metric import LEVEL, Metric, wilson
-from llmprobe.report.schema import control_sources, source_name
+from llmprobe.report.schema import matched_sources, source_name
 
 CLAIMS = ("attributes linearly decodable", "LRE edits causal", "subject states a superposition of attribute vectors",
           "one subject state serves every relation", "MLP a relation-conditioned selector",
@@ -114,7 +114,7 @@ def _test(claim: str, relation: str, layer: int | None, metric: dict | None, nul
     null name). The null shown is the hardest one (largest p); ``comparison`` = (name, metric) set beside it."""
     if _compact(metric) is None:
         return None
-    nulls = (metric.get("controls") or {}) if nulls is None else nulls
+    nulls = (metric.get("nulls") or {}) if nulls is None else nulls
     present = {name: nulls[name] for name in NULLS[claim] if _compact(nulls.get(name))}
     test = {"claim": claim, "relation": relation, "layer": layer, "metric": _compact(metric),
             "missing_nulls": [n for n in NULLS[claim] if n not in present], "null_name": None, "null": None,
@@ -176,14 +176,14 @@ def _line(claim: str, measure: str, tests: list[dict]) -> dict:
 def _same_width_control(report: dict) -> dict | None:
     """The trainable matched control at the pretrained model's width (a synthetic source), or None."""
     d_model = (report.get("model") or {}).get("d_model")
-    return next((s for s in control_sources(report.get("controls"), report.get("schema_version"))
+    return next((s for s in matched_sources(report.get("matched"), report.get("schema_version"))
                  if not (s.get("model") or {}).get("frozen_subjects") and (s.get("model") or {}).get("d_model") ==
                  d_model), None)
 
 
 def _trainable_controls(report: dict) -> list[dict]:
     """The report's trainable matched controls, one synthetic source per curve point, in the block's order."""
-    return [s for s in control_sources(report.get("controls"), report.get("schema_version"))
+    return [s for s in matched_sources(report.get("matched"), report.get("schema_version"))
             if not (s.get("model") or {}).get("frozen_subjects")]
 
 
@@ -251,7 +251,7 @@ def _causality_tests(report: dict) -> list[dict]:
         if layer is None:
             continue
         metric = (((entry.get("layers") or {}).get(str(layer)) or {}).get("lre") or {}).get("causality")
-        controls = (metric or {}).get("controls") or {}
+        controls = (metric or {}).get("nulls") or {}
         reference = next((n for n in REFERENCES if _compact(controls.get(n))), None)
         tests.append(_test(CAUSAL, relation, int(layer), metric,
                            comparison=(REFERENCES[reference], controls[reference]) if reference else None))
@@ -344,7 +344,7 @@ def capacity_line(report: dict) -> dict:
     if not threshold.get("d_star") or not table.get("bits") or bits_per_param is None:
         return line
     kind = table_kind(table)
-    block = report.get("controls") if isinstance(report.get("controls"), dict) else {}
+    block = report.get("matched") if isinstance(report.get("matched"), dict) else {}
     steps = (block.get("training") or {}).get("max_steps")
     exact = bool(threshold.get("exact"))
     line.update(measure=f"{line['measure']}: table bits {table['bits']:g} ({kind}, {table.get('n_subjects')} "

@@ -80,7 +80,7 @@ def _mode(source: dict) -> str:
 
 def owner_groups(reports: list[dict]) -> list[tuple[dict | None, list[dict]]]:
     """[(pretrained report, its matched controls)] in page order; synthetic sources of no pretrained report on the
-    page (``_owner``, set by ``llmprobe.report.render.with_controls``) form a last group with owner None."""
+    page (``_owner``, set by ``llmprobe.report.render.with_matched``) form a last group with owner None."""
     pretrained = [r for r in reports if r.get("kind") != "synthetic"]
     synthetic = [r for r in reports if r.get("kind") == "synthetic"]
     groups = [(p, [c for c in synthetic if c.get("_owner") is p]) for p in pretrained]
@@ -141,7 +141,7 @@ def _draw_depth(axis, rows: list[dict], x: str, colors: dict, nulls: set) -> set
     series: dict[str, dict] = {}
     for row in rows:
         point = series.setdefault(row["relation"], {}).setdefault(row[x], {})
-        point.setdefault("control" if row["control"] else "value", row)      # a value's first control: its primary
+        point.setdefault("null" if row["null"] else "value", row)      # a value's first control: its primary
     for relation in sorted(series, key=_relation_order):
         points = {at: p for at, p in series[relation].items() if "value" in p}
         xs, color = sorted(points), colors.get(relation, NEUTRAL)
@@ -149,10 +149,10 @@ def _draw_depth(axis, rows: list[dict], x: str, colors: dict, nulls: set) -> set
         if all(points[at]["value"]["lo"] is not None and points[at]["value"]["hi"] is not None for at in xs):
             axis.fill_between(xs, [points[at]["value"]["lo"] for at in xs], [points[at]["value"]["hi"] for at in xs],
                               color=color, alpha=0.15, lw=0)
-        controls = [points[at].get("control") for at in xs]
+        controls = [points[at].get("null") for at in xs]
         if all(c is not None and c["value"] is not None for c in controls):
             axis.plot(xs, [c["value"] for c in controls], ls="--", lw=1, color=color)
-            nulls.update(c["control"] for c in controls)
+            nulls.update(c["null"] for c in controls)
     axis.grid(alpha=0.3)
     return set(series)
 
@@ -163,7 +163,7 @@ def _draw_widths(axis, controls: list[tuple[dict, list[dict]]], colors: dict, mo
     series: dict[tuple[str, str], list] = {}
     for source, rows in controls:
         for row in rows:
-            if row["control"] is None and row["value"] is not None:
+            if row["null"] is None and row["value"] is not None:
                 series.setdefault((_mode(source), row["relation"]), []).append(((source.get("model") or {}).get(
                     "d_model"), row))
     for (mode, relation), points in sorted(series.items()):
@@ -256,7 +256,7 @@ def _bar(axis, y: float, m: dict | None, height: float, color: str) -> None:
     lo, hi = (m.get("ci") or [None, None])[:2]
     error = [[max(0.0, m["value"] - lo)], [max(0.0, hi - m["value"])]] if None not in (lo, hi) else None
     axis.barh([y], [m["value"]], height=height * 0.95, xerr=error, capsize=2, color=color, error_kw={"lw": 0.8})
-    shuffled = ((m.get("controls") or {}).get("shuffled") or {}).get("value")
+    shuffled = ((m.get("nulls") or {}).get("shuffled") or {}).get("value")
     if shuffled is not None:
         axis.scatter([shuffled], [y], marker="|", s=60, color="black", zorder=3)
 
@@ -264,7 +264,7 @@ def _bar(axis, y: float, m: dict | None, height: float, color: str) -> None:
 # ---------------------------------------------------------------------------------- capacity curve
 def _blocks(reports: list[dict]) -> list[tuple[dict, dict]]:
     """(pretrained report, its controls block) of every report with a controls block (``controls.modes``)."""
-    return [(r, r["controls"]) for r in reports if isinstance(r.get("controls"), dict) and r["controls"].get("modes")]
+    return [(r, r["matched"]) for r in reports if isinstance(r.get("matched"), dict) and r["matched"].get("modes")]
 
 
 def controls_caption(reports: list[dict]) -> str:
@@ -316,7 +316,7 @@ def capacity_plot(reports: list[dict]):
                 handles.setdefault(mode, _line(f"{mode} controls (d* = {d_star})" if len(blocks) == 1 else
                                                f"{mode} controls", color, marker=marker, lw=1,
                                                mfc="white" if mode == "frozen" else None))
-                shuffled = [((m.get("controls") or {}).get("shuffled") or {}).get("value") for _, m in metrics]
+                shuffled = [((m.get("nulls") or {}).get("shuffled") or {}).get("value") for _, m in metrics]
                 if all(v is not None for v in shuffled):
                     axis.plot(ds, shuffled, ls=":", lw=1, color=color)
                     handles.setdefault("shuffled", _line("dotted: shuffled-table control", lw=1, ls=":"))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from llmprobe.report.claims import summary_claims
 from llmprobe.report.figures import KEY_MEASURES, depth_measures, depth_plot, figure_key, png_data_uri, relation_colors
-from llmprobe.report.render import figure_html, label_apart, summary_html, with_controls
+from llmprobe.report.render import figure_html, label_apart, summary_html, with_matched
 from llmprobe.report.schema import ROW_FIELDS, metric_rows, read_report, source_name
 
 FRAME_COLUMNS = ROW_FIELDS           # to_frame's columns: those of metrics.csv's metric rows
@@ -26,7 +26,7 @@ class Report:
 
     def __init__(self, data: dict):
         self.data = data
-        self.sources = label_apart(with_controls([data]))
+        self.sources = label_apart(with_matched([data]))
 
     @property
     def rows(self) -> list[dict]:

@@ -27,14 +27,14 @@ from llmprobe.report.claims import (
 from llmprobe.report.figures import figure_key, png_data_uri, report_figures
 from llmprobe.report.schema import (
     ROW_FIELDS,
-    control_sources,
+    matched_sources,
     metric_rows,
     missing_stages,
     read_report,
     source_name,
 )
 
-CLAIM_FIELDS = ("verdict", "null", "null_value", "difference", "difference_lo", "difference_hi",
+CLAIM_FIELDS = ("verdict", "hardest_null", "hardest_null_value", "difference", "difference_lo", "difference_hi",
                 "difference_interval", "min_effect", "p_holm", "n_tests", "comparison", "comparison_value",
                 "note")   # claim rows only (claim_rows)
 
@@ -42,7 +42,8 @@ CLAIM_FIELDS = ("verdict", "null", "null_value", "difference", "difference_lo", 
 def claim_rows(report: dict) -> list[dict]:
     """One row per claim of a pretrained report's claims block (:func:`llmprobe.report.claims.claims_block`): a
     value row of the metric rows' columns (``measure`` = "claim: ...", relation and layer shown, the number, its
-    interval and n; ``control`` empty) and ``CLAIM_FIELDS`` (its hardest null in ``null``, ``null_value``);
+    interval and n; ``null`` empty: it is a value row) and ``CLAIM_FIELDS`` (its hardest null in ``hardest_null``,
+    ``hardest_null_value``);
     none for a synthetic report."""
     if report.get("kind") == "synthetic":
         return []
@@ -132,8 +133,8 @@ def _control_text(m: dict | None, *names: str) -> str:
     """'name value' of the named controls (default: the primary one) of a typed metric."""
     if not m:
         return "-"
-    controls = m.get("controls") or {}
-    names = names or ((m["control"],) if m.get("control") else ())
+    controls = m.get("nulls") or {}
+    names = names or ((m["primary_null"],) if m.get("primary_null") else ())
     return ", ".join(f"{n} {_fmt(controls[n].get('value'))}" for n in names if n in controls) or "-"
 
 
@@ -147,8 +148,8 @@ def selected_rows(report: dict) -> list[list]:
             faith = at(sel.get("layer"), "faithfulness")
             causal = at(sel.get("causality_layer"), "causality") if sel.get("causality_layer") is not None else None
             rows.append([source_name(report), name, method, sel.get("layer"), _with_ci(faith),
-                         _control_text(faith, *(faith or {}).get("controls", {})), sel.get("causality_layer"),
-                         _with_ci(causal), _control_text(causal, *(causal or {}).get("controls", {}))])
+                         _control_text(faith, *(faith or {}).get("nulls", {})), sel.get("causality_layer"),
+                         _with_ci(causal), _control_text(causal, *(causal or {}).get("nulls", {}))])
     return rows
 
 
@@ -159,8 +160,8 @@ def superposition_rows(report: dict) -> list[list]:
     for layer, entry in sorted(layers.items(), key=lambda kv: int(kv[0])):
         readout = [m for m in (entry.get("readout") or {}).values() if m.get("value") is not None]
         acc = _mean([m["value"] for m in readout])
-        acc_shuffled = _mean([m["controls"]["shuffled"]["value"] for m in readout
-                             if (m.get("controls") or {}).get("shuffled", {}).get("value") is not None])
+        acc_shuffled = _mean([m["nulls"]["shuffled"]["value"] for m in readout
+                             if (m.get("nulls") or {}).get("shuffled", {}).get("value") is not None])
         scales = (entry.get("swap") or {}).get("by_scale") or []
         fitted = scales[0] if scales else {}
         rows.append([source_name(report), int(layer), _with_ci(entry.get("r2")),
@@ -169,7 +170,7 @@ def superposition_rows(report: dict) -> list[list]:
                      _control_text(fitted.get("success"), "random_direction") if fitted else "-",
                      _with_ci(fitted["others_unchanged"]) if fitted else "-",
                      "; ".join(f"x{b['scale']:g}: {_fmt(b['success']['value'], 2)} "
-                               f"({_fmt(b['success']['controls']['random_direction']['value'], 2)}) / "
+                               f"({_fmt(b['success']['nulls']['random_direction']['value'], 2)}) / "
                                f"{_fmt(b['others_unchanged']['value'], 2)}" for b in scales) or "-"])
     return rows
 
@@ -186,7 +187,7 @@ def _train_cells(train: dict) -> list:
     return [f"{accuracy}; {seeds['n_fit']}/{seeds['n']} seeds fit", str(low) if low == high else f"{low}-{high}"]
 
 
-def control_rows(report: dict) -> list[list]:
+def matched_rows(report: dict) -> list[list]:
     """One row per synthetic report (a matched control): width, training, readouts, selector numbers."""
     if report.get("kind") != "synthetic":
         return []
@@ -244,8 +245,8 @@ def summary_tables(reports: list[dict], rows: list[dict]) -> list[tuple[str, lis
     if selected:
         tables.append(("Linear relation decoders at the layer chosen on validation (fixed test subjects; value "
                        "[95% CI] (n test items); causality = the reference edit W^+ (o_t - o_s))",
-                       ["source", "relation", "decoder", "layer", "faithfulness", "controls", "causality layer",
-                        "causality", "controls"], selected))
+                       ["source", "relation", "decoder", "layer", "faithfulness", "nulls", "causality layer",
+                        "causality", "nulls"], selected))
     superposition = [row for report in reports for row in superposition_rows(report)]
     if superposition:
         tables.append(("Superposition readouts of relation-free subject states, per layer (cross-fitted)",
@@ -259,11 +260,11 @@ def summary_tables(reports: list[dict], rows: list[dict]) -> list[tuple[str, lis
                        ["source", "relation", "layers", "facts", "clean", "same relation, other subject",
                         "other relation, same subject", "random units",
                         "broken: other relation - random units"], transplants))
-    controls = [row for report in reports for row in control_rows(report)]
+    controls = [row for report in reports for row in matched_rows(report)]
     if controls:
         tables.append(("Matched synthetic controls (readouts of their subject embeddings e_s; what they were trained "
                        "on: controls.compared_with in report.json)",
-                       ["control", "d", "d*", "train acc", "steps", "bits/param", "R^2", "R^2 controls",
+                       ["matched model", "d", "d*", "train acc", "steps", "bits/param", "R^2", "R^2 nulls",
                         "mean readout accuracy", "relation gating", "gate transplant (same relation)",
                         "gate transplant (other relation)"], controls))
     return tables
@@ -400,8 +401,8 @@ def measured_differences(reports: list[dict]) -> list[str]:
     sections += [(f"run.{key}", [(s.get("run") or {}).get(key) for s in settings]) for key in RUN_SETTINGS]
     analysis_keys = sorted({k for s in settings for k in (s.get("analysis") or {})})
     sections += [(f"analysis.{key}", [(s.get("analysis") or {}).get(key) for s in settings]) for key in analysis_keys]
-    control_keys = sorted({k for s in settings for k in (s.get("controls") or {})})
-    sections += [(f"controls.{key}", [(s.get("controls") or {}).get(key) for s in settings]) for key in control_keys]
+    matched_keys = sorted({k for s in settings for k in (s.get("matched") or {})})
+    sections += [(f"matched.{key}", [(s.get("matched") or {}).get(key) for s in settings]) for key in matched_keys]
     sections.append(("matched controls", [_controls_text(r) for r in pretrained]))
     for what, values in sections:
         if len({json.dumps(v, sort_keys=True, default=str) for v in values}) > 1:
@@ -412,7 +413,7 @@ def measured_differences(reports: list[dict]) -> list[str]:
 
 def _controls_text(report: dict) -> str:
     """What a report's matched controls were: their modes, widths and fact table, or none."""
-    block = report.get("controls")
+    block = report.get("matched")
     if not block:
         return "none"
     if not isinstance(block, dict):
@@ -578,15 +579,15 @@ def export(report_dir: str | Path, formats: tuple[str, ...] = ("html", "md", "cs
            extra_images: list[tuple[str, str]] = ()) -> list[Path]:
     """Write report.html / report.md / metrics.csv for the report in ``report_dir`` (into ``out`` or beside it)."""
     report = read_report(report_dir)
-    return write_all(with_controls([report]), Path(out or report_dir), f"llmprobe report: {source_name(report)}",
+    return write_all(with_matched([report]), Path(out or report_dir), f"llmprobe report: {source_name(report)}",
                      formats, extra_images)
 
 
-def with_controls(reports: list[dict]) -> list[dict]:
+def with_matched(reports: list[dict]) -> list[dict]:
     """The reports followed by the matched synthetic controls inside them (each trained point a source of its own,
-    see :func:`control_sources`; ``_owner``: the report it belongs to)."""
+    see :func:`matched_sources`; ``_owner``: the report it belongs to)."""
     return list(reports) + [dict(c, _path=r.get("_path"), _owner=r) for r in reports
-                            for c in control_sources(r.get("controls"), r["schema_version"])]
+                            for c in matched_sources(r.get("matched"), r["schema_version"])]
 
 
 def label_apart(reports: list[dict]) -> list[dict]:
@@ -621,7 +622,7 @@ def compare(report_dirs: list[str | Path], out: str | Path, formats: tuple[str, 
     per report, a warning per difference in what they measured; titled by the pretrained models' short names."""
     if len(report_dirs) < 1:
         raise ValueError("compare needs at least one report directory")
-    reports = label_apart(with_controls([read_report(d) for d in report_dirs]))
+    reports = label_apart(with_matched([read_report(d) for d in report_dirs]))
     pretrained = [source_name(r) for r in reports if r.get("kind") != "synthetic"]
     n_controls = len(reports) - len(pretrained)
     title = f"llmprobe comparison: {' vs '.join(pretrained) or 'synthetic sources'}" + (

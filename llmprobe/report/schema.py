@@ -1,15 +1,19 @@
-"""The report.json schema: its version, the one reader that checks a report before anything uses it, a report's
-name, the stages a partial report lacks, its controls block expanded into sources in the per-source layout, and
-every measured number flattened into tidy *metric rows* (what claims, figures and tables read)."""
+"""The report.json schema: its version, the one reader that checks a report before anything uses it (and reads
+the version before it in today's words), a report's name, the stages a partial report lacks, its matched block
+expanded into sources in the per-source layout, and every measured number flattened into tidy *metric rows* (what
+claims, figures and tables read)."""
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
 from llmprobe.checks import read_json
-from llmprobe.metric import iter_metrics
+from llmprobe.metric import is_metric, iter_metrics
 
-REPORT_SCHEMA_VERSION = 2      # 2: typed metrics everywhere, test_subjects per relation, reference causality
+REPORT_SCHEMA_VERSION = 3      # 2: typed metrics everywhere, test_subjects per relation, reference causality;
+#                                3: one word per concept: a metric's ``nulls`` / ``primary_null`` (2: controls /
+#                                   control), the matched synthetic models under ``matched`` (2: controls)
+READABLE_SCHEMA_VERSIONS = (2, REPORT_SCHEMA_VERSION)    # 2 is read through upgrade()
 
 
 def read_report(path: str | Path) -> dict:
@@ -29,16 +33,51 @@ def read_report(path: str | Path) -> dict:
         raise ValueError(f"{file}: schema_version {version!r} is not supported by this llmprobe (supported: "
                          f"{', '.join(map(str, supported))}); open it with the llmprobe version that wrote it, or "
                          f"run the model again")
+    report = upgrade(report)
     check_shape(report, file)
     report.setdefault("_path", str(file.parent))
     return report
+
+
+def upgrade(report: dict) -> dict:
+    """A version-2 report in version 3's words (a copy; a version-3 report is returned as it is): every metric's
+    ``controls``/``control`` become ``nulls``/``primary_null``; the top-level ``controls`` block, its stage, its
+    settings section and its timings (``controls_s``, ``controls_wait_s``) become ``matched``. Numbers unchanged."""
+    if report.get("schema_version") != 2:
+        return report
+
+    def metric_words(node):
+        if isinstance(node, list):
+            return [metric_words(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {key: metric_words(value) for key, value in node.items()}
+        if is_metric(out):
+            if "controls" in out:
+                out["nulls"] = out.pop("controls")
+            if "control" in out:
+                out["primary_null"] = out.pop("control")
+        return out
+
+    def renamed(block, old: str, new: str):
+        return {new if key == old else key: value for key, value in block.items()} if isinstance(block, dict) \
+            else block
+
+    out = renamed(metric_words(report), "controls", "matched")
+    for key in ("stages", "settings"):
+        out[key] = renamed(out.get(key), "controls", "matched")
+    if isinstance(out.get("timings"), dict):
+        out["timings"] = {key.replace("controls_", "matched_", 1) if key.startswith("controls_") else key: value
+                          for key, value in out["timings"].items()}
+    out["schema_version"] = REPORT_SCHEMA_VERSION
+    return out
 
 
 # the types of report.json where its readers rely on them: dotted path ("*": every key) -> expected JSON type
 SHAPES = (("model", dict), ("relations", dict), ("relations.*", dict), ("analyses", dict),
           ("analyses.relations", dict), ("analyses.relations.*", dict), ("analyses.relations.*.layers", dict),
           ("analyses.superposition", dict), ("analyses.superposition.layers", dict), ("errors", list),
-          ("controls", (dict, list)), ("stages", dict), ("stages.*", dict), ("stages.*.done", bool),
+          ("matched", (dict, list)), ("stages", dict), ("stages.*", dict), ("stages.*.done", bool),
           ("settings", dict), ("timings", dict))
 LAYER_KEYED = ("analyses.relations.*.layers", "analyses.superposition.layers")    # keys: layer indices
 JSON_TYPES = {dict: "object", list: "list", str: "str", int: "int", float: "float", bool: "bool"}
@@ -46,7 +85,7 @@ JSON_TYPES = {dict: "object", list: "list", str: "str", int: "int", float: "floa
 
 def check_shape(report: dict, file: Path) -> None:
     """ValueError naming ``file``, the path and what is wrong where ``report`` does not have the ``SHAPES`` (a
-    null passes), a layer key is not a layer index, or a controls list holds other things than objects."""
+    null passes), a layer key is not a layer index, or a matched list holds other things than objects."""
     for path, kinds in SHAPES:
         for where, value in _at(report, path):
             if value is not None and not isinstance(value, kinds):
@@ -59,10 +98,10 @@ def check_shape(report: dict, file: Path) -> None:
             if bad:
                 raise ValueError(f"{file}: malformed report: {where}: layer key {bad[0]!r} is not a layer index "
                                  f"(a whole number)"[:300])
-    controls = report.get("controls")
-    if isinstance(controls, list) and not all(isinstance(c, dict) for c in controls):
-        kinds = sorted({JSON_TYPES.get(type(c), type(c).__name__) for c in controls if not isinstance(c, dict)})
-        raise ValueError(f"{file}: malformed report: 'controls' is a list of {', '.join(kinds)}, expected a list of "
+    matched = report.get("matched")
+    if isinstance(matched, list) and not all(isinstance(c, dict) for c in matched):
+        kinds = sorted({JSON_TYPES.get(type(c), type(c).__name__) for c in matched if not isinstance(c, dict)})
+        raise ValueError(f"{file}: malformed report: 'matched' is a list of {', '.join(kinds)}, expected a list of "
                          f"objects or an object")
 
 
@@ -76,8 +115,8 @@ def _at(report: dict, path: str) -> list[tuple[str, object]]:
 
 
 def supported_schema_versions() -> tuple[int, ...]:
-    """The report.json schema versions this llmprobe reads: the one it writes."""
-    return (REPORT_SCHEMA_VERSION,)
+    """The report.json schema versions this llmprobe reads: the one it writes and the one before it (upgraded)."""
+    return READABLE_SCHEMA_VERSIONS
 
 
 def source_name(report: dict) -> str:
@@ -99,17 +138,20 @@ def short_model_name(name: str) -> str:
     return re.split(r"[\\/]", name.rstrip("/\\"))[-1] or name
 
 
+STAGE_WORDS = {"matched": "matched controls"}     # a stage's name in a sentence, where its key is too short
+
+
 def missing_stages(report: dict) -> list[str]:
     """One line per stage a partial report lacks (``partial`` true, or a stage in ``stages`` not done): what is
     missing and which numbers that leaves out; [] for a finished report. Expected stages: ``known_facts``,
-    ``analyses`` when ``settings.run.analyses`` asks for any, ``controls`` in an enabled ``run``."""
+    ``analyses`` when ``settings.run.analyses`` asks for any, ``matched`` in an enabled ``run``."""
     stages = report.get("stages") or {}
     if not report.get("partial") and all(stage.get("done") for stage in stages.values()):
         return []
     settings = report.get("settings") or {}
     requested = (settings.get("run") or {}).get("analyses") or []
     expected = ["known_facts"] + (["analyses"] if requested else []) + (
-        ["controls"] if settings.get("command") == "run" and (settings.get("controls") or {}).get("enabled", True)
+        ["matched"] if settings.get("command") == "run" and (settings.get("matched") or {}).get("enabled", True)
         else [])
     lines = []
     for name in expected + [n for n in stages if n not in expected]:
@@ -117,7 +159,7 @@ def missing_stages(report: dict) -> list[str]:
         if stage is not None and stage.get("done"):
             continue
         state = "not started" if stage is None else "not finished"
-        lines.append(f"{name} {state}: {_what_is_missing(report, name, requested)}")
+        lines.append(f"{STAGE_WORDS.get(name, name)} {state}: {_what_is_missing(report, name, requested)}")
     return lines or ["the report says partial: true, but records no unfinished stage"]
 
 
@@ -138,8 +180,8 @@ def _what_is_missing(report: dict, stage: str, requested: list[str]) -> str:
         if "superposition" in requested:
             parts.append("superposition readouts " + ("done" if analyses.get("superposition") else "missing"))
         return "; ".join(parts) + "; claims on the missing parts are not measured or rest on the relations done"
-    if stage == "controls":
-        return ("no matched synthetic controls: the selector and capacity claims are not measured and the readouts "
+    if stage == "matched":
+        return ("no matched synthetic models: the selector and capacity claims are not measured and the readouts "
                 "have no matched control beside them")
     return "its numbers are missing"
 
@@ -157,8 +199,8 @@ def train_over_seeds(point: dict) -> dict | None:
             "steps": [min(steps), max(steps)]}
 
 
-def control_sources(block: dict | list | None, schema_version: int | None = None) -> list[dict]:
-    """One synthetic source per trained control point of a report's controls block, in the per-source layout the
+def matched_sources(block: dict | list | None, schema_version: int | None = None) -> list[dict]:
+    """One synthetic source per trained point of a report's matched block, in the per-source layout the
     tables and figures read (``analyses.superposition.layers["0"]``, ``analyses.selector``, ``train``,
     ``threshold``). A list (reports written before the block existed) is passed through."""
     if not block:
@@ -187,14 +229,14 @@ def control_sources(block: dict | list | None, schema_version: int | None = None
 
 
 # --------------------------------------------------------------------------------------------- metric rows
-ROW_FIELDS = ("source", "kind", "relation", "layer", "depth", "measure", "control", "value", "lo", "hi", "n")
+ROW_FIELDS = ("source", "kind", "relation", "layer", "depth", "measure", "null", "value", "lo", "hi", "n")
 ALL_RELATIONS = "(all)"          # the relation of the measures over every relation (R^2, swap edit)
 
 
 def metric_rows(report: dict) -> list[dict]:
     """Every measured number of a report as tidy rows with the keys in ``ROW_FIELDS``: a *value row* per measure
-    (``control`` None; ``value``, ``lo``, ``hi``, ``n`` the measure's) followed by a *control row* per control of
-    it (``control`` its name; ``value``, ``lo``, ``hi``, ``n`` the control's own), the primary control first.
+    (``null`` None; ``value``, ``lo``, ``hi``, ``n`` the measure's) followed by a *null row* per null of it
+    (``null`` its name; ``value``, ``lo``, ``hi``, ``n`` the null's own), the primary null first.
 
     Known-fact rates are value rows with measure ``known_rate`` and no layer; every typed metric of the analyses
     (pretrained, or a synthetic control's readouts in the same layout) is found by its place in the report:
@@ -215,10 +257,10 @@ def metric_rows(report: dict) -> list[dict]:
         relation, layer, measure = place
         where = (source, kind, relation, layer, layer / (n_layers - 1) if n_layers > 1 else 0.0, measure)
         rows.append(_row(*where, None, m["value"], *(m.get("ci") or [None, None])[:2], m.get("n")))
-        controls = m.get("controls") or {}
-        for control in sorted(controls, key=lambda name: name != m.get("control")):       # the primary first
-            c = controls[control]
-            rows.append(_row(*where, control, c.get("value"), *(c.get("ci") or [None, None])[:2],
+        nulls = m.get("nulls") or {}
+        for null in sorted(nulls, key=lambda name: name != m.get("primary_null")):       # the primary first
+            c = nulls[null]
+            rows.append(_row(*where, null, c.get("value"), *(c.get("ci") or [None, None])[:2],
                              c.get("n", m.get("n"))))
     return rows
 

@@ -1,4 +1,4 @@
-"""The matched controls' worker: ``synthetic.controls.train_controls`` in a spawned process (one torch thread)
+"""The matched controls' worker: ``synthetic.matched.train_matched`` in a spawned process (one torch thread)
 while the main job runs the analyses."""
 from __future__ import annotations
 
@@ -13,16 +13,16 @@ from multiprocessing.connection import wait
 import torch
 
 from llmprobe.io import reuse_freed_memory
-from synthetic.controls import train_controls
+from synthetic.matched import train_matched
 
 
-class ControlsWorker:
-    """``train_controls(*args, **kwargs)`` in one spawned process (one torch thread) whose result comes back
+class MatchedWorker:
+    """``train_matched(*args, **kwargs)`` in one spawned process (one torch thread) whose result comes back
     through a pipe. A plain process, not a Pool: ``stop`` kills it outright, so an interrupt can never wait on a
     pool's internal locks, and the worker exits by itself when this process dies.
 
     ``on_progress``: called in this process, from a reader thread, with each progress line the worker's
-    ``train_controls`` reports (so the lines can be written above this process's progress bars, not through
+    ``train_matched`` reports (so the lines can be written above this process's progress bars, not through
     them); None leaves ``kwargs["progress"]`` to run in the worker."""
 
     def __init__(self, args: tuple, kwargs: dict, on_progress: Callable[[str], None] | None = None):
@@ -87,7 +87,7 @@ def _worker_main(send, parent_pid: int, args: tuple, kwargs: dict, relay_progres
         kwargs = {**kwargs, "progress": lambda message: send.send(("progress", message))}
     start = time.perf_counter()
     try:
-        result = (True, (train_controls(*args, **kwargs), round(time.perf_counter() - start, 1)))
+        result = (True, (train_matched(*args, **kwargs), round(time.perf_counter() - start, 1)))
     except Exception as error:  # noqa: BLE001 - reported to the parent, which records it in the report's errors
         result = (False, f"{type(error).__name__}: {error}")
     send.send(("result", result))
@@ -121,4 +121,4 @@ def _exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
     os._exit(1)
 
 
-__all__ = ["ControlsWorker"]
+__all__ = ["MatchedWorker"]

@@ -2,7 +2,7 @@
 pretrained model's superposition fit uses (same subjects, relations and attribute sets), measured with the same
 readout code, as a curve over width, over seeds.
 
-:func:`train_controls` (what ``llmprobe run`` calls in its worker process):
+:func:`train_matched` (what ``llmprobe run`` calls in its worker process):
 
 1. finds the threshold width d* for each mode (:func:`control_threshold`) by the capacity sweep's public
    bisection (:func:`synthetic.sweep.find_threshold`: d* is exact only when d*-1 failed with two initialisations),
@@ -36,7 +36,7 @@ Recipes (:data:`RECIPES`): ``adam`` (lr 0.1, no weight decay: the capacity sweep
 weight decay 1e-4: ``synth analyze``'s, the paper's regime; with ``max_steps=1000, past_fit=1000`` it trains the
 whole schedule, as there).
 
-The returned block (``report["controls"]``)::
+The returned block (``report["matched"]``)::
 
     {"compared_with": "<one sentence: what is compared with what>",
      "table": {"n_subjects", "relations", "n_facts", "bits"}, "d_model": 576, "seed": 0, "seeds": [0, 1, 2],
@@ -66,7 +66,7 @@ from llmprobe.datasets import Fact, FactTable, Relation
 from llmprobe.geometry import superposition_readout
 from llmprobe.metric import LEVEL, Metric, nan_metric, pooled_readout, t_quantile
 from llmprobe.model.random_init import random_init
-from llmprobe.names import CONTROL_MODES
+from llmprobe.names import MATCHED_MODES
 from synthetic.batched import train_batched
 from synthetic.mechanisms import embedding_inputs, readout_inputs
 from synthetic.mechanisms import selector as measure_selector
@@ -75,7 +75,7 @@ from synthetic.sweep import SweepConfig, find_threshold, initial_guess, train_wi
 from synthetic.tasks import from_fact_table, reorder_subjects
 from synthetic.train import SNAPSHOT, TrainConfig
 
-MODES = CONTROL_MODES
+MODES = MATCHED_MODES
 MAX_STEPS = 2000          # step cap of every control's training (the bisection's too)
 PAST_FIT = 100            # the convergence rule: steps trained past the first step at 100% train accuracy
                           # (SmolLM2's table: R^2 within 0.01 of 300 steps past at every width, half the cost)
@@ -179,7 +179,7 @@ def measure_control(model, task, seed: int = 0, n_boot: int = N_BOOT, selector: 
     t0 = time.perf_counter()
     H, A, U = readout_inputs(model, task)
     H_c, _, U_c = readout_inputs(random_init(model, model.config.seed + 1), task)
-    rep = superposition_readout(H, A, U, controls={"random_init": (H_c, U_c)}, relation_names=task.relations,
+    rep = superposition_readout(H, A, U, nulls={"random_init": (H_c, U_c)}, relation_names=task.relations,
                                 n_boot=n_boot, seed=seed, decode=False)
     out = {"r2": _measure(rep, "r2"), "readout": {name: _measure(rep, "readout_acc", name)
                                                   for name in task.relations}}
@@ -199,7 +199,7 @@ def r2_value(subject_embed: torch.Tensor, unembed: torch.Tensor, task, seed: int
     rep = superposition_readout(H, A, U, relation_names=task.relations, n_boot=1, seed=seed, decode=False,
                                 jackknife_groups=0, n_random=0)
     m = rep.measure("r2", primary="shuffled")
-    return m.value, m.controls["shuffled"].value
+    return m.value, m.nulls["shuffled"].value
 
 
 def over_seeds(values: list[float | None], controls: dict[str, list] | None = None) -> dict:
@@ -216,8 +216,8 @@ def over_seeds(values: list[float | None], controls: dict[str, list] | None = No
                spread={"sd": sd, "values": kept})
     out = m.to_dict()
     if controls:
-        out["controls"] = {name: over_seeds(vals) for name, vals in controls.items()}
-        out["control"] = next(iter(controls))
+        out["nulls"] = {name: over_seeds(vals) for name, vals in controls.items()}
+        out["primary_null"] = next(iter(controls))
     return out
 
 
@@ -288,7 +288,7 @@ def compared_with(table_info: dict, d_model: int, modes: dict, past_fit: int, se
             f"model; the table, the measure and the controls do not.")
 
 
-def train_controls(table: FactTable, d_model: int, seed: int = 0, at_model_width: bool = True,
+def train_matched(table: FactTable, d_model: int, seed: int = 0, at_model_width: bool = True,
                    max_steps: int = MAX_STEPS, d_max: int | None = None, n_boot: int = N_BOOT,
                    modes: tuple[str, ...] = MODES, progress=print, device: str = "cpu", n_seeds: int = N_SEEDS,
                    past_fit: int = PAST_FIT, recipe: str = "adam") -> dict:
@@ -339,7 +339,7 @@ def train_controls(table: FactTable, d_model: int, seed: int = 0, at_model_width
                 results = train_point(tasks, mode, d, curve, seed, budgets)
                 model = results[0].model.cpu()
                 measured = measure_control(model, task, seed, n_boot)
-                final0 = (measured["r2"]["value"], measured["r2"]["controls"]["shuffled"]["value"])
+                final0 = (measured["r2"]["value"], measured["r2"]["nulls"]["shuffled"]["value"])
                 rows = [seed_row(i, res, tasks[i], seed, budgets, final0 if i == 0 else None)
                         for i, res in enumerate(results)]
                 train0 = results[0].to_dict()
@@ -380,11 +380,11 @@ def train_controls(table: FactTable, d_model: int, seed: int = 0, at_model_width
                 "cpu_seconds": round(time.process_time() - cpu0, 1)}
 
 
-def merge_controls(blocks: list[dict]) -> dict:
-    """One controls block from blocks of :func:`train_controls` that each trained other modes of the same table
+def merge_matched(blocks: list[dict]) -> dict:
+    """One controls block from blocks of :func:`train_matched` that each trained other modes of the same table
     and settings (one worker process per mode): their modes in :data:`MODES` order, ``compared_with`` for them
     all, ``wall_seconds`` the longest block's (they trained at the same time), ``cpu_seconds`` the sum. Each
-    mode's numbers are those ``train_controls`` gives it alone: nothing is shared between modes but the table."""
+    mode's numbers are those ``train_matched`` gives it alone: nothing is shared between modes but the table."""
     if not blocks:
         raise ValueError("no controls block to merge")
     first = blocks[0]
@@ -401,4 +401,4 @@ def merge_controls(blocks: list[dict]) -> dict:
 
 
 __all__ = ["MODES", "RECIPES", "known_table", "train_at", "control_threshold", "curve_widths", "measure_control",
-           "train_controls", "merge_controls", "compared_with", "fixed_threads", "over_seeds", "r2_value", "movement"]
+           "train_matched", "merge_matched", "compared_with", "fixed_threads", "over_seeds", "r2_value", "movement"]

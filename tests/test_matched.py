@@ -1,4 +1,4 @@
-"""Matched synthetic controls (``synthetic.controls``): the threshold on a real fact table, the width curve trained
+"""Matched synthetic controls (``synthetic.matched``): the threshold on a real fact table, the width curve trained
 past the first 100% step over seeds, reproducible under any thread count, the controls block, its expansion into
 report sources, and the curve figure against a pretrained reference."""
 import json
@@ -10,9 +10,9 @@ import torch
 from llmprobe.datasets import FactTable, Relation, load_relations
 from llmprobe.metric import Metric, is_metric, pooled_readout
 from llmprobe.report.figures import capacity_figure, controls_caption
-from llmprobe.report.render import render_markdown, with_controls
-from llmprobe.report.schema import control_sources
-from synthetic.controls import PAST_FIT, curve_widths, merge_controls, over_seeds, train_controls
+from llmprobe.report.render import render_markdown, with_matched
+from llmprobe.report.schema import matched_sources
+from synthetic.matched import PAST_FIT, curve_widths, merge_matched, over_seeds, train_matched
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def table():
 
 @pytest.fixture(scope="module")
 def block(table):
-    return train_controls(table, d_model=24, max_steps=600, progress=lambda *_: None, n_boot=200)
+    return train_matched(table, d_model=24, max_steps=600, progress=lambda *_: None, n_boot=200)
 
 
 def test_controls_train_past_their_first_fit_by_the_stated_rule(block):
@@ -65,7 +65,7 @@ def test_seeds_give_an_interval(block):
                 values = [r[key] for r in p["seeds"]]
                 assert m["interval"] == "t over seeds" and m["n"] == 3 and m["spread"]["values"] == values
                 assert len(set(values)) == 3 and m["ci"][0] < m["value"] < m["ci"][1]
-                assert m["control"] == "shuffled" and abs(m["controls"]["shuffled"]["value"]) < 0.05
+                assert m["primary_null"] == "shuffled" and abs(m["nulls"]["shuffled"]["value"]) < 0.05
     one = over_seeds([0.4, None])
     assert one["n"] == 1 and one["value"] == 0.4 and one["ci"] == [None, None]       # one seed: no interval
     lo, hi = over_seeds([0.2, 0.4, 0.6])["ci"]
@@ -88,7 +88,7 @@ def test_controls_numbers_do_not_depend_on_the_thread_count(table):
     runs = []
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        runs.append(train_controls(table, d_model=128, max_steps=600, modes=("trainable",), n_boot=20,
+        runs.append(train_matched(table, d_model=128, max_steps=600, modes=("trainable",), n_boot=20,
                                    progress=lambda *_: None))
         assert torch.get_num_threads() == threads
     assert [p["d"] for p in runs[0]["modes"]["trainable"]["points"]][-1] == 128
@@ -126,7 +126,7 @@ def test_controls_train_on_the_device_they_are_given(monkeypatch, table):
         return real(task, model_config=model_config, config=config)
 
     monkeypatch.setattr(module, "train", spy)
-    out = train_controls(table, d_model=4, max_steps=50, modes=("trainable",), at_model_width=False, n_boot=20,
+    out = train_matched(table, d_model=4, max_steps=50, modes=("trainable",), at_model_width=False, n_boot=20,
                          progress=lambda *_: None, device="cpu:0")
     assert seen and set(seen) == {"cpu:0"} and out["training"]["device"] == "cpu:0"
     assert block_is_measured(out)
@@ -148,26 +148,26 @@ def test_controls_block_is_a_curve_of_typed_metrics(block, table):
         assert [p["d_over_dstar"] for p in entry["points"]] == [round(d / d_star, 3) for d in ds]
         for p in entry["points"]:
             assert p["train"]["accuracy"] == 1.0
-            assert is_metric(p["r2"]) and {"shuffled", "random_init"} <= set(p["r2"]["controls"])
+            assert is_metric(p["r2"]) and {"shuffled", "random_init"} <= set(p["r2"]["nulls"])
             assert p["r2"]["n"] == len(table.subjects) and p["r2"]["ci"][0] <= p["r2"]["value"] <= p["r2"]["ci"][1]
             assert set(p["readout"]) == set(table.relations)
             for m in p["readout"].values():
                 assert m["interval"].startswith("wilson") and m["ci"][0] < m["ci"][1] and 0 < m["n"] <= len(table.subjects)
-                assert {"shuffled", "random_init"} <= set(m["controls"])
+                assert {"shuffled", "random_init"} <= set(m["nulls"])
             assert p["selector"]["base_accuracy"] == [1.0] * 3 and len(p["selector"]["ablation_drop"]) == 3
     trainable = block["modes"]["trainable"]["points"][0]           # at d*: the facts are readable from e_s
-    assert trainable["r2"]["value"] > trainable["r2"]["controls"]["shuffled"]["value"] + 0.3
-    assert trainable["r2"]["value"] > trainable["r2"]["controls"]["random_init"]["value"] + 0.3
-    assert trainable["readout_mean"]["value"] > trainable["readout_mean"]["controls"]["shuffled"]["value"] + 0.25
+    assert trainable["r2"]["value"] > trainable["r2"]["nulls"]["shuffled"]["value"] + 0.3
+    assert trainable["r2"]["value"] > trainable["r2"]["nulls"]["random_init"]["value"] + 0.3
+    assert trainable["readout_mean"]["value"] > trainable["readout_mean"]["nulls"]["shuffled"]["value"] + 0.25
 
 
 def test_pooled_readout_weights_relations_by_their_facts():
-    a = Metric(1.0, (0.8, 1.0), 30, "wilson").with_controls({"shuffled": Metric(0.1, (0.0, 0.3), 30, "wilson")})
-    b = Metric(0.5, (0.3, 0.7), 10, "wilson").with_controls({"shuffled": Metric(0.3, (0.1, 0.6), 10, "wilson")})
+    a = Metric(1.0, (0.8, 1.0), 30, "wilson").with_nulls({"shuffled": Metric(0.1, (0.0, 0.3), 30, "wilson")})
+    b = Metric(0.5, (0.3, 0.7), 10, "wilson").with_nulls({"shuffled": Metric(0.3, (0.1, 0.6), 10, "wilson")})
     pooled = pooled_readout({"a": a.to_dict(), "b": b.to_dict()})
     assert pooled["value"] == pytest.approx(35 / 40) and pooled["n"] == 40
     assert pooled["ci"][0] < 35 / 40 < pooled["ci"][1]
-    assert pooled["controls"]["shuffled"]["value"] == pytest.approx(6 / 40) and pooled["control"] == "shuffled"
+    assert pooled["nulls"]["shuffled"]["value"] == pytest.approx(6 / 40) and pooled["primary_null"] == "shuffled"
     assert pooled_readout({}) is None
 
 
@@ -176,10 +176,10 @@ def test_report_sources_and_curve_figure(block):
     pretrained = {"schema_version": 1, "kind": "pretrained", "model": {"name": "tiny", "n_layers": 4},
                   "analyses": {"superposition": {"layers": {"1": {"r2": metric(0.10), "readout": {}},
                                                             "2": {"r2": metric(0.17), "readout": {}}}}},
-                  "controls": block}
-    sources = with_controls([pretrained])
+                  "matched": block}
+    sources = with_matched([pretrained])
     n_points = sum(len(e["points"]) for e in block["modes"].values())
-    assert len(sources) == 1 + n_points and len(control_sources(block, 1)) == n_points
+    assert len(sources) == 1 + n_points and len(matched_sources(block, 1)) == n_points
     star = [s for s in sources[1:] if s["label"].endswith("(d*)")]
     assert len(star) == 2 and all(s["analyses"]["superposition"]["layers"]["0"]["r2"] for s in star)
     caption = controls_caption(sources)
@@ -187,7 +187,7 @@ def test_report_sources_and_curve_figure(block):
     assert capacity_figure(sources).startswith("data:image/png;base64,")
     assert "synthetic frozen d=24" in render_markdown(sources, "t")
     old = [dict(s, threshold={"d_star": 4, "tried": [{"d": 4, "accuracy": 1.0}]}) for s in star]
-    assert len(control_sources(old, 1)) == 2                     # reports written before the block: passed through
+    assert len(matched_sources(old, 1)) == 2                     # reports written before the block: passed through
 
 
 def _drop_seconds(line: str) -> str:
@@ -195,22 +195,22 @@ def _drop_seconds(line: str) -> str:
 
 
 def test_the_workers_progress_lines_reach_the_parent_and_its_result_comes_back(table):
-    """ControlsWorker relays each progress line of the spawned worker's train_controls to ``on_progress`` in this
+    """MatchedWorker relays each progress line of the spawned worker's train_matched to ``on_progress`` in this
     process (where run writes it above its progress bar), then returns the same block as training here; a worker
     killed mid-way is a RuntimeError naming its death, not a hang."""
-    from llmprobe.jobs.controls import ControlsWorker
+    from llmprobe.jobs.matched import MatchedWorker
 
     kwargs = dict(d_model=4, max_steps=50, modes=("trainable",), at_model_width=False, n_boot=20)
     lines: list[str] = []
-    worker = ControlsWorker((table,), kwargs, on_progress=lines.append)
+    worker = MatchedWorker((table,), kwargs, on_progress=lines.append)
     controls, seconds = worker.get()
     here: list[str] = []
-    alone = train_controls(table, progress=here.append, **kwargs)["modes"]
+    alone = train_matched(table, progress=here.append, **kwargs)["modes"]
     assert json.dumps(_numbers(controls["modes"])) == json.dumps(_numbers(alone))     # NaN where never fitted
     assert [_drop_seconds(line) for line in lines] == [_drop_seconds(line) for line in here] and any("d*" in line for line in lines) and seconds > 0
     assert worker.ready()
 
-    worker = ControlsWorker((table,), {**kwargs, "max_steps": 100000}, on_progress=lines.append)
+    worker = MatchedWorker((table,), {**kwargs, "max_steps": 100000}, on_progress=lines.append)
     worker.process.kill()
     with pytest.raises(RuntimeError, match="controls worker died"):
         worker.get()
@@ -221,11 +221,11 @@ def test_each_mode_trained_apart_and_merged_is_the_block_of_both_trained_togethe
     call (nothing passes from one mode to the other), compared_with names both modes, and blocks of different
     settings refuse to merge."""
     kwargs = dict(d_model=24, max_steps=600, progress=lambda *_: None, n_boot=200)
-    apart = [train_controls(table, modes=(mode,), **kwargs) for mode in ("frozen", "trainable")]
-    merged = merge_controls(apart)
+    apart = [train_matched(table, modes=(mode,), **kwargs) for mode in ("frozen", "trainable")]
+    merged = merge_matched(apart)
     assert list(merged["modes"]) == ["trainable", "frozen"]
     assert json.dumps(_numbers(merged)) == json.dumps(_numbers(block))
     assert merged["wall_seconds"] == max(b["wall_seconds"] for b in apart)
-    other = train_controls(table, modes=("frozen",), **{**kwargs, "max_steps": 50})
+    other = train_matched(table, modes=("frozen",), **{**kwargs, "max_steps": 50})
     with pytest.raises(ValueError, match="differ in .*training"):
-        merge_controls([apart[1], other])
+        merge_matched([apart[1], other])
