@@ -34,7 +34,7 @@ from llmprobe.model.known import (
     known_facts,
 )
 from llmprobe.model.loading import LoadedModel, load_model
-from llmprobe.model.lre import next_token_predictions, per_prompt_jacobians
+from llmprobe.model.lre import layer_sequences, next_token_predictions, per_prompt_jacobians, prefix_cached_predictions
 
 TEMPLATE = "The capital of {} is"
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "lre_protocol.py"
@@ -182,6 +182,75 @@ def test_W_and_b_average_the_training_facts_each_prompted_with_the_others(llama6
     torch.testing.assert_close(fit["b"].double(), torch.stack(b).mean(0), rtol=0, atol=1e-7)
     templates, tested = seen[fit["refit"]]
     assert all(t.count("\n") == 3 for t in templates) and set(trial["test_subjects"]) <= set(tested)
+
+
+# ------------------------------------------------------------------ causality: the prefix-cached fast path
+@pytest.fixture(scope="module")
+def gpt2_64(tmp_path_factory):
+    return load_model(str(save_tiny("gpt2", tmp_path_factory.mktemp("gpt2"))), device="cpu", dtype=torch.float64)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("layer", [0, 1, -1])
+def test_prefix_cached_edits_give_the_full_passes_numbers(llama64, gpt2_64, family, layer):
+    """The fast path of protocol lre's causality (each source prompt's tokens before the subject run once, its
+    edit sets only from the subject on) gives the logits of the full resumed forward pass for every edit: 3 source
+    prompts of different lengths under an in-context prefix, each with 5 edits of growing norm, rows interleaved
+    (float64: equal to 1e-9). (An edit put anywhere but the subject's last token, a cache that drops or repeats a
+    token, or a row given another row's edit fails this.)"""
+    lm = llama64 if family == "llama" else gpt2_64
+    layer = layer % lm.adapter.n_layers
+    train = [Fact("France", "Paris"), Fact("Japan", "Tokyo"), Fact("Italy", "Rome")]
+    subjects = ["Germany", "United Kingdom", "Egypt"]
+    template = icl_template(TEMPLATE, train)
+    k = 5
+    rows = subjects * k
+    seqs = layer_sequences(lm, template, subjects, layer)
+    d = seqs[0].shape[-1]
+    gen = torch.Generator().manual_seed(0)
+    delta = torch.randn(len(rows), d, generator=gen, dtype=torch.float64) * torch.arange(len(rows))[:, None] / 3
+    slow = next_token_predictions(lm, template, rows, layer, delta, return_logits=True, resume=seqs * k)
+    fast = prefix_cached_predictions(lm, template, rows, layer, delta, seqs * k, batch_size=4, return_logits=True)
+    torch.testing.assert_close(fast, slow, rtol=0, atol=1e-9)
+    assert not any("forward" in vars(block) for block in lm.adapter.blocks)               # blocks restored
+    clean = next_token_predictions(lm, template, rows, return_logits=True)
+    if layer < lm.adapter.n_layers - 1:         # (at the last block an edit before the prompt's end changes nothing)
+        assert (slow - clean).abs().max() > 1e-3                              # the edits change the logits
+    assert torch.equal(prefix_cached_predictions(lm, template, rows, layer, delta, seqs * k),
+                       next_token_predictions(lm, template, rows, layer, delta, resume=seqs * k))
+
+
+def test_lre_protocol_numbers_equal_with_and_without_the_prefix_cache(llama64, monkeypatch):
+    """Protocol lre end to end on the tiny llama, causality measured: every number of the relation's entry (beta,
+    edit rank, faithfulness, causality and its controls per trial) is the same with the prefix-cached edits as
+    with the full resumed passes."""
+    places = ["Paris", "Tokyo", "Berlin", "Rome", "Madrid", "Cairo"]
+    subjects = ["France", "Japan", "Brazil", "Germany", "Italy", "Spain", "Portugal", "Egypt", "Kenya", "Mexico",
+                "Marie", "Albert", "Europe", "Asia"]
+    facts = [Fact(s, places[i % len(places)]) for i, s in enumerate(subjects)]
+    relation = Relation("capital", [TEMPLATE], ["{}"], facts)
+    results = [FactResult(f.subject, f.object, "", f.object, True) for f in facts]    # given: all known
+    cfg = settings_from(protocol="lre", n_icl=3, lre_betas=(0.5, 1.0), lre_edit_ranks=(0, 8, 16, 24, 64))
+    seen = []
+    real = decoders_module.causality_hits
+
+    def spy(*args, **kw):
+        got = real(*args, **kw)
+        seen.append((kw.get("prefix_cache"), got))
+        return got
+    monkeypatch.setattr(decoders_module, "causality_hits", spy)
+    entries = {}
+    for fast in (False, True):
+        monkeypatch.setattr(decoders_module, "LRE_PREFIX_CACHE", fast)
+        out = decoders_module.decoders_for_relation(llama64, relation, results, [1], [1], [1], True, False, cfg,
+                                                    lambda message: None)
+        out.pop("seconds")
+        entries[fast] = out
+    assert entries[True] == entries[False] and "causality" in entries[True]["layers"]["1"]["lre"]
+    slow = [hits for fast, hits in seen if not fast]
+    quick = [hits for fast, hits in seen if fast]
+    assert len(slow) == len(quick) > 0
+    assert all(torch.equal(a, b) for s, q in zip(slow, quick) for a, b in zip(s, q))
 
 
 # ------------------------------------------------------------------------------------------ the pair rule

@@ -49,6 +49,7 @@ from llmprobe.model.lre import (
     layer_sequences,
     logits_fn,
     next_token_predictions,
+    prefix_cached_predictions,
     relation_states,
     subject_jacobians,
 )
@@ -58,6 +59,7 @@ from llmprobe.names import FIRST_TOKEN, SEQUENCE
 
 FULL_PATCH_NOTE = ("reference, not a bound: h_s replaced by h_t (an edit can exceed it); does not depend on the "
                    "fit: measured once")
+LRE_PREFIX_CACHE = True             # protocol lre's causality: prefix_cached_predictions (False: the full resumed pass)
 AUTO_JACOBIAN_RANK = 128             # the smallest rank whose numbers matched exact ones on SmolLM2 (docs/analyses.md)
 
 
@@ -155,9 +157,11 @@ def zero_shot_counts(results, n_known: int, cfg: AnalysisSettings) -> dict:
 
 
 def causality_hits(lm, data: RelationData, layer: int, deltas: list[torch.Tensor], src: torch.Tensor,
-                   tgt: torch.Tensor, cfg: AnalysisSettings) -> list[torch.Tensor]:
+                   tgt: torch.Tensor, cfg: AnalysisSettings, prefix_cache: bool = False) -> list[torch.Tensor]:
     """Hits [m] of each edit set (deltas [m, d] added to h_src at ``layer``) on the pairs (src, tgt): one batched
-    run of real forward passes for all sets."""
+    run of real forward passes for all sets. ``prefix_cache`` (first-token scoring with resume states): each source
+    prompt's tokens before the subject run once and every edit set of it only the tokens from the subject on
+    (``llmprobe.model.lre.prefix_cached_predictions``; equal up to float rounding)."""
     if not len(src):
         return [torch.zeros(0, dtype=torch.bool) for _ in deltas]
     k = len(deltas)
@@ -174,8 +178,11 @@ def causality_hits(lm, data: RelationData, layer: int, deltas: list[torch.Tensor
         hits = lp_t > lp_s
     else:
         resume = [data.sequences[layer][i] for i in src.tolist()] * k if layer in data.sequences else None
-        pred = next_token_predictions(lm, templates, subjects, layer, delta, batch_size=cfg.batch_size,
-                                      resume=resume)
+        if prefix_cache and resume is not None:
+            pred = prefix_cached_predictions(lm, templates, subjects, layer, delta, resume)
+        else:
+            pred = next_token_predictions(lm, templates, subjects, layer, delta, batch_size=cfg.batch_size,
+                                          resume=resume)
         hits = data.scorer.hits(pred, tgt.repeat(k))
     return list(hits.view(k, -1))
 
@@ -391,12 +398,14 @@ def _lre_trial_layer(lm, data: RelationData, layer: int, jac: JacobianResult, va
                    "beta": cfg.lre_betas[best], "rank": None}}
     (vs, vt), (ts, tt) = val_pairs, test_pairs
     if causal and len(vs) and len(ts):
+        fast = LRE_PREFIX_CACHE
         candidates = [(O[vt] - O[vs]) @ svd.pinv(r).T for r in cfg.lre_edit_ranks]
-        rates = torch.stack([h.double().mean() for h in causality_hits(lm, data, layer, candidates, vs, vt, cfg)])
+        rates = torch.stack([h.double().mean() for h in causality_hits(lm, data, layer, candidates, vs, vt, cfg,
+                                                                                 prefix_cache=fast)])
         edit_rank = cfg.lre_edit_ranks[int(rates.argmax())]          # ties: the first (smallest) rank
         edits = lre_edits(H, O, ts, tt, svd, edit_rank, gen)
         names = ("edit", "random_direction", "random_operator", "scaled_patch")
-        got = causality_hits(lm, data, layer, [edits[n] for n in names], ts, tt, cfg)
+        got = causality_hits(lm, data, layer, [edits[n] for n in names], ts, tt, cfg, prefix_cache=fast)
         out.update({"edit_rank": edit_rank, "val_causality": float(rates.max()), "causality": dict(zip(names, got))})
         out["fit"]["edit_rank"] = edit_rank
     return out

@@ -25,6 +25,7 @@ full-sequence log-probabilities.
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from llmprobe.model.subjects import EncodedPrompts, encode
 
 __all__ = ["RelationStates", "JacobianResult", "output_name", "state_name", "relation_states", "subject_states",
            "subject_jacobians", "jacobian_cost", "per_prompt_jacobians", "logits_fn", "next_token_predictions",
-           "layer_sequences"]
+           "layer_sequences", "prefix_cached_predictions"]
 
 
 def state_name(layer: int) -> str:
@@ -197,6 +198,31 @@ def _passthrough(*args, **kwargs):
     return args[0] if args else kwargs["hidden_states"]
 
 
+@contextlib.contextmanager
+def _resumed_at(adapter, layer: int, states: torch.Tensor) -> Iterator[None]:
+    """Within it a forward pass skips blocks 0..``layer`` (they pass their input through) and block ``layer + 1``
+    receives ``states`` instead of its input."""
+    def replace(module, args, kwargs):
+        if args:
+            return (states, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": states}
+
+    skipped = list(adapter.blocks[:layer + 1])
+    own = [block.__dict__.get("forward") for block in skipped]   # accelerate's dispatch wrapper, if any
+    handle = adapter.blocks[layer + 1].register_forward_pre_hook(replace, with_kwargs=True)
+    try:
+        for block in skipped:
+            block.forward = _passthrough
+        yield
+    finally:
+        handle.remove()
+        for block, forward in zip(skipped, own):
+            if forward is None:
+                block.__dict__.pop("forward", None)
+            else:
+                block.forward = forward
+
+
 def _resumed_output(lm, enc: EncodedPrompts, layer: int, delta: torch.Tensor, clean: Sequence[torch.Tensor]):
     """o for a batch whose layer-``layer`` states are ``clean`` + ``delta`` at the subject: blocks 0..layer
     pass their input through, and block ``layer + 1`` receives the given states instead."""
@@ -215,28 +241,88 @@ def _resumed_output(lm, enc: EncodedPrompts, layer: int, delta: torch.Tensor, cl
     states[rows, enc.subject_last.to(device)] += delta.to(device, dtype)
     if layer == adapter.n_layers - 1:
         return states[rows, enc.prompt_last.to(device)]
-
-    def replace(module, args, kwargs):
-        if args:
-            return (states, *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": states}
-
-    skipped = list(adapter.blocks[:layer + 1])
-    own = [block.__dict__.get("forward") for block in skipped]   # accelerate's dispatch wrapper, if any
-    handle = adapter.blocks[layer + 1].register_forward_pre_hook(replace, with_kwargs=True)
-    try:
-        for block in skipped:
-            block.forward = _passthrough
+    with _resumed_at(adapter, layer, states):
         out = output_name(model)
         return capture(model, [out], enc.input_ids, enc.attention_mask, positions=enc.prompt_last[:, None],
                        to_cpu=False, use_cache=False)[out][:, 0]
-    finally:
-        handle.remove()
-        for block, forward in zip(skipped, own):
-            if forward is None:
-                block.__dict__.pop("forward", None)
+
+
+def prefix_cached_predictions(lm, template: str | Sequence[str], subjects: Sequence[str], layer: int,
+                              delta: torch.Tensor, resume: Sequence[torch.Tensor], batch_size: int = 256,
+                              return_logits: bool = False) -> torch.Tensor:
+    """What ``next_token_predictions(lm, template, subjects, layer, delta, resume=resume)`` computes, for edits at
+    the subject's last token, with the prompt's tokens before the subject run once: an edit at position p
+    changes no state before p, so the keys and values of tokens [0, p) at every block are those of the clean
+    prompt. Rows are grouped by their filled prompt (e.g. the same source prompt under 40 edit ranks); per
+    prompt one clean pass over [0, p) fills a KV cache, then each batch of its rows (``batch_size``, no padding)
+    runs only the tokens [p, end] from block ``layer + 1`` on (``resume`` gives their clean layer-``layer``
+    states). Same numbers up to float rounding (attention over a cache instead of the whole sequence; measured
+    in docs/lre_protocol.md and tests/test_lre_protocol.py). Models without a KV cache API (``hook_points()``)
+    take :func:`next_token_predictions`."""
+    model, tok = lm.model, lm.tokenizer
+    adapter = adapter_for(model)
+    if adapter._points is not None or adapter.blocks is None:
+        return next_token_predictions(lm, template, subjects, layer, delta, return_logits=return_logits,
+                                      resume=resume)
+    subjects = list(subjects)
+    templates, prompts = _filled(template, subjects)
+    layer = adapter.layer_index(layer)
+    dtype = next(model.parameters()).dtype
+    device = module_device(adapter.embed if adapter.embed is not None else model)
+    to_logits = logits_fn(lm)
+    out_name = output_name(model)
+    rows_of: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        rows_of.setdefault(prompt, []).append(i)
+    results: list[torch.Tensor | None] = [None] * len(prompts)
+    pre_kw = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    for rows in rows_of.values():
+        first = rows[0]
+        enc = encode(tok, [templates[first]], [subjects[first]])
+        ids = enc.input_ids[0].to(device)
+        T, p, last = ids.shape[0], int(enc.subject_last[0]), int(enc.prompt_last[0])
+        clean = resume[first]
+        if clean.shape[0] != T:
+            raise ValueError(f"resume states have {clean.shape[0]} tokens but the prompt has {T}")
+        cache = None
+        if p > 0 and layer < adapter.n_layers - 1:
+            with torch.no_grad():
+                pre = model(input_ids=ids[None, :p], attention_mask=torch.ones(1, p, dtype=torch.long, device=device),
+                            use_cache=True, **pre_kw)
+            cache = getattr(pre, "cache", None)
+            if cache is None:
+                cache = getattr(pre, "past_key_values", None)
+        for start in range(0, len(rows), batch_size):
+            part = rows[start:start + batch_size]
+            m = len(part)
+            states = clean[p:].to(device, dtype)[None].repeat(m, 1, 1)
+            states[:, 0] += delta[part].to(device, dtype)
+            if layer == adapter.n_layers - 1:
+                o = states[:, last - p]
             else:
-                block.forward = forward
+                kwargs = {}
+                if cache is not None:
+                    mine = copy.deepcopy(cache)
+                    mine.batch_repeat_interleave(m)
+                    kwargs = {_cache_kwarg(model): mine, "use_cache": True}
+                seen = {}
+
+                def get(h):
+                    seen["o"] = h[:, last - p]
+                    raise _Stop
+                with torch.no_grad(), _resumed_at(adapter, layer, states), _output_hooks(adapter, {out_name: get}):
+                    try:
+                        model(input_ids=ids[None, p:].expand(m, -1),
+                              attention_mask=torch.ones(m, T, dtype=torch.long, device=device),
+                              position_ids=torch.arange(p, T, device=device)[None].expand(m, -1), **kwargs)
+                    except _Stop:
+                        pass
+                o = seen["o"]
+            logits = to_logits(o)
+            got = logits if return_logits else logits.argmax(-1)
+            for j, row in enumerate(part):
+                results[row] = got[j]
+    return torch.stack(results)
 
 
 # ------------------------------------------------------------------------------------------------ Jacobians
