@@ -61,6 +61,7 @@ import math
 import time
 
 import torch
+from tqdm.auto import tqdm
 
 from llmprobe.datasets import Fact, FactTable, Relation
 from llmprobe.geometry import superposition_readout
@@ -288,16 +289,49 @@ def compared_with(table_info: dict, d_model: int, modes: dict, past_fit: int, se
             f"model; the table, the measure and the controls do not.")
 
 
+class TimeLeft:
+    """The time left of one mode's curve, from the plan's seconds of each width (``planned["width"]``: a function
+    of d, picklable for the worker process, or a mapping d -> seconds): before any width is trained the plan's
+    seconds of the widths left, "(planned)"; after, those seconds times measured / planned of the widths done."""
+
+    def __init__(self, planned: dict | None, widths: list[int]):
+        width = (planned or {}).get("width")
+        try:
+            self.planned = None if width is None else [float(width(d) if callable(width) else width[d])
+                                                       for d in widths]
+        except (KeyError, TypeError, ValueError):             # no plan of a width: no time left said
+            self.planned = None
+        self.done, self.measured = 0, 0.0
+
+    def add(self, seconds: float) -> None:
+        """One more width trained and measured, in ``seconds``."""
+        self.done, self.measured = self.done + 1, self.measured + seconds
+
+    def left(self) -> str:
+        """``~10:24 left`` or ``~16:40 left (planned)``; "" without a plan."""
+        if self.planned is None:
+            return ""
+        after, so_far = sum(self.planned[self.done:]), sum(self.planned[:self.done])
+        if self.done and so_far > 0:
+            return f"~{tqdm.format_interval(after * self.measured / so_far)} left"
+        return f"~{tqdm.format_interval(after)} left (planned)"
+
+
 def train_matched(table: FactTable, d_model: int, seed: int = 0, at_model_width: bool = True,
                    max_steps: int = MAX_STEPS, d_max: int | None = None, n_boot: int = N_BOOT,
                    modes: tuple[str, ...] = MODES, progress=print, device: str = "cpu", n_seeds: int = N_SEEDS,
-                   past_fit: int = PAST_FIT, recipe: str = "adam") -> dict:
+                   past_fit: int = PAST_FIT, recipe: str = "adam", planned: dict | None = None) -> dict:
     """Train and measure the matched controls on ``table`` (pass the very table of the pretrained superposition
     fit); returns the controls block of the module docstring, on :data:`THREADS` torch threads whatever the
     caller's. ``device``: where the controls train (a CUDA device pays at the pretrained model's width: d = 4096
     with an MLP of 8d is ~2 TFLOP per full-batch step on a 1158-fact table); they are measured on the CPU.
     ``n_seeds`` seeds per point, ``past_fit`` steps trained past the first 100% step, ``recipe`` a key of
-    :data:`RECIPES`."""
+    :data:`RECIPES`.
+
+    ``planned``: the plan's seconds of each mode (``llmprobe.jobs.plan.matched_planned``), mode -> {"search":
+    seconds of the threshold search, "curve": seconds of the curve as planned (before d* is known), "width": the
+    seconds of width d: a function of d (picklable) or a mapping d -> seconds}; with it the progress lines say
+    the mode's time left (:class:`TimeLeft`). It changes no number; None (default): no time left said."""
     if recipe not in RECIPES:
         raise ValueError(f"unknown controls recipe {recipe!r}; choose from {', '.join(RECIPES)}")
     if n_seeds < 1 or past_fit < 0:
@@ -317,24 +351,31 @@ def train_matched(table: FactTable, d_model: int, seed: int = 0, at_model_width:
         for mode in modes:
             start = time.perf_counter()
             of_modes = f" ({modes.index(mode) + 1}/{len(modes)} modes)" if len(modes) > 1 else ""
+            plan = (planned or {}).get(mode)
+            ahead = (f"; ~{tqdm.format_interval(plan['search'] + plan['curve'])} left (planned)"
+                     if plan and "search" in plan and "curve" in plan else "")
             progress(f"{mode}{of_modes}, seed {seed}: searching d*, the smallest "
-                     f"width in {cfg.d_min}..{cfg.d_max} reaching 100% train accuracy, by bisection")
+                     f"width in {cfg.d_min}..{cfg.d_max} reaching 100% train accuracy, by bisection" + ahead)
             found = control_threshold(task, mode, cfg, seed=seed)
             d_star = found["d_star"]
             threshold = {"d_star": d_star, "exact": found["exact"], "tried": found["tried"],
                          "search_seconds": round(time.perf_counter() - start, 1)}
+            widths = curve_widths(d_star, d_model, at_model_width)
+            clock = TimeLeft(plan, widths)
+            left = f"; {clock.left()}" if clock.left() else ""
             progress(f"{mode}: " + (f"d* = {d_star}, " + ("exact (d*-1 failed with every initialisation)"
                                                        if found["exact"] else "an upper bound (d*-1 not seen failing)")
                                     if d_star else f"no width up to {cfg.d_max} reaches 100%")
                      + f", in {threshold['search_seconds']:.0f} s; trained " + ", ".join(
                          f"d={t['d']}" + (f" (initialisation {t['init'] + 1})" if t["init"] else "")
                          + (" 100%" if t["success"] else f" {t['accuracy']:.1%}") for t in found["tried"])
-                     + f"; next the widths {', '.join(map(str, curve_widths(d_star, d_model, at_model_width)))}")
+                     + f"; next the widths {', '.join(map(str, widths))}" + left)
             points = []
-            for d in curve_widths(d_star, d_model, at_model_width):
+            for k, d in enumerate(widths, 1):
                 start, cpu = time.perf_counter(), time.process_time()
-                progress(f"{mode} d={d}: training " + (f"seed {seed}" if len(tasks) == 1 else
-                                                       f"{len(tasks)} seeds {seed}..{seed + len(tasks) - 1}")
+                progress(f"{mode} d={d} (width {k}/{len(widths)}): training "
+                         + (f"seed {seed}" if len(tasks) == 1 else
+                            f"{len(tasks)} seeds {seed}..{seed + len(tasks) - 1}")
                          + f", up to {curve.train.max_steps} steps")
                 results = train_point(tasks, mode, d, curve, seed, budgets)
                 model = results[0].model.cpu()
@@ -354,17 +395,19 @@ def train_matched(table: FactTable, d_model: int, seed: int = 0, at_model_width:
                                "wall_seconds": round(time.perf_counter() - start, 1),
                                "cpu_seconds": round(time.process_time() - cpu, 1)})
                 p = points[-1]
-                label = f"{mode} d={d} (width {len(points)}/{len(curve_widths(d_star, d_model, at_model_width))})"
+                clock.add(time.perf_counter() - start)
+                left = f"; {clock.left()}" if clock.left() else ""
+                label = f"{mode} d={d} (width {k}/{len(widths)})"
                 plural = "s" if len(rows) > 1 else ""
                 if all(r["fit_step"] is None for r in rows):
                     progress(f"{label}: no seed reaches 100% train accuracy in {max_steps} steps (best "
                              f"{max(r['accuracy'] for r in rows):.1%}, {len(rows)} seed{plural}); superposition R^2 "
-                             f"{p['r2_final']['value']:.3f} at the cap")
+                             f"{p['r2_final']['value']:.3f} at the cap" + left)
                 else:
                     progress(f"{label}: 100% train accuracy at step " + ", ".join(
                         "never" if r["fit_step"] is None else str(r["fit_step"]) for r in rows)
                         + f" ({len(rows)} seed{plural}); superposition R^2 {p['r2_at_fit']['value']:.3f} at that "
-                        f"step, {p['r2_final']['value']:.3f} after {past_fit} more")
+                        f"step, {p['r2_final']['value']:.3f} after {past_fit} more" + left)
             block_modes[mode] = {"threshold": threshold, "points": points}
         seeds = [seed + i for i in range(n_seeds)]
         return {"compared_with": compared_with(info, d_model, block_modes, past_fit, seeds), "place": PLACE,

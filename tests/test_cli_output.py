@@ -100,12 +100,16 @@ def test_the_time_left_is_the_plans_seconds_scaled_by_measured_over_planned(caps
         list(log.bar(["a", "b", "c"], "decoders", planned=[1.0, 2.0]))
 
 
-def test_controls_say_what_they_train_and_find_in_words():
-    lines = []
+def _countries() -> FactTable:
     countries = [("France", "Paris", "Europe"), ("Japan", "Tokyo", "Asia"), ("Brazil", "Brasilia", "Americas"),
                  ("Egypt", "Cairo", "Africa"), ("Italy", "Rome", "Europe"), ("India", "New Delhi", "Asia")]
-    table = FactTable.from_relations([Relation(name, ["{}"], [], [Fact(c[0], c[k]) for c in countries])
-                                      for k, name in ((1, "capital"), (2, "continent"))])
+    return FactTable.from_relations([Relation(name, ["{}"], [], [Fact(c[0], c[k]) for c in countries])
+                                     for k, name in ((1, "capital"), (2, "continent"))])
+
+
+def test_controls_say_what_they_train_and_find_in_words():
+    lines = []
+    table = _countries()
     out = train_matched(table, d_model=4, max_steps=50, modes=("trainable",), at_model_width=False, n_boot=20,
                          progress=lines.append, n_seeds=1)
     d_star = out["modes"]["trainable"]["threshold"]["d_star"]
@@ -115,6 +119,62 @@ def test_controls_say_what_they_train_and_find_in_words():
     assert (f"d* = {d_star}," if d_star else "no width up to 4 reaches 100%") in text
     assert re.search(r"trained d=\d+ (100%|\d+\.\d%)", text)
     assert re.search(r"trainable d=\d+ \(width 1/1\): 100% train accuracy at step", text)
+
+
+def _no_seconds(tree):
+    """A controls block without its timings, for comparing numbers digit for digit."""
+    if isinstance(tree, dict):
+        return {k: _no_seconds(v) for k, v in tree.items() if "seconds" not in k and "time" not in k}
+    return [_no_seconds(v) for v in tree] if isinstance(tree, list) else tree
+
+
+def test_the_matched_lines_say_the_modes_time_left_from_the_plan(monkeypatch):
+    """With the plan's seconds (``train_matched(planned=...)``, as ``llmprobe run`` passes them from
+    ``jobs.plan.matched_planned``): the search's line says the plan's search and curve; the line after the search
+    the plan's seconds of the actual widths, "(planned)"; the line after width k of N the plan's seconds of the
+    widths left times measured / planned of the widths done. The numbers are those trained without a plan."""
+    import time
+    import types
+
+    from tqdm import tqdm
+
+    import synthetic.matched as matched
+
+    table = _countries()
+    kwargs = dict(d_model=16, max_steps=50, modes=("trainable",), n_boot=20, n_seeds=1)
+    unplanned: list[str] = []
+    alone = train_matched(table, progress=unplanned.append, **kwargs)
+    assert not any(" left" in line for line in unplanned)                # no plan (a direct caller): no time left
+
+    now = [0.0]                                  # a clock that moves only while a width trains
+    monkeypatch.setattr(matched, "time", types.SimpleNamespace(perf_counter=lambda: now[0],
+                                                               process_time=time.process_time))
+    real, measured = matched.train_point, {}
+
+    def timed(tasks, mode, d, *args):
+        measured[d] = 30.0 * d if not measured else 5.0 * d     # the first width 3x its plan, the others 0.5x
+        now[0] += measured[d]
+        return real(tasks, mode, d, *args)
+
+    monkeypatch.setattr(matched, "train_point", timed)
+    lines: list[str] = []
+    planned = {"trainable": {"search": 40.0, "curve": 500.0, "width": {d: 10.0 * d for d in range(1, 17)}}}
+    out = train_matched(table, progress=lines.append, planned=planned, **kwargs)
+    assert json.dumps(_no_seconds(out)) == json.dumps(_no_seconds(alone))    # it only prints more (NaN too)
+    widths = [p["d"] for p in out["modes"]["trainable"]["points"]]
+    assert len(widths) >= 3 and list(measured) == widths
+    plan = [10.0 * d for d in widths]
+    left = lambda seconds: f"~{tqdm.format_interval(seconds)} left"      # noqa: E731
+    assert lines[0].endswith(f"by bisection; {left(540)} (planned)")    # the search and the curve as planned
+    assert lines[1].startswith("trainable: d* = ") and lines[1].endswith(f"; {left(sum(plan))} (planned)")
+    done = [line for line in lines if re.match(r"trainable d=\d+ \(width \d+/\d+\): (100%|no seed)", line)]
+    assert len(done) == len(widths)
+    for k, (d, line) in enumerate(zip(widths, done), 1):
+        assert f"trainable d={d} (width {k}/{len(widths)}): training seed 0, up to 50 steps" in lines
+        spent = sum(measured[w] for w in widths[:k])
+        assert line.endswith(f"; {left(sum(plan[k:]) * spent / sum(plan[:k]))}"), (line, k)
+    assert "(planned)" not in done[0] and left(sum(plan[1:]) * 3) in done[0]      # scaled: not the plan's 3 x
+    assert done[-1].endswith("~00:00 left")
 
 
 # ----------------------------------------------------------------------- items 2, 3: the end of probe and run

@@ -229,3 +229,54 @@ def test_each_mode_trained_apart_and_merged_is_the_block_of_both_trained_togethe
     other = train_matched(table, modes=("frozen",), **{**kwargs, "max_steps": 50})
     with pytest.raises(ValueError, match="differ in .*training"):
         merge_matched([apart[1], other])
+
+
+def test_the_plan_prices_each_width_as_the_run_plan_does():
+    """``jobs.plan.matched_planned`` (what ``llmprobe run`` gives each mode's worker for its time left): at the
+    plan's own widths the search plus the curve are the seconds ``predict`` gives that mode (this CPU, scaled,
+    and one H200); a width between two planned ones has steps between theirs (interpolated in log d); its width
+    function survives pickling (the worker is a spawned process)."""
+    import pickle
+
+    from llmprobe.jobs.plan import CPU_FITS, PRESETS, matched_curve, matched_planned, matched_width_steps, predict_on
+
+    shape = PRESETS["smollm2-135m"]
+    work = {"forward": [], "edits": [], "jacobian": [], "lre_layers": [], "head_rows": 0, "states": [], "known": [],
+            "lre_fits": 0, "ridge_fits": 0, "readouts": 0, "n_subjects": 193, "n_facts_table": 1158,
+            "at_model_width": True, "n_seeds": 3}
+    for mode in ("trainable", "frozen"):
+        one, scale = {**work, "matched_modes": (mode,)}, 1.7
+        for device in ("cpu", "h200"):
+            expected = predict_on(shape, one, CPU_FITS, device, None, scale)
+            plan = matched_planned(mode, shape.d, 1158, 193, True, 3, device, scale)
+            assert plan["search"] + plan["curve"] == pytest.approx(expected["matched"], rel=1e-12)
+            width = pickle.loads(pickle.dumps(plan["width"]))
+            assert plan["curve"] == pytest.approx(sum(width(d) for d, _ in matched_curve(mode, shape.d)), rel=1e-12)
+    curve = dict(matched_curve("trainable", 576))                     # {3: 6000, 6: 786, 12: 570, ...}
+    assert matched_width_steps("trainable", 6, 576) == curve[6] and matched_width_steps("trainable", 2, 576) == curve[3]
+    assert curve[6] > matched_width_steps("trainable", 8, 576) > curve[12]
+    capped = matched_planned("trainable", 576, 1158, 193, max_steps=600)["width"]   # a seed trains 600 steps at most
+    assert capped(3) == pytest.approx(matched_planned("trainable", 576, 1158, 193)["width"](3) * 0.3, rel=0.01)
+    assert capped(48) == matched_planned("trainable", 576, 1158, 193)["width"](48)
+    assert matched_planned("frozen_all", 576, 1158, 193) is None
+
+
+def test_run_gives_each_modes_worker_the_plan_of_its_table(table, monkeypatch, capsys):
+    """``jobs.main.planned_matched``: the plan of each mode on the run's table, seeds and widths (this CPU scaled
+    by REFERENCE_RATE / its matmul rate), picklable for the spawned worker; a plan that cannot be made is said and
+    leaves the controls without a time left."""
+    import pickle
+
+    import llmprobe.jobs.main as job
+    from llmprobe.jobs.plan import REFERENCE_RATE, matched_planned
+
+    monkeypatch.setattr(job, "measured_rate", lambda: REFERENCE_RATE / 2)
+    arguments = {"device": "cpu", "at_model_width": True, "n_seeds": 3, "max_steps": 600}
+    plans = pickle.loads(pickle.dumps(job.planned_matched(table, 24, ("trainable", "frozen"), arguments)))
+    n_facts = int((table.table >= 0).sum())
+    for mode in ("trainable", "frozen"):
+        expected = matched_planned(mode, 24, n_facts, len(table.subjects), True, 3, "cpu", 2.0, 600)
+        assert plans[mode]["search"] == expected["search"] and plans[mode]["curve"] == expected["curve"]
+        assert plans[mode]["width"](7) == expected["width"](7) > 0
+    assert job.planned_matched(table, 24, ("trainable",), {"device": "cpu"}) == {}
+    assert "no plan of the matched controls' time (KeyError" in capsys.readouterr().err

@@ -21,6 +21,7 @@ from llmprobe.analyses.settings import settings_from
 from llmprobe.analyses.superposition import superposition_table
 from llmprobe.checks import UsageError
 from llmprobe.jobs.matched import MatchedWorker
+from llmprobe.jobs.plan import REFERENCE_RATE, matched_planned, measured_rate
 from llmprobe.jobs.probe import ProbeJob, job_settings, library_versions, say
 from llmprobe.jobs.stages import checkpoint, earlier_stage, mark_interrupted, stage_key, start_stage, unfinished
 from llmprobe.report.claims import claims_block
@@ -51,7 +52,9 @@ def run(model=None, *, settings: Settings | None = None, out: str | Path = "runs
     (``timings.analyses_threads``; on 2 cores 1 thread: a second thread there makes the decoders 1.3x faster
     alone but costs 13% more CPU, which the workers need); they train on the model's GPU when it has one (the
     widest control, at the model's own width, is a GPU-sized job for a 7B model). Their numbers are those of ``train_matched`` called anywhere (it fixes one thread itself), mode by
-    mode: nothing is shared between the modes but the table (``synthetic.matched.merge_matched``).
+    mode: nothing is shared between the modes but the table (``synthetic.matched.merge_matched``). Their
+    ``[matched]`` lines say each mode's time left, from the plan (:func:`planned_matched`): the plan's seconds
+    until a width is trained ("(planned)"), then the plan's seconds of the widths left times measured / planned.
 
     ``run.batch_size`` is every batched stage's largest micro-batch (known facts and analyses); ``device_map``,
     ``max_memory``, ``offload_folder``, ``quantize`` place the model (``llmprobe.load_model``).
@@ -138,8 +141,11 @@ class MatchedStage:
         say(f"matched controls: {len(table.subjects)} subjects x {len(table.relations)} relations, trained in "
             f"{len(modes)} worker process{'es' if len(modes) > 1 else ''} ({', '.join(modes)}) meanwhile "
             f"([matched] lines)")
-        self.workers = [MatchedWorker((table, report["model"]["d_model"]), {**arguments, "modes": (mode,)},
-                                       on_progress=_matched_progress) for mode in modes]
+        planned = planned_matched(table, report["model"]["d_model"], modes, arguments)
+        self.workers = [MatchedWorker((table, report["model"]["d_model"]),
+                                      {**arguments, "modes": (mode,),
+                                       "planned": {mode: planned[mode]} if mode in planned else None},
+                                      on_progress=_matched_progress) for mode in modes]
         if arguments["device"] == "cpu":          # the workers' threads come out of this process's budget
             self.threads_before = torch.get_num_threads()
             torch.set_num_threads(max(1, self.threads_before - len(self.workers)))
@@ -196,6 +202,23 @@ def matched_table(lm, relations: list, known: dict, report: dict, like_for_like:
         table = superposition_table(lm.tokenizer, relations, known, settings_from(**analysis_options))
         return table.fact_table(), []
     return known_table(report["relations"], known)
+
+
+def planned_matched(table, d_model: int, modes: tuple, arguments: dict) -> dict:
+    """Mode -> the plan of its controls (``jobs.plan.matched_planned``: this table's facts and subjects, the
+    run's seeds, widths and step cap, this CPU's matmul rate or the H200's roofline), which its worker's progress lines
+    estimate the time left from; {} (said on stderr) when the plan cannot be made: it never stops the controls."""
+    try:
+        device = "cpu" if arguments["device"] == "cpu" else "h200"
+        scale = REFERENCE_RATE / measured_rate() if device == "cpu" else 1.0
+        n_facts, n_subjects = int((table.table >= 0).sum()), len(table.subjects)
+        plans = {mode: matched_planned(mode, d_model, n_facts, n_subjects, arguments["at_model_width"],
+                                       arguments["n_seeds"], device, scale, arguments.get("max_steps"))
+                 for mode in modes}
+    except Exception as error:  # noqa: BLE001 - the time left is an estimate; the controls go on without it
+        say(f"no plan of the matched controls' time ({type(error).__name__}: {(str(error).splitlines() or [''])[0]})")
+        return {}
+    return {mode: plan for mode, plan in plans.items() if plan is not None}
 
 
 def _matched_progress(message: str) -> None:

@@ -699,6 +699,55 @@ def decoder_seconds(lm, relations: list, known_counts: dict, layers: list[int], 
         seconds.append(out["jacobians"] + out["decoders_other"] if work["forward"] else 0.0)
     return seconds
 
+def matched_width_steps(mode: str, d: int, d_model: int, n_seeds: int = 3) -> float:
+    """The plan's training steps (all seeds) of width ``d`` of ``mode``'s curve: :func:`matched_curve`'s at one
+    of its widths (the curve up to max(d_model, d) from the measured d*), else interpolated linearly in log d
+    between the two planned widths around it (beyond them: the nearest one's)."""
+    curve = matched_curve(mode, max(d_model, d), True, n_seeds)
+    if d <= curve[0][0]:
+        return float(curve[0][1])
+    for (d0, s0), (d1, s1) in zip(curve, curve[1:]):
+        if d0 <= d <= d1:
+            return s0 + (s1 - s0) * (math.log(d) - math.log(d0)) / (math.log(d1) - math.log(d0))
+    return float(curve[-1][1])
+
+
+def matched_width_seconds(d: int, *, mode: str, d_model: int, n_facts: int, n_subjects: int, n_seeds: int = 3,
+                          device: str = "cpu", cpu_scale: float = 1.0, max_steps: int | None = None) -> float:
+    """The plan's seconds of one point of ``mode``'s curve at width ``d`` on a table of ``n_facts`` facts over
+    ``n_subjects`` subjects: :func:`matched_width_steps` steps (at most ``max_steps`` per seed, the run's step
+    cap, when given) at :func:`matched_step_flops` each (this CPU:
+    the matched_step fit times ``cpu_scale``; "h200": :func:`h200_matched_step`), and its measurement (the
+    matched_measure fit), as :func:`predict` prices each point. Module-level, so a ``functools.partial`` of it
+    reaches the controls' spawned worker."""
+    fits = scaled_fits(CPU_FITS, cpu_scale) if device == "cpu" else CPU_FITS
+    steps = matched_width_steps(mode, d, d_model, n_seeds)
+    steps = steps if max_steps is None else min(steps, max_steps * n_seeds)
+    flops = matched_step_flops(d, n_facts, fits)
+    step = fits["matched_step"]["a"] * flops + fits["matched_step"]["b"] if device == "cpu" else h200_matched_step(flops)
+    return steps * step + fits["matched_measure"]["a"] * float(n_subjects) ** 2 * d + fits["matched_measure"]["b"]
+
+
+def matched_planned(mode: str, d_model: int, n_facts: int, n_subjects: int, at_model_width: bool = True,
+                    n_seeds: int = 3, device: str = "cpu", cpu_scale: float = 1.0,
+                    max_steps: int | None = None) -> dict | None:
+    """The plan of one mode's matched controls, as ``synthetic.matched.train_matched(planned={mode: ...})``
+    takes it for its progress lines' time left: {"search": the threshold search's seconds, "curve": the seconds
+    of the curve's widths as planned (from the measured d*), "width": :func:`matched_width_seconds` of this
+    table and device as a function of d (the actual widths are known only after the search)}. None for a mode
+    the plan has no measurements of. ``device``: "cpu" (fits times ``cpu_scale``: REFERENCE_RATE /
+    :func:`measured_rate`) or "h200" (one H200, its host work at the fits' speed), as :func:`predict_on`;
+    ``max_steps``: the run's step cap per training (None: the plan's steps as they are)."""
+    if mode not in MATCHED_D_STAR:
+        return None
+    width = functools.partial(matched_width_seconds, mode=mode, d_model=d_model, n_facts=n_facts,
+                              n_subjects=n_subjects, n_seeds=n_seeds, device=device, cpu_scale=cpu_scale,
+                              max_steps=max_steps)
+    return {"search": MATCHED_SEARCH_S[mode] * (cpu_scale if device == "cpu" else 1.0),
+            "curve": sum(width(d) for d, _ in matched_curve(mode, d_model, at_model_width, n_seeds)),
+            "width": width}
+
+
 def gib(x: float) -> str:
     return f"{x / 2**30:.1f}"
 
