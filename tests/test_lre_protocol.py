@@ -6,6 +6,7 @@ few-shot prompts of the strict protocol (in-context subjects never tested). Each
 step switched back to the behaviour before issue 21 (see the docstrings)."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
 from pathlib import Path
@@ -378,5 +379,39 @@ def test_benchmark_table_on_the_toy(planted):
         assert factual["as-published"][2].endswith(")") and " (1, " in factual["as-published"][2]
         assert {r[1]: r[2] for r in rows if r[0] == "bias"} == {"as-published": "-", "validation": "-"}
         assert "factual" in bench.format_table(rows)
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+def test_benchmark_modes_share_their_jacobians_and_numbers(planted, monkeypatch):
+    """The benchmark computes each trial's Jacobians once for both selection modes (``shared_jacobians``): half
+    the calls of computing them per mode, and every number of both modes the same. (A memo keyed on too little,
+    e.g. not on the prompts, fails this.)"""
+    spec = importlib.util.spec_from_file_location("lre_protocol_bench", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    try:
+        spec.loader.exec_module(bench)
+        lm, subjects, answers = planted
+        relation = answered_in_context(lm, subjects, answers)
+        calls = []
+        real = decoders_module.subject_jacobians
+
+        def counted(*args, **kw):
+            calls.append(1)
+            return real(*args, **kw)
+        monkeypatch.setattr(decoders_module, "subject_jacobians", counted)
+
+        def strip(x):
+            if isinstance(x, dict):
+                return {k: strip(v) for k, v in x.items() if k != "seconds"}
+            return [strip(v) for v in x] if isinstance(x, list) else x
+        shared = bench.measure(lm, [relation], [0, 1], options=FAST, log=lambda message: None)
+        n_shared = len(calls)
+        monkeypatch.setattr(bench, "shared_jacobians", contextlib.nullcontext)
+        calls.clear()
+        alone = bench.measure(lm, [relation], [0, 1], options=FAST, log=lambda message: None)
+        assert n_shared > 0 and len(calls) == 2 * n_shared
+        assert strip(shared) == strip(alone) and len(shared["relations"]["toy"]["modes"]) == 2
     finally:
         sys.modules.pop(spec.name, None)
