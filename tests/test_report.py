@@ -12,6 +12,7 @@ from llmprobe.report.render import (
     compare,
     export,
     matched_rows,
+    measured_differences,
     metric_rows,
     render_html,
     render_markdown,
@@ -588,6 +589,13 @@ def test_the_compare_page_puts_claims_side_by_side_and_warns_of_every_difference
     compare([a, same], tmp_path / "same")
     page = (tmp_path / "same" / "report.html").read_text()
     assert "class='warn'" not in page and "<th title='/other/llama-tiny'>llama-tiny (c)</th>" in page
+    probed = page_report("/data/models/probe-tiny", ["capital", "continent", "subregion"])   # a probe: no matched
+    probed["settings"]["command"], probed["settings"]["matched"] = "probe", None
+    probed.pop("matched")
+    lines = measured_differences([read_report(a), read_report(write_report(tmp_path / "p", probed))])
+    assert [line for line in lines if line.startswith("matched")] == [
+        "matched controls differ: llama-tiny: trainable d = 4, 8, 16, 32; frozen d = 4, 8, 16, 32 on 30 subjects x 3 "
+        "relations (90 facts); probe-tiny: none"], lines          # once, not once per matched setting
 
 
 def test_metrics_csv_and_to_frame_share_one_tidy_schema(tmp_path):

@@ -401,9 +401,10 @@ def measured_differences(reports: list[dict]) -> list[str]:
     sections += [(f"run.{key}", [(s.get("run") or {}).get(key) for s in settings]) for key in RUN_SETTINGS]
     analysis_keys = sorted({k for s in settings for k in (s.get("analysis") or {})})
     sections += [(f"analysis.{key}", [(s.get("analysis") or {}).get(key) for s in settings]) for key in analysis_keys]
-    matched_keys = sorted({k for s in settings for k in (s.get("matched") or {})})
-    sections += [(f"matched.{key}", [(s.get("matched") or {}).get(key) for s in settings]) for key in matched_keys]
-    sections.append(("matched controls", [_controls_text(r) for r in pretrained]))
+    if all(s.get("matched") for s in settings):      # a report without matched controls: their line says so once
+        matched_keys = sorted({k for s in settings for k in s["matched"]})
+        sections += [(f"matched.{key}", [s["matched"].get(key) for s in settings]) for key in matched_keys]
+    sections.append(("matched controls", [_matched_text(r) for r in pretrained]))
     for what, values in sections:
         if len({json.dumps(v, sort_keys=True, default=str) for v in values}) > 1:
             lines.append(f"{what} differ: " + "; ".join(f"{name}: {_fmt(v) if not isinstance(v, list) else ', '.join(map(str, v)) or 'none'}"
@@ -411,7 +412,7 @@ def measured_differences(reports: list[dict]) -> list[str]:
     return lines
 
 
-def _controls_text(report: dict) -> str:
+def _matched_text(report: dict) -> str:
     """What a report's matched controls were: their modes, widths and fact table, or none."""
     block = report.get("matched")
     if not block:
