@@ -47,7 +47,7 @@ import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# the repository root first: benchmarks/synthetic.py must not shadow the ``synthetic`` package
+# the repository root first: a benchmark script must not shadow a package of the repository
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # the cost model (shapes, workload, FLOPs, prediction) is the package's: ``llmprobe plan`` predicts with it

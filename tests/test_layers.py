@@ -214,3 +214,11 @@ def test_every_imported_package_is_declared():
     third_party = {m for m in imported if m not in sys.stdlib_module_names and m not in PACKAGES}
     missing = sorted(m for m in third_party if DISTRIBUTIONS.get(m, m).lower() not in names)
     assert missing == []
+
+
+def test_no_benchmark_script_shadows_a_package_of_the_repository():
+    """``python benchmarks/X.py`` puts benchmarks/ first on sys.path: a script named like a package (a
+    benchmarks/synthetic.py once did) hides it, and every benchmark importing the package through llmprobe stops."""
+    packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()}
+    scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")}
+    assert {"llmprobe", "synthetic"} <= packages and not scripts & packages, scripts & packages

@@ -10,8 +10,8 @@ Compares, in the same process and on the same device:
 Throughput is measured over a few timed epochs after a warm-up; time to 100% is a full training run of each recipe
 (the baseline is capped at ``--baseline-max-epochs``). Runs unchanged on a GPU with ``--device cuda``.
 
-    python benchmarks/synthetic.py                       # N=1024, R=8, d=24 on CPU, 2 threads
-    python benchmarks/synthetic.py --device cuda -N 4096 -R 16 --d 40
+    python benchmarks/synthetic_training.py                       # N=1024, R=8, d=24 on CPU, 2 threads
+    python benchmarks/synthetic_training.py --device cuda -N 4096 -R 16 --d 40
 """
 from __future__ import annotations
 
