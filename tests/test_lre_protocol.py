@@ -357,61 +357,60 @@ def test_strict_few_shot_prompts_never_test_an_in_context_subject(planted):
 
 
 # ------------------------------------------------------------------------------------------- the benchmark
-def test_benchmark_table_on_the_toy(planted):
-    """benchmarks/lre_protocol.py on the toy: both modes measured, one row per category and mode beside the
-    published means; a relation the model cannot be tested on is listed but not measured."""
+@pytest.fixture
+def bench():
+    """benchmarks/lre_protocol.py loaded as a module (in sys.modules while the test runs, as before)."""
     spec = importlib.util.spec_from_file_location("lre_protocol_bench", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
     try:
-        spec.loader.exec_module(bench)
-        lm, subjects, answers = planted
-        relation = answered_in_context(lm, subjects, answers)
-        relation.properties["relation_type"] = "factual"
-        unknown = Relation("never", [TEMPLATE], ["{}"], [Fact(s, "W29") for s in subjects[:8]],
-                           {"relation_type": "bias"})
-        measured = bench.measure(lm, [relation, unknown], [0], options=FAST, log=lambda message: None)
-        assert measured["relations"]["toy"]["measured"] and not measured["relations"]["never"]["measured"]
-        rows = bench.table(measured)
-        assert rows[0][:4] == ["category", "mode", "faithfulness (n rel., n facts)", "causality (n rel., n pairs)"]
-        factual = {r[1]: r for r in rows if r[0] == "factual"}
-        assert set(factual) == {"as-published", "validation"} and factual["as-published"][4] == "0.644 / 0.720"
-        assert factual["as-published"][2].endswith(")") and " (1, " in factual["as-published"][2]
-        assert {r[1]: r[2] for r in rows if r[0] == "bias"} == {"as-published": "-", "validation": "-"}
-        assert "factual" in bench.format_table(rows)
+        spec.loader.exec_module(module)
+        yield module
     finally:
         sys.modules.pop(spec.name, None)
 
 
-def test_benchmark_modes_share_their_jacobians_and_numbers(planted, monkeypatch):
+def test_benchmark_table_on_the_toy(planted, bench):
+    """benchmarks/lre_protocol.py on the toy: both modes measured, one row per category and mode beside the
+    published means; a relation the model cannot be tested on is listed but not measured."""
+    lm, subjects, answers = planted
+    relation = answered_in_context(lm, subjects, answers)
+    relation.properties["relation_type"] = "factual"
+    unknown = Relation("never", [TEMPLATE], ["{}"], [Fact(s, "W29") for s in subjects[:8]],
+                       {"relation_type": "bias"})
+    measured = bench.measure(lm, [relation, unknown], [0], options=FAST, log=lambda message: None)
+    assert measured["relations"]["toy"]["measured"] and not measured["relations"]["never"]["measured"]
+    rows = bench.table(measured)
+    assert rows[0][:4] == ["category", "mode", "faithfulness (n rel., n facts)", "causality (n rel., n pairs)"]
+    factual = {r[1]: r for r in rows if r[0] == "factual"}
+    assert set(factual) == {"as-published", "validation"} and factual["as-published"][4] == "0.644 / 0.720"
+    assert factual["as-published"][2].endswith(")") and " (1, " in factual["as-published"][2]
+    assert {r[1]: r[2] for r in rows if r[0] == "bias"} == {"as-published": "-", "validation": "-"}
+    assert "factual" in bench.format_table(rows)
+
+
+def test_benchmark_modes_share_their_jacobians_and_numbers(planted, monkeypatch, bench):
     """The benchmark computes each trial's Jacobians once for both selection modes (``shared_jacobians``): half
     the calls of computing them per mode, and every number of both modes the same. (A memo keyed on too little,
     e.g. not on the prompts, fails this.)"""
-    spec = importlib.util.spec_from_file_location("lre_protocol_bench", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    try:
-        spec.loader.exec_module(bench)
-        lm, subjects, answers = planted
-        relation = answered_in_context(lm, subjects, answers)
-        calls = []
-        real = decoders_module.subject_jacobians
+    lm, subjects, answers = planted
+    relation = answered_in_context(lm, subjects, answers)
+    calls = []
+    real = decoders_module.subject_jacobians
 
-        def counted(*args, **kw):
-            calls.append(1)
-            return real(*args, **kw)
-        monkeypatch.setattr(decoders_module, "subject_jacobians", counted)
+    def counted(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+    monkeypatch.setattr(decoders_module, "subject_jacobians", counted)
 
-        def strip(x):
-            if isinstance(x, dict):
-                return {k: strip(v) for k, v in x.items() if k != "seconds"}
-            return [strip(v) for v in x] if isinstance(x, list) else x
-        shared = bench.measure(lm, [relation], [0, 1], options=FAST, log=lambda message: None)
-        n_shared = len(calls)
-        monkeypatch.setattr(bench, "shared_jacobians", contextlib.nullcontext)
-        calls.clear()
-        alone = bench.measure(lm, [relation], [0, 1], options=FAST, log=lambda message: None)
-        assert n_shared > 0 and len(calls) == 2 * n_shared
-        assert strip(shared) == strip(alone) and len(shared["relations"]["toy"]["modes"]) == 2
-    finally:
-        sys.modules.pop(spec.name, None)
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k != "seconds"}
+        return [strip(v) for v in x] if isinstance(x, list) else x
+    shared = bench.measure(lm, [relation], [0, 1], options=FAST, log=lambda message: None)
+    n_shared = len(calls)
+    monkeypatch.setattr(bench, "shared_jacobians", contextlib.nullcontext)
+    calls.clear()
+    alone = bench.measure(lm, [relation], [0, 1], options=FAST, log=lambda message: None)
+    assert n_shared > 0 and len(calls) == 2 * n_shared
+    assert strip(shared) == strip(alone) and len(shared["relations"]["toy"]["modes"]) == 2
