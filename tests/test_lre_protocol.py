@@ -146,6 +146,16 @@ def llama64(tmp_path_factory):
     return load_model(str(save_tiny("llama", tmp_path_factory.mktemp("llama"))), device="cpu", dtype=torch.float64)
 
 
+def _capital_all_known() -> tuple[Relation, list[FactResult]]:
+    """14 subjects, each with one of 6 cities as its object, every fact given as known (no known-fact check)."""
+    places = ["Paris", "Tokyo", "Berlin", "Rome", "Madrid", "Cairo"]
+    subjects = ["France", "Japan", "Brazil", "Germany", "Italy", "Spain", "Portugal", "Egypt", "Kenya", "Mexico",
+                "Marie", "Albert", "Europe", "Asia"]
+    facts = [Fact(s, places[i % len(places)]) for i, s in enumerate(subjects)]
+    return Relation("capital", [TEMPLATE], ["{}"], facts), [FactResult(f.subject, f.object, "", f.object, True)
+                                                            for f in facts]
+
+
 def test_W_and_b_average_the_training_facts_each_prompted_with_the_others(llama64, monkeypatch):
     """W and b of the fitted LRE = the mean over one trial's training facts of J_i and o_i - J_i h_i, each computed
     one prompt at a time (``per_prompt_jacobians``) with the *other* training facts as in-context lines; the test
@@ -158,19 +168,14 @@ def test_W_and_b_average_the_training_facts_each_prompted_with_the_others(llama6
         seen.append((templates, subjects))
         return real(lm, templates, subjects, layers, **kw)
     monkeypatch.setattr(decoders_module, "relation_states", spy)
-    places = ["Paris", "Tokyo", "Berlin", "Rome", "Madrid", "Cairo"]
-    subjects = ["France", "Japan", "Brazil", "Germany", "Italy", "Spain", "Portugal", "Egypt", "Kenya", "Mexico",
-                "Marie", "Albert", "Europe", "Asia"]
-    facts = [Fact(s, places[i % len(places)]) for i, s in enumerate(subjects)]
-    relation = Relation("capital", [TEMPLATE], ["{}"], facts)
-    results = [FactResult(f.subject, f.object, "", f.object, True) for f in facts]    # given: all known
+    relation, results = _capital_all_known()
     fitted: dict = {}
     out = decoders_module.decoders_for_relation(
         llama64, relation, results, [1], [1], [], True, False, settings_from(protocol="lre", n_icl=3, lre_betas=(1.0,)),
         lambda message: None, fitted)
     fit = fitted["capital"]["lre"]
     trial = out["trials"][fit["refit"]]
-    train = [f for f in facts if f.subject in trial["train_subjects"]]
+    train = [f for f in relation.facts if f.subject in trial["train_subjects"]]
     assert len(train) == 3 and not set(trial["train_subjects"]) & set(trial["test_subjects"])
     J, b = [], []
     for fact in train:
@@ -225,12 +230,7 @@ def test_lre_protocol_numbers_equal_with_and_without_the_prefix_cache(llama64, m
     """Protocol lre end to end on the tiny llama, causality measured: every number of the relation's entry (beta,
     edit rank, faithfulness, causality and its controls per trial) is the same with the prefix-cached edits as
     with the full resumed passes."""
-    places = ["Paris", "Tokyo", "Berlin", "Rome", "Madrid", "Cairo"]
-    subjects = ["France", "Japan", "Brazil", "Germany", "Italy", "Spain", "Portugal", "Egypt", "Kenya", "Mexico",
-                "Marie", "Albert", "Europe", "Asia"]
-    facts = [Fact(s, places[i % len(places)]) for i, s in enumerate(subjects)]
-    relation = Relation("capital", [TEMPLATE], ["{}"], facts)
-    results = [FactResult(f.subject, f.object, "", f.object, True) for f in facts]    # given: all known
+    relation, results = _capital_all_known()
     cfg = settings_from(protocol="lre", n_icl=3, lre_betas=(0.5, 1.0), lre_edit_ranks=(0, 8, 16, 24, 64))
     seen = []
     real = decoders_module.causality_hits
