@@ -11,6 +11,7 @@ published means (GPT-J, GPT-2-XL, LLaMA-13B).
 
     python benchmarks/lre_protocol.py --relations lre:all --out runs/lre_protocol.json    # embedded SmolLM2
     python benchmarks/lre_protocol.py --table runs/lre_protocol.json     # the table of a saved (partial) run
+    python benchmarks/lre_protocol.py --table runs/a.json runs/b.json --markdown   # runs pooled, for the docs
 
 Only relations the model knows enough of are measured, so a category mean here covers fewer relations than the
 paper's; the table says how many.
@@ -146,6 +147,49 @@ def format_table(rows: list[list[str]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
+def merge(runs: list[dict]) -> dict:
+    """Several saved runs (``--out`` files) as one: their relations pooled (a relation measured twice: the later
+    file's), seconds summed; ValueError when they differ in layers, N or trials (their numbers would not pool)."""
+    settings = {(tuple(r["layers"]), r["n_icl"], r["n_splits"]) for r in runs}
+    if len(settings) != 1:
+        raise ValueError(f"these runs differ in (layers, n_icl, trials): {sorted(settings)}; pool only runs of the "
+                         f"same settings")
+    relations: dict = {}
+    for run in runs:
+        relations.update(run["relations"])
+    return {**runs[0], "relations": relations, "seconds": round(sum(r.get("seconds") or 0 for r in runs), 1)}
+
+
+def relation_rows(measured: dict) -> list[str]:
+    """One markdown row per relation, in the order measured: rows, known per trial, each mode's faithfulness /
+    causality (n distinct test facts) at the selected layer, seconds of both modes."""
+    def cell(entry: dict) -> str:
+        f, n, c, _ = selected(entry)
+        return "-" if f is None else f"{f:.3f} / {'-' if c is None else f'{c:.3f}'} ({n})"
+    lines = ["| relation | category | rows | known per trial | as published: F / C (n facts) | "
+             "validation: F / C (n facts) | s |", "|---|---|---|---|---|---|---|"]
+    for name, e in measured["relations"].items():
+        modes = e.get("modes") or {}
+        cells = [cell(modes[m]) if m in modes else "not measurable" for m in MODES]
+        seconds = round(sum(m.get("seconds") or 0 for m in modes.values()))
+        lines.append(f"| {name} | {e['category']} | {e['n_rows']} | {', '.join(map(str, e['n_known']))} | "
+                     f"{' | '.join(cells)} | {seconds} |")
+    return lines
+
+
+def coverage(measured: dict) -> list[str]:
+    """Per category: relations measured of the bundled ones (checked), and the bundled relations not run."""
+    lines = []
+    for cat in LRE_CATEGORIES:
+        bundled = [r.name for r in load_relations(f"lre:{cat}")]
+        checked = [n for n in bundled if n in measured["relations"]]
+        done = [n for n in checked if measured["relations"][n]["measured"]]
+        missing = [n for n in bundled if n not in measured["relations"]]
+        lines.append(f"* {cat}: {len(done)} measured of {len(bundled)} ({len(checked)} checked); not run: "
+                     f"{', '.join(missing) or 'none'}")
+    return lines
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model name or folder (default: the embedded SmolLM2)")
@@ -157,13 +201,18 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default=None, help="write every relation's entries here (JSON, after each one)")
-    parser.add_argument("--table", default=None, help="print the table of a saved --out file (measure nothing)")
+    parser.add_argument("--table", nargs="+", default=None,
+                        help="print the table of saved --out files, pooled (measure nothing)")
+    parser.add_argument("--markdown", action="store_true",
+                        help="with --table: also each relation's row and the coverage by category (markdown)")
     args = parser.parse_args(argv)
     if args.table:
-        measured = read_json(args.table)
+        measured = merge([read_json(path) for path in args.table])
         print(format_table(table(measured)))
         print(f"({measured['seconds']} s; layers {measured['layers']}; relations measured: "
               f"{sum(e['measured'] for e in measured['relations'].values())} of {len(measured['relations'])})")
+        if args.markdown:
+            print("\n" + "\n".join(relation_rows(measured)) + "\n\n" + "\n".join(coverage(measured)))
         return measured
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -23,6 +23,7 @@ from llmprobe.analyses.run import run_analyses
 from llmprobe.analyses.settings import AnalysisError, settings_from
 from llmprobe.analyses.splits import in_context_draws, object_pairs
 from llmprobe.datasets import Fact, Relation, load_relations
+from llmprobe.io import write_json
 from llmprobe.model.adapters import ModelAdapter
 from llmprobe.model.known import (
     CONTEXT,
@@ -387,6 +388,36 @@ def test_benchmark_table_on_the_toy(planted, bench):
     assert factual["as-published"][2].endswith(")") and " (1, " in factual["as-published"][2]
     assert {r[1]: r[2] for r in rows if r[0] == "bias"} == {"as-published": "-", "validation": "-"}
     assert "factual" in bench.format_table(rows)
+
+
+def test_benchmark_pools_saved_runs_and_writes_the_docs_rows(planted, bench, tmp_path, capsys):
+    """``--table a.json b.json --markdown``: two runs of different relations pool to the table of one run of
+    both, with a row per relation and the bundled relations not run; runs of other settings refuse to pool."""
+    lm, subjects, answers = planted
+    relation = answered_in_context(lm, subjects, answers)
+    relation.properties["relation_type"] = "factual"
+    unknown = Relation("never", [TEMPLATE], ["{}"], [Fact(s, "W29") for s in subjects[:8]],
+                       {"relation_type": "bias"})
+    measured = bench.measure(lm, [relation, unknown], [0], options=FAST, log=lambda message: None)
+    halves = [{**measured, "relations": {name: entry}, "seconds": 1.5}
+              for name, entry in measured["relations"].items()]
+    pooled = bench.merge(halves)
+    assert pooled["relations"] == measured["relations"] and pooled["seconds"] == 3.0
+    assert bench.table(pooled) == bench.table(measured)
+    rows = {line.split(" | ")[0][2:]: line for line in bench.relation_rows(pooled)[2:]}
+    f, n, c, _ = bench.selected(measured["relations"]["toy"]["modes"]["as-published"])
+    assert f"| {f:.3f} / {c:.3f} ({n}) |" in rows["toy"]
+    assert rows["never"].count("not measurable") == 2
+    assert bench.coverage(pooled)[3].startswith("* bias: 0 measured of 7 (0 checked); not run: ")
+    with pytest.raises(ValueError, match="differ in"):
+        bench.merge([halves[0], {**halves[1], "layers": [1]}])
+    paths = []
+    for k, half in enumerate(halves):
+        paths.append(str(tmp_path / f"run{k}.json"))
+        write_json(paths[-1], half)
+    bench.main(["--table", *paths, "--markdown"])
+    printed = capsys.readouterr().out
+    assert rows["toy"] in printed and "* factual: 0 measured of 26 (0 checked)" in printed
 
 
 def test_benchmark_modes_share_their_jacobians_and_numbers(planted, monkeypatch, bench):
