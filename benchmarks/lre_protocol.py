@@ -79,18 +79,24 @@ def category(relation) -> str:
 
 
 def measure(lm, relations: list, layers: list[int], n_icl: int = 5, n_splits: int = 3, seed: int = 0,
-            options: dict | None = None, log=print, out_path: str | None = None) -> dict:
-    """Known facts and both selection modes of every relation: {"relations": {name: {category, n_rows, n_known
-    per trial, measured, modes: {mode: relation entry}}}, "seconds"}; written to ``out_path`` (atomically) after
-    every relation, so a long run that is stopped keeps the relations it finished."""
+            options: dict | None = None, log=print, out_path: str | None = None, max_facts: int | None = None
+            ) -> dict:
+    """Known facts and both selection modes of every relation: {"relations": {name: {category, n_rows (checked),
+    n_rows_file, n_known per trial, measured, modes: {mode: relation entry}}}, "seconds"}; ``max_facts`` keeps the
+    first rows of a longer relation; written to ``out_path`` (atomically) after every relation, so a long run
+    that is stopped keeps the relations it finished."""
     t0 = time.perf_counter()
     out: dict = {"relations": {}, "layers": layers, "n_icl": n_icl, "n_splits": n_splits}
     for relation in relations:
+        n_file = len(relation.facts)
+        if max_facts:
+            relation = relation.with_facts(relation.facts[:max_facts])
         facts, _ = locatable(lm, relation)
         relation = relation.with_facts(facts)
         results = known_facts(lm, relation, protocol="lre", n_icl=n_icl, n_draws=n_splits, seed=seed)
-        entry = {"category": category(relation), "n_rows": len(results),
-                 "n_known": [sum(r.draws[k] == KNOWN for r in results) for k in range(n_splits)],
+        entry = {"category": category(relation), "n_rows": len(results), "n_rows_file": n_file,
+                 "n_known": [sum(r.draws[k] == KNOWN for r in results)        # none: too few rows for a trial
+                             for k in range(len(results[0].draws) if results else 0)],
                  "measured": measurable(results, n_icl), "modes": {}}
         out["relations"][relation.name] = entry
         log(f"{relation.name}: known per trial {entry['n_known']} of {len(results)} rows")
@@ -172,7 +178,9 @@ def relation_rows(measured: dict) -> list[str]:
         modes = e.get("modes") or {}
         cells = [cell(modes[m]) if m in modes else "not measurable" for m in MODES]
         seconds = round(sum(m.get("seconds") or 0 for m in modes.values()))
-        lines.append(f"| {name} | {e['category']} | {e['n_rows']} | {', '.join(map(str, e['n_known']))} | "
+        rows = e["n_rows"] if e.get("n_rows_file", e["n_rows"]) == e["n_rows"] else \
+            f"{e['n_rows']} of {e['n_rows_file']}"
+        lines.append(f"| {name} | {e['category']} | {rows} | {', '.join(map(str, e['n_known'])) or '-'} | "
                      f"{' | '.join(cells)} | {seconds} |")
     return lines
 
@@ -218,10 +226,8 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     lm = load_model(args.model, device=args.device)
     relations = load_relations(args.relations)
-    if args.max_facts:
-        relations = [r.with_facts(r.facts[:args.max_facts]) for r in relations]
     layers = [l for l in parse_layers(args.layers, lm.adapter.n_layers) if l != lm.adapter.n_layers - 1]
-    measured = measure(lm, relations, layers, args.n_icl, args.trials, out_path=args.out)
+    measured = measure(lm, relations, layers, args.n_icl, args.trials, out_path=args.out, max_facts=args.max_facts)
     print(format_table(table(measured)))
     print(f"({measured['seconds']} s; layers {layers}; relations measured: "
           f"{sum(e['measured'] for e in measured['relations'].values())} of {len(measured['relations'])})")

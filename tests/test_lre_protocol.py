@@ -392,7 +392,8 @@ def test_benchmark_table_on_the_toy(planted, bench):
 
 def test_benchmark_pools_saved_runs_and_writes_the_docs_rows(planted, bench, tmp_path, capsys):
     """``--table a.json b.json --markdown``: two runs of different relations pool to the table of one run of
-    both, with a row per relation and the bundled relations not run; runs of other settings refuse to pool."""
+    both, with a row per relation and the bundled relations not run; runs of other settings refuse to pool; a
+    relation cut by ``max_facts`` says so in its row."""
     lm, subjects, answers = planted
     relation = answered_in_context(lm, subjects, answers)
     relation.properties["relation_type"] = "factual"
@@ -411,6 +412,10 @@ def test_benchmark_pools_saved_runs_and_writes_the_docs_rows(planted, bench, tmp
     assert bench.coverage(pooled)[3].startswith("* bias: 0 measured of 7 (0 checked); not run: ")
     with pytest.raises(ValueError, match="differ in"):
         bench.merge([halves[0], {**halves[1], "layers": [1]}])
+    capped = bench.measure(lm, [unknown], [0], options=FAST, log=lambda message: None, max_facts=5)
+    assert (capped["relations"]["never"]["n_rows"], capped["relations"]["never"]["n_rows_file"]) == (5, 8)
+    assert capped["relations"]["never"]["n_known"] == []            # 5 rows: no trial beside 5 training facts
+    assert "| never | bias | 5 of 8 | - | not measurable | not measurable |" in bench.relation_rows(capped)[2]
     paths = []
     for k, half in enumerate(halves):
         paths.append(str(tmp_path / f"run{k}.json"))
