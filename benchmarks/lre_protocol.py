@@ -100,10 +100,8 @@ def measure(lm, relations: list, layers: list[int], n_icl: int = 5, n_splits: in
                  "measured": measurable(results, n_icl), "modes": {}}
         out["relations"][relation.name] = entry
         log(f"{relation.name}: known per trial {entry['n_known']} of {len(results)} rows")
-        if not entry["measured"]:
-            continue
         with shared_jacobians():                 # both modes: the same trials, so the same Jacobians
-            for mode in MODES:
+            for mode in MODES if entry["measured"] else ():
                 got = run_analyses(lm, [relation], {relation.name: results}, layers, analyses=("lre",), seed=seed,
                                    n_splits=n_splits, progress=False, protocol="lre", n_icl=n_icl,
                                    lre_selection=mode, lre_layers=tuple(layers), **(options or {}))

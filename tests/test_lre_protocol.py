@@ -22,6 +22,7 @@ import llmprobe.analyses.decoders as decoders_module
 from llmprobe.analyses.run import run_analyses
 from llmprobe.analyses.settings import AnalysisError, settings_from
 from llmprobe.analyses.splits import in_context_draws, object_pairs
+from llmprobe.checks import read_json
 from llmprobe.datasets import Fact, Relation, load_relations
 from llmprobe.io import write_json
 from llmprobe.model.adapters import ModelAdapter
@@ -412,7 +413,10 @@ def test_benchmark_pools_saved_runs_and_writes_the_docs_rows(planted, bench, tmp
     assert bench.coverage(pooled)[3].startswith("* bias: 0 measured of 7 (0 checked); not run: ")
     with pytest.raises(ValueError, match="differ in"):
         bench.merge([halves[0], {**halves[1], "layers": [1]}])
-    capped = bench.measure(lm, [unknown], [0], options=FAST, log=lambda message: None, max_facts=5)
+    saved = tmp_path / "capped.json"
+    capped = bench.measure(lm, [unknown], [0], options=FAST, log=lambda message: None, max_facts=5,
+                           out_path=str(saved))
+    assert read_json(saved)["relations"] == capped["relations"]     # written though it measured nothing
     assert (capped["relations"]["never"]["n_rows"], capped["relations"]["never"]["n_rows_file"]) == (5, 8)
     assert capped["relations"]["never"]["n_known"] == []            # 5 rows: no trial beside 5 training facts
     assert "| never | bias | 5 of 8 | - | not measurable | not measurable |" in bench.relation_rows(capped)[2]
