@@ -256,8 +256,9 @@ def prefix_cached_predictions(lm, template: str | Sequence[str], subjects: Seque
     prompt. Rows are grouped by their filled prompt (e.g. the same source prompt under 40 edit ranks); per
     prompt one clean pass over [0, p) fills a KV cache, then each batch of its rows (``batch_size``, no padding)
     runs only the tokens [p, end] from block ``layer + 1`` on (``resume`` gives their clean layer-``layer``
-    states). Same numbers up to float rounding (attention over a cache instead of the whole sequence; measured
-    in docs/lre_protocol.md and tests/test_lre_protocol.py). Models without a KV cache API (``hook_points()``)
+    states). The same numbers as the full passes in every comparison made (float64 logits to 1e-9 in
+    tests/test_lre_protocol.py; the protocol's entries identical on SmolLM2, docs/analyses.md); in principle an
+    order of float sums differs (attention over a cache instead of the whole sequence). Models without a KV cache API (``hook_points()``)
     take :func:`next_token_predictions`."""
     model, tok = lm.model, lm.tokenizer
     adapter = adapter_for(model)

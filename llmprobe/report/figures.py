@@ -96,25 +96,25 @@ def depth_plot(reports: list[dict], measure: str, x: str = "depth", colors: dict
     with 95% intervals. Colours: ``colors`` (default :func:`relation_colors`). None when nothing has it."""
     colors = colors or relation_colors(reports)
     rows_of = lambda source: [r for r in metric_rows(source) if r["measure"] == measure and r["layer"] is not None]
-    groups = [(owner, rows_of(owner) if owner else [], [(c, rows_of(c)) for c in controls if rows_of(c)])
-              for owner, controls in owner_groups(reports)]
+    groups = [(owner, rows_of(owner) if owner else [], [(m, rows_of(m)) for m in matched if rows_of(m)])
+              for owner, matched in owner_groups(reports)]
     groups = [g for g in groups if g[1] or g[2]]
     if not groups:
         return None
-    beside = any(controls for _, _, controls in groups)
+    beside = any(matched for _, _, matched in groups)
     figure, axes = subplots(len(groups), 2 if beside else 1, figsize=(10.5 if beside else 7.5, 2.7 * len(groups) + 0.8),
                             squeeze=False, sharey=True, layout="constrained",
                             **({"width_ratios": [2, 1]} if beside else {}))
     drawn, nulls, modes = set(), set(), set()
-    for (owner, rows, controls), row_axes in zip(groups, axes):
+    for (owner, rows, matched), row_axes in zip(groups, axes):
         if rows:
             drawn |= _draw_depth(row_axes[0], rows, x, colors, nulls)
             row_axes[0].set_title(source_name(owner), fontsize=9)
             row_axes[0].set_xlabel(DEPTH_LABEL[x], fontsize=8)
         else:
             row_axes[0].axis("off")
-        if beside and controls:
-            drawn |= _draw_widths(row_axes[1], controls, colors, modes)
+        if beside and matched:
+            drawn |= _draw_widths(row_axes[1], matched, colors, modes)
             row_axes[1].set_title(f"{source_name(owner) + ': ' if owner else ''}matched controls (one layer)",
                                   fontsize=9)
         elif beside:
@@ -136,12 +136,12 @@ def _relation_order(relation: str) -> tuple:
 
 
 def _draw_depth(axis, rows: list[dict], x: str, colors: dict, nulls: set) -> set[str]:
-    """A line per relation of one source's rows (value rows; the first control row of a point dashed); returns
-    the relations drawn and adds the dashed controls' names to ``nulls``."""
+    """A line per relation of one source's rows (value rows; the first null row of a point dashed); returns the
+    relations drawn and adds the dashed nulls' names to ``nulls``."""
     series: dict[str, dict] = {}
     for row in rows:
         point = series.setdefault(row["relation"], {}).setdefault(row[x], {})
-        point.setdefault("null" if row["null"] else "value", row)      # a value's first control: its primary
+        point.setdefault("null" if row["null"] else "value", row)      # a value's first null: its primary
     for relation in sorted(series, key=_relation_order):
         points = {at: p for at, p in series[relation].items() if "value" in p}
         xs, color = sorted(points), colors.get(relation, NEUTRAL)
@@ -149,19 +149,19 @@ def _draw_depth(axis, rows: list[dict], x: str, colors: dict, nulls: set) -> set
         if all(points[at]["value"]["lo"] is not None and points[at]["value"]["hi"] is not None for at in xs):
             axis.fill_between(xs, [points[at]["value"]["lo"] for at in xs], [points[at]["value"]["hi"] for at in xs],
                               color=color, alpha=0.15, lw=0)
-        controls = [points[at].get("null") for at in xs]
-        if all(c is not None and c["value"] is not None for c in controls):
-            axis.plot(xs, [c["value"] for c in controls], ls="--", lw=1, color=color)
-            nulls.update(c["null"] for c in controls)
+        primary = [points[at].get("null") for at in xs]
+        if all(c is not None and c["value"] is not None for c in primary):
+            axis.plot(xs, [c["value"] for c in primary], ls="--", lw=1, color=color)
+            nulls.update(c["null"] for c in primary)
     axis.grid(alpha=0.3)
     return set(series)
 
 
-def _draw_widths(axis, controls: list[tuple[dict, list[dict]]], colors: dict, modes: set) -> set[str]:
+def _draw_widths(axis, matched: list[tuple[dict, list[dict]]], colors: dict, modes: set) -> set[str]:
     """The matched controls' value rows against their width d: a line per (mode, relation), 95% interval bars;
     returns the relations drawn and adds the modes to ``modes``."""
     series: dict[tuple[str, str], list] = {}
-    for source, rows in controls:
+    for source, rows in matched:
         for row in rows:
             if row["null"] is None and row["value"] is not None:
                 series.setdefault((_mode(source), row["relation"]), []).append(((source.get("model") or {}).get(
@@ -219,9 +219,9 @@ def comparison_plot(reports: list[dict], colors: dict | None = None):
     the d* and the widest points (the whole curve is :func:`capacity_plot`). None without readouts."""
     colors = colors or relation_colors(reports)
     shown = []
-    for owner, controls in owner_groups(reports):
-        widest = max(((c.get("model") or {}).get("d_model") or 0 for c in controls), default=0)
-        shown += ([owner] if owner else []) + [c for c in controls if str(c.get("label", "")).endswith("(d*)")
+    for owner, matched in owner_groups(reports):
+        widest = max(((c.get("model") or {}).get("d_model") or 0 for c in matched), default=0)
+        shown += ([owner] if owner else []) + [c for c in matched if str(c.get("label", "")).endswith("(d*)")
                                                or (c.get("model") or {}).get("d_model") == widest]
     sources = [s for s in (_superposition_at(r) for r in shown) if s]
     if not sources:
@@ -263,7 +263,7 @@ def _bar(axis, y: float, m: dict | None, height: float, color: str) -> None:
 
 # ---------------------------------------------------------------------------------- capacity curve
 def _blocks(reports: list[dict]) -> list[tuple[dict, dict]]:
-    """(pretrained report, its controls block) of every report with a controls block (``controls.modes``)."""
+    """(pretrained report, its matched block) of every report with one (``matched.modes``)."""
     return [(r, r["matched"]) for r in reports if isinstance(r.get("matched"), dict) and r["matched"].get("modes")]
 
 
@@ -344,7 +344,7 @@ def capacity_figure(reports: list[dict]) -> str | None:
 
 
 def _bisection_plot(reports: list[dict]):
-    """Reports written before the controls block: the controls' train accuracy against width d, d* marked."""
+    """Reports written before the matched block: the controls' train accuracy against width d, d* marked."""
     curves = {}
     for report in reports:
         threshold = report.get("threshold") or {}
