@@ -1,5 +1,7 @@
 """Model side of the LRE: batched Jacobians (against the per-prompt reference and finite differences), states,
 faithfulness through adapter.logits, causality edits through real forward passes, full-sequence scoring."""
+import importlib.util
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -9,13 +11,15 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from torch import nn
 from transformers import PreTrainedTokenizerFast
 
+import llmprobe.model.lre as lre_module
 from llmprobe.geometry import LinearRelationDecoder, LinearRelationOperator
 from llmprobe.model.adapters import ModelAdapter
-from llmprobe.model.capture import capture, forward, patch
+from llmprobe.model.capture import adapter_for, capture, forward, patch
 from llmprobe.model.known import first_token_ids
 from llmprobe.model.loading import LoadedModel, load_model
 from llmprobe.model.lre import (
     layer_sequences,
+    line_argmax,
     logits_fn,
     next_token_predictions,
     output_name,
@@ -27,6 +31,8 @@ from llmprobe.model.lre import (
 from llmprobe.model.random_init import random_init
 from llmprobe.model.scoring import first_token_collisions, object_continuations, sequence_logprobs
 from llmprobe.model.subjects import encode
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 TEMPLATES = ["The capital of {} is", "Tell me about {} now.", "{} is located in", "The capital of {} is",
              "In {}, people pay with the"]
@@ -418,3 +424,45 @@ def test_auto_jacobian_rank_is_low_rank_only_where_it_costs_less():
     assert jacobian_rank_for(auto, None, [6], 30) is None                    # unknown width: exact
     assert jacobian_rank_for(AnalysisSettings(jacobian_rank="full"), 8192, [6], 80) is None
     assert jacobian_rank_for(AnalysisSettings(jacobian_rank=64), 576, [6], 30) == 64
+
+
+# ------------------------------------------------------------------------------------- every beta in two head calls
+@pytest.mark.parametrize("family, fast", [("llama", True), ("gemma", True), ("phi3", True), ("gemma2", False),
+                                          ("gpt2", False)])
+def test_line_argmax_gives_the_ids_of_one_head_call_per_beta(family, fast, tmp_path, monkeypatch):
+    """``line_argmax`` = argmax of logits(beta A + B) per beta, by two head calls where the final norm is an RMS
+    norm (a positive factor per row: Llama, Gemma's 1 + w, Phi-3) and one call per beta where it is not (Gemma-2's
+    soft-capping, GPT-2's LayerNorm). Rows tied to float precision at the top (built by projecting out the top
+    two tokens' difference) take the real head's answer: without that (``_MARGIN`` 0) about half of them differ."""
+    lm = load_model(str(save_tiny(family, tmp_path / family)), device="cpu", dtype="float32")
+    adapter = adapter_for(lm.model)
+    with torch.no_grad():
+        adapter.final_norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0))  # a gain to find
+    gen = torch.Generator().manual_seed(1)
+    A, B = (torch.randn(64, adapter.d_model, generator=gen, dtype=torch.float64) * 2 for _ in range(2))
+    betas = [i / 4 for i in range(21)]
+    one_call_each = torch.stack([logits_fn(lm)(beta * A + B).argmax(-1) for beta in betas])
+    assert torch.equal(line_argmax(lm, A, B, betas), one_call_each)
+    gain = lre_module._scale_free_gain(lm)
+    assert (gain is not None) == fast
+    if not fast:
+        return
+    E, g = adapter.lm_head.weight.double(), gain.double()
+    X = torch.randn(200, adapter.d_model, generator=gen, dtype=torch.float64) * 2
+    i, j = ((X * g) @ E.T).topk(2, -1).indices.T
+    w = g * (E[i] - E[j])
+    tied = X - ((w * X).sum(-1) / (w * w).sum(-1))[:, None] * w         # the top two equal in exact arithmetic
+    zero = torch.zeros_like(tied)
+    real = logits_fn(lm)(tied).argmax(-1)
+    assert torch.equal(line_argmax(lm, zero, tied, [1.0])[0], real)
+    monkeypatch.setattr(lre_module, "_MARGIN", 0.0)
+    assert int((line_argmax(lm, zero, tied, [1.0])[0] != real).sum()) > 20
+
+
+def test_beta_scoring_benchmark_runs_both_paths_to_the_same_ids(tmp_path):
+    """benchmarks/beta_scoring.py on a tiny Llama: both grids timed, the same ids from both paths."""
+    spec = importlib.util.spec_from_file_location("beta_scoring_bench", BENCHMARKS / "beta_scoring.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    got = bench.main(["--model", str(save_tiny("llama", tmp_path / "llama")), "--n", "8", "--repeats", "1"])
+    assert set(got) == set(bench.GRIDS) and all(g["same_ids"] and g["line_argmax_s"] > 0 for g in got.values())

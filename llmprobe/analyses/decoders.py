@@ -47,6 +47,7 @@ from llmprobe.model.lre import (
     JacobianResult,
     jacobian_cost,
     layer_sequences,
+    line_argmax,
     logits_fn,
     next_token_predictions,
     prefix_cached_predictions,
@@ -230,19 +231,23 @@ def _lre_decoder(beta: float, W: torch.Tensor, H: torch.Tensor, O: torch.Tensor,
     return LinearRelationDecoder(beta=beta).fit(H[fit], O[fit], W)
 
 
-def cv_faithfulness(data: RelationData, H: torch.Tensor, O: torch.Tensor, refit: Refit,
-                    truncated: dict[int | None, torch.Tensor], grid: list[tuple[float, int | None]],
-                    to_logits) -> torch.Tensor:
+def cv_faithfulness(lm, data: RelationData, H: torch.Tensor, O: torch.Tensor, refit: Refit,
+                    truncated: dict[int | None, torch.Tensor], grid: list[tuple[float, int | None]]) -> torch.Tensor:
     """Cross-validated faithfulness [len(grid)] of every (beta, rank) candidate: each of the re-fit's selection
-    subjects is scored by a decoder fitted on train + validation without its fold (one head call a candidate)."""
+    subjects is scored by a decoder fitted on train + validation without its fold (b does not depend on beta, so
+    per rank every beta is one line beta * W h + b: ``line_argmax``)."""
     everyone = torch.cat([refit.train, refit.val])
     scored = torch.cat(refit.folds)
-    rates = []
-    for beta, rank in grid:
-        o_hat = torch.cat([_lre_decoder(beta, truncated[rank], H, O, everyone[~torch.isin(everyone, fold)]
-                                        ).predict(H[fold]) for fold in refit.folds])
-        rates.append(data.scorer.hits(to_logits(o_hat).argmax(-1), scored).double().mean())
-    return torch.stack(rates)
+    rates = {}
+    for rank in dict.fromkeys(r for _, r in grid):
+        betas = [beta for beta, r in grid if r == rank]
+        ops = [_lre_decoder(1.0, truncated[rank], H, O, everyone[~torch.isin(everyone, fold)]).operator_
+               for fold in refit.folds]                 # o_hat = beta W h + b, b fitted without the fold
+        A = torch.cat([H[fold] @ op.W.T for op, fold in zip(ops, refit.folds)])
+        B = torch.cat([op.b.expand(len(fold), -1) for op, fold in zip(ops, refit.folds)])
+        for beta, ids in zip(betas, line_argmax(lm, A, B, betas)):
+            rates[beta, rank] = data.scorer.hits(ids, scored).double().mean()
+    return torch.stack([rates[c] for c in grid])
 
 
 def lre_layer(lm, data: RelationData, layer: int, jac: JacobianResult, jac_rows: dict[int, int],
@@ -263,7 +268,7 @@ def lre_layer(lm, data: RelationData, layer: int, jac: JacobianResult, jac_rows:
         rows = [jac_rows[i] for i in refit.jacobian.tolist()]
         svd = SVD(*jac.svd(rows))
         truncated = {rank: svd.truncated(rank) for rank in cfg.ranks}
-        scores = cv_faithfulness(data, H, O, refit, truncated, grid, to_logits)
+        scores = cv_faithfulness(lm, data, H, O, refit, truncated, grid)
         best = int(scores.argmax())              # ties: the first candidate (full rank first, then the smaller beta)
         beta, rank = grid[best]
         everyone = torch.cat([refit.train, refit.val])
@@ -384,13 +389,13 @@ def _lre_trial_layer(lm, data: RelationData, layer: int, jac: JacobianResult, va
     ``cfg.lre_edit_ranks`` by causality on ``val_pairs`` (first best, as the reference's max); hits on ``test``
     and ``test_pairs`` at those choices (the edit with its controls, ``lre_edits``)."""
     H, O = data.H[layer].double(), data.O.double()
-    to_logits = logits_fn(lm)
     svd = SVD(*jac.svd())
     rows = list(range(len(jac.H)))
     b = (jac.O.double() - jac.apply(rows, jac.H)).mean(0)
     WH = H @ svd.W.T
     everyone = torch.arange(len(H))
-    hits = torch.stack([data.scorer.hits(to_logits(beta * WH + b).argmax(-1), everyone) for beta in cfg.lre_betas])
+    hits = torch.stack([data.scorer.hits(ids, everyone)
+                        for ids in line_argmax(lm, WH, b.expand(len(H), -1), cfg.lre_betas)])
     best = int(hits[:, val].double().mean(1).argmax())             # ties: the first (smallest) beta
     out = {"beta": cfg.lre_betas[best], "val_faithfulness": float(hits[best, val].double().mean()),
            "faithfulness": hits[best, test], "majority": data.scorer.hits(torch.full((len(test),), majority), test),

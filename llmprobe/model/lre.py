@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -38,8 +39,8 @@ from llmprobe.model.capture import adapter_for, capture, hooks, module_device, p
 from llmprobe.model.subjects import EncodedPrompts, encode
 
 __all__ = ["RelationStates", "JacobianResult", "output_name", "state_name", "relation_states", "subject_states",
-           "subject_jacobians", "jacobian_cost", "per_prompt_jacobians", "logits_fn", "next_token_predictions",
-           "layer_sequences", "prefix_cached_predictions"]
+           "subject_jacobians", "jacobian_cost", "per_prompt_jacobians", "logits_fn", "line_argmax",
+           "next_token_predictions", "layer_sequences", "prefix_cached_predictions"]
 
 
 def state_name(layer: int) -> str:
@@ -139,6 +140,70 @@ def logits_fn(lm) -> Callable[[torch.Tensor], torch.Tensor]:
         with torch.no_grad():
             return adapter.logits(torch.as_tensor(o).to(device, dtype)).float().cpu()
     return fn
+
+
+_SCALE_FREE_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> its gain g, or None
+_MARGIN = 2e-3     # logit units: a top-1 lead below this takes the real head's answer (the two paths differ by at
+                   # most 5e-5 logits on SmolLM2's states: float32 sums and the norm's epsilon)
+
+
+def _scale_free_gain(lm) -> torch.Tensor | None:
+    """The gain g [d] when the final norm and LM head are, up to a positive factor per row, the linear map
+    x -> lm_head(g * x) (an RMS norm and a head without bias, float32): then argmax logits(x) = argmax of that map.
+    Checked on random rows against ``adapter.logits`` (LayerNorm's centring and bias, logit soft-capping or a
+    half-precision head fail the check): None when it does not hold. Computed once per model."""
+    model = _module(lm)
+    if model in _SCALE_FREE_HEADS:
+        return _SCALE_FREE_HEADS[model]
+    adapter = adapter_for(model)
+    gain = None
+    head, norm = adapter.lm_head, adapter.final_norm
+    if head is not None and getattr(head, "bias", None) is None and head.weight.dtype == torch.float32:
+        device = module_device(head)
+        x = torch.randn(8, adapter.d_model, generator=torch.Generator().manual_seed(0)).to(device) * 3
+        with torch.no_grad():
+            normed = norm(x.to(module_device(norm))).to(device) if norm is not None else x
+            g = (normed * _rms(x) / x).mean(0)                       # RMS norm: normed = g * x / rms(x)
+            exact = adapter.logits(x).float()
+            fast = head(g * x).float()
+        if torch.allclose(exact * _rms(x), fast, rtol=1e-4, atol=1e-4 * float(fast.abs().max())):
+            gain = g
+    _SCALE_FREE_HEADS[model] = gain
+    return gain
+
+
+def _rms(x: torch.Tensor) -> torch.Tensor:
+    return x.float().pow(2).mean(-1, keepdim=True).sqrt()
+
+
+def line_argmax(lm, A: torch.Tensor, B: torch.Tensor, betas: Sequence[float]) -> torch.Tensor:
+    """Top-1 next token of ``logits_fn(lm)(beta * A + B)`` for every beta: LongTensor [len(betas), n] (A, B [n, d]).
+
+    The same ids as calling the head once per beta. Where the final norm is an RMS norm and the head has no bias
+    (Llama, Qwen, Mistral, Gemma without soft-capping: :func:`_scale_free_gain`), logits(x) is a positive factor per
+    row times lm_head(g * x), which is linear in x: two head calls serve every beta, and a row whose top-1 leads
+    its runner-up by less than ``_MARGIN`` logits (far above float32 error) takes the real head's answer, from one
+    call on all rows as the one-call-per-beta path makes it, so a near-tie is decided as that path decides it.
+    Other heads: one call per beta."""
+    to_logits = logits_fn(lm)
+    gain = _scale_free_gain(lm)
+    if gain is None:
+        return torch.stack([to_logits(beta * A + B).argmax(-1) for beta in betas])
+    head = adapter_for(_module(lm)).lm_head
+    device = module_device(head)
+    with torch.no_grad():
+        FA, FB = (head(gain * torch.as_tensor(M).to(device, torch.float32)).double().cpu() for M in (A, B))
+    out = []
+    for beta in betas:
+        o = beta * A + B
+        top = torch.add(FB, FA, alpha=beta).topk(2, dim=-1)
+        lead = (top.values[:, 0] - top.values[:, 1]) / (_rms(o).squeeze(-1).double().cpu() + 0.1)  # norm's eps
+        ids = top.indices[:, 0].clone()
+        close = lead < _MARGIN
+        if bool(close.any()):                 # the rows as one call on all of them makes (a GEMM's sums, not a GEMV's)
+            ids[close] = to_logits(o).argmax(-1)[close]
+        out.append(ids)
+    return torch.stack(out)
 
 
 def next_token_predictions(lm, template: str | Sequence[str], subjects: Sequence[str], layer: int | None = None,
