@@ -123,17 +123,36 @@ def selected(entry: dict) -> tuple[float | None, int, float | None, int]:
     return lre["faithfulness"]["value"], lre["faithfulness"]["n"], causal.get("value"), causal.get("n", 0)
 
 
+def primary_nulls(entry: dict) -> tuple[float | None, float | None]:
+    """(faithfulness's majority null, causality's random-direction null) at the selected layer: what always
+    answering the training facts' most common object, and a step of the edit's norm in a random direction, score
+    on the same facts (None where not measured)."""
+    sel = (entry.get("selected") or {}).get("lre")
+    if entry.get("error") or sel is None:
+        return None, None
+    lre = entry["layers"][str(sel["layer"])]["lre"]
+    majority = lre["faithfulness"]["nulls"]["majority"]["value"]
+    causal = lre.get("causality")
+    return majority, causal["nulls"]["random_direction"]["value"] if causal else None
+
+
 def table(measured: dict) -> list[list[str]]:
     """Rows of the printed table: per category (and all), per mode, the mean over measured relations of
-    faithfulness and causality, with n relations (test facts / test pairs), beside the published means."""
+    faithfulness and causality, with n relations (test facts / test pairs), then the mean of each relation's
+    margin over its primary null (faithfulness - majority, causality - random direction: a relation whose known
+    facts share one object scores high on both and shows ~0 here), beside the published means (which are
+    values, not margins)."""
     rows = [["category", "mode", "faithfulness (n rel., n facts)", "causality (n rel., n pairs)",
-             *(f"{model} F / C" for model in PUBLISHED)]]
+             "F - majority", "C - random dir.", *(f"{model} F / C" for model in PUBLISHED)]]
     for cat in (*LRE_CATEGORIES, "all"):
         entries = [e for e in measured["relations"].values() if cat in ("all", e["category"])]
         for mode in MODES:
-            values = [selected(e["modes"][mode]) for e in entries if mode in e["modes"]]
-            faith = [(f, n) for f, n, _, _ in values if f is not None]
-            causal = [(c, n) for _, _, c, n in values if c is not None]
+            chosen = [e["modes"][mode] for e in entries if mode in e["modes"]]
+            values = [(selected(e), primary_nulls(e)) for e in chosen]
+            faith = [(f, n) for (f, n, _, _), _ in values if f is not None]
+            causal = [(c, n) for (_, _, c, n), _ in values if c is not None]
+            faith_margin = [f - m for (f, _, _, _), (m, _) in values if f is not None]
+            causal_margin = [c - r for (_, _, c, _), (_, r) in values if c is not None]
 
             def mean(pairs):
                 if not pairs:
@@ -142,7 +161,8 @@ def table(measured: dict) -> list[list[str]]:
                         f"{sum(n for _, n in pairs)})")
             published = [" / ".join(f"{v:.3f}" for v in PUBLISHED[m][cat]) if cat in PUBLISHED[m] else "-"
                          for m in PUBLISHED]
-            rows.append([cat, mode, mean(faith), mean(causal), *published])
+            margins = [f"{sum(v) / len(v):.3f}" if v else "-" for v in (faith_margin, causal_margin)]
+            rows.append([cat, mode, mean(faith), mean(causal), *margins, *published])
     return rows
 
 
@@ -165,13 +185,18 @@ def merge(runs: list[dict]) -> dict:
 
 
 def relation_rows(measured: dict) -> list[str]:
-    """One markdown row per relation, in the order measured: rows, known per trial, each mode's faithfulness /
-    causality (n distinct test facts) at the selected layer, seconds of both modes."""
+    """One markdown row per relation, in the order measured: rows, known per trial, each mode's faithfulness vs
+    its majority null / causality vs its random-direction null (n distinct test facts) at the selected layer,
+    seconds of both modes."""
     def cell(entry: dict) -> str:
         f, n, c, _ = selected(entry)
-        return "-" if f is None else f"{f:.3f} / {'-' if c is None else f'{c:.3f}'} ({n})"
-    lines = ["| relation | category | rows | known per trial | as published: F / C (n facts) | "
-             "validation: F / C (n facts) | s |", "|---|---|---|---|---|---|---|"]
+        if f is None:
+            return "-"
+        majority, random = primary_nulls(entry)
+        causal = "-" if c is None else f"{c:.3f} vs {random:.3f}"
+        return f"{f:.3f} vs {majority:.3f} / {causal} ({n})"
+    lines = ["| relation | category | rows | known per trial | as published: F vs majority / C vs random dir. "
+             "(n facts) | validation: the same | s |", "|---|---|---|---|---|---|---|"]
     for name, e in measured["relations"].items():
         modes = e.get("modes") or {}
         cells = [cell(modes[m]) if m in modes else "not measurable" for m in MODES]

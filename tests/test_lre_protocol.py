@@ -385,7 +385,11 @@ def test_benchmark_table_on_the_toy(planted, bench):
     rows = bench.table(measured)
     assert rows[0][:4] == ["category", "mode", "faithfulness (n rel., n facts)", "causality (n rel., n pairs)"]
     factual = {r[1]: r for r in rows if r[0] == "factual"}
-    assert set(factual) == {"as-published", "validation"} and factual["as-published"][4] == "0.644 / 0.720"
+    assert set(factual) == {"as-published", "validation"} and factual["as-published"][6] == "0.644 / 0.720"
+    toy = measured["relations"]["toy"]["modes"]["as-published"]
+    (f, _, c, _), (majority, random) = bench.selected(toy), bench.primary_nulls(toy)
+    assert rows[0][4:6] == ["F - majority", "C - random dir."]
+    assert factual["as-published"][4:6] == [f"{f - majority:.3f}", f"{c - random:.3f}"]
     assert factual["as-published"][2].endswith(")") and " (1, " in factual["as-published"][2]
     assert {r[1]: r[2] for r in rows if r[0] == "bias"} == {"as-published": "-", "validation": "-"}
     assert "factual" in bench.format_table(rows)
@@ -407,8 +411,12 @@ def test_benchmark_pools_saved_runs_and_writes_the_docs_rows(planted, bench, tmp
     assert pooled["relations"] == measured["relations"] and pooled["seconds"] == 3.0
     assert bench.table(pooled) == bench.table(measured)
     rows = {line.split(" | ")[0][2:]: line for line in bench.relation_rows(pooled)[2:]}
-    f, n, c, _ = bench.selected(measured["relations"]["toy"]["modes"]["as-published"])
-    assert f"| {f:.3f} / {c:.3f} ({n}) |" in rows["toy"]
+    toy = measured["relations"]["toy"]["modes"]["as-published"]
+    (f, n, c, _), (majority, random) = bench.selected(toy), bench.primary_nulls(toy)
+    layer = toy["layers"][str(toy["selected"]["lre"]["layer"])]["lre"]
+    assert (majority, random) == (layer["faithfulness"]["nulls"]["majority"]["value"],
+                                  layer["causality"]["nulls"]["random_direction"]["value"])
+    assert f"| {f:.3f} vs {majority:.3f} / {c:.3f} vs {random:.3f} ({n}) |" in rows["toy"]
     assert rows["never"].count("not measurable") == 2
     assert bench.coverage(pooled)[3].startswith("* bias: 0 measured of 7 (0 checked); not run: ")
     with pytest.raises(ValueError, match="differ in"):
