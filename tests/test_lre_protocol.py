@@ -372,15 +372,21 @@ def bench():
         sys.modules.pop(spec.name, None)
 
 
-def test_benchmark_table_on_the_toy(planted, bench):
-    """benchmarks/lre_protocol.py on the toy: both modes measured, one row per category and mode beside the
-    published means; a relation the model cannot be tested on is listed but not measured."""
+def _toy_benchmark(planted, bench) -> tuple:
+    """The benchmark on the toy: a factual relation answered in context and a bias one never known ("never"),
+    at layer 0. Returns (lm, the never-known relation, the measured dict)."""
     lm, subjects, answers = planted
     relation = answered_in_context(lm, subjects, answers)
     relation.properties["relation_type"] = "factual"
     unknown = Relation("never", [TEMPLATE], ["{}"], [Fact(s, "W29") for s in subjects[:8]],
                        {"relation_type": "bias"})
-    measured = bench.measure(lm, [relation, unknown], [0], options=FAST, log=lambda message: None)
+    return lm, unknown, bench.measure(lm, [relation, unknown], [0], options=FAST, log=lambda message: None)
+
+
+def test_benchmark_table_on_the_toy(planted, bench):
+    """benchmarks/lre_protocol.py on the toy: both modes measured, one row per category and mode beside the
+    published means; a relation the model cannot be tested on is listed but not measured."""
+    lm, unknown, measured = _toy_benchmark(planted, bench)
     assert measured["relations"]["toy"]["measured"] and not measured["relations"]["never"]["measured"]
     rows = bench.table(measured)
     assert rows[0][:4] == ["category", "mode", "faithfulness (n rel., n facts)", "causality (n rel., n pairs)"]
@@ -399,12 +405,7 @@ def test_benchmark_pools_saved_runs_and_writes_the_docs_rows(planted, bench, tmp
     """``--table a.json b.json --markdown``: two runs of different relations pool to the table of one run of
     both, with a row per relation and the bundled relations not run; runs of other settings refuse to pool; a
     relation cut by ``max_facts`` says so in its row."""
-    lm, subjects, answers = planted
-    relation = answered_in_context(lm, subjects, answers)
-    relation.properties["relation_type"] = "factual"
-    unknown = Relation("never", [TEMPLATE], ["{}"], [Fact(s, "W29") for s in subjects[:8]],
-                       {"relation_type": "bias"})
-    measured = bench.measure(lm, [relation, unknown], [0], options=FAST, log=lambda message: None)
+    lm, unknown, measured = _toy_benchmark(planted, bench)
     halves = [{**measured, "relations": {name: entry}, "seconds": 1.5}
               for name, entry in measured["relations"].items()]
     pooled = bench.merge(halves)
