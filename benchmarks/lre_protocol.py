@@ -100,12 +100,13 @@ def measure(lm, relations: list, layers: list[int], n_icl: int = 5, n_splits: in
                  "measured": measurable(results, n_icl), "modes": {}}
         out["relations"][relation.name] = entry
         log(f"{relation.name}: known per trial {entry['n_known']} of {len(results)} rows")
-        with shared_jacobians():                 # both modes: the same trials, so the same Jacobians
-            for mode in MODES if entry["measured"] else ():
-                got = run_analyses(lm, [relation], {relation.name: results}, layers, analyses=("lre",), seed=seed,
-                                   n_splits=n_splits, progress=False, protocol="lre", n_icl=n_icl,
-                                   lre_selection=mode, lre_layers=tuple(layers), **(options or {}))
-                entry["modes"][mode] = got["relations"][relation.name]
+        if entry["measured"]:
+            with shared_jacobians():             # both modes: the same trials, so the same Jacobians
+                for mode in MODES:
+                    got = run_analyses(lm, [relation], {relation.name: results}, layers, analyses=("lre",),
+                                       seed=seed, n_splits=n_splits, progress=False, protocol="lre", n_icl=n_icl,
+                                       lre_selection=mode, lre_layers=tuple(layers), **(options or {}))
+                    entry["modes"][mode] = got["relations"][relation.name]
         out["seconds"] = round(time.perf_counter() - t0, 1)
         if out_path:
             write_json(out_path, out)
@@ -113,12 +114,19 @@ def measure(lm, relations: list, layers: list[int], n_icl: int = 5, n_splits: in
     return out
 
 
-def selected(entry: dict) -> tuple[float | None, int, float | None, int]:
-    """(faithfulness, n, causality, n) of one relation entry at its selected layer (None where not measured)."""
+def _at_selected_layer(entry: dict) -> dict | None:
+    """The ``lre`` block of one relation entry at its selected layer (None where not measured)."""
     sel = (entry.get("selected") or {}).get("lre")
     if entry.get("error") or sel is None:
+        return None
+    return entry["layers"][str(sel["layer"])]["lre"]
+
+
+def selected(entry: dict) -> tuple[float | None, int, float | None, int]:
+    """(faithfulness, n, causality, n) of one relation entry at its selected layer (None where not measured)."""
+    lre = _at_selected_layer(entry)
+    if lre is None:
         return None, 0, None, 0
-    lre = entry["layers"][str(sel["layer"])]["lre"]
     causal = lre.get("causality") or {}
     return lre["faithfulness"]["value"], lre["faithfulness"]["n"], causal.get("value"), causal.get("n", 0)
 
@@ -127,10 +135,9 @@ def primary_nulls(entry: dict) -> tuple[float | None, float | None]:
     """(faithfulness's majority null, causality's random-direction null) at the selected layer: what always
     answering the training facts' most common object, and a step of the edit's norm in a random direction, score
     on the same facts (None where not measured)."""
-    sel = (entry.get("selected") or {}).get("lre")
-    if entry.get("error") or sel is None:
+    lre = _at_selected_layer(entry)
+    if lre is None:
         return None, None
-    lre = entry["layers"][str(sel["layer"])]["lre"]
     majority = lre["faithfulness"]["nulls"]["majority"]["value"]
     causal = lre.get("causality")
     return majority, causal["nulls"]["random_direction"]["value"] if causal else None
