@@ -13,6 +13,7 @@ import pytest
 import tomllib
 import torch
 from test_analyses import _relations
+from test_helpers import without_seconds
 from tiny_models import CONFIGS, save_tiny
 
 import llmprobe.jobs.main
@@ -507,20 +508,42 @@ def test_every_range_names_a_number_setting_and_its_edges_are_allowed():
 
 def test_the_controls_workers_threads_come_out_of_the_analyses_budget(tiny, tmp_path, all_known, monkeypatch):
     """While the two control workers (one thread each) train, run's analyses take max(1, threads - workers)
-    torch threads (recorded in timings.analyses_threads), and the process gets its threads back afterwards."""
+    torch threads (recorded in timings.analyses_threads) in threads // that many processes (analyses_processes),
+    and the process gets its threads back afterwards."""
     seen = _record_controls(monkeypatch)["threads"]
     folder, relations = tiny
     before = torch.get_num_threads()
     try:
-        for threads, expected in ((5, 3), (2, 1)):
+        for threads, expected, processes in ((5, 3, 1), (2, 1, 2)):
             torch.set_num_threads(threads)
             out = tmp_path / f"out{threads}"
             assert main(["run", folder, "--relations", *relations, "--analyses", "", "--layers", "-1", "--device",
                          "cpu", "--no-model-width", "--out", str(out)]) == 0
-            assert json.loads((out / "report.json").read_text())["timings"]["analyses_threads"] == expected
+            timings = json.loads((out / "report.json").read_text())["timings"]
+            assert timings["analyses_threads"] == expected and timings["analyses_processes"] == processes
             assert seen[-1] == expected and torch.get_num_threads() == threads
     finally:
         torch.set_num_threads(before)
+
+
+def test_on_two_threads_run_shares_the_analyses_with_a_helper_and_writes_the_one_process_numbers(
+        tiny, tmp_path, all_known, monkeypatch):
+    """2 threads and two control workers: the analyses run on 1 thread in this process and one helper process
+    (which loads the same folder); every analysis number equals the run on 1 thread (one process: 1 // 1)."""
+    _record_controls(monkeypatch)
+    folder, relations = tiny
+    fast = [arg for key, value in FAST.items() for arg in ("--set", f"analysis.{key}={toml_value(value)}")]
+    analyses = {}
+    for threads in (2, 1):
+        torch.set_num_threads(threads)
+        out = tmp_path / f"out{threads}"
+        assert main(["run", folder, "--relations", *relations, "--analyses", "lre,superposition", "--layers", "0,1",
+                     "--device", "cpu", "--no-model-width", *fast, "--out", str(out)]) == 0
+        analyses[threads] = json.loads((out / "report.json").read_text())["analyses"]
+    assert analyses[2]["timing"]["processes"] == 2 and analyses[1]["timing"]["processes"] == 1
+    assert analyses[2]["timing"]["helper_parts"], "the helper computed nothing"
+    for key in ("relations", "superposition", "errors"):
+        assert without_seconds(analyses[2][key]) == without_seconds(analyses[1][key]), key
 
 
 def test_the_old_words_of_the_matched_settings_are_still_taken_with_a_warning(tmp_path):

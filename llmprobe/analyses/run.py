@@ -10,6 +10,7 @@ form; ``docs/measures.md`` defines each measure.
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import asdict
 
@@ -36,7 +37,7 @@ MECHANISMS = {"crosspatch": crosspatch, "selector": selector, "multihop": multih
 
 def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits: int = 3, seed: int = 0,
                  max_subjects: int = 90, progress: bool = True, on_progress=None, done: dict | None = None,
-                 fitted: dict | None = None, planned: dict | None = None, **options) -> dict:
+                 fitted: dict | None = None, planned: dict | None = None, helpers=(), **options) -> dict:
     """Run the requested analyses on a loaded model; returns a JSON-ready dict.
 
     ``relations``: ``llmprobe.datasets.Relation`` list; ``known``: relation name -> list of
@@ -44,18 +45,28 @@ def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits
     ``analyses``: any subset of ``ANALYSES``. ``options``: any field of :class:`AnalysisSettings`.
     A relation that cannot be analysed gets an ``error`` entry and the others go on.
 
+    The work is split into parts (:func:`parts_of`): each relation's decoders, then the superposition analysis
+    and each mechanism analysis (``MECHANISMS``), in that order. ``helpers``: processes that compute parts too
+    (``llmprobe.jobs.helpers.AnalysisHelper``: the same model, the same arguments, the same torch thread count):
+    this process takes the parts from the front, each helper from the back (:class:`Parts`), so the last parts are
+    shared out whoever is free. A part's numbers do not depend on which process computes it (below), so the
+    result is the same with or without helpers; the report's order, errors and checkpoints are those of one
+    process.
+
     Checkpoints and resuming: the result carries ``"partial": True`` while it is being built and
     ``"partial": False`` once every requested analysis is in it (the key is always there).
     ``on_progress(result)``, if given, is called with the result so far (the same dict, ``partial`` true) after
-    each relation's decoders (computed or taken over) and after the superposition analysis and each mechanism
-    analysis (``MECHANISMS``); ``llmprobe.jobs.probe`` writes report.json there, so an interrupt keeps the
-    finished parts. ``done``: an earlier result, partial or not, made with the same settings, model and known
-    facts (the caller guarantees that; ``probe`` through its analyses stage key). Its ``relations`` entries
-    (those of relations in ``relations``) and its ``superposition``, ``crosspatch``, ``selector`` and
-    ``multihop`` entries, if there are any, are taken over as they are (their error messages re-listed in
-    ``errors``) instead of recomputed; the rest is computed. Every relation's draws come from generators
-    seeded by (seed, relation name, ...) and no analysis after the decoders reads a decoder result, so a part
-    taken over has the numbers a fresh run would give it. ``timing`` counts this call's work only.
+    each part this process finishes or takes from a helper; ``llmprobe.jobs.probe`` writes report.json there, so
+    an interrupt keeps the finished parts. ``done``: an earlier result, partial or not, made with the same
+    settings, model and known facts (the caller guarantees that; ``probe`` through its analyses stage key). Its
+    ``relations`` entries (those of relations in ``relations``) and its ``superposition``, ``crosspatch``,
+    ``selector`` and ``multihop`` entries, if there are any, are taken over as they are (their error messages
+    re-listed in ``errors``) instead of recomputed; the rest is computed. Every relation's draws come from
+    generators seeded by (seed, relation name, ...) and no analysis after the decoders reads a decoder result,
+    so a part taken over, or computed in another process, has the numbers a fresh run would give it.
+    ``timing``: each part's seconds in the process that computed it (``decoders_seconds`` their sum over the
+    relations), ``processes`` (1 + helpers), ``helper_parts`` (the relations and analyses a helper computed) and
+    ``total_seconds`` (this call's wall time).
     ``fitted``, if given, receives the fitted decoders of the relations computed here (not those taken over), see
     ``decoders.decoders_for_relation``. ``planned``, if given: relation name -> the plan's seconds of its
     decoders (``llmprobe.jobs.plan.decoder_seconds``), which the progress bar's time left is scaled from.
@@ -64,47 +75,195 @@ def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits
     unknown = [a for a in analyses if a not in ANALYSES]
     if unknown:
         raise ValueError(f"unknown analyses {unknown}; choose from {list(ANALYSES)}")
-    cfg = settings_from(n_splits, seed, max_subjects, **options)
     log = Log(progress)
-    n_layers = lm.adapter.n_layers
-    layers = sorted({lm.adapter.layer_index(l) for l in layers})
-    if not layers:
-        raise ValueError("run_analyses needs at least one layer")
-    lre_layers, causal_layers, swap_layers = _analysis_layers(lm, layers, n_layers, cfg, analyses)
+    job = Analyses(lm, relations, known, layers, analyses, log, n_splits, seed, max_subjects, **options)
     start = time.perf_counter()
-    settings = _settings_record(cfg, analyses, layers, lre_layers, causal_layers, swap_layers)
-    result = {"settings": settings, "partial": True, "relations": {}, "errors": [], "timing": {}}
+    result = {"settings": job.settings_record(), "partial": True, "relations": {}, "errors": [], "timing": {}}
     done = done or {}
     done_relations = done.get("relations") or {}
+    taken = {("decoders", r.name): done_relations[r.name] for r in relations
+             if isinstance(done_relations.get(r.name), dict)}
+    taken.update({(name, None): done[name] for name in ("superposition", *MECHANISMS) if isinstance(done.get(name), dict)})
+    parts = Parts([p for p in parts_of(relations, analyses) if p not in taken], helpers)
+    log.processes = 1 + parts.n_helpers
+    relation_seconds = []
 
-    def progress_made() -> None:
+    def merge(part, outcome) -> None:
+        """A computed part's outcome into ``result`` (its error is listed at its turn, so in run order)."""
+        kind, name = part
+        if kind == "decoders":
+            result["relations"][name] = outcome["value"]
+            relation_seconds.append(outcome["seconds"])
+            if fitted is not None and outcome.get("fitted"):
+                fitted[name] = outcome["fitted"]
+        else:
+            result[kind] = outcome["value"]
+            result["timing"][f"{kind}_seconds"] = outcome["seconds"]
+
+    def take(part) -> None:
+        """Part ``part`` at its turn: taken over, computed here, or waited for from the helper computing it."""
+        kind, name = part
+        if part in taken:
+            log(f"{name}: decoders taken over from the earlier result" if name else f"{kind}: taken over from "
+                f"the earlier result")
+            log.skip()                      # done in 0 s: not in the time-left estimate
+            value = taken[part]
+            if kind == "decoders":
+                result["relations"][name] = value
+            else:
+                result[kind], result["timing"][f"{kind}_seconds"] = value, 0.0
+        else:
+            outcome = parts.wait(part) if not parts.claim(part) else None     # None: ours (or its helper died)
+            if outcome is None:
+                outcome = job.compute(part)
+                merge(part, outcome)
+            else:
+                log.elsewhere(outcome["seconds"])
+            value = outcome["value"]
+        if value.get("error"):
+            result["errors"].append(value["error"] if kind == "decoders" else f"{kind}: {value['error']}")
+        for other, outcome in parts.finished_elsewhere():
+            merge(other, outcome)
         if on_progress is not None:
             on_progress(result)
 
-    do_lre, do_ridge = "lre" in analyses, "ridge" in analyses
-    if do_lre or do_ridge:
-        plan = [planned.get(r.name, 0.0) for r in relations] if planned else None
-        for relation in log.bar(relations, "decoders", planned=plan):
-            result["relations"][relation.name] = _relation_decoders(
-                relation, done_relations.get(relation.name), result["errors"], log, analyses,
-                lambda: decoders_for_relation(lm, relation, known.get(relation.name), layers, lre_layers,
-                                              causal_layers, do_lre, do_ridge, cfg, log, fitted))
-            progress_made()
-        result["timing"]["decoders_seconds"] = round(time.perf_counter() - start, 1)
-    if "superposition" in analyses:
-        _analysis(result, done, "superposition", log, lambda: superposition(
-            lm, superposition_table(lm.tokenizer, relations, known, cfg), layers, swap_layers, cfg, log))
-        progress_made()
-    for name, analysis in MECHANISMS.items():
-        if name not in analyses:
-            continue
-        _analysis(result, done, name, log, lambda: analysis(lm, relations, known, layers, cfg, log))
-        progress_made()
+    try:
+        if job.do_lre or job.do_ridge:
+            plan = [planned.get(r.name, 0.0) for r in relations] if planned else None
+            for relation in log.bar(relations, "decoders", planned=plan):
+                take(("decoders", relation.name))
+            result["relations"] = {r.name: result["relations"][r.name] for r in relations}
+            result["timing"]["decoders_seconds"] = round(sum(relation_seconds), 1)
+        for name in ("superposition", *MECHANISMS):
+            if name in analyses:
+                take((name, None))
+    finally:
+        parts.close()
+        for other, outcome in parts.finished_elsewhere():     # an interrupt keeps what the helpers finished
+            merge(other, outcome)
+    result["timing"]["processes"] = 1 + parts.n_helpers
+    result["timing"]["helper_parts"] = [name or kind for kind, name in parts.order if (kind, name) in parts.outcomes]
     result["timing"]["total_seconds"] = round(time.perf_counter() - start, 1)
     result["partial"] = False
     return result
 
 
+def parts_of(relations, analyses: tuple) -> list[tuple[str, str | None]]:
+    """The parts of the work in run order: ("decoders", relation name) for each relation (with LRE or ridge), then
+    (analysis, None) for the superposition analysis and each mechanism analysis requested."""
+    parts = [("decoders", r.name) for r in relations] if {"lre", "ridge"} & set(analyses) else []
+    return parts + [(name, None) for name in ("superposition", *MECHANISMS) if name in analyses]
+
+
+class Analyses:
+    """What every part of one ``run_analyses`` call needs (the model, relations, known facts, layers, settings)
+    and :meth:`compute`, which computes one part: the same in this process and in a helper process."""
+
+    def __init__(self, lm, relations, known: dict, layers, analyses=ANALYSES, log=None, n_splits: int = 3,
+                 seed: int = 0, max_subjects: int = 90, **options):
+        self.lm, self.relations, self.known, self.analyses = lm, relations, known, tuple(analyses)
+        self.log = log if log is not None else Log(False)
+        self.cfg = settings_from(n_splits, seed, max_subjects, **options)
+        self.layers = sorted({lm.adapter.layer_index(l) for l in layers})
+        if not self.layers:
+            raise ValueError("run_analyses needs at least one layer")
+        self.lre_layers, self.causal_layers, self.swap_layers = _analysis_layers(
+            lm, self.layers, lm.adapter.n_layers, self.cfg, analyses)
+        self.do_lre, self.do_ridge = "lre" in analyses, "ridge" in analyses
+
+    def settings_record(self) -> dict:
+        return _settings_record(self.cfg, self.analyses, self.layers, self.lre_layers, self.causal_layers,
+                                self.swap_layers)
+
+    def compute(self, part: tuple[str, str | None]) -> dict:
+        """One part: {"value": its entry (a dict; a failure is ``{"error": message}``), "seconds": its time,
+        "fitted": {decoder: fit} of a relation's decoders (``decoders.decoders_for_relation``)}."""
+        kind, name = part
+        t, cfg, lm, log = time.perf_counter(), self.cfg, self.lm, self.log
+        if kind == "decoders":
+            relation = next(r for r in self.relations if r.name == name)
+            fits: dict = {}
+            value = _relation_decoders(relation, log, self.analyses, lambda: decoders_for_relation(
+                lm, relation, self.known.get(name), self.layers, self.lre_layers, self.causal_layers, self.do_lre,
+                self.do_ridge, cfg, log, fits))
+            return {"value": value, "seconds": round(time.perf_counter() - t, 1), "fitted": fits.get(name)}
+        if kind == "superposition":
+            value = _analysis(kind, log, lambda: superposition(
+                lm, superposition_table(lm.tokenizer, self.relations, self.known, cfg), self.layers,
+                self.swap_layers, cfg, log))
+        else:
+            value = _analysis(kind, log, lambda: MECHANISMS[kind](lm, self.relations, self.known, self.layers, cfg,
+                                                                 log))
+        return {"value": value, "seconds": round(time.perf_counter() - t, 1)}
+
+
+class Parts:
+    """The parts of one ``run_analyses`` call shared between this process (:meth:`claim` from the front, at each
+    part's turn) and its helpers (each helper's thread claims from the back, hands the part to its process and
+    files the outcome). Thread-safe."""
+
+    def __init__(self, parts: list, helpers=()):
+        self.order = list(parts)
+        self.claimed: set = set()
+        self.outcomes: dict = {}          # part -> its outcome, of the parts the helpers computed
+        self.handed: set = set()          # the parts of ``outcomes`` finished_elsewhere has handed over
+        self.lost: set = set()            # parts a helper claimed and could not finish (it died)
+        self.changed = threading.Condition()
+        self.closed = False
+        self.threads = [threading.Thread(target=self._feed, args=(helper,), daemon=True,
+                                         name="llmprobe-analyses-helper") for helper in helpers]
+        self.n_helpers = len(self.threads)
+        for thread in self.threads:
+            thread.start()
+
+    def claim(self, part) -> bool:
+        """This process takes ``part`` unless a helper has."""
+        with self.changed:
+            if part in self.claimed and part not in self.lost:
+                return False
+            self.claimed.add(part)
+            return True
+
+    def _claim_last(self):
+        with self.changed:
+            left = [p for p in self.order if p not in self.claimed]
+            if self.closed or not left:
+                return None
+            self.claimed.add(left[-1])
+            return left[-1]
+
+    def _feed(self, helper) -> None:
+        """A helper's thread: claim parts from the back and have the helper compute them, until none is left or
+        the helper fails (its part is then this process's to compute)."""
+        while (part := self._claim_last()) is not None:
+            outcome = helper.compute(part)
+            with self.changed:
+                if outcome is None:
+                    self.lost.add(part)
+                else:
+                    self.outcomes[part] = outcome
+                self.changed.notify_all()
+            if outcome is None:
+                return
+
+    def wait(self, part):
+        """The outcome of ``part``, which a helper claimed, once it is back; None if that helper died (the part is
+        then this process's)."""
+        with self.changed:
+            self.changed.wait_for(lambda: part in self.outcomes or part in self.lost)
+            return self.outcomes.get(part)
+
+    def finished_elsewhere(self) -> list:
+        """The helpers' outcomes not handed over yet: [(part, outcome)], each handed over once."""
+        with self.changed:
+            got = [(part, outcome) for part, outcome in self.outcomes.items() if part not in self.handed]
+            self.handed.update(part for part, _ in got)
+            return got
+
+    def close(self) -> None:
+        """No more parts are handed to helpers (a part in flight still comes back)."""
+        with self.changed:
+            self.closed = True
 def _analysis_layers(lm, layers: list[int], n_layers: int, cfg, analyses: tuple) -> tuple[list, list, list]:
     """(LRE layers, causality layers, swap-edit layers): the settings' choices (default: ``pick_layers`` for LRE,
     the LRE layers for the others) among ``layers``; causality only at LRE layers when LRE runs."""
@@ -137,42 +296,26 @@ def _settings_record(cfg, analyses: tuple, layers, lre_layers, causal_layers, sw
     return settings
 
 
-def _relation_decoders(relation, earlier, errors: list, log, analyses: tuple, compute) -> dict:
-    """One relation's decoders entry: ``earlier`` (its entry in an earlier result) when that is a dict, else
-    ``compute()``; a failure becomes an ``error`` entry (also appended to ``errors``) and the others go on."""
-    if isinstance(earlier, dict):
-        if earlier.get("error"):
-            errors.append(earlier["error"])
-        log(f"{relation.name}: decoders taken over from the earlier result")
-        log.skip()                                  # done in 0 s: not in the time-left estimate
-        return earlier
+def _relation_decoders(relation, log, analyses: tuple, compute) -> dict:
+    """One relation's decoders entry, ``compute()``; a failure becomes an ``{"error": message}`` entry and the other
+    relations go on."""
     log(f"{relation.name}: decoders ({', '.join(a for a in analyses if a != 'superposition')})")
     try:
         return compute()
     except Exception as error:  # noqa: BLE001 - one relation's failure must not stop the others
         text = str(error) if isinstance(error, (AnalysisError, ValueError)) else f"{type(error).__name__}: {error}"
         message = text if relation.name in text else f"relation {relation.name}: {text}"
-        errors.append(message)
         log(message)
         log.skip()                                  # refused (too few facts) or stopped: not in the rate
         return {"error": message}
 
 
-def _analysis(result: dict, done: dict, name: str, log, compute) -> None:
-    """``result[name]``: ``done[name]`` when that is a dict, else ``compute()`` (a failure: an ``error`` entry, the
-    other analyses' results kept); its error re-listed in ``result["errors"]``, its time in ``result["timing"]``."""
-    t = time.perf_counter()
-    if isinstance(done.get(name), dict):
-        result[name] = done[name]
-        if result[name].get("error"):
-            result["errors"].append(f"{name}: {result[name]['error']}")
-        log(f"{name}: taken over from the earlier result")
-    else:
-        try:
-            result[name] = compute()
-        except Exception as error:  # noqa: BLE001 - reported, the other analyses' results are kept
-            error = error if isinstance(error, (AnalysisError, ValueError)) else f"{type(error).__name__}: {error}"
-            result[name] = {"error": str(error)}
-            result["errors"].append(f"{name}: {error}")
-            log(f"{name}: {error}")
-    result["timing"][f"{name}_seconds"] = round(time.perf_counter() - t, 1)
+def _analysis(name: str, log, compute) -> dict:
+    """Analysis ``name``'s entry, ``compute()``; a failure becomes an ``{"error": message}`` entry (the other
+    analyses' results are kept)."""
+    try:
+        return compute()
+    except Exception as error:  # noqa: BLE001 - reported, the other analyses' results are kept
+        error = error if isinstance(error, (AnalysisError, ValueError)) else f"{type(error).__name__}: {error}"
+        log(f"{name}: {error}")
+        return {"error": str(error)}

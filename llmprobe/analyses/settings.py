@@ -110,15 +110,18 @@ class Log:
     computed (not those :meth:`skip` marks): with the plan's seconds per item (``bar(planned=...)``, from
     ``llmprobe.jobs.plan``) it is the items left's planned seconds times measured / planned of the items computed
     (the plan before any was computed, "(planned)"); without it their mean time times the items left
-    ("estimating..." until one was computed)."""
+    ("estimating..." until one was computed); divided by ``processes`` when helper processes share the items
+    (:meth:`elsewhere`: an item another process computed). ``write``: where a line goes (default: above the bars on
+    stderr; a helper process sends its lines to the main one)."""
 
-    def __init__(self, enabled: bool):
-        self.enabled, self.start = enabled, time.perf_counter()
+    def __init__(self, enabled: bool, write=None):
+        self.enabled, self.start, self.write = enabled, time.perf_counter(), write
         self.what, self.done, self.total = "", 0, 0        # the stage in progress: items done (computed or not) of N
         self.computed, self.seconds = 0, 0.0               # items computed and their time: the rate of the time left
         self.planned: list[float] | None = None            # the plan's seconds per item, or None
         self.planned_computed = 0.0                        # the plan's seconds of the items computed
         self.skipped, self.begun = False, 0.0              # the current item: marked by skip(); its start
+        self.processes = 1                                 # processes sharing the items (the time left divides)
 
     def bar(self, items: list, what: str, unit: str = "relation", planned: list[float] | None = None) -> Iterator:
         """``items`` one by one under a progress bar named ``what`` (k of N, elapsed and remaining time);
@@ -145,6 +148,15 @@ class Log:
         finally:
             self.total, self.planned = 0, None
 
+    def elsewhere(self, seconds: float) -> None:
+        """The bar's current item was computed by another process in ``seconds``: it counts in the rate with
+        those seconds, not with the time this process waited for it."""
+        self.skipped = True
+        if self.total and self.done < self.total:
+            self.computed += 1
+            self.seconds += seconds
+            self.planned_computed += self.planned[self.done] if self.planned else 0.0
+
     def skip(self) -> None:
         """The bar's current item is not computed (taken over from an earlier result, or refused at once: too few
         facts): it counts as done, but its time (about 0 s) stays out of the rate the time left is estimated from."""
@@ -164,7 +176,7 @@ class Log:
             after = now * (self.total - self.done - 1)
         else:
             return ""
-        left = after + max(0.0, now - (time.perf_counter() - self.begun))
+        left = (after + max(0.0, now - (time.perf_counter() - self.begun))) / self.processes
         return f"~{tqdm.format_interval(left)} left" + ("" if self.computed else " (planned)")
 
     def where(self) -> str:
@@ -175,5 +187,7 @@ class Log:
         return f" | {self.what} {self.done + 1}/{self.total}, {self.left() or 'estimating...'}"
 
     def __call__(self, message: str) -> None:
-        if self.enabled:
+        if self.write is not None:
+            self.write(message)
+        elif self.enabled:
             tqdm.write(f"[analyses {time.perf_counter() - self.start:6.0f}s{self.where()}] {message}", file=sys.stderr)

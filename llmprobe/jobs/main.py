@@ -50,7 +50,11 @@ def run(model=None, *, settings: Settings | None = None, out: str | Path = "runs
     longer mode, not both in a row (SmolLM2: trainable 822 s, frozen 575 s of one thread). Their threads come
     out of this process's budget: while they train, the analyses run on max(1, torch threads - workers) threads
     (``timings.analyses_threads``; on 2 cores 1 thread: a second thread there makes the decoders 1.3x faster
-    alone but costs 13% more CPU, which the workers need); they train on the model's GPU when it has one (the
+    alone but costs 13% more CPU, which the workers need), in as many processes of that many threads as the
+    threads hold (``timings.analyses_processes``: the main one and helpers that load the same model,
+    ``llmprobe.jobs.helpers``), so the cores the workers free when they finish keep working on the analyses' last
+    parts; the thread count, and so every number, does not depend on when they finish. They train on the model's
+    GPU when it has one (the
     widest control, at the model's own width, is a GPU-sized job for a 7B model). Their numbers are those of ``train_matched`` called anywhere (it fixes one thread itself), mode by
     mode: nothing is shared between the modes but the table (``synthetic.matched.merge_matched``). Their
     ``[matched]`` lines say each mode's time left, from the plan (:func:`planned_matched`): the plan's seconds
@@ -149,6 +153,8 @@ class MatchedStage:
         if arguments["device"] == "cpu":          # the workers' threads come out of this process's budget
             self.threads_before = torch.get_num_threads()
             torch.set_num_threads(max(1, self.threads_before - len(self.workers)))
+            # the analyses' processes at that thread count that the cores hold once the workers are done
+            report["timings"]["analyses_processes"] = max(1, self.threads_before // torch.get_num_threads())
         report["timings"]["analyses_threads"] = torch.get_num_threads()
 
     def finish(self, report: dict, out: Path) -> None:

@@ -82,7 +82,7 @@ def _worker_main(send, parent_pid: int, args: tuple, kwargs: dict, relay_progres
     """The worker process: set up, train and measure the controls, send ("result", (True, (controls, seconds)))
     or ("result", (False, "Type: message")); with ``relay_progress`` every progress line first, as ("progress",
     line)."""
-    _one_thread(parent_pid)
+    worker_setup(parent_pid)
     if relay_progress:
         kwargs = {**kwargs, "progress": lambda message: send.send(("progress", message))}
     start = time.perf_counter()
@@ -94,10 +94,10 @@ def _worker_main(send, parent_pid: int, args: tuple, kwargs: dict, relay_progres
     send.close()
 
 
-def _one_thread(parent_pid: int | None = None) -> None:
-    """Worker set-up: one torch thread; Ctrl-C is left to the parent (which stops the worker); and the worker
-    exits on its own when the parent is gone (kill -9 of the parent leaves no orphan training on)."""
-    torch.set_num_threads(1)
+def worker_setup(parent_pid: int | None = None, threads: int = 1) -> None:
+    """Worker set-up: ``threads`` torch threads; Ctrl-C is left to the parent (which stops the worker); and the
+    worker exits on its own when the parent is gone (kill -9 of the parent leaves no orphan work on)."""
+    torch.set_num_threads(threads)
     reuse_freed_memory()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if parent_pid is not None:
@@ -121,4 +121,4 @@ def _exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
     os._exit(1)
 
 
-__all__ = ["MatchedWorker"]
+__all__ = ["MatchedWorker", "worker_setup"]

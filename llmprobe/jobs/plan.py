@@ -455,9 +455,11 @@ def predict(shape: Shape, work: dict, model_cost, width_fits: dict, load_s: floa
     device), ``load_s`` and ``init_s`` (the random-init control's construction) given; the matched controls'
     training steps by ``matched_step(FLOPs)`` (default: the CPU fit), their threshold searches ``search_s`` (both
     modes) and measurements at the CPU fit's speed, ``n_seeds`` trainings per point, one worker per mode.
-    wall = load + known facts + max(analyses, the longer mode's controls, all of that work over ``cores``) (the
-    analyses' seconds are one thread's, so on several cores this is an upper bound; ``cores`` None, on a GPU: the
-    last term left out, the GPU's small-batch passes leaving room for the controls' steps beside them)."""
+    wall = load + known facts + max(analyses over their processes, the longer mode's controls, all of that work
+    over ``cores``) (the analyses' seconds are one thread's, so on several cores this is an upper bound; their
+    processes ``analyses_processes``: cores // the threads the workers leave, as ``llmprobe run`` starts them;
+    ``cores`` None, on a GPU: one process and the last term left out, the GPU's small-batch passes leaving room for
+    the controls' steps beside them)."""
     def width_cost(stage: str, flops: float, count: float) -> float:
         f = width_fits[stage]
         return count * (f["a"] * flops + f["b"])
@@ -489,9 +491,14 @@ def predict(shape: Shape, work: dict, model_cost, width_fits: dict, load_s: floa
     out["matched"] = max(per_mode.values(), default=0.0)          # one worker per mode, side by side
     out["matched_total"] = sum(per_mode.values())
     out["analyses"] = out["jacobians"] + out["decoders_other"] + out["superposition"]
-    # the workers and the analyses share the cores: no faster than their work spread over every core
+    # beside the workers the analyses run on the threads left, in as many processes of that many threads as the
+    # cores hold (llmprobe.jobs.helpers); the workers and the analyses share the cores: no faster than their work
+    # spread over every core
+    workers = len(per_mode)
+    out["analyses_processes"] = max(1, cores // max(1, cores - workers)) if cores and workers else 1
     shared = (out["analyses"] + out["matched_total"]) / cores if cores else 0.0
-    out["wall"] = out["load"] + out["known_facts"] + max(out["analyses"], out["matched"], shared)
+    out["wall"] = out["load"] + out["known_facts"] + max(out["analyses"] / out["analyses_processes"],
+                                                         out["matched"], shared)
     return out
 
 
@@ -646,8 +653,10 @@ def plan(model=None, settings: Settings | None = None, *, device: str = "cpu", r
     Returns {"model", "source", "shape", "device", "rate", "jacobian_rank", "assumed", "stages": {stage:
     {"seconds", "peak_bytes"}}, "total": {"seconds", "peak_bytes", "host_peak_bytes", "memory_bytes", "fits"}}:
     peak_bytes on the device (this CPU: process RSS; H200: GPU memory), total seconds the wall time (load + known
-    facts + max(analyses, the longer control mode, all of that work over the cores): one controls worker per mode
-    beside the analyses; ``total["matched_seconds"]`` both modes' seconds), its peak the most at any time."""
+    facts + max(analyses over their processes, the longer control mode, all of that work over the cores): one
+    controls worker per mode beside the analyses; ``total["matched_seconds"]`` both modes' seconds,
+    ``total["analyses_processes"]`` the analyses' processes), its peak the most at any time (each analysis helper
+    holds its own copy of the model)."""
     settings = settings or Settings()
     if device not in DEVICES:
         raise UsageError(f"plan: unknown device {device!r}; choose cpu (this CPU) or h200 (one H200)")
@@ -667,14 +676,16 @@ def plan(model=None, settings: Settings | None = None, *, device: str = "cpu", r
     workers = len(work["matched_modes"])                          # one controls process per mode
     peaks = {"load": base + weights, "known_facts": base + weights, "jacobians": decoders, "decoders_other": decoders,
              "superposition": base + weights + twin, "matched": workers * (base + control) if control else 0}
-    peak = max(peaks["known_facts"], max(decoders, peaks["superposition"]) + peaks["matched"])
+    helpers = seconds["analyses_processes"] - 1                   # analysis helpers, each with its copy
+    peak = max(peaks["known_facts"], max(decoders, peaks["superposition"]) * (1 + helpers) + peaks["matched"])
     host = peak if on_host else PROCESS_BYTES + max(mem["host_init"] if twin else 0, jacobians)
     limit = _ram_bytes() if on_host else H200["hbm_bytes"]
     label = DEFAULT_MODEL if model is None else str(model) if isinstance(model, (str, os.PathLike)) else shape.name
     return {"model": label, "source": source, "shape": {**asdict(shape), "params": shape.params}, "device": device,
             "rate": rate, "jacobian_rank": rank, "assumed": assumed,
             "stages": {stage: {"seconds": seconds[stage], "peak_bytes": peaks[stage]} for stage in STAGES},
-            "total": {"seconds": seconds["wall"], "matched_seconds": seconds["matched_total"], "peak_bytes": peak,
+            "total": {"seconds": seconds["wall"], "matched_seconds": seconds["matched_total"],
+                      "analyses_processes": seconds["analyses_processes"], "peak_bytes": peak,
                       "host_peak_bytes": host,
                       "memory_bytes": limit, "fits": peak <= limit}}
 
@@ -792,6 +803,8 @@ def format_plan(plans: dict | list[dict]) -> str:
                          f"{H200['efficiency']:.0%}, {H200['hbm_bytes_per_s'] / 1e12:.1f} TB/s), host work at the "
                          f"fit's speed; host peak "
                          f"{gib(p['total']['host_peak_bytes'])} GiB")
-    lines.append(f"  wall = load + known facts + max(analyses, the longer control mode (one worker each), all of it "
-                 f"over the cores); not in the cost model: {NOT_COUNTED}")
+    cpu = [p["total"]["analyses_processes"] for p in plans if p["device"] == "cpu"]
+    lines.append("  wall = load + known facts + max(analyses over their processes"
+                 + (f" (this CPU: {cpu[0]})" if cpu else "") + ", the longer control mode (one worker each), all of "
+                 f"it over the cores); not in the cost model: {NOT_COUNTED}")
     return "\n".join(lines)

@@ -20,6 +20,7 @@ from llmprobe.analyses.saved import DECODERS_JSON, DECODERS_TENSORS, read_fits, 
 from llmprobe.analyses.settings import settings_from
 from llmprobe.checks import output_folder, parse_layers
 from llmprobe.datasets import DatasetError, Relation, load_relations
+from llmprobe.jobs.helpers import AnalysisHelper
 from llmprobe.jobs.plan import decoder_seconds
 from llmprobe.jobs.stages import (
     checkpoint,
@@ -194,6 +195,7 @@ class ProbeJob:
         self.analysed: list = []   # the relations without the facts that do not fit the context (the analyses' input)
         self.fitted: dict = {}     # relation -> decoder -> the fit at its chosen layer (decoders.safetensors)
         self.saved: set = set()    # the (relation, decoder) pairs of self.fitted that the decoder files hold
+        self.load_spec: dict | None = None     # as_loaded_model's arguments, when a helper process can repeat them
 
     def load(self, model, tokenizer, lm: LoadedModel | None, **load_flags) -> None:
         """Seed the RNGs, read the relations, load the model (unless ``lm``) and start the report."""
@@ -207,6 +209,8 @@ class ProbeJob:
             say(f"loading {run.model or 'the embedded default model'} ...")
         self.lm = lm if lm is not None else as_loaded_model(run.model if named else model, tokenizer,
                                                            **load_options(run), **load_flags)
+        if lm is None and named:
+            self.load_spec = {"obj": run.model, **load_options(run), **load_flags}
         if not named:                           # a model object is recorded by its name_or_path
             recorded = self.lm.info["name"]
         elif run.model is not None or self.lm.info.get("source") == "embedded":
@@ -310,12 +314,39 @@ class ProbeJob:
             if earlier is not None:          # an interrupted run's finished parts (same key: same settings)
                 report["analyses"] = {**earlier, "partial": True}   # kept should this run be interrupted too
                 stage.update(taken_over(earlier, self.analysed, analyses))
-            report["analyses"] = analyses_run.run_analyses(
-                self.lm, self.analysed, self.known, report["layers"], analyses=analyses,
-                seed=self.settings.run.seed, on_progress=self.analyses_progress, done=earlier, fitted=self.fitted,
-                planned=self.planned_decoders(analyses), **self.settings.analysis_options())
+            arguments = {"relations": self.analysed, "known": self.known, "layers": report["layers"],
+                         "analyses": analyses, "seed": self.settings.run.seed, **self.settings.analysis_options()}
+            helpers = self.helpers(arguments)
+            try:
+                report["analyses"] = analyses_run.run_analyses(
+                    self.lm, **arguments, on_progress=self.analyses_progress, done=earlier, fitted=self.fitted,
+                    planned=self.planned_decoders(analyses), helpers=helpers)
+            finally:
+                for helper in helpers:
+                    helper.stop()
         report["timings"]["analyses_s"] = round(time.perf_counter() - t, 1)
         stage["done"] = True
+
+    def helpers(self, arguments: dict) -> list[AnalysisHelper]:
+        """The analyses' helper processes (``llmprobe.jobs.helpers``): ``timings.analyses_processes`` - 1 of them
+        (``llmprobe run`` sets it: the cores its controls' workers hold, at the analyses' thread count), each on
+        the analyses' torch threads, when this process loaded the model by name or folder on the CPU and the
+        copies fit in half the memory available; none otherwise."""
+        wanted = self.report["timings"].get("analyses_processes", 1) - 1
+        if wanted < 1 or self.load_spec is None or self.lm.device.type != "cpu" or self.settings.run.device_map:
+            return []
+        size = sum(p.numel() * p.element_size() for p in self.lm.model.parameters())
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        wanted = min(wanted, int(free / 2 // max(size, 1)))
+        if wanted < 1:
+            return []
+        identity = weights_id(self.lm.info)
+        threads = torch.get_num_threads()
+        say(f"analyses: {wanted} helper process{'es' if wanted > 1 else ''} ({threads} thread{'s' if threads > 1 else ''}"
+            f"{' each' if wanted > 1 else ''}, as this process) share{'' if wanted > 1 else 's'} the parts ([helper] "
+            f"lines)")
+        return [AnalysisHelper(self.load_spec, self.settings.run.seed, threads, arguments, identity,
+                               on_line=lambda line: say(line, prefix="[helper]")) for _ in range(wanted)]
 
     def planned_decoders(self, analyses: tuple) -> dict | None:
         """Relation name -> the plan's seconds of its decoders (``jobs.plan.decoder_seconds``), for the progress

@@ -1,0 +1,117 @@
+"""Analysis helpers: spawned processes that load the same model and compute parts of ``run_analyses`` (a relation's
+decoders, the superposition analysis, a mechanism analysis) beside the main process, on the same torch thread
+count, so the cores the controls' workers free when they finish do not sit idle while the analyses go on.
+
+A part's numbers do not depend on the process that computes it (each part's draws are seeded by the run's seed and
+its own name; every process runs the same weights on the same number of threads), so a run with helpers writes
+the numbers of a run without (tests/test_helpers.py compares them).
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import threading
+
+import torch
+
+from llmprobe.analyses.run import Analyses
+from llmprobe.analyses.saved import weights_id
+from llmprobe.analyses.settings import Log
+from llmprobe.jobs.matched import worker_setup
+from llmprobe.model.interop import as_loaded_model
+
+
+class AnalysisHelper:
+    """One helper process. ``load``: the keyword arguments of ``as_loaded_model`` (a model *name or folder*:
+    the helper loads its own copy), ``seed``: the run's seed, ``threads``: its torch threads (the main process's
+    analysis threads), ``analysis``: the arguments of ``llmprobe.analyses.run.Analyses`` after the model,
+    ``identity``: the main process's model (``weights_id`` of its info), which the helper's copy must match.
+
+    :meth:`compute` hands it one part and blocks until its outcome (None when the helper died, failed to load or
+    loaded other weights: the part is then the main process's). ``on_line``: called with each progress line."""
+
+    def __init__(self, load: dict, seed: int, threads: int, analysis: dict, identity: str, on_line=None):
+        context = multiprocessing.get_context("spawn")
+        self.connection, child = context.Pipe(duplex=True)
+        self.identity, self.on_line, self.ready, self.failed = identity, on_line, False, None
+        self.lock = threading.Lock()
+        self.process = context.Process(target=_helper_main, args=(child, os.getpid(), load, seed, threads, analysis),
+                                       daemon=True, name="llmprobe-analyses-helper")
+        self.process.start()
+        child.close()
+
+    def _receive(self):
+        """The next message that is not a progress line: (kind, value), or None when the pipe closed."""
+        try:
+            while True:
+                kind, value = self.connection.recv()
+                if kind != "line":
+                    return kind, value
+                if self.on_line is not None:
+                    self.on_line(value)
+        except (EOFError, OSError):
+            return None
+
+    def compute(self, part) -> dict | None:
+        with self.lock:
+            if self.failed:
+                return None
+            if not self.ready:
+                message = self._receive()
+                if message is None:
+                    self._fail("it stopped before loading the model")
+                elif message[0] == "failed":
+                    self._fail(f"it could not load the model: {message[1]}")
+                elif message[1] != self.identity:
+                    self._fail(f"it loaded other weights ({message[1]}, not {self.identity})")
+                if self.failed:
+                    return None
+                self.ready = True
+            try:
+                self.connection.send(("part", part))
+            except OSError:
+                message = None
+            else:
+                message = self._receive()
+            if message is None or message[0] != "done":
+                self._fail(f"it died (exit code {self.process.exitcode})")
+                return None
+            return message[1]
+
+    def _fail(self, why: str) -> None:
+        """Stop the helper for good, saying why."""
+        self.failed = why
+        self.stop()
+        if self.on_line is not None:
+            self.on_line(f"helper stopped: {why}; the main process computes its parts")
+
+    def stop(self) -> None:
+        """Kill the process (a part in flight is lost; the main process computes it)."""
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(5)
+
+
+def _helper_main(connection, parent_pid: int, load: dict, seed: int, threads: int, analysis: dict) -> None:
+    """The helper process: set up, load the model, say ("ready", its weights id), then compute each part it is
+    sent and send ("done", outcome), progress lines as ("line", text) before."""
+    worker_setup(parent_pid, threads)
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        lm = as_loaded_model(**load)
+        job = Analyses(lm, log=Log(False, write=lambda text: connection.send(("line", text))), **analysis)
+    except Exception as error:  # noqa: BLE001 - the main process computes every part itself
+        connection.send(("failed", f"{type(error).__name__}: {error}"))
+        return
+    connection.send(("ready", weights_id(lm.info)))
+    while True:
+        try:
+            kind, part = connection.recv()
+        except (EOFError, OSError):
+            return
+        connection.send(("done", job.compute(tuple(part))))
+
+
+__all__ = ["AnalysisHelper"]

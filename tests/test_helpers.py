@@ -1,0 +1,125 @@
+"""Analysis helpers (``llmprobe.jobs.helpers``): parts of ``run_analyses`` computed in another process give the
+numbers of one process, and a helper that cannot help leaves every part to the main process."""
+import random
+
+import pytest
+import torch
+from test_analyses import FAST, _relations
+from tiny_models import save_tiny
+
+from llmprobe.analyses.run import Parts, run_analyses
+from llmprobe.analyses.saved import weights_id
+from llmprobe.datasets import Fact, Relation
+from llmprobe.jobs.helpers import AnalysisHelper
+from llmprobe.model.loading import load_model
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return str(save_tiny("llama", tmp_path_factory.mktemp("llama")))
+
+
+@pytest.fixture(scope="module")
+def work():
+    """Relations with every fact known, one with too few known facts (an error entry), and all the analyses."""
+    syllables = ["ka", "lo", "mi", "ne", "ru", "ta", "vo", "zi"]
+    rnd = random.Random(1)
+    subjects = sorted({"".join(rnd.choice(syllables) for _ in range(3)).capitalize() for _ in range(60)})[:20]
+    relations, known = _relations(subjects)
+    relations.append(Relation("few", ["The moon of {} is"], ["{}"], [Fact(subjects[0], "Luna")], {}))
+    known["few"] = known["capital"][:1]
+    return {"relations": relations, "known": known, "layers": [0, 1, 2], "seed": 0, **FAST}
+
+
+def without_seconds(entry):
+    """``entry`` without the seconds things took (keys ``seconds`` and ``*_seconds``)."""
+    if isinstance(entry, dict):
+        return {k: without_seconds(v) for k, v in entry.items() if k != "seconds" and not k.endswith("_seconds")}
+    return [without_seconds(v) for v in entry] if isinstance(entry, list) else entry
+
+
+def _same(a, b) -> bool:
+    """Equal, tensors bit for bit, through dicts and lists."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b or (a != a and b != b)
+
+
+def _analyse(lm, work, helpers=()):
+    torch.set_num_threads(1)
+    fitted = {}
+    result = run_analyses(lm, **work, progress=False, fitted=fitted, helpers=helpers)
+    return result, fitted
+
+
+def _with_helper(lm, work, folder, identity=None):
+    """``run_analyses`` with one helper loading ``folder`` (whose weights must be ``identity``, default the main
+    process's): (result, fitted, the helper's lines)."""
+    lines = []
+    helper = AnalysisHelper({"obj": folder, "device": "cpu"}, 0, 1, work, identity or weights_id(lm.info),
+                            on_line=lines.append)
+    try:
+        return (*_analyse(lm, work, [helper]), lines)
+    finally:
+        helper.stop()
+
+
+def test_parts_computed_by_a_helper_have_the_numbers_of_one_process(folder, work, monkeypatch):
+    """Fails when a part's numbers depend on the process (a global RNG, the process's earlier work, another seed:
+    checked by giving the helper seed 1) or when the outcomes are merged wrongly (a part missing, twice, another
+    relation's entry or decoders, errors out of order). The main process starts once the helper has computed the
+    language relation's decoders and every analysis after them (it takes parts from the back), so those numbers
+    are the helper's."""
+    lm = load_model(folder, device="cpu")
+    alone, fitted_alone = _analyse(lm, work)
+    claim = Parts.claim
+
+    def claim_after_the_helper(self, part):
+        with self.changed:
+            self.changed.wait_for(lambda: ("decoders", "language") in self.outcomes or self.lost, timeout=300)
+        return claim(self, part)
+
+    monkeypatch.setattr(Parts, "claim", claim_after_the_helper)
+    shared, fitted_shared, _ = _with_helper(lm, work, folder)
+    assert shared["timing"]["processes"] == 2 and alone["timing"]["processes"] == 1
+    by_helper = shared["timing"]["helper_parts"]
+    assert {"language", "superposition", "crosspatch", "selector", "multihop"} <= set(by_helper)
+    assert "capital" not in by_helper                                                 # it took parts from the back
+    for key in ("relations", "superposition", "crosspatch", "selector", "multihop", "errors", "settings"):
+        assert _same(without_seconds(shared[key]), without_seconds(alone[key])), key
+    assert list(shared["relations"]) == [r.name for r in work["relations"]]
+    assert fitted_shared.keys() == fitted_alone.keys() and fitted_alone
+    assert _same(fitted_shared, fitted_alone)
+
+
+@pytest.mark.parametrize("case", ["missing model", "other weights"])
+def test_a_helper_that_cannot_help_leaves_every_part_to_the_main_process(folder, work, tmp_path, case):
+    """A helper whose model does not load, or loads other weights than the main process's, computes nothing: the
+    main process computes every part, says why, and the result is the one-process result."""
+    lm = load_model(folder, device="cpu")
+    few = {**work, "analyses": ("lre", "superposition")}
+    alone, _ = _analyse(lm, few)
+    if case == "missing model":
+        shared, _, lines = _with_helper(lm, few, str(tmp_path / "nowhere"))
+    else:
+        shared, _, lines = _with_helper(lm, few, folder, identity="sha256:not-these-weights")
+    assert shared["timing"]["helper_parts"] == []
+    assert _same(without_seconds(shared["relations"]), without_seconds(alone["relations"]))
+    assert _same(without_seconds(shared["superposition"]), without_seconds(alone["superposition"]))
+    why = "could not load the model" if case == "missing model" else "loaded other weights"
+    assert any(line.startswith("helper stopped: ") and why in line for line in lines), lines
+
+
+def test_a_helpers_progress_lines_and_errors_come_back_in_run_order(folder, work):
+    """The helper takes the last relation (too few known facts): its progress lines reach the main process's
+    ``on_line`` and its error is listed in the relations' order, as one process lists it."""
+    lm = load_model(folder, device="cpu")
+    decoders = {**work, "analyses": ("lre",)}
+    shared, _, lines = _with_helper(lm, decoders, folder)
+    assert "few" in shared["timing"]["helper_parts"]
+    assert "few: decoders (lre)" in lines and any("1 known facts" in line for line in lines), lines
+    assert len(shared["errors"]) == 1 and "few" in shared["errors"][0]
