@@ -19,6 +19,7 @@ from test_lre import LinearToy, word_tokenizer
 from tiny_models import save_tiny
 
 import llmprobe.analyses.decoders as decoders_module
+import llmprobe.model.lre as lre
 from llmprobe.analyses.run import run_analyses
 from llmprobe.analyses.settings import AnalysisError, settings_from
 from llmprobe.analyses.splits import in_context_draws, object_pairs
@@ -226,6 +227,52 @@ def test_prefix_cached_edits_give_the_full_passes_numbers(llama64, gpt2_64, fami
         assert (slow - clean).abs().max() > 1e-3                              # the edits change the logits
     assert torch.equal(prefix_cached_predictions(lm, template, rows, layer, delta, seqs * k),
                        next_token_predictions(lm, template, rows, layer, delta, resume=seqs * k))
+
+
+@pytest.mark.parametrize("margin", ["inside", "beyond"])
+def test_edited_predictions_take_the_full_pass_for_rows_near_a_tie(llama64, monkeypatch, margin):
+    """``edited_predictions`` returns the full resumed pass's ids bit for bit while most rows come from the prefix
+    cache. Planted: a fast path that errs on rows 2 and 7 by flipping their top two logits by less than the
+    margin (as float sums in another order could) is corrected, those rows' micro-batches run in full (and only
+    those); a flip beyond the margin is trusted, so the test sees the margin doing the work. (Settling every row
+    fails "inside"; recomputing every row fails the count of micro-batches run.)"""
+    lm = llama64
+    subjects = ["Germany", "United Kingdom", "Egypt", "France"] * 3
+    seqs = layer_sequences(lm, TEMPLATE, subjects[:4], 1)
+    gen = torch.Generator().manual_seed(1)
+    delta = torch.randn(len(subjects), seqs[0].shape[-1], generator=gen, dtype=torch.float64)
+    full = next_token_predictions(lm, TEMPLATE, subjects, 1, delta, resume=seqs * 3, batch_size=4)
+    exact = lre.prefix_cached_predictions
+
+    def flipped(*args, **kwargs):
+        logits = exact(*args, **kwargs).clone()
+        for row in (2, 7):
+            top = logits[row].topk(2)
+            a, b = top.indices.tolist()
+            gap = lre._MARGIN / 2 if margin == "inside" else lre._MARGIN * 4
+            logits[row, b] = logits[row, a] + gap            # the runner-up now leads, by ``gap``
+        runs.clear()                                          # the fast path's own prompts are not counted
+        return logits
+
+    monkeypatch.setattr(lre, "prefix_cached_predictions", flipped)
+    runs = []
+    real_encode = lre.encode
+    monkeypatch.setattr(lre, "encode", lambda *a, **k: runs.append(a[2]) or real_encode(*a, **k))
+    got = lre.edited_predictions(lm, TEMPLATE, subjects, 1, delta, seqs * 3, batch_size=4)
+    run_in_full = list(runs)
+    fast = flipped(lm, TEMPLATE, subjects, 1, delta, seqs * 3, return_logits=True)
+    top = fast.topk(2, dim=-1).values
+    close = {row for row in range(len(subjects)) if float(top[row, 0] - top[row, 1]) < lre._MARGIN}
+    assert ({2, 7} <= close) == (margin == "inside")
+    ran = sorted({row // 4 for row in close})                  # the micro-batches of 4 holding a close row
+    assert run_in_full == [subjects[4 * b:4 * b + 4] for b in ran]      # those run in full, and only those
+    expected = torch.tensor([int(full[row]) if row // 4 in ran else int(fast[row].argmax())
+                             for row in range(len(subjects))])
+    assert torch.equal(got, expected)
+    if margin == "inside":
+        assert torch.equal(got, full)                           # the planted errors corrected
+    elif not {0, 1} <= set(ran):
+        assert not torch.equal(got, full)                       # a flip beyond the margin is trusted
 
 
 def test_lre_protocol_numbers_equal_with_and_without_the_prefix_cache(llama64, monkeypatch):

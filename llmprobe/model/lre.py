@@ -40,7 +40,7 @@ from llmprobe.model.subjects import EncodedPrompts, encode
 
 __all__ = ["RelationStates", "JacobianResult", "output_name", "state_name", "relation_states", "subject_states",
            "subject_jacobians", "jacobian_cost", "per_prompt_jacobians", "logits_fn", "line_argmax",
-           "next_token_predictions", "layer_sequences", "prefix_cached_predictions"]
+           "next_token_predictions", "layer_sequences", "prefix_cached_predictions", "edited_predictions"]
 
 
 def state_name(layer: int) -> str:
@@ -208,13 +208,17 @@ def line_argmax(lm, A: torch.Tensor, B: torch.Tensor, betas: Sequence[float]) ->
 
 def next_token_predictions(lm, template: str | Sequence[str], subjects: Sequence[str], layer: int | None = None,
                            delta: torch.Tensor | None = None, batch_size: int = 64, return_logits: bool = False,
-                           resume: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+                           resume: Sequence[torch.Tensor] | None = None,
+                           known: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Greedy next token after each filled prompt, with ``delta`` [n, d] added to the subject state at ``layer``
     (a real forward pass with the edited state patched in). Returns LongTensor [n] (or logits [n, vocab]).
 
     ``resume``: the clean states of ``blocks.{layer}.resid_post`` for each row's whole prompt (unpadded [T_i, d],
     from :func:`layer_sequences`). The forward pass then starts at block ``layer + 1`` from those states plus
-    the edit, skipping the blocks that an edit at ``layer`` cannot change (same result, fewer FLOPs)."""
+    the edit, skipping the blocks that an edit at ``layer`` cannot change (same result, fewer FLOPs).
+    ``known``: (ids [n], settled [n] bool), ids already found for the settled rows: a micro-batch whose rows are
+    all settled is not run and gives those ids (the others run as without ``known``, in the same micro-batches,
+    so their ids are bit for bit those of a call without it)."""
     model, tok = lm.model, lm.tokenizer
     adapter = adapter_for(model)
     subjects = list(subjects)
@@ -225,6 +229,8 @@ def next_token_predictions(lm, template: str | Sequence[str], subjects: Sequence
         resume = None
 
     def predict(part: slice) -> torch.Tensor:
+        if known is not None and not return_logits and bool(known[1][part].all()):
+            return known[0][part]
         enc = encode(tok, templates[part], subjects[part], padding_side="left")
         if resume is not None:
             o = _resumed_output(lm, enc, layer, delta[part], resume[part])
@@ -327,7 +333,7 @@ def prefix_cached_predictions(lm, template: str | Sequence[str], subjects: Seque
     take :func:`next_token_predictions`."""
     model, tok = lm.model, lm.tokenizer
     adapter = adapter_for(model)
-    if adapter._points is not None or adapter.blocks is None:
+    if not _caches_prefix(adapter):
         return next_token_predictions(lm, template, subjects, layer, delta, return_logits=return_logits,
                                       resume=resume)
     subjects = list(subjects)
@@ -389,6 +395,28 @@ def prefix_cached_predictions(lm, template: str | Sequence[str], subjects: Seque
             for j, row in enumerate(part):
                 results[row] = got[j]
     return torch.stack(results)
+
+
+def _caches_prefix(adapter) -> bool:
+    """Can :func:`prefix_cached_predictions` run this model's blocks on a KV cache (Hugging Face blocks, not hook
+    points)?"""
+    return adapter._points is None and adapter.blocks is not None
+
+
+def edited_predictions(lm, template: str | Sequence[str], subjects: Sequence[str], layer: int,
+                       delta: torch.Tensor, resume: Sequence[torch.Tensor], batch_size: int = 64) -> torch.Tensor:
+    """The ids of ``next_token_predictions(lm, template, subjects, layer, delta, batch_size, resume=resume)``, bit
+    for bit, mostly from :func:`prefix_cached_predictions` (the tokens before the subject run once per prompt):
+    a row whose top-1 logit leads its runner-up by less than ``_MARGIN`` there (far above the two paths' float
+    difference) is one whose id the order of float sums could flip, and its micro-batch of the full resumed pass
+    is run (``known``) so that its id is that pass's. LongTensor [n]."""
+    if not _caches_prefix(adapter_for(lm.model)):
+        return next_token_predictions(lm, template, subjects, layer, delta, batch_size=batch_size, resume=resume)
+    logits = prefix_cached_predictions(lm, template, subjects, layer, delta, resume, return_logits=True)
+    top = logits.float().topk(2, dim=-1)
+    settled = (top.values[:, 0] - top.values[:, 1]) >= _MARGIN
+    return next_token_predictions(lm, template, subjects, layer, delta, batch_size=batch_size, resume=resume,
+                                  known=(top.indices[:, 0].cpu(), settled.cpu()))
 
 
 # ------------------------------------------------------------------------------------------------ Jacobians
