@@ -177,3 +177,18 @@ def test_the_rate_measurement_leaves_torch_as_it_found_it():
     state = torch.random.get_rng_state()
     assert matmul_rate(1, 0.05) > 1e8
     assert torch.get_num_threads() == 2 and torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_the_analyses_share_the_cores_the_workers_free_unless_a_model_copy_does_not_fit(monkeypatch):
+    """As ``llmprobe run`` starts them: on 2 cores beside two one-thread control workers the analyses run on one
+    thread in 2 processes (the wall divides their seconds by 2, the peak holds a model copy per helper); one
+    process when a copy would not fit in half the memory, or on 8 cores (6 threads each: 8 // 6)."""
+    monkeypatch.setattr(plan_module.os, "sched_getaffinity", lambda pid: {0, 1})
+    two = plan(TARGETS[0], rate=REFERENCE_RATE)
+    monkeypatch.setattr(plan_module, "_ram_bytes", lambda: 2 * plan_module.PROCESS_BYTES)
+    one = plan(TARGETS[0], rate=REFERENCE_RATE)
+    assert two["total"]["analyses_processes"] == 2 and one["total"]["analyses_processes"] == 1
+    assert two["total"]["peak_bytes"] > one["total"]["peak_bytes"] and two["total"]["seconds"] <= one["total"]["seconds"]
+    monkeypatch.undo()
+    monkeypatch.setattr(plan_module.os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert plan(TARGETS[0], rate=REFERENCE_RATE)["total"]["analyses_processes"] == 1

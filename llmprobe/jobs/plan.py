@@ -449,7 +449,7 @@ def matched_curve(mode: str, d_model: int, at_model_width: bool = True, n_seeds:
 
 def predict(shape: Shape, work: dict, model_cost, width_fits: dict, load_s: float, init_s: float,
             rank: int | None, matched_step=None, search_s: float = sum(MATCHED_SEARCH_S.values()),
-            cores: int | None = None) -> dict:
+            cores: int | None = None, helpers_fit: bool = True) -> dict:
     """Seconds per stage of ``llmprobe run`` for ``shape``: model work through ``model_cost(stage, Work, shape)``,
     the width-only CPU work (decoder fits, readouts, controls) from ``width_fits`` (it runs on the host CPU on any
     device), ``load_s`` and ``init_s`` (the random-init control's construction) given; the matched controls'
@@ -457,7 +457,8 @@ def predict(shape: Shape, work: dict, model_cost, width_fits: dict, load_s: floa
     modes) and measurements at the CPU fit's speed, ``n_seeds`` trainings per point, one worker per mode.
     wall = load + known facts + max(analyses over their processes, the longer mode's controls, all of that work
     over ``cores``) (the analyses' seconds are one thread's, so on several cores this is an upper bound; their
-    processes ``analyses_processes``: cores // the threads the workers leave, as ``llmprobe run`` starts them;
+    processes ``analyses_processes``: cores // the threads the workers leave, as ``llmprobe run`` starts them,
+    1 when ``helpers_fit`` is false (the helpers' model copies would not fit in half the memory);
     ``cores`` None, on a GPU: one process and the last term left out, the GPU's small-batch passes leaving room for
     the controls' steps beside them)."""
     def width_cost(stage: str, flops: float, count: float) -> float:
@@ -495,7 +496,7 @@ def predict(shape: Shape, work: dict, model_cost, width_fits: dict, load_s: floa
     # cores hold (llmprobe.jobs.helpers); the workers and the analyses share the cores: no faster than their work
     # spread over every core
     workers = len(per_mode)
-    out["analyses_processes"] = max(1, cores // max(1, cores - workers)) if cores and workers else 1
+    out["analyses_processes"] = max(1, cores // max(1, cores - workers)) if cores and workers and helpers_fit else 1
     shared = (out["analyses"] + out["matched_total"]) / cores if cores else 0.0
     out["wall"] = out["load"] + out["known_facts"] + max(out["analyses"] / out["analyses_processes"],
                                                          out["matched"], shared)
@@ -508,7 +509,8 @@ def scaled_fits(fits: dict, factor: float) -> dict:
             for stage, f in fits.items()}
 
 
-def predict_on(shape: Shape, work: dict, fits: dict, device: str, rank: int | None, cpu_scale: float = 1.0) -> dict:
+def predict_on(shape: Shape, work: dict, fits: dict, device: str, rank: int | None, cpu_scale: float = 1.0,
+               helpers_fit: bool = True) -> dict:
     """:func:`predict` on ``device``: "cpu" by ``fits`` times ``cpu_scale`` (float32 weights read at the load
     fit's speed), "h200" by the roofline (bf16 weights read at ``H200["disk_bytes_per_s"]``), its host-CPU work
     (fits, readouts, the controls' searches, the random twin's construction) by ``fits`` as they are."""
@@ -517,7 +519,8 @@ def predict_on(shape: Shape, work: dict, fits: dict, device: str, rank: int | No
         here = scaled_fits(fits, cpu_scale)
         load = here["load"]["a"] * shape.params * 4 + here["load"]["b"]
         return predict(shape, work, cpu_model_cost(here), here, load, init * cpu_scale, rank,
-                       search_s=sum(MATCHED_SEARCH_S.values()) * cpu_scale, cores=len(os.sched_getaffinity(0)))
+                       search_s=sum(MATCHED_SEARCH_S.values()) * cpu_scale, cores=len(os.sched_getaffinity(0)),
+                       helpers_fit=helpers_fit)
     load = shape.params * H200["bytes_per_param"] / H200["disk_bytes_per_s"]
     return predict(shape, work, h200_model_cost, fits, load, init, rank, h200_matched_step)
 
@@ -665,8 +668,9 @@ def plan(model=None, settings: Settings | None = None, *, device: str = "cpu", r
     work, cfg, assumed = settings_workload(settings, shape.layers)
     rank = auto_rank(shape, work["lre_layers"], cfg) if work["jacobian"] else None
     rate = (rate or measured_rate()) if device == "cpu" else None
-    seconds = predict_on(shape, work, CPU_FITS, device, rank, REFERENCE_RATE / rate if rate else 1.0)
     mem = memory(shape, work, _bytes_per_param(settings, device))
+    helpers_fit = PROCESS_BYTES + mem["weights"] <= _ram_bytes() / 2     # ProbeJob.helpers: with the free memory
+    seconds = predict_on(shape, work, CPU_FITS, device, rank, REFERENCE_RATE / rate if rate else 1.0, helpers_fit)
     weights, jacobians = mem["weights"], mem["host_jacobians"] if work["jacobian"] else 0
     twin = weights if work["readouts"] else 0                    # the random-init twin of the superposition
     control = 16 * matched_params(shape.d, CPU_FITS) if work["matched_modes"] else 0   # weights, grads, Adam
