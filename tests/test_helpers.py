@@ -123,3 +123,17 @@ def test_a_helpers_progress_lines_and_errors_come_back_in_run_order(folder, work
     assert "few" in shared["timing"]["helper_parts"]
     assert "few: decoders (lre)" in lines and any("1 known facts" in line for line in lines), lines
     assert len(shared["errors"]) == 1 and "few" in shared["errors"][0]
+
+
+def test_a_helper_whose_call_raises_leaves_its_part_to_this_process():
+    """A helper that raises (not only one that dies) must not leave its claimed part unanswered: the part is
+    marked lost and this process may claim it (without that, this process would wait for it forever)."""
+    class Raising:
+        def compute(self, part):
+            raise RuntimeError("an error no one foresaw")
+
+    parts = Parts([("decoders", "a"), ("decoders", "b")], [Raising()])
+    parts.threads[0].join(10)
+    assert not parts.threads[0].is_alive() and parts.lost == {("decoders", "b")}
+    assert parts.claim(("decoders", "a")) and parts.claim(("decoders", "b"))
+    assert parts.wait(("decoders", "b")) is None

@@ -236,7 +236,10 @@ class Parts:
         """A helper's thread: claim parts from the back and have the helper compute them, until none is left or
         the helper fails (its part is then this process's to compute)."""
         while (part := self._claim_last()) is not None:
-            outcome = helper.compute(part)
+            try:
+                outcome = helper.compute(part)
+            except Exception:  # noqa: BLE001 - never leave a claimed part unanswered: this process computes it
+                outcome = None
             with self.changed:
                 if outcome is None:
                     self.lost.add(part)

@@ -80,14 +80,16 @@ class AnalysisHelper:
             return message[1]
 
     def _fail(self, why: str) -> None:
-        """Stop the helper for good, saying why."""
-        self.failed = why
+        """Stop the helper for good, saying why (unless it was stopped on purpose: ``stop``)."""
+        told = self.failed == "stopped"
+        self.failed = self.failed or why
         self.stop()
-        if self.on_line is not None:
+        if self.on_line is not None and not told:
             self.on_line(f"helper stopped: {why}; the main process computes its parts")
 
     def stop(self) -> None:
         """Kill the process (a part in flight is lost; the main process computes it)."""
+        self.failed = self.failed or "stopped"
         if self.process.is_alive():
             self.process.kill()
         self.process.join(5)
