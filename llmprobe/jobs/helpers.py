@@ -14,6 +14,7 @@ import random
 import threading
 
 import torch
+from transformers.utils import logging as transformers_logging
 
 from llmprobe.analyses.run import Analyses
 from llmprobe.analyses.saved import weights_id
@@ -99,6 +100,7 @@ def _helper_main(connection, parent_pid: int, load: dict, seed: int, threads: in
     """The helper process: set up, load the model, say ("ready", its weights id), then compute each part it is
     sent and send ("done", outcome), progress lines as ("line", text) before."""
     worker_setup(parent_pid, threads)
+    transformers_logging.disable_progress_bar()     # the main process's terminal shows no second load bar
     random.seed(seed)
     torch.manual_seed(seed)
     try:
