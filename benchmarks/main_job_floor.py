@@ -40,7 +40,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from llmprobe.analyses.run import Analyses  # noqa: E402
-from llmprobe.datasets import load_relations  # noqa: E402
 from llmprobe.jobs.plan import (  # noqa: E402  (the cost model's workload count and the matmul rate)
     MATCHED_D_STAR,
     SMOLLM2_KNOWN,
@@ -55,7 +54,7 @@ from llmprobe.jobs.plan import (  # noqa: E402  (the cost model's workload count
     smollm2_tokenizer,
     sum_work,
 )
-from llmprobe.jobs.probe import fitting, load_options  # noqa: E402
+from llmprobe.jobs.probe import fitting, load_options, run_relations  # noqa: E402
 from llmprobe.model.interop import as_loaded_model  # noqa: E402
 from llmprobe.model.known import FactResult  # noqa: E402
 from llmprobe.report.schema import read_report  # noqa: E402
@@ -72,9 +71,7 @@ def mechanism_flops(report_path: str) -> dict[str, float]:
     _, settings = from_record(report["settings"])
     run = settings.run
     lm = as_loaded_model(run.model, **load_options(run))
-    relations = load_relations(None if run.relations is None else list(run.relations))
-    relations = [r.with_facts(r.facts[:run.max_facts]) for r in relations] if run.max_facts else relations
-    analysed = [r.with_facts(fitting(lm, r, run.max_prompt_tokens)[0]) for r in relations]
+    analysed = [r.with_facts(fitting(lm, r, run.max_prompt_tokens)[0]) for r in run_relations(run)]
     rows = json.loads((Path(report_path).parent / "known_facts.json").read_text())
     known = {name: [FactResult(**row) for row in results] for name, results in rows.items()}
     job = Analyses(lm, analysed, known, report["layers"], MECHANISMS, seed=run.seed, **settings.analysis_options())

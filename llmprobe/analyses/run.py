@@ -33,6 +33,7 @@ from llmprobe.names import ANALYSES, FIRST_TOKEN
 
 # the mechanism analyses on the pretrained model, in run order: name -> fn(lm, relations, known, layers, cfg, log)
 MECHANISMS = {"crosspatch": crosspatch, "selector": selector, "multihop": multihop}
+AFTER_DECODERS = ("superposition", *MECHANISMS)     # the analyses that are one part each, in run order
 
 
 def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits: int = 3, seed: int = 0,
@@ -83,7 +84,7 @@ def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits
     done_relations = done.get("relations") or {}
     taken = {("decoders", r.name): done_relations[r.name] for r in relations
              if isinstance(done_relations.get(r.name), dict)}
-    taken.update({(name, None): done[name] for name in ("superposition", *MECHANISMS) if isinstance(done.get(name), dict)})
+    taken.update({(name, None): done[name] for name in AFTER_DECODERS if isinstance(done.get(name), dict)})
     parts = Parts([p for p in parts_of(relations, analyses) if p not in taken], helpers)
     log.processes = 1 + parts.n_helpers
     relation_seconds = []
@@ -134,7 +135,7 @@ def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits
                 take(("decoders", relation.name))
             result["relations"] = {r.name: result["relations"][r.name] for r in relations}
             result["timing"]["decoders_seconds"] = round(sum(relation_seconds), 1)
-        for name in ("superposition", *MECHANISMS):
+        for name in AFTER_DECODERS:
             if name in analyses:
                 take((name, None))
     finally:
@@ -152,7 +153,7 @@ def parts_of(relations, analyses: tuple) -> list[tuple[str, str | None]]:
     """The parts of the work in run order: ("decoders", relation name) for each relation (with LRE or ridge), then
     (analysis, None) for the superposition analysis and each mechanism analysis requested."""
     parts = [("decoders", r.name) for r in relations] if {"lre", "ridge"} & set(analyses) else []
-    return parts + [(name, None) for name in ("superposition", *MECHANISMS) if name in analyses]
+    return parts + [(name, None) for name in AFTER_DECODERS if name in analyses]
 
 
 class Analyses:

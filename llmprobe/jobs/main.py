@@ -21,7 +21,7 @@ from llmprobe.analyses.settings import settings_from
 from llmprobe.analyses.superposition import superposition_table
 from llmprobe.checks import UsageError
 from llmprobe.jobs.matched import MatchedWorker
-from llmprobe.jobs.plan import REFERENCE_RATE, matched_planned, measured_rate
+from llmprobe.jobs.plan import REFERENCE_RATE, analyses_budget, matched_planned, measured_rate
 from llmprobe.jobs.probe import ProbeJob, job_settings, library_versions, say
 from llmprobe.jobs.stages import checkpoint, earlier_stage, mark_interrupted, stage_key, start_stage, unfinished
 from llmprobe.report.claims import claims_block
@@ -152,9 +152,8 @@ class MatchedStage:
                                       on_progress=_matched_progress) for mode in modes]
         if arguments["device"] == "cpu":          # the workers' threads come out of this process's budget
             self.threads_before = torch.get_num_threads()
-            torch.set_num_threads(max(1, self.threads_before - len(self.workers)))
-            # the analyses' processes at that thread count that the cores hold once the workers are done
-            report["timings"]["analyses_processes"] = max(1, self.threads_before // torch.get_num_threads())
+            threads, report["timings"]["analyses_processes"] = analyses_budget(self.threads_before, len(self.workers))
+            torch.set_num_threads(threads)
         report["timings"]["analyses_threads"] = torch.get_num_threads()
 
     def finish(self, report: dict, out: Path) -> None:

@@ -447,6 +447,14 @@ def matched_curve(mode: str, d_model: int, at_model_width: bool = True, n_seeds:
             for d in curve_widths(MATCHED_D_STAR[mode], d_model, at_model_width)]
 
 
+def analyses_budget(threads: int, workers: int) -> tuple[int, int]:
+    """(torch threads of each analysis process, analysis processes) of ``llmprobe run`` on ``threads`` threads
+    beside ``workers`` one-thread controls workers: the threads the workers leave, max(1, threads - workers), in as
+    many processes of that many threads as the threads hold (the cores the workers free when they finish)."""
+    each = max(1, threads - workers)
+    return each, max(1, threads // each) if workers else 1
+
+
 def predict(shape: Shape, work: dict, model_cost, width_fits: dict, load_s: float, init_s: float,
             rank: int | None, matched_step=None, search_s: float = sum(MATCHED_SEARCH_S.values()),
             cores: int | None = None, helpers_fit: bool = True) -> dict:
@@ -495,8 +503,7 @@ def predict(shape: Shape, work: dict, model_cost, width_fits: dict, load_s: floa
     # beside the workers the analyses run on the threads left, in as many processes of that many threads as the
     # cores hold (llmprobe.jobs.helpers); the workers and the analyses share the cores: no faster than their work
     # spread over every core
-    workers = len(per_mode)
-    out["analyses_processes"] = max(1, cores // max(1, cores - workers)) if cores and workers and helpers_fit else 1
+    out["analyses_processes"] = analyses_budget(cores, len(per_mode))[1] if cores and helpers_fit else 1
     shared = (out["analyses"] + out["matched_total"]) / cores if cores else 0.0
     out["wall"] = out["load"] + out["known_facts"] + max(out["analyses"] / out["analyses_processes"],
                                                          out["matched"], shared)

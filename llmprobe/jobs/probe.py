@@ -121,6 +121,13 @@ def model_identity(info: dict) -> dict:
 
 
 
+def run_relations(run: RunSettings) -> list[Relation]:
+    """The relations a run reads: ``run.relations`` (None: the bundled ones), each cut to its first
+    ``run.max_facts`` facts when that is set."""
+    relations = load_relations(None if run.relations is None else list(run.relations))
+    return [r.with_facts(r.facts[:run.max_facts]) for r in relations] if run.max_facts else relations
+
+
 def load_options(run: RunSettings) -> dict:
     """Keyword arguments of ``load_model`` that are run settings (the model's name aside)."""
     return {"gguf_file": run.gguf_file, "device": run.device, "dtype": run.dtype, "device_map": run.device_map,
@@ -202,8 +209,7 @@ class ProbeJob:
         run = self.settings.run
         random.seed(run.seed)
         torch.manual_seed(run.seed)
-        relations = load_relations(None if run.relations is None else list(run.relations))
-        self.relations = [r.with_facts(r.facts[:run.max_facts]) for r in relations] if run.max_facts else relations
+        self.relations = run_relations(run)
         named = model is None or isinstance(model, (str, os.PathLike))
         if lm is None and named:
             say(f"loading {run.model or 'the embedded default model'} ...")
