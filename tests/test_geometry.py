@@ -321,6 +321,31 @@ def test_ridge_decoder_recovers_affine_map():
     assert torch.allclose(RidgeDecoder(alpha=1e-8).fit(H2, O2).predict(H2), O2, atol=1e-4)
 
 
+@pytest.mark.parametrize("n, p, q", [(30, 8, 5), (12, 40, 6), (9, 9, 3)])
+def test_leave_one_out_errors_equal_refits_without_each_row(n, p, q):
+    """The closed-form leave-one-out errors equal refitting without each row in turn, with more rows than columns
+    (a residual outside the span of X) and fewer; ridge_fit_cv takes the alpha of the least and ridge_fit's W."""
+    from llmprobe.geometry.stats import leave_one_out_errors, ridge_fit, ridge_fit_cv
+    grid = (1e-3, 1e-2, 0.1, 1.0, 10.0, 100.0)
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        X = torch.randn(n, p, generator=g, dtype=torch.float64)
+        Y = X[:, :min(p, q)].repeat(1, q)[:, :q] * 0.3 + torch.randn(n, q, generator=g, dtype=torch.float64)
+        refits = []
+        for alpha in grid:
+            sse = 0.0
+            for i in range(n):
+                rest = torch.arange(n) != i
+                W, b = ridge_fit(X[rest], Y[rest], alpha)
+                sse += float(((X[i] @ W.T + b - Y[i]) ** 2).sum())
+            refits.append(sse)
+        assert np.allclose(leave_one_out_errors(X, Y, grid), refits, rtol=1e-9, atol=0)
+        W, b, chosen = ridge_fit_cv(X, Y, grid)
+        assert chosen == grid[int(np.argmin(refits))]
+        W_ref, b_ref = ridge_fit(X, Y, chosen)
+        assert torch.allclose(W, W_ref, atol=1e-10) and torch.allclose(b, b_ref, atol=1e-10)
+
+
 def test_float32_and_numpy_inputs():
     H, O, W, b = affine_world(seed=5)
     dec = RidgeDecoder(alpha=1e-6).fit(H.float().numpy(), O.float().numpy())

@@ -16,6 +16,7 @@ __all__ = [
     "as_tensor",
     "ridge_fit",
     "ridge_fit_cv",
+    "leave_one_out_errors",
     "fit_ridge",
     "ALPHA_GRID",
     "r2_score",
@@ -101,13 +102,38 @@ ALPHA_GRID = tuple(10.0 ** k for k in range(-4, 6))                    # 1e-4 ..
 
 def ridge_fit_cv(X: Any, Y: Any, alphas: Sequence[float] = ALPHA_GRID,
                  fit_intercept: bool = True) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Ridge with alpha chosen by exact leave-one-out error (closed form, as in scikit-learn's RidgeCV), one alpha
-    shared by all outputs. X [n, p], Y [n, q] -> (W [q, p], b [q], alpha).
+    """Ridge with alpha chosen by exact leave-one-out error (closed form, as in scikit-learn's RidgeCV:
+    :func:`leave_one_out_errors`), one alpha shared by all outputs. X [n, p], Y [n, q] -> (W [q, p], b [q],
+    alpha); the first alpha of the smallest error wins a tie.
 
     The spectrum of the centred X comes from the eigendecomposition of the smaller of X X^T [n, n] and X^T X
     [p, p] (a few times faster than its SVD when n and p differ); the solution is the dual form
     W^T = X^T Q (Lambda + alpha)^-1 Q^T Y, with Q the left singular vectors, so no singular value is divided by.
     """
+    alphas, (x_mean, y_mean, Xc, Yc, lam, Q) = _checked_cv(X, Y, alphas, fit_intercept)
+    errors = _loo_errors(Yc, lam, Q, alphas, fit_intercept)
+    a, least = alphas[0], float("inf")
+    for alpha, error in zip(alphas, errors):             # the first of the smallest (a NaN error never wins)
+        if error < least:
+            a, least = alpha, error
+    QtY = Q.T @ Yc                                                           # [k, q]
+    W = (Q @ (QtY / (lam + a)[:, None])).T @ Xc                              # [q, p], row-major as it is made
+    b = y_mean - W @ x_mean
+    return W.to(X.dtype), b.to(X.dtype), a
+
+
+def leave_one_out_errors(X: Any, Y: Any, alphas: Sequence[float] = ALPHA_GRID,
+                         fit_intercept: bool = True) -> list[float]:
+    """Per alpha, the summed squared error [len(alphas)] of predicting each row of Y [n, q] from X [n, p] by the
+    ridge fitted on the other rows, in closed form (no refit): sum_i ||r_i / (1 - h_i)||^2, r the residuals and
+    h the hat matrix's diagonal of the fit on all rows."""
+    alphas, (_, _, _, Yc, lam, Q) = _checked_cv(X, Y, alphas, fit_intercept)
+    return _loo_errors(Yc, lam, Q, alphas, fit_intercept)
+
+
+def _checked_cv(X, Y, alphas, fit_intercept: bool) -> tuple[list[float], tuple[torch.Tensor, ...]]:
+    """The alphas as floats and (x mean [p], y mean [q], centred X [n, p] and Y [n, q], the centred X's nonzero
+    squared singular values [k] and left singular vectors [n, k]), in float64; ValueError on bad input."""
     X = as_float(X, "X", 2)
     Y = as_float(Y, "Y", 2)
     check_rows("X", X, "Y", Y)
@@ -125,20 +151,27 @@ def ridge_fit_cv(X: Any, Y: Any, alphas: Sequence[float] = ALPHA_GRID,
     keep = lam > lam.max().clamp_min(0) * max(n, p) * torch.finfo(torch.float64).eps
     lam, vecs = lam[keep], vecs[:, keep]
     Q = vecs if n <= p else (Xc @ vecs) / lam.sqrt()                          # left singular vectors [n, k]
+    return alphas, (x_mean, y_mean, Xc, Yc, lam, Q)
+
+
+def _loo_errors(Yc: torch.Tensor, lam: torch.Tensor, Q: torch.Tensor, alphas: list[float],
+                fit_intercept: bool) -> list[float]:
+    """Leave-one-out errors per alpha from the spectrum (``_checked_cv``). The residual at alpha is
+    Yc - Q diag(f) Q^T Yc = P + Q diag(1 - f) Q^T Yc with P = Yc - Q Q^T Yc (outside Q's span, alpha-free), so
+    its row norms come from n x k and k x k products made once: n k^2 per alpha, not n k q."""
+    n = Yc.shape[0]
     QtY = Q.T @ Yc                                                           # [k, q]
-    best = (float("inf"), alphas[0])
+    P = Yc - Q @ QtY                                                         # [n, q]
+    P_sq, PY, G = (P ** 2).sum(1), P @ QtY.T, QtY @ QtY.T                    # [n], [n, k], [k, k]
+    Q_sq = Q ** 2
+    errors = []
     for a in alphas:
         f = lam / (lam + a)                                                  # shrinkage factors [k]
-        resid = Yc - Q @ (f[:, None] * QtY)
-        h = (Q ** 2) @ f + (1.0 / n if fit_intercept else 0.0)               # hat-matrix diagonal [n]
-        loo = float(((resid / (1 - h).clamp_min(1e-12)[:, None]) ** 2).sum())
-        if loo < best[0]:
-            best = (loo, a)
-    a = best[1]
-    B = Xc.T @ (Q @ (QtY / (lam + a)[:, None]))                              # [p, q]
-    W = B.T.contiguous()
-    b = y_mean - W @ x_mean
-    return W.to(X.dtype), b.to(X.dtype), a
+        Qg = Q * (1 - f)                                                     # [n, k]
+        resid_sq = P_sq + 2 * (Qg * PY).sum(1) + ((Qg @ G) * Qg).sum(1)      # ||residual row||^2 [n]
+        h = Q_sq @ f + (1.0 / n if fit_intercept else 0.0)                   # hat-matrix diagonal [n]
+        errors.append(float((resid_sq / (1 - h).clamp_min(1e-12) ** 2).sum()))
+    return errors
 
 
 def fit_ridge(X: Any, Y: Any, alpha: float | Sequence[float]) -> tuple[torch.Tensor, torch.Tensor, float]:
