@@ -33,8 +33,8 @@ def _restore_torch_threads():
 @pytest.fixture
 def fast_known(monkeypatch):
     """In-process probe and run: every fact known (a random model knows nothing) and fast analysis settings."""
-    real_known = llmprobe.jobs.probe.known_facts
-    monkeypatch.setattr(llmprobe.jobs.probe, "known_facts", lambda lm, relation, **kw: [
+    real_known = llmprobe.model.known.known_facts
+    monkeypatch.setattr(llmprobe.model.known, "known_facts", lambda lm, relation, **kw: [
         dataclasses.replace(r, known=True) for r in real_known(lm, relation, **kw)])
     monkeypatch.setattr(llmprobe.analyses.run, "run_analyses",
                         functools.partial(llmprobe.analyses.run.run_analyses, progress=False, **FAST))

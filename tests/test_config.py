@@ -28,6 +28,8 @@ from llmprobe.jobs import rerun as rerun_job
 from llmprobe.jobs.main import run
 from llmprobe.jobs.probe import load_options, probe
 from llmprobe.model.families import ALL, FAMILIES, TESTED, families
+from llmprobe.model.loading import load_model
+from llmprobe.model.lre import next_token_predictions
 from llmprobe.names import ANALYSES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,6 +70,25 @@ def tiny(tmp_path_factory):
                                     "facts": [{"subject": f.subject, "object": f.object} for f in rel.facts]}))
         paths.append(str(path))
     return folder, paths
+
+
+@pytest.fixture(scope="module")
+def planted_known(tiny, tmp_path_factory):
+    """The tiny folder and its relations with each object replaced by the tiny model's own top-1 next token, so
+    that the LRE prefix rule (zero-shot: ``--set analysis.protocol="lre"``, ``analysis.n_icl=0``) finds every fact
+    known in any process: a monkeypatched rule (``all_known``) does not reach a helper process."""
+    folder, paths = tiny
+    lm = load_model(folder, device="cpu")
+    root, planted = tmp_path_factory.mktemp("planted"), []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        subjects = [f["subject"] for f in data["facts"]]
+        top = next_token_predictions(lm, [data["templates"][0]] * len(subjects), subjects).tolist()
+        data["facts"] = [{"subject": s, "object": lm.tokenizer.decode([t]).strip()} for s, t in zip(subjects, top)]
+        assert all(f["object"] for f in data["facts"]) and len({f["object"] for f in data["facts"]}) > 1
+        planted.append(root / Path(path).name)
+        planted[-1].write_text(json.dumps(data))
+    return folder, [str(p) for p in planted]
 
 
 @pytest.fixture
@@ -527,19 +548,26 @@ def test_the_controls_workers_threads_come_out_of_the_analyses_budget(tiny, tmp_
 
 
 def test_on_two_threads_run_shares_the_analyses_with_a_helper_and_writes_the_one_process_numbers(
-        tiny, tmp_path, all_known, monkeypatch):
-    """2 threads and two control workers: the analyses run on 1 thread in this process and one helper process
-    (which loads the same folder); every analysis number equals the run on 1 thread (one process: 1 // 1)."""
+        planted_known, tmp_path, monkeypatch):
+    """2 threads and two control workers: the known facts, then the analyses, run on 1 thread in this process and
+    one helper process (which loads the same folder); the known facts and every analysis number equal the run on
+    1 thread (one process: 1 // 1)."""
     _record_controls(monkeypatch)
-    folder, relations = tiny
-    fast = [arg for key, value in FAST.items() for arg in ("--set", f"analysis.{key}={toml_value(value)}")]
-    analyses = {}
+    folder, relations = planted_known
+    fast = [arg for key, value in {**FAST, "protocol": "lre", "n_icl": 0}.items()
+            for arg in ("--set", f"analysis.{key}={toml_value(value)}")]
+    analyses, known, timings = {}, {}, {}
     for threads in (2, 1):
         torch.set_num_threads(threads)
         out = tmp_path / f"out{threads}"
         assert main(["run", folder, "--relations", *relations, "--analyses", "lre,superposition", "--layers", "0,1",
                      "--device", "cpu", "--no-model-width", *fast, "--out", str(out)]) == 0
-        analyses[threads] = json.loads((out / "report.json").read_text())["analyses"]
+        report = json.loads((out / "report.json").read_text())
+        analyses[threads], timings[threads] = report["analyses"], report["timings"]
+        known[threads] = (json.loads((out / "known_facts.json").read_text()), report["relations"])
+    assert timings[2]["known_facts_processes"] == 2 and timings[1]["known_facts_processes"] == 1
+    assert timings[2]["known_facts_helper_relations"] == ["language"], "the helper checked no relation"
+    assert known[2] == known[1] and all(r["known"] for rows in known[1][0].values() for r in rows)
     assert analyses[2]["timing"]["processes"] == 2 and analyses[1]["timing"]["processes"] == 1
     assert analyses[2]["timing"]["helper_parts"], "the helper computed nothing"
     for key in ("relations", "superposition", "errors"):

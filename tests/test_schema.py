@@ -178,7 +178,7 @@ def report(tmp_path_factory):
                                     "neutral_templates": rel.neutral_templates, "properties": rel.properties,
                                     "facts": [{"subject": f.subject, "object": f.object} for f in rel.facts]}))
         paths.append(str(path))
-    real_known = llmprobe.jobs.probe.known_facts
+    real_known = llmprobe.model.known.known_facts
 
     def forced_known(lm, relation, **kw):
         results = real_known(lm, relation, **kw)
@@ -187,7 +187,7 @@ def report(tmp_path_factory):
 
     fast = functools.partial(llmprobe.analyses.run.run_analyses, progress=False, **FAST)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(llmprobe.jobs.probe, "known_facts", forced_known)
+        mp.setattr(llmprobe.model.known, "known_facts", forced_known)
         mp.setattr(llmprobe.analyses.run, "run_analyses", fast)
         run(folder, out=tmp / "run", relations=paths, layers="all", device="cpu", at_model_width=False,
             formats=())

@@ -114,9 +114,8 @@ def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits
             else:
                 result[kind], result["timing"][f"{kind}_seconds"] = value, 0.0
         else:
-            outcome = parts.wait(part) if not parts.claim(part) else None     # None: ours (or its helper died)
-            if outcome is None:
-                outcome = job.compute(part)
+            outcome, here = parts.outcome(part, job.compute)
+            if here:
                 merge(part, outcome)
             else:
                 log.elsewhere(outcome["seconds"])
@@ -249,6 +248,12 @@ class Parts:
                 self.changed.notify_all()
             if outcome is None:
                 return
+
+    def outcome(self, part, compute) -> tuple[dict, bool]:
+        """(the outcome of ``part``, computed here): ``compute(part)`` here unless a helper claimed it, else the
+        helper's outcome once it is back (here again if that helper died)."""
+        outcome = self.wait(part) if not self.claim(part) else None
+        return (compute(part), True) if outcome is None else (outcome, False)
 
     def wait(self, part):
         """The outcome of ``part``, which a helper claimed, once it is back; None if that helper died (the part is

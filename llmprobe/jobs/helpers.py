@@ -1,6 +1,7 @@
-"""Analysis helpers: spawned processes that load the same model and compute parts of ``run_analyses`` (a relation's
-decoders, the superposition analysis, a mechanism analysis) beside the main process, on the same torch thread
-count, so the cores the controls' workers free when they finish do not sit idle while the analyses go on.
+"""Analysis helpers: spawned processes that load the same model and compute parts of the run beside the main process,
+on the same torch thread count: a relation's known facts (``llmprobe.model.known.KnownFactsJob``), then parts of
+``run_analyses`` (a relation's decoders, the superposition analysis, a mechanism analysis), so that no core sits
+idle while the known facts are checked and the cores the controls' workers free when they finish do not either.
 
 A part's numbers do not depend on the process that computes it (each part's draws are seeded by the run's seed and
 its own name; every process runs the same weights on the same number of threads), so a run with helpers writes
@@ -21,26 +22,37 @@ from llmprobe.analyses.saved import weights_id
 from llmprobe.analyses.settings import Log
 from llmprobe.jobs.matched import worker_setup
 from llmprobe.model.interop import as_loaded_model
+from llmprobe.model.known import KnownFactsJob
 
 
 class AnalysisHelper:
     """One helper process. ``load``: the keyword arguments of ``as_loaded_model`` (a model *name or folder*:
     the helper loads its own copy), ``seed``: the run's seed, ``threads``: its torch threads (the main process's
-    analysis threads), ``analysis``: the arguments of ``llmprobe.analyses.run.Analyses`` after the model,
-    ``identity``: the main process's model (``weights_id`` of its info), which the helper's copy must match.
+    analysis threads), ``analysis``: the arguments of ``llmprobe.analyses.run.Analyses`` after the model (None:
+    set later by :meth:`work`), ``identity``: the main process's model (``weights_id`` of its info), which the
+    helper's copy must match.
 
-    :meth:`compute` hands it one part and blocks until its outcome (None when the helper died, failed to load or
-    loaded other weights: the part is then the main process's). ``on_line``: called with each progress line."""
+    :meth:`work` says what the next parts are; :meth:`compute` hands it one part and blocks until its outcome
+    (None when the helper died, failed to load or loaded other weights: the part is then the main process's).
+    ``on_line``: called with each progress line."""
 
-    def __init__(self, load: dict, seed: int, threads: int, analysis: dict, identity: str, on_line=None):
+    def __init__(self, load: dict, seed: int, threads: int, analysis: dict | None, identity: str, on_line=None):
         context = multiprocessing.get_context("spawn")
         self.connection, child = context.Pipe(duplex=True)
         self.identity, self.on_line, self.ready, self.failed = identity, on_line, False, None
+        self.threads = threads
         self.lock = threading.Lock()
-        self.process = context.Process(target=_helper_main, args=(child, os.getpid(), load, seed, threads, analysis),
+        self.next_work = None if analysis is None else ("analyses", analysis)     # sent before the next part
+        self.process = context.Process(target=_helper_main, args=(child, os.getpid(), load, seed, threads),
                                        daemon=True, name="llmprobe-analyses-helper")
         self.process.start()
         child.close()
+
+    def work(self, kind: str, arguments: dict) -> None:
+        """The parts that follow are ``kind``'s: "known" (``KnownFactsJob(lm, **arguments)``) or "analyses"
+        (``Analyses(lm, **arguments)``)."""
+        with self.lock:
+            self.next_work = (kind, arguments)
 
     def _receive(self):
         """The next message that is not a progress line: (kind, value), or None when the pipe closed."""
@@ -70,6 +82,9 @@ class AnalysisHelper:
                     return None
                 self.ready = True
             try:
+                if self.next_work is not None:
+                    self.connection.send(("work", self.next_work))
+                    self.next_work = None
                 self.connection.send(("part", part))
             except OSError:
                 message = None
@@ -96,26 +111,32 @@ class AnalysisHelper:
         self.process.join(5)
 
 
-def _helper_main(connection, parent_pid: int, load: dict, seed: int, threads: int, analysis: dict) -> None:
+def _helper_main(connection, parent_pid: int, load: dict, seed: int, threads: int) -> None:
     """The helper process: set up, load the model, say ("ready", its weights id), then compute each part it is
-    sent and send ("done", outcome), progress lines as ("line", text) before."""
+    sent with the job of the last ("work", (kind, arguments)) and send ("done", outcome), progress lines as
+    ("line", text) before."""
     worker_setup(parent_pid, threads)
     transformers_logging.disable_progress_bar()     # the main process's terminal shows no second load bar
     random.seed(seed)
     torch.manual_seed(seed)
     try:
         lm = as_loaded_model(**load)
-        job = Analyses(lm, log=Log(False, write=lambda text: connection.send(("line", text))), **analysis)
     except Exception as error:  # noqa: BLE001 - the main process computes every part itself
         connection.send(("failed", f"{type(error).__name__}: {error}"))
         return
     connection.send(("ready", weights_id(lm.info)))
+    job = None
     while True:
         try:
-            kind, part = connection.recv()
+            kind, message = connection.recv()
         except (EOFError, OSError):
             return
-        connection.send(("done", job.compute(tuple(part))))
+        if kind == "work":
+            work, arguments = message
+            job = KnownFactsJob(lm, **arguments) if work == "known" else \
+                Analyses(lm, log=Log(False, write=lambda text: connection.send(("line", text))), **arguments)
+        else:
+            connection.send(("done", job.compute(tuple(message))))
 
 
 __all__ = ["AnalysisHelper"]

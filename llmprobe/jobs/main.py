@@ -79,6 +79,7 @@ def run(model=None, *, settings: Settings | None = None, out: str | Path = "runs
                    tuple(FORMATS[f] for f in formats))
     job.load(model, tokenizer, lm, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
     controls = MatchedStage(job.settings, job.previous) if job.settings.matched.enabled else None
+    job.ahead = controls.budget(job.lm) if controls else None
     try:
         report = job.run(on_known=controls.start if controls else None)
         if controls:
@@ -113,6 +114,13 @@ class MatchedStage:
         self.started = False
         self.workers: list[MatchedWorker] = []      # one per control mode, each on one thread
         self.threads_before: int | None = None       # this process's torch threads before the workers took theirs
+
+    def budget(self, lm) -> tuple[int, int] | None:
+        """(threads, processes) of the analyses once the workers train beside them (``analyses_budget``), for the
+        known facts to be shared the same way before; None on a GPU (the workers do not take CPU threads)."""
+        if lm.device.type == "cuda":
+            return None
+        return analyses_budget(torch.get_num_threads(), len(self.settings.matched_arguments()["modes"]))
 
     def start(self, report: dict, known: dict, lm, relations: list) -> None:
         """Key the stage; record why nothing is trained, take the previous controls over, or start the worker."""

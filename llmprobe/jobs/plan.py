@@ -463,9 +463,10 @@ def predict(shape: Shape, work: dict, model_cost, width_fits: dict, load_s: floa
     device), ``load_s`` and ``init_s`` (the random-init control's construction) given; the matched controls'
     training steps by ``matched_step(FLOPs)`` (default: the CPU fit), their threshold searches ``search_s`` (both
     modes) and measurements at the CPU fit's speed, ``n_seeds`` trainings per point, one worker per mode.
-    wall = load + known facts + max(analyses over their processes, the longer mode's controls, all of that work
-    over ``cores``) (the analyses' seconds are one thread's, so on several cores this is an upper bound; their
-    processes ``analyses_processes``: cores // the threads the workers leave, as ``llmprobe run`` starts them,
+    wall = load + known facts over the analyses' processes + max(analyses over their processes, the longer mode's
+    controls, all of that work over ``cores``) (the known facts' and analyses' seconds are one thread's, so on
+    several cores this is an upper bound; their processes ``analyses_processes``: cores // the threads the workers
+    leave, as ``llmprobe run`` starts them (the known facts are shared by the same processes before the workers),
     1 when ``helpers_fit`` is false (the helpers' model copies would not fit in half the memory);
     ``cores`` None, on a GPU: one process and the last term left out, the GPU's small-batch passes leaving room for
     the controls' steps beside them)."""
@@ -505,8 +506,8 @@ def predict(shape: Shape, work: dict, model_cost, width_fits: dict, load_s: floa
     # spread over every core
     out["analyses_processes"] = analyses_budget(cores, len(per_mode))[1] if cores and helpers_fit else 1
     shared = (out["analyses"] + out["matched_total"]) / cores if cores else 0.0
-    out["wall"] = out["load"] + out["known_facts"] + max(out["analyses"] / out["analyses_processes"],
-                                                         out["matched"], shared)
+    out["wall"] = (out["load"] + out["known_facts"] / out["analyses_processes"]
+                   + max(out["analyses"] / out["analyses_processes"], out["matched"], shared))
     return out
 
 
@@ -815,7 +816,7 @@ def format_plan(plans: dict | list[dict]) -> str:
                          f"fit's speed; host peak "
                          f"{gib(p['total']['host_peak_bytes'])} GiB")
     cpu = [p["total"]["analyses_processes"] for p in plans if p["device"] == "cpu"]
-    lines.append("  wall = load + known facts + max(analyses over their processes"
-                 + (f" (this CPU: {cpu[0]})" if cpu else "") + ", the longer control mode (one worker each), all of "
-                 f"it over the cores); not in the cost model: {NOT_COUNTED}")
+    lines.append("  wall = load + known facts and analyses each over their processes"
+                 + (f" (this CPU: {cpu[0]})" if cpu else "") + ": known facts + max(analyses, the longer control mode "
+                 f"(one worker each), all of it over the cores); not in the cost model: {NOT_COUNTED}")
     return "\n".join(lines)

@@ -32,7 +32,7 @@ from llmprobe.jobs.stages import (
     start_stage,
 )
 from llmprobe.model.interop import as_loaded_model
-from llmprobe.model.known import KNOWN_RULES, FactResult, known_facts
+from llmprobe.model.known import KNOWN_RULES, FactResult, KnownFactsJob
 from llmprobe.model.loading import LoadedModel
 from llmprobe.model.subjects import fill, locate_errors
 from llmprobe.report.claims import claims_block
@@ -203,6 +203,9 @@ class ProbeJob:
         self.fitted: dict = {}     # relation -> decoder -> the fit at its chosen layer (decoders.safetensors)
         self.saved: set = set()    # the (relation, decoder) pairs of self.fitted that the decoder files hold
         self.load_spec: dict | None = None     # as_loaded_model's arguments, when a helper process can repeat them
+        self.ahead: tuple[int, int] | None = None   # (threads, processes) of the analyses, known before the known
+        #                                             facts (``run``: beside its controls' workers): shared as they are
+        self.helper_pool: list[AnalysisHelper] = []  # the helper processes started (known facts, then analyses)
 
     def load(self, model, tokenizer, lm: LoadedModel | None, **load_flags) -> None:
         """Seed the RNGs, read the relations, load the model (unless ``lm``) and start the report."""
@@ -245,6 +248,8 @@ class ProbeJob:
             self.write_decoders()
             self.save()
             raise
+        finally:
+            self.stop_helpers()
         self.report["partial"] = False
         if "analyses" in self.report:
             self.report["claims"] = claims_block(self.report)
@@ -260,7 +265,10 @@ class ProbeJob:
 
     def check_known(self) -> None:
         """The known-fact stage: each relation's facts that fit the context and whose subject is located, checked
-        (or taken from the previous known_facts.json when its stage key matches and the subjects are the same)."""
+        (or taken from the previous known_facts.json when its stage key matches and the subjects are the same).
+        With ``self.ahead`` of more than one process the relations are shared with helper processes (this one
+        from the front, the helpers from the back, each on the analyses' threads): a relation's results do not
+        depend on the process (``KnownFactsJob``)."""
         run, report, t = self.settings.run, self.report, time.perf_counter()
         a = self.settings.analysis     # the protocol's known-fact rule and in-context examples
         key = stage_key(model_identity(self.lm.info), report["dataset"]["hash"], run.max_facts,
@@ -268,8 +276,8 @@ class ProbeJob:
                         a.n_splits if a.protocol == "lre" else None)
         stage = start_stage(report, "known_facts", key)
         taken = _previous_known(self.out) if earlier_stage(self.previous, "known_facts", key) else {}
-        reused = 0
-        for relation in tqdm(self.relations, desc="known facts", unit="relation"):
+        checked: dict = {}          # relation name -> the relation with its located facts, or its results taken
+        for relation in self.relations:
             fit, errors = fitting(self.lm, relation, run.max_prompt_tokens)
             self.analysed.append(relation.with_facts(fit))
             facts, unlocated = locatable(self.lm, self.analysed[-1])
@@ -279,14 +287,37 @@ class ProbeJob:
                                         f"prompt fits); relation skipped")
                 continue
             results = taken.get(relation.name)
-            if results is not None and [r.subject for r in results] == [f.subject for f in facts]:
-                reused += 1
-            else:
-                results = known_facts(self.lm, relation.with_facts(facts), batch_size=run.batch_size,
-                                      protocol=a.protocol, n_icl=a.n_icl, n_draws=a.n_splits, seed=run.seed)
-            self.known[relation.name] = results
-            report["relations"][relation.name] = relation_entry(relation, results)
+            same = results is not None and [r.subject for r in results] == [f.subject for f in facts]
+            checked[relation.name] = results if same else relation.with_facts(facts)
+        todo = {name: r for name, r in checked.items() if isinstance(r, Relation)}
+        options = dict(batch_size=run.batch_size, protocol=a.protocol, n_icl=a.n_icl, n_draws=a.n_splits,
+                       seed=run.seed)
+        job = KnownFactsJob(self.lm, todo, **options)
+        threads, processes = self.ahead or (torch.get_num_threads(), 1)
+        helpers = self.start_helpers(processes - 1, threads, "known facts") if len(todo) > 1 else []
+        for helper in helpers:
+            helper.work("known", {"relations": todo, **options})
+        parts, before = analyses_run.Parts([("known", name) for name in todo], helpers), torch.get_num_threads()
+        if helpers:
+            torch.set_num_threads(threads)
+        by_helpers = []
+        try:
+            for name in tqdm(checked, desc="known facts", unit="relation"):
+                results = checked[name]
+                if name in todo:
+                    outcome, here = parts.outcome(("known", name), job.compute)
+                    results = outcome["value"]
+                    by_helpers += [] if here else [name]
+                relation = next(r for r in self.relations if r.name == name)
+                self.known[name] = results
+                report["relations"][name] = relation_entry(relation, results)
+        finally:
+            parts.close()
+            torch.set_num_threads(before)
         report["timings"]["known_facts_s"] = round(time.perf_counter() - t, 1)
+        report["timings"]["known_facts_processes"] = 1 + len(helpers)
+        report["timings"]["known_facts_helper_relations"] = by_helpers
+        reused = len(checked) - len(todo)
         stage.update(done=True, resumed=bool(reused) and reused == len(self.known))
 
     def analyse(self) -> None:
@@ -328,17 +359,30 @@ class ProbeJob:
                     self.lm, **arguments, on_progress=self.analyses_progress, done=earlier, fitted=self.fitted,
                     planned=self.planned_decoders(analyses), helpers=helpers)
             finally:
-                for helper in helpers:
-                    helper.stop()
+                self.stop_helpers()
         report["timings"]["analyses_s"] = round(time.perf_counter() - t, 1)
         stage["done"] = True
 
     def helpers(self, arguments: dict) -> list[AnalysisHelper]:
         """The analyses' helper processes (``llmprobe.jobs.helpers``): ``timings.analyses_processes`` - 1 of them
         (``llmprobe run`` sets it: the cores its controls' workers hold, at the analyses' thread count), each on
-        the analyses' torch threads, when this process loaded the model by name or folder on the CPU and the
-        copies fit in half the memory available; none otherwise."""
+        the analyses' torch threads: those that checked the known facts when they have these threads, others
+        started (:meth:`start_helpers`) for the rest."""
         wanted = self.report["timings"].get("analyses_processes", 1) - 1
+        threads = torch.get_num_threads()
+        kept = [h for h in self.helper_pool if h.threads == threads and not h.failed][:max(wanted, 0)]
+        for helper in self.helper_pool:
+            if helper not in kept:
+                helper.stop()
+        self.helper_pool = kept + self.start_helpers(wanted - len(kept), threads, "analyses")
+        for helper in self.helper_pool:
+            helper.work("analyses", arguments)
+        return self.helper_pool
+
+    def start_helpers(self, wanted: int, threads: int, stage: str) -> list[AnalysisHelper]:
+        """Up to ``wanted`` new helper processes on ``threads`` torch threads each (added to ``helper_pool``), when
+        this process loaded the model by name or folder on the CPU and the copies fit in half the memory
+        available; none otherwise."""
         if wanted < 1 or self.load_spec is None or self.lm.device.type != "cpu" or self.settings.run.device_map:
             return []
         size = sum(p.numel() * p.element_size() for p in self.lm.model.parameters())
@@ -347,12 +391,18 @@ class ProbeJob:
         if wanted < 1:
             return []
         identity = weights_id(self.lm.info)
-        threads = torch.get_num_threads()
-        say(f"analyses: {wanted} helper process{'es' if wanted > 1 else ''} ({threads} thread{'s' if threads > 1 else ''}"
+        say(f"{stage}: {wanted} helper process{'es' if wanted > 1 else ''} ({threads} thread{'s' if threads > 1 else ''}"
             f"{' each' if wanted > 1 else ''}, as this process) share{'' if wanted > 1 else 's'} the parts ([helper] "
             f"lines)")
-        return [AnalysisHelper(self.load_spec, self.settings.run.seed, threads, arguments, identity,
-                               on_line=lambda line: say(line, prefix="[helper]")) for _ in range(wanted)]
+        started = [AnalysisHelper(self.load_spec, self.settings.run.seed, threads, None, identity,
+                                  on_line=lambda line: say(line, prefix="[helper]")) for _ in range(wanted)]
+        self.helper_pool += started
+        return started
+
+    def stop_helpers(self) -> None:
+        for helper in self.helper_pool:
+            helper.stop()
+        self.helper_pool = []
 
     def planned_decoders(self, analyses: tuple) -> dict | None:
         """Relation name -> the plan's seconds of its decoders (``jobs.plan.decoder_seconds``), for the progress

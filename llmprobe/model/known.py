@@ -19,6 +19,7 @@ every other fact (duplicates of a training row included). With draws, every fact
 """
 from __future__ import annotations
 
+import time
 import zlib
 from dataclasses import asdict, dataclass, field
 
@@ -227,6 +228,22 @@ def known_facts(lm, relation, template: str | None = None, max_new_tokens: int |
             roles[i].append(role[i])
     return [FactResult(f.subject, f.object, *(first[i] or ("", "")), KNOWN in roles[i], zero_shot[i][2], roles[i])
             for i, f in enumerate(facts)]
+
+
+class KnownFactsJob:
+    """The known facts of relations by name, one part ("known", name) at a time, in any process (the main one or
+    an analysis helper, ``llmprobe.jobs.helpers``): ``relations`` name -> Relation (its located facts),
+    ``options``: :func:`known_facts`'s keywords. Each part's draws are seeded by the relation's name, so its
+    results do not depend on which process checks it or in what order."""
+
+    def __init__(self, lm, relations: dict, **options):
+        self.lm, self.relations, self.options = lm, relations, options
+
+    def compute(self, part: tuple[str, str]) -> dict:
+        """{"value": [FactResult] of relation ``part[1]``, "seconds": its time}."""
+        start = time.perf_counter()
+        results = known_facts(self.lm, self.relations[part[1]], **self.options)
+        return {"value": results, "seconds": round(time.perf_counter() - start, 1)}
 
 
 def object_split(tokenizer, prompt: str, obj: str, add_special_tokens: bool = False) -> tuple[list[int], int]:
