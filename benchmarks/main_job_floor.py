@@ -10,15 +10,17 @@ time: no implementation of the same measurement on these cores can be faster.
 
 * model work: the workload count of ``llmprobe.jobs.plan`` (the bundled relations, SmolLM2's known-fact counts,
   the splits of ``relation_split``, exact Jacobians at d = 576): known facts, Jacobians, capture and LM-head
-  scoring, causality and swap edits, superposition states;
+  scoring, causality and swap edits, superposition states (without ``--count-mechanisms``);
 * the decoder fits: per LRE fit the SVDs of W and of its random-spectrum twin (~ 2 x 4 d^3 with the products),
   per ridge fit ~ 45 d^2 (as the cost model counts them);
 * the matched controls' training: with ``--report``, every model-step the report's controls trained (the d*
   bisections' tries and each curve point's seeds, to the steps recorded), 6 x parameters x facts FLOPs per
   full-batch step; without it, the plan's step counts;
-* the crosspatch, selector and multihop analyses (with ``--count-mechanisms``): each run once more on the report's
-  model, relations, known facts and settings under torch's ``FlopCounterMode`` (every matmul, attention and
-  convolution FLOP they execute); without it their time is shown and no floor.
+* the superposition, crosspatch, selector and multihop analyses (with ``--count-mechanisms``): each run once more
+  on the report's model, relations, known facts and settings under torch's ``FlopCounterMode`` (every matmul,
+  attention and convolution FLOP they execute: superposition's states, swap edits and readout fits, each edit's
+  prompt prefix recomputed as the analysis does); without it their time is shown and no floor (superposition: its
+  states only).
 
 With ``--report RUN/report.json`` it prints beside each stage the run's measured seconds (``timings``) and the
 ratio, and the whole run's wall time against the critical path's floor: load + known facts + the largest of
@@ -61,10 +63,12 @@ from llmprobe.report.schema import read_report  # noqa: E402
 from llmprobe.settings import from_record  # noqa: E402
 
 MECHANISMS = ("crosspatch", "selector", "multihop")
+COUNTED = ("superposition", *MECHANISMS)          # the analyses --count-mechanisms runs under FlopCounterMode
 
 
 def mechanism_flops(report_path: str) -> dict[str, float]:
-    """{analysis: FLOPs} of crosspatch, selector and multihop, each computed once on the report's model, relations
+    """{analysis: FLOPs} of superposition, crosspatch, selector and multihop (``COUNTED``), each computed once on
+    the report's model, relations
     (the facts that fit, as the run analysed them), known facts (known_facts.json beside it) and settings, under
     torch's FlopCounterMode."""
     report = read_report(report_path)
@@ -74,9 +78,9 @@ def mechanism_flops(report_path: str) -> dict[str, float]:
     analysed = [r.with_facts(fitting(lm, r, run.max_prompt_tokens)[0]) for r in run_relations(run)]
     rows = json.loads((Path(report_path).parent / "known_facts.json").read_text())
     known = {name: [FactResult(**row) for row in results] for name, results in rows.items()}
-    job = Analyses(lm, analysed, known, report["layers"], MECHANISMS, seed=run.seed, **settings.analysis_options())
+    job = Analyses(lm, analysed, known, report["layers"], COUNTED, seed=run.seed, **settings.analysis_options())
     flops = {}
-    for name in MECHANISMS:
+    for name in COUNTED:
         with FlopCounterMode(display=False) as counter:
             job.compute((name, None))
         flops[name] = float(counter.get_total_flops())
@@ -104,8 +108,8 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--report", help="a default run's report.json: its measured seconds beside the floors")
     parser.add_argument("--count-mechanisms", action="store_true",
-                        help="with --report: count the crosspatch, selector and multihop analyses' FLOPs by running "
-                             "them once more (minutes)")
+                        help="with --report: count the superposition, crosspatch, selector and multihop analyses' "
+                             "FLOPs by running them once more (minutes)")
     args = parser.parse_args(argv)
     report = read_report(args.report) if args.report else None      # a schema-2 report read in schema 3's words
     timings = (report or {}).get("timings") or {}
@@ -141,14 +145,18 @@ def main(argv=None) -> dict:
     for name, flops in decoders.items():
         row(f"  {name}", flops)
     row("decoders (all of the above)", sum(decoders.values()), analyses_t.get("decoders_seconds"))
-    row("superposition states", states, analyses_t.get("superposition_seconds"))
     mechanisms = mechanism_flops(args.report) if args.report and args.count_mechanisms else {}
+    if "superposition" in mechanisms:
+        row("superposition (counted by torch)", mechanisms["superposition"], analyses_t.get("superposition_seconds"))
+    else:
+        row("superposition states", states, analyses_t.get("superposition_seconds"))
     for name in MECHANISMS:
         if name in mechanisms:
             row(f"{name} (counted by torch)", mechanisms[name], analyses_t.get(f"{name}_seconds"))
         elif analyses_t.get(f"{name}_seconds"):
             print(f"{name + ' (not counted)':<34}{'':>8}{'':>9}{analyses_t[f'{name}_seconds']:>12.0f}")
-    analyses_flops = sum(decoders.values()) + states + sum(mechanisms.values())
+    analyses_flops = sum(decoders.values()) + (0.0 if "superposition" in mechanisms else states) \
+        + sum(mechanisms.values())
     analyses_floor = row("analyses, counted stages", analyses_flops, timings.get("analyses_s"))
     worker_floors = {}
     for mode, flops in controls.items():
