@@ -196,10 +196,10 @@ def test_out_of_memory_at_a_batch_of_one_does_not_advise_a_smaller_batch(models,
 # ------------------------------------------------------------------------- row 4: interrupts and resume
 WRAPPER = """
 import dataclasses, functools, os, sys, time
-import llmprobe.analyses.run, llmprobe.jobs.probe
+import llmprobe.analyses.run, llmprobe.model.known
 from test_analyses import FAST
 
-real_known, real_analyses = llmprobe.jobs.probe.known_facts, llmprobe.analyses.run.run_analyses
+real_known, real_analyses = llmprobe.model.known.known_facts, llmprobe.analyses.run.run_analyses
 
 
 def forced_known(lm, relation, **kw):      # a random model knows nothing; the controls need known facts
@@ -228,7 +228,7 @@ def logged_decoders(lm, relation, *args, **kw):    # which relations' decoders t
 
 
 real_decoders = llmprobe.analyses.run.decoders_for_relation
-llmprobe.jobs.probe.known_facts, llmprobe.analyses.run.run_analyses = forced_known, analyses
+llmprobe.model.known.known_facts, llmprobe.analyses.run.run_analyses = forced_known, analyses
 llmprobe.analyses.run.decoders_for_relation = logged_decoders
 if __name__ == "__main__":
     from llmprobe.cli import main
