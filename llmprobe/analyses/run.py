@@ -198,9 +198,9 @@ class Analyses:
 
 
 class Parts:
-    """The parts of one ``run_analyses`` call shared between this process (:meth:`claim` from the front, at each
-    part's turn) and its helpers (each helper's thread claims from the back, hands the part to its process and
-    files the outcome). Thread-safe."""
+    """The parts of one stage (a ``run_analyses`` call; ``llmprobe.jobs.probe``'s known facts) shared between this
+    process (:meth:`claim` from the front, at each part's turn) and its helpers (each helper's thread claims from
+    the back, hands the part to its process and files the outcome). Thread-safe."""
 
     def __init__(self, parts: list, helpers=()):
         self.order = list(parts)
