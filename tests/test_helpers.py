@@ -60,8 +60,9 @@ def _with_helper(lm, work, folder, identity=None):
     """``run_analyses`` with one helper loading ``folder`` (whose weights must be ``identity``, default the main
     process's): (result, fitted, the helper's lines)."""
     lines = []
-    helper = AnalysisHelper({"obj": folder, "device": "cpu"}, 0, 1, work, identity or weights_id(lm.info),
+    helper = AnalysisHelper({"obj": folder, "device": "cpu"}, 0, 1, identity or weights_id(lm.info),
                             on_line=lines.append)
+    helper.work("analyses", work)
     try:
         return (*_analyse(lm, work, [helper]), lines)
     finally:

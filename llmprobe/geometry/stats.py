@@ -111,12 +111,12 @@ def ridge_fit_cv(X: Any, Y: Any, alphas: Sequence[float] = ALPHA_GRID,
     W^T = X^T Q (Lambda + alpha)^-1 Q^T Y, with Q the left singular vectors, so no singular value is divided by.
     """
     alphas, (x_mean, y_mean, Xc, Yc, lam, Q) = _checked_cv(X, Y, alphas, fit_intercept)
-    errors = _loo_errors(Yc, lam, Q, alphas, fit_intercept)
+    QtY = Q.T @ Yc                                                           # [k, q]
+    errors = _loo_errors(Yc, QtY, lam, Q, alphas, fit_intercept)
     a, least = alphas[0], float("inf")
     for alpha, error in zip(alphas, errors):             # the first of the smallest (a NaN error never wins)
         if error < least:
             a, least = alpha, error
-    QtY = Q.T @ Yc                                                           # [k, q]
     W = (Q @ (QtY / (lam + a)[:, None])).T @ Xc                              # [q, p], row-major as it is made
     b = y_mean - W @ x_mean
     return W.to(X.dtype), b.to(X.dtype), a
@@ -128,7 +128,7 @@ def leave_one_out_errors(X: Any, Y: Any, alphas: Sequence[float] = ALPHA_GRID,
     ridge fitted on the other rows, in closed form (no refit): sum_i ||r_i / (1 - h_i)||^2, r the residuals and
     h the hat matrix's diagonal of the fit on all rows."""
     alphas, (_, _, _, Yc, lam, Q) = _checked_cv(X, Y, alphas, fit_intercept)
-    return _loo_errors(Yc, lam, Q, alphas, fit_intercept)
+    return _loo_errors(Yc, Q.T @ Yc, lam, Q, alphas, fit_intercept)
 
 
 def _checked_cv(X, Y, alphas, fit_intercept: bool) -> tuple[list[float], tuple[torch.Tensor, ...]]:
@@ -154,13 +154,12 @@ def _checked_cv(X, Y, alphas, fit_intercept: bool) -> tuple[list[float], tuple[t
     return alphas, (x_mean, y_mean, Xc, Yc, lam, Q)
 
 
-def _loo_errors(Yc: torch.Tensor, lam: torch.Tensor, Q: torch.Tensor, alphas: list[float],
+def _loo_errors(Yc: torch.Tensor, QtY: torch.Tensor, lam: torch.Tensor, Q: torch.Tensor, alphas: list[float],
                 fit_intercept: bool) -> list[float]:
-    """Leave-one-out errors per alpha from the spectrum (``_checked_cv``). The residual at alpha is
-    Yc - Q diag(f) Q^T Yc = P + Q diag(1 - f) Q^T Yc with P = Yc - Q Q^T Yc (outside Q's span, alpha-free), so
-    its row norms come from n x k and k x k products made once: n k^2 per alpha, not n k q."""
+    """Leave-one-out errors per alpha from the spectrum (``_checked_cv``) and QtY = Q^T Yc [k, q]. The residual
+    at alpha is Yc - Q diag(f) QtY = P + Q diag(1 - f) QtY with P = Yc - Q QtY (outside Q's span, alpha-free),
+    so its row norms come from n x k and k x k products made once: n k^2 per alpha, not n k q."""
     n = Yc.shape[0]
-    QtY = Q.T @ Yc                                                           # [k, q]
     P = Yc - Q @ QtY                                                         # [n, q]
     P_sq, PY, G = (P ** 2).sum(1), P @ QtY.T, QtY @ QtY.T                    # [n], [n, k], [k, k]
     Q_sq = Q ** 2

@@ -28,21 +28,20 @@ from llmprobe.model.known import KnownFactsJob
 class AnalysisHelper:
     """One helper process. ``load``: the keyword arguments of ``as_loaded_model`` (a model *name or folder*:
     the helper loads its own copy), ``seed``: the run's seed, ``threads``: its torch threads (the main process's
-    analysis threads), ``analysis``: the arguments of ``llmprobe.analyses.run.Analyses`` after the model (None:
-    set later by :meth:`work`), ``identity``: the main process's model (``weights_id`` of its info), which the
-    helper's copy must match.
+    analysis threads), ``identity``: the main process's model (``weights_id`` of its info), which the helper's
+    copy must match.
 
     :meth:`work` says what the next parts are; :meth:`compute` hands it one part and blocks until its outcome
     (None when the helper died, failed to load or loaded other weights: the part is then the main process's).
     ``on_line``: called with each progress line."""
 
-    def __init__(self, load: dict, seed: int, threads: int, analysis: dict | None, identity: str, on_line=None):
+    def __init__(self, load: dict, seed: int, threads: int, identity: str, on_line=None):
         context = multiprocessing.get_context("spawn")
         self.connection, child = context.Pipe(duplex=True)
         self.identity, self.on_line, self.ready, self.failed = identity, on_line, False, None
         self.threads = threads
         self.lock = threading.Lock()
-        self.next_work = None if analysis is None else ("analyses", analysis)     # sent before the next part
+        self.next_work = None                       # (kind, arguments) sent before the next part: work()
         self.process = context.Process(target=_helper_main, args=(child, os.getpid(), load, seed, threads),
                                        daemon=True, name="llmprobe-analyses-helper")
         self.process.start()

@@ -300,7 +300,7 @@ class ProbeJob:
         parts, before = analyses_run.Parts([("known", name) for name in todo], helpers), torch.get_num_threads()
         if helpers:
             torch.set_num_threads(threads)
-        by_helpers = []
+        by_helpers, by_name = [], {r.name: r for r in self.relations}
         try:
             for name in tqdm(checked, desc="known facts", unit="relation"):
                 results = checked[name]
@@ -308,9 +308,8 @@ class ProbeJob:
                     outcome, here = parts.outcome(("known", name), job.compute)
                     results = outcome["value"]
                     by_helpers += [] if here else [name]
-                relation = next(r for r in self.relations if r.name == name)
                 self.known[name] = results
-                report["relations"][name] = relation_entry(relation, results)
+                report["relations"][name] = relation_entry(by_name[name], results)
         finally:
             parts.close()
             torch.set_num_threads(before)
@@ -394,7 +393,7 @@ class ProbeJob:
         say(f"{stage}: {wanted} helper process{'es' if wanted > 1 else ''} ({threads} thread{'s' if threads > 1 else ''}"
             f"{' each' if wanted > 1 else ''}, as this process) share{'' if wanted > 1 else 's'} the parts ([helper] "
             f"lines)")
-        started = [AnalysisHelper(self.load_spec, self.settings.run.seed, threads, None, identity,
+        started = [AnalysisHelper(self.load_spec, self.settings.run.seed, threads, identity,
                                   on_line=lambda line: say(line, prefix="[helper]")) for _ in range(wanted)]
         self.helper_pool += started
         return started
