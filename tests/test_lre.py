@@ -121,6 +121,26 @@ def test_jacobian_paths_agree(llama64):
     torch.testing.assert_close(fast[1].W, fast[1].J.mean(0))
 
 
+def test_jacobian_flops_are_those_the_plan_counts(llama64):
+    """The plan's (and the floor benchmark's) FLOPs of subject_jacobians equal torch's count of what it runs: a
+    product from o (the last block's output) to layer l's state crosses blocks l+1 .. L-1 only (counting the
+    block of l itself too put 3 blocks where 2 run here). Attention scores are left out of the plan (under 1% at
+    exact; the low-rank JVPs' math attention is bmm, compared apart)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from llmprobe.jobs.plan import jacobian_prompts, jacobian_work, shape_from_config
+
+    shape = shape_from_config(llama64.model.config, "tiny llama")
+    template = "The capital of {} is in the north of"
+    prompts = jacobian_prompts(llama64.tokenizer, template, SUBJECTS)
+    for layers, rank in (([0, 1], None), ([1], None), ([0, 1], 4)):
+        with FlopCounterMode(display=False) as counter:
+            subject_jacobians(llama64, template, SUBJECTS, layers, rank=rank, chunk=8)
+        counted = {str(op): flops for op, flops in counter.get_flop_counts()["Global"].items()}
+        planned = jacobian_work(shape, prompts, layers, rank, chunk=8).flops
+        assert planned == pytest.approx(counted["aten.mm"], rel=0.03), (layers, rank)
+
+
 @pytest.fixture(scope="module")
 def gpt2_64(tmp_path_factory):
     # GPT-2's LayerNorm runs in the input dtype (Llama's RMSNorm upcasts to float32, which would limit the

@@ -83,7 +83,8 @@ def test_jacobian_work_counts_each_product_through_the_blocks_it_reaches(scaling
                   ((4, prompts[:2]), (3, prompts[2:]))) * shape.token_block_flops()
     tokens_after = 2 * 4 + 1 * 3
     back = tokens_after * shape.token_block_flops()        # one product through one block, all prompts
-    assert full.flops == pytest.approx(forward + 512 * (8 - 2) * back)   # d VJPs from o reach every layer
+    # from o = blocks.7.resid_post to blocks.l.resid_post: blocks l+1 .. 7, 7 - l of them
+    assert full.flops == pytest.approx(forward + 512 * (7 - 2) * back)   # d VJPs from o reach every layer
     k = 8 + 10                        # k shared VJPs to layer 2, then k JVPs + k VJPs to each layer's own state
-    assert low.flops == pytest.approx(forward + k * (8 - 2) * back + 2 * k * ((8 - 2) + (8 - 4) + (8 - 6)) * back)
+    assert low.flops == pytest.approx(forward + k * (7 - 2) * back + 2 * k * ((7 - 2) + (7 - 4) + (7 - 6)) * back)
     assert scaling.jacobian_work(shape, prompts, [2, 4, 6], rank=600).flops == full.flops   # k >= d: exact
