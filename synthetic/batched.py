@@ -90,6 +90,7 @@ class ModelStack:
             self.exp_avg[name] = torch.zeros_like(P)
             self.exp_avg_sq[name] = torch.zeros_like(P)
         self.opt_steps = [0] * len(models)
+        self.dense = self._dense()
 
     def _padded(self, name: str, shape) -> tuple[int, ...]:
         return tuple({"d": self.d, "m": self.m}.get(kind, size) for kind, size in zip(AXES[name], shape))
@@ -147,6 +148,11 @@ class ModelStack:
             self.params[name] = self.params[name].detach()[cut].contiguous().requires_grad_(grad)
             for table in (self.mask, self.exp_avg, self.exp_avg_sq):
                 table[name] = table[name][cut].contiguous()
+        self.dense = self._dense()
+
+    def _dense(self) -> dict[str, bool]:
+        """Name -> is its mask all ones (every model trains it, no padding): its update skips the masking."""
+        return {name: bool(mask.all()) for name, mask in self.mask.items()}
 
     # ------------------------------------------------------------------ forward
     def final_states(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -172,7 +178,7 @@ class ModelStack:
             mask = torch.arange(t, device=x.device)[None, :] > positions.to(x.device)[:, None]
             attn = _per_model(torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1) @ v, P["W_O"])
         mid = x[:, :, positions] + attn
-        hidden = torch.relu(_per_model(mid, P["W_in"]) + P["b_in"][:, None, None])
+        hidden = (_per_model(mid, P["W_in"]) + P["b_in"][:, None, None]).relu_()    # in place: no [M, b, k, m] copy
         return mid + _per_model(hidden, P["W_out"]) + P["b_out"][:, None, None]
 
     def loss(self, input_ids, positions, targets, chunk=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,11 +206,14 @@ class ModelStack:
                 continue
             shape = view + (1,) * (p.dim() - 1)
             g = p.grad if not cfg.weight_decay else p.grad.add(p, alpha=cfg.weight_decay)
-            g = g * self.mask[name]
+            if not self.dense[name]:            # a mask of ones would multiply by exactly 1
+                g.mul_(self.mask[name])
             self.exp_avg[name].lerp_(g, 1 - b1)
             self.exp_avg_sq[name].mul_(b2).addcmul_(g, g, value=1 - b2)
-            denom = (self.exp_avg_sq[name].sqrt() / bc2_sqrt.view(shape)).add_(cfg.eps)
-            p.sub_(self.exp_avg[name] / denom * step_size.view(shape))
+            # g is spent: the rest is computed in its memory, op for op as
+            # p -= exp_avg / (sqrt(exp_avg_sq) / bc2_sqrt + eps) * step_size, with no new [M, ...] tensor
+            denom = torch.sqrt(self.exp_avg_sq[name], out=g).div_(bc2_sqrt.view(shape)).add_(cfg.eps)
+            p.sub_(torch.div(self.exp_avg[name], denom, out=denom).mul_(step_size.view(shape)))
             p.grad = None
 
 

@@ -171,6 +171,26 @@ def test_a_tie_is_not_correct():
     assert int(correct) == 1                                                # only the untied row is right
 
 
+def test_correct_count_is_the_strict_argmax_with_ties_and_saturated_rows():
+    """The count equals "the target's logit is the row's unique maximum" on logits with many ties (small integers),
+    rows saturated to probability exactly 1 and 0 (float32 underflow) and a tie at the top beside the target, for
+    one model and a stack."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randint(0, 3, (3, 40, 7), generator=g).float()          # ties everywhere
+    logits[:, 0] = torch.tensor([300.0, 0, 0, 0, 0, 0, 0])                  # p = 1.0 exactly at output 0
+    logits[:, 1] = torch.tensor([0.0, 300, 0, 0, 0, 0, 0])                  # p = 0.0 at output 0 (the target)
+    logits[:, 2] = torch.tensor([0.0, 5, 5, 0, 0, 0, 0])                    # the top tied, the target below
+    y = torch.randint(0, 7, (3, 40), generator=g)
+    y[:, :3] = 0
+    top = logits.amax(-1, keepdim=True)
+    strict = ((logits.gather(-1, y[..., None]) == top)[..., 0] & ((logits == top).sum(-1) == 1)).sum(-1)
+    h, w = logits, torch.eye(7).expand(3, 7, 7).contiguous()               # h @ w.T = the logits
+    _, correct = softmax_cross_entropy(h, w, None, y, chunk=16)
+    assert correct.tolist() == strict.tolist() and 0 < int(strict.sum()) < 120
+    for i in range(3):
+        assert int(softmax_cross_entropy(h[i], w[i], None, y[i], chunk=16)[1]) == int(strict[i])
+
+
 # ----------------------------------------------------------------------------- training
 def test_small_run_reaches_100_percent():
     task = random_bijections(64, 2, seed=0)
