@@ -24,7 +24,10 @@ time: no implementation of the same measurement on these cores can be faster.
 
 With ``--report RUN/report.json`` it prints beside each stage the run's measured seconds (``timings``) and the
 ratio, and the whole run's wall time against the critical path's floor: load + known facts + the largest of
-(the analyses' floor on every core, each controls worker's floor on one core, all of it over every core).
+(the analyses' floor on every core, each controls worker's floor on one core, all of it over every core). A
+shared host's speed drifts: when the report records the one-thread rate at the run's start and end
+(``timings.matmul_gflops_one_thread``), the floor is printed at that rate too (every core scaled by the ratio
+measured now), and the line says when the host ran more than 10% slower or faster during the run than now.
 
     python benchmarks/main_job_floor.py [--report runs/smollm2/report.json [--count-mechanisms]]
 """
@@ -164,20 +167,38 @@ def main(argv=None) -> dict:
         measured = sum(p["wall_seconds"] for p in seconds["points"]) + seconds["threshold"]["search_seconds"] \
             if seconds else None
         worker_floors[mode] = row(f"controls {mode} (one thread)", flops, measured, on=rate1)
-    shared = (analyses_flops + sum(controls.values())) / rate
-    floor = (known / rate + max([analyses_floor, shared, *worker_floors.values()])
-             + timings.get("load_s", 0.0))
+    def critical_path(rate, rate1) -> tuple[float, float, dict]:
+        """(floor, all work over every core, each worker's floor) at these rates (every core, one thread)."""
+        workers = {mode: flops / rate1 for mode, flops in controls.items()}
+        shared = (analyses_flops + sum(controls.values())) / rate
+        return (known / rate + max([analyses_flops / rate, shared, *workers.values()]) + timings.get("load_s", 0.0),
+                shared, workers)
+
+    floor, shared, worker_floors = critical_path(rate, rate1)
     print(f"critical path floor: load + known facts + max(analyses {analyses_floor:.0f} s, controls workers "
           + ", ".join(f"{m} {s:.0f} s" for m, s in worker_floors.items()) + f", all work over {threads} cores "
           f"{shared:.0f} s) = {floor:.0f} s")
-    if report and report.get("wall_seconds"):
-        print(f"run wall {report['wall_seconds']:.0f} s = {report['wall_seconds'] / floor:.2f} x the floor"
+    wall = (report or {}).get("wall_seconds")
+    if wall:
+        print(f"run wall {wall:.0f} s = {wall / floor:.2f} x the floor"
               + ("" if mechanisms else " (the uncounted analyses are in the wall, not in the floor)"))
+    at_run = timings.get("matmul_gflops_one_thread")       # the host's speed at the run's start and end
+    floor_at_run = None
+    if at_run:
+        run_rate1 = sum(at_run) / len(at_run) * 1e9
+        floor_at_run = critical_path(rate * run_rate1 / rate1, run_rate1)[0]
+        print(f"at the run's own one-thread rate ({' and '.join(f'{r:.0f}' for r in at_run)} GFLOP/s at its start "
+              f"and end, mean {run_rate1 / 1e9:.0f}; every core scaled by the ratio measured now, "
+              f"{rate / rate1:.2f}): floor {floor_at_run:.0f} s"
+              + (f", run wall = {wall / floor_at_run:.2f} x" if wall else "")
+              + ("" if abs(run_rate1 / rate1 - 1) < 0.1 else
+                 f" (the host ran {rate1 / run_rate1:.2f}x slower during the run than now: read this ratio)"
+                 if run_rate1 < rate1 else " (the host ran faster during the run than now: read this ratio)"))
     prompts = sum(len(p) for p in work["jacobian"])
     tokens = sum(a for p in work["jacobian"] for _, a in p)
     print(f"Jacobians: {prompts} prompts ({tokens} tokens from the subject's last to the prompt's end) x {d} "
           f"products through the blocks after layer {min(work['lre_layers'])} (LRE layers {work['lre_layers']})")
-    return {"rate": rate, "rate_one_thread": rate1, "threads": threads, "floor": floor,
+    return {"rate": rate, "rate_one_thread": rate1, "threads": threads, "floor": floor, "floor_at_run": floor_at_run,
             "stages": {**decoders, "known facts": known, "superposition states": states, **mechanisms,
                        **{f"controls {m}": f for m, f in controls.items()}}, "jacobian_prompts": prompts}
 

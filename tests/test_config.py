@@ -542,6 +542,8 @@ def test_the_controls_workers_threads_come_out_of_the_analyses_budget(tiny, tmp_
                          "cpu", "--no-model-width", "--out", str(out)]) == 0
             timings = json.loads((out / "report.json").read_text())["timings"]
             assert timings["analyses_threads"] == expected and timings["analyses_processes"] == processes
+            start, end = timings["matmul_gflops_one_thread"]                 # the host's speed, both ends
+            assert 0.1 < start < 1e5 and 0.1 < end < 1e5
             assert seen[-1] == expected and torch.get_num_threads() == threads
     finally:
         torch.set_num_threads(before)

@@ -21,7 +21,7 @@ from llmprobe.analyses.settings import settings_from
 from llmprobe.analyses.superposition import superposition_table
 from llmprobe.checks import UsageError
 from llmprobe.jobs.matched import MatchedWorker
-from llmprobe.jobs.plan import REFERENCE_RATE, analyses_budget, matched_planned, measured_rate
+from llmprobe.jobs.plan import REFERENCE_RATE, analyses_budget, matched_planned, matmul_rate, measured_rate
 from llmprobe.jobs.probe import ProbeJob, job_settings, library_versions, say
 from llmprobe.jobs.stages import checkpoint, earlier_stage, mark_interrupted, stage_key, start_stage, unfinished
 from llmprobe.report.claims import claims_block
@@ -78,6 +78,8 @@ def run(model=None, *, settings: Settings | None = None, out: str | Path = "runs
     job = ProbeJob("run", job_settings("run", model, settings, options), Path(out), resume, overwrite,
                    tuple(FORMATS[f] for f in formats))
     job.load(model, tokenizer, lm, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+    on_cpu = job.lm.device.type == "cpu"
+    rate_start = measured_rate() if on_cpu else None    # the plan's measurement when the command line printed it
     controls = MatchedStage(job.settings, job.previous) if job.settings.matched.enabled else None
     job.ahead = controls.budget(job.lm) if controls else None
     try:
@@ -94,6 +96,9 @@ def run(model=None, *, settings: Settings | None = None, out: str | Path = "runs
         if controls:                    # an interrupted run does not wait for the controls
             controls.stop()
     report["versions"] = library_versions()
+    if on_cpu:          # the host's speed at both ends of the run: a floor is read against the run's own rate
+        report["timings"]["matmul_gflops_one_thread"] = [
+            round(rate / 1e9, 1) for rate in (rate_start, matmul_rate(1, 1.0, time.thread_time))]
     report["wall_seconds"] = round(time.perf_counter() - start, 1)
     report["partial"] = bool(unfinished(report))            # the controls failed: --resume trains them
     report["claims"] = claims_block(report)
