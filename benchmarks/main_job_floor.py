@@ -107,6 +107,15 @@ def matched_flops(report: dict | None, n_facts: int, d_model: int) -> dict[str, 
     return out
 
 
+def drift_note(run_rate: float, rate_now: float) -> str:
+    """" (the host ran 1.14x slower during the run than now: ...)" when the two one-thread rates differ by 10% or
+    more, else ""."""
+    if abs(run_rate / rate_now - 1) < 0.1:
+        return ""
+    how = f"{rate_now / run_rate:.2f}x slower" if run_rate < rate_now else f"{run_rate / rate_now:.2f}x faster"
+    return f" (the host ran {how} during the run than now: read this ratio)"
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--report", help="a default run's report.json: its measured seconds beside the floors")
@@ -161,12 +170,12 @@ def main(argv=None) -> dict:
     analyses_flops = sum(decoders.values()) + (0.0 if "superposition" in mechanisms else states) \
         + sum(mechanisms.values())
     analyses_floor = row("analyses, counted stages", analyses_flops, timings.get("analyses_s"))
-    worker_floors = {}
     for mode, flops in controls.items():
         seconds = (report or {}).get("matched", {}).get("modes", {}).get(mode)
         measured = sum(p["wall_seconds"] for p in seconds["points"]) + seconds["threshold"]["search_seconds"] \
             if seconds else None
-        worker_floors[mode] = row(f"controls {mode} (one thread)", flops, measured, on=rate1)
+        row(f"controls {mode} (one thread)", flops, measured, on=rate1)
+
     def critical_path(rate, rate1) -> tuple[float, float, dict]:
         """(floor, all work over every core, each worker's floor) at these rates (every core, one thread)."""
         workers = {mode: flops / rate1 for mode, flops in controls.items()}
@@ -191,9 +200,7 @@ def main(argv=None) -> dict:
               f"and end, mean {run_rate1 / 1e9:.0f}; every core scaled by the ratio measured now, "
               f"{rate / rate1:.2f}): floor {floor_at_run:.0f} s"
               + (f", run wall = {wall / floor_at_run:.2f} x" if wall else "")
-              + ("" if abs(run_rate1 / rate1 - 1) < 0.1 else
-                 f" (the host ran {rate1 / run_rate1:.2f}x slower during the run than now: read this ratio)"
-                 if run_rate1 < rate1 else " (the host ran faster during the run than now: read this ratio)"))
+              + drift_note(run_rate1, rate1))
     prompts = sum(len(p) for p in work["jacobian"])
     tokens = sum(a for p in work["jacobian"] for _, a in p)
     print(f"Jacobians: {prompts} prompts ({tokens} tokens from the subject's last to the prompt's end) x {d} "
