@@ -13,9 +13,13 @@ time: no implementation of the same measurement on these cores can be faster.
   scoring, causality and swap edits, superposition states (without ``--count-mechanisms``);
 * the decoder fits: per LRE fit the SVDs of W and of its random-spectrum twin (~ 2 x 4 d^3 with the products),
   per ridge fit ~ 45 d^2 (as the cost model counts them);
-* the matched controls' training: with ``--report``, every model-step the report's controls trained (the d*
-  bisections' tries and each curve point's seeds, to the steps recorded), 6 x parameters x facts FLOPs per
-  full-batch step; without it, the plan's step counts;
+* the matched controls: with ``--report``, every model-step the report's controls trained (the d* bisections'
+  tries and each curve point's seeds, to the steps recorded), 6 x parameters x facts FLOPs per full-batch step;
+  without it, the plan's step counts. With ``--count-mechanisms`` instead counted by torch on the run's table:
+  one full-batch step (loss and backward) of a control of each width and mode, times the steps, and each
+  curve point's measurement (``measure_control`` on seed 0's model, the R^2 of every seed's kept snapshots),
+  run on a freshly initialised control of that width (the same shapes; Adam's elementwise update is not a
+  matmul and is not counted: a lower bound still);
 * the superposition, crosspatch, selector and multihop analyses (with ``--count-mechanisms``): each run once more
   on the report's model, relations, known facts and settings under torch's ``FlopCounterMode`` (every matmul,
   attention and convolution FLOP they execute: superposition's states, swap edits and readout fits, each edit's
@@ -34,6 +38,7 @@ measured now), and the line says when the host ran more than 10% slower or faste
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -59,11 +64,16 @@ from llmprobe.jobs.plan import (  # noqa: E402  (the cost model's workload count
     smollm2_tokenizer,
     sum_work,
 )
+from llmprobe.jobs.main import matched_table  # noqa: E402
 from llmprobe.jobs.probe import fitting, load_options, run_relations  # noqa: E402
 from llmprobe.model.interop import as_loaded_model  # noqa: E402
 from llmprobe.model.known import FactResult  # noqa: E402
 from llmprobe.report.schema import read_report  # noqa: E402
 from llmprobe.settings import from_record  # noqa: E402
+from synthetic.matched import N_BOOT, fixed_threads, measure_control, r2_value  # noqa: E402
+from synthetic.model import FactRecallModel  # noqa: E402
+from synthetic.sweep import SweepConfig, width_config  # noqa: E402
+from synthetic.tasks import from_fact_table  # noqa: E402
 
 MECHANISMS = ("crosspatch", "selector", "multihop")
 COUNTED = ("superposition", *MECHANISMS)          # the analyses --count-mechanisms runs under FlopCounterMode
@@ -88,6 +98,56 @@ def mechanism_flops(report_path: str) -> dict[str, float]:
             job.compute((name, None))
         flops[name] = float(counter.get_total_flops())
     return flops
+
+
+def control_flops(report_path: str) -> dict[str, float]:
+    """{mode: FLOPs} of the report's matched controls counted by torch's FlopCounterMode on the run's table (the
+    superposition fit's, as the run trained them): per width and mode one full-batch training step (loss and its
+    backward) times every step trained at that width (the bisection's tries, each point's seeds), plus each curve
+    point's measurement: ``measure_control`` of seed 0's model and one ``r2_value`` per kept snapshot of every
+    seed (the R^2 at the budgets, and at the end for seeds > 0), on a fresh control of the same width."""
+    report = read_report(report_path)
+    block = report["matched"]
+    _, settings = from_record(report["settings"])
+    run = settings.run
+    lm = as_loaded_model(run.model, **load_options(run))
+    rows = json.loads((Path(report_path).parent / "known_facts.json").read_text())
+    known = {name: [FactResult(**row) for row in results] for name, results in rows.items()}
+    relations = [r.with_facts(fitting(lm, r, run.max_prompt_tokens)[0]) for r in run_relations(run)]
+    table, _ = matched_table(lm, relations, known, report, "superposition" in settings.analyses("run"),
+                             settings.analysis_options())
+    task = from_fact_table(table)
+    if int((task.table >= 0).sum()) != block["table"]["n_facts"]:
+        raise SystemExit(f"the rebuilt controls' table has {int((task.table >= 0).sum())} facts, the report's "
+                         f"{block['table']['n_facts']}: not the run's table")
+    data, cfg = task.data(), SweepConfig(d_max=block["d_model"], mlp_ratio=block["training"]["mlp_ratio"],
+                                         attention=block["training"]["attention"])
+
+    def counted(fn) -> float:
+        with FlopCounterMode(display=False) as counter:
+            fn()
+        return float(counter.get_total_flops())
+
+    @functools.lru_cache(maxsize=None)
+    def step(mode: str, d: int) -> float:
+        model = FactRecallModel(width_config(task, mode, d, cfg, block["seed"]))
+        return counted(lambda: model.loss(data.input_ids, data.target_pos, data.targets)[0].backward())
+
+    out = {}
+    with fixed_threads():
+        for mode, entry in block["modes"].items():
+            total = sum(step(mode, t["d"]) * t["steps"] for t in entry["threshold"]["tried"])
+            for point in entry["points"]:
+                d = point["d"]
+                total += step(mode, d) * sum(s["steps"] for s in point["seeds"])
+                model = FactRecallModel(width_config(task, mode, d, cfg, block["seed"]))
+                if model.config.d_mlp != point["d_mlp"]:
+                    raise SystemExit(f"{mode} d={d}: MLP width {model.config.d_mlp}, the report's {point['d_mlp']}")
+                total += counted(lambda: measure_control(model, task, block["seed"], N_BOOT))
+                r2 = counted(lambda: r2_value(model.subject_embed.detach(), model.unembed_weight.detach(), task))
+                total += r2 * sum(len(s["r2_by_budget"]) + (i > 0) for i, s in enumerate(point["seeds"]))
+            out[mode] = total
+    return out
 
 
 def matched_flops(report: dict | None, n_facts: int, d_model: int) -> dict[str, float]:
@@ -141,7 +201,8 @@ def main(argv=None) -> dict:
     }
     known = known_work(shape, work["known"]).flops
     states = forward_work(shape, work["states"], shape.layers).flops
-    controls = matched_flops(report, work["n_facts_table"], d)
+    counted_controls = bool(args.report and args.count_mechanisms and isinstance(report.get("matched"), dict))
+    controls = control_flops(args.report) if counted_controls else matched_flops(report, work["n_facts_table"], d)
 
     print(f"dense float32 matmul: {rate / 1e9:.0f} GFLOP/s on {threads} thread(s), {rate1 / 1e9:.0f} on one "
           f"(measured now; the ceiling)")
@@ -174,7 +235,7 @@ def main(argv=None) -> dict:
         seconds = (report or {}).get("matched", {}).get("modes", {}).get(mode)
         measured = sum(p["wall_seconds"] for p in seconds["points"]) + seconds["threshold"]["search_seconds"] \
             if seconds else None
-        row(f"controls {mode} (one thread)", flops, measured, on=rate1)
+        row(f"controls {mode} ({'by torch, ' if counted_controls else ''}1 thread)", flops, measured, on=rate1)
 
     def critical_path(rate, rate1) -> tuple[float, float, dict]:
         """(floor, all work over every core, each worker's floor) at these rates (every core, one thread)."""
