@@ -43,6 +43,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -79,43 +80,52 @@ MECHANISMS = ("crosspatch", "selector", "multihop")
 COUNTED = ("superposition", *MECHANISMS)          # the analyses --count-mechanisms runs under FlopCounterMode
 
 
-def mechanism_flops(report_path: str) -> dict[str, float]:
-    """{analysis: FLOPs} of superposition, crosspatch, selector and multihop (``COUNTED``), each computed once on
-    the report's model, relations
-    (the facts that fit, as the run analysed them), known facts (known_facts.json beside it) and settings, under
-    torch's FlopCounterMode."""
+class RunInputs(NamedTuple):
+    """What a run's report folder holds, as the run had it: the report, its settings, the model loaded again, the
+    relations with the facts that fit (as the run analysed them) and the known facts (known_facts.json)."""
+    report: dict
+    settings: object
+    lm: object
+    relations: list
+    known: dict
+
+
+def run_inputs(report_path: str) -> RunInputs:
+    """The report's model, relations, known facts and settings (read and loaded once for every count below)."""
     report = read_report(report_path)
     _, settings = from_record(report["settings"])
     run = settings.run
     lm = as_loaded_model(run.model, **load_options(run))
-    analysed = [r.with_facts(fitting(lm, r, run.max_prompt_tokens)[0]) for r in run_relations(run)]
+    relations = [r.with_facts(fitting(lm, r, run.max_prompt_tokens)[0]) for r in run_relations(run)]
     rows = json.loads((Path(report_path).parent / "known_facts.json").read_text())
     known = {name: [FactResult(**row) for row in results] for name, results in rows.items()}
-    job = Analyses(lm, analysed, known, report["layers"], COUNTED, seed=run.seed, **settings.analysis_options())
-    flops = {}
-    for name in COUNTED:
-        with FlopCounterMode(display=False) as counter:
-            job.compute((name, None))
-        flops[name] = float(counter.get_total_flops())
-    return flops
+    return RunInputs(report, settings, lm, relations, known)
 
 
-def control_flops(report_path: str) -> dict[str, float]:
+def counted(fn) -> float:
+    """The FLOPs torch's FlopCounterMode counts while ``fn()`` runs."""
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return float(counter.get_total_flops())
+
+
+def mechanism_flops(inputs: RunInputs) -> dict[str, float]:
+    """{analysis: FLOPs} of superposition, crosspatch, selector and multihop (``COUNTED``), each computed once on
+    the run's model, relations, known facts and settings, under torch's FlopCounterMode."""
+    job = Analyses(inputs.lm, inputs.relations, inputs.known, inputs.report["layers"], COUNTED,
+                   seed=inputs.settings.run.seed, **inputs.settings.analysis_options())
+    return {name: counted(lambda: job.compute((name, None))) for name in COUNTED}
+
+
+def control_flops(inputs: RunInputs) -> dict[str, float]:
     """{mode: FLOPs} of the report's matched controls counted by torch's FlopCounterMode on the run's table (the
     superposition fit's, as the run trained them): per width and mode one full-batch training step (loss and its
     backward) times every step trained at that width (the bisection's tries, each point's seeds), plus each curve
     point's measurement: ``measure_control`` of seed 0's model and one ``r2_value`` per kept snapshot of every
     seed (the R^2 at the budgets, and at the end for seeds > 0), on a fresh control of the same width."""
-    report = read_report(report_path)
-    block = report["matched"]
-    _, settings = from_record(report["settings"])
-    run = settings.run
-    lm = as_loaded_model(run.model, **load_options(run))
-    rows = json.loads((Path(report_path).parent / "known_facts.json").read_text())
-    known = {name: [FactResult(**row) for row in results] for name, results in rows.items()}
-    relations = [r.with_facts(fitting(lm, r, run.max_prompt_tokens)[0]) for r in run_relations(run)]
-    table, _ = matched_table(lm, relations, known, report, "superposition" in settings.analyses("run"),
-                             settings.analysis_options())
+    block, settings = inputs.report["matched"], inputs.settings
+    table, _ = matched_table(inputs.lm, inputs.relations, inputs.known, inputs.report,
+                             "superposition" in settings.analyses("run"), settings.analysis_options())
     task = from_fact_table(table)
     if int((task.table >= 0).sum()) != block["table"]["n_facts"]:
         raise SystemExit(f"the rebuilt controls' table has {int((task.table >= 0).sum())} facts, the report's "
@@ -123,14 +133,13 @@ def control_flops(report_path: str) -> dict[str, float]:
     data, cfg = task.data(), SweepConfig(d_max=block["d_model"], mlp_ratio=block["training"]["mlp_ratio"],
                                          attention=block["training"]["attention"])
 
-    def counted(fn) -> float:
-        with FlopCounterMode(display=False) as counter:
-            fn()
-        return float(counter.get_total_flops())
+    @functools.lru_cache(maxsize=None)
+    def fresh(mode: str, d: int) -> FactRecallModel:
+        return FactRecallModel(width_config(task, mode, d, cfg, block["seed"]))
 
     @functools.lru_cache(maxsize=None)
     def step(mode: str, d: int) -> float:
-        model = FactRecallModel(width_config(task, mode, d, cfg, block["seed"]))
+        model = fresh(mode, d)
         return counted(lambda: model.loss(data.input_ids, data.target_pos, data.targets)[0].backward())
 
     out = {}
@@ -138,11 +147,10 @@ def control_flops(report_path: str) -> dict[str, float]:
         for mode, entry in block["modes"].items():
             total = sum(step(mode, t["d"]) * t["steps"] for t in entry["threshold"]["tried"])
             for point in entry["points"]:
-                d = point["d"]
-                total += step(mode, d) * sum(s["steps"] for s in point["seeds"])
-                model = FactRecallModel(width_config(task, mode, d, cfg, block["seed"]))
+                d, model = point["d"], fresh(mode, point["d"])
                 if model.config.d_mlp != point["d_mlp"]:
                     raise SystemExit(f"{mode} d={d}: MLP width {model.config.d_mlp}, the report's {point['d_mlp']}")
+                total += step(mode, d) * sum(s["steps"] for s in point["seeds"])
                 total += counted(lambda: measure_control(model, task, block["seed"], N_BOOT))
                 r2 = counted(lambda: r2_value(model.subject_embed.detach(), model.unembed_weight.detach(), task))
                 total += r2 * sum(len(s["r2_by_budget"]) + (i > 0) for i, s in enumerate(point["seeds"]))
@@ -201,8 +209,9 @@ def main(argv=None) -> dict:
     }
     known = known_work(shape, work["known"]).flops
     states = forward_work(shape, work["states"], shape.layers).flops
-    counted_controls = bool(args.report and args.count_mechanisms and isinstance(report.get("matched"), dict))
-    controls = control_flops(args.report) if counted_controls else matched_flops(report, work["n_facts_table"], d)
+    inputs = run_inputs(args.report) if args.report and args.count_mechanisms else None
+    counted_controls = bool(inputs and isinstance(report.get("matched"), dict))
+    controls = control_flops(inputs) if counted_controls else matched_flops(report, work["n_facts_table"], d)
 
     print(f"dense float32 matmul: {rate / 1e9:.0f} GFLOP/s on {threads} thread(s), {rate1 / 1e9:.0f} on one "
           f"(measured now; the ceiling)")
@@ -218,7 +227,7 @@ def main(argv=None) -> dict:
     for name, flops in decoders.items():
         row(f"  {name}", flops)
     row("decoders (all of the above)", sum(decoders.values()), analyses_t.get("decoders_seconds"))
-    mechanisms = mechanism_flops(args.report) if args.report and args.count_mechanisms else {}
+    mechanisms = mechanism_flops(inputs) if inputs else {}
     if "superposition" in mechanisms:
         row("superposition (counted by torch)", mechanisms["superposition"], analyses_t.get("superposition_seconds"))
     else:
