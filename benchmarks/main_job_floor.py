@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from llmprobe.analyses.run import Analyses  # noqa: E402
+from llmprobe.jobs.main import matched_table  # noqa: E402
 from llmprobe.jobs.plan import (  # noqa: E402  (the cost model's workload count and the matmul rate)
     MATCHED_D_STAR,
     SMOLLM2_KNOWN,
@@ -65,7 +66,6 @@ from llmprobe.jobs.plan import (  # noqa: E402  (the cost model's workload count
     smollm2_tokenizer,
     sum_work,
 )
-from llmprobe.jobs.main import matched_table  # noqa: E402
 from llmprobe.jobs.probe import fitting, load_options, run_relations  # noqa: E402
 from llmprobe.model.interop import as_loaded_model  # noqa: E402
 from llmprobe.model.known import FactResult  # noqa: E402
