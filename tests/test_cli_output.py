@@ -100,6 +100,23 @@ def test_the_time_left_is_the_plans_seconds_scaled_by_measured_over_planned(caps
         list(log.bar(["a", "b", "c"], "decoders", planned=[1.0, 2.0]))
 
 
+def test_the_time_a_relation_waited_for_a_core_stays_out_of_the_time_left(capsys, monkeypatch):
+    """A relation that waited 10 minutes for a core the controls' workers held (``Log.started`` when its part
+    starts) counts with the 60 s it was computed in, not 660 s."""
+    import llmprobe.analyses.settings as settings
+
+    clock = [0.0]
+    monkeypatch.setattr(settings.time, "perf_counter", lambda: clock[0])
+    log = Log(True)
+    for name in log.bar(["a", "b", "c"], "decoders"):
+        clock[0] += 600.0 if name == "a" else 0.0         # a waits for a core
+        log.started()
+        clock[0] += 60.0
+        log(f"{name}: fitted")
+    lines = [line for line in capsys.readouterr().err.splitlines() if "fitted" in line]
+    assert "~01:00 left" in lines[1], lines            # one relation after b at a's 60 s
+
+
 def _countries() -> FactTable:
     countries = [("France", "Paris", "Europe"), ("Japan", "Tokyo", "Asia"), ("Brazil", "Brasilia", "Americas"),
                  ("Egypt", "Cairo", "Africa"), ("Italy", "Rome", "Europe"), ("India", "New Delhi", "Asia")]

@@ -1,6 +1,8 @@
 """Analysis helpers (``llmprobe.jobs.helpers``): parts of ``run_analyses`` computed in another process give the
 numbers of one process, and a helper that cannot help leaves every part to the main process."""
 import random
+import threading
+import time
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from llmprobe.analyses.run import Parts, run_analyses
 from llmprobe.analyses.saved import weights_id
 from llmprobe.datasets import Fact, Relation
 from llmprobe.jobs.helpers import AnalysisHelper
+from llmprobe.jobs.matched import CoreGate
 from llmprobe.model.loading import load_model
 
 
@@ -138,3 +141,67 @@ def test_a_helper_whose_call_raises_leaves_its_part_to_this_process():
     assert not parts.threads[0].is_alive() and parts.lost == {("decoders", "b")}
     assert parts.claim(("decoders", "a")) and parts.claim(("decoders", "b"))
     assert parts.wait(("decoders", "b")) is None
+
+
+class _Worker:
+    """A controls worker that is done when the test says so."""
+    def __init__(self):
+        self.done = threading.Event()
+
+    def ready(self):
+        return self.done.is_set()
+
+
+def test_the_controls_workers_train_first_and_each_core_they_free_goes_to_the_analyses_parts():
+    """2 cores, two one-thread workers, one-thread parts (``run`` on 2 cores): no part starts, here or in the
+    helper, while both workers train; one at a time once one worker is done; two at once once both are; every
+    part's outcome is the one computed, whoever computed it."""
+    workers = [_Worker(), _Worker()]
+    gate = CoreGate(2, 1, workers)
+    gate.POLL_S = 0.01
+    assert gate.capacity() == 0
+    lock, state = threading.Lock(), {"running": 0, "peak": 0, "started": 0}
+
+    def compute(part):
+        with lock:
+            state["running"] += 1
+            state["started"] += 1
+            state["peak"] = max(state["peak"], state["running"])
+        give_up = time.monotonic() + 2
+        while workers[1].ready() and state["running"] < 2 and time.monotonic() < give_up:
+            time.sleep(0.005)           # once both are done, a second part must be let in beside this one
+        time.sleep(0.02)
+        with lock:
+            state["running"] -= 1
+        return {"value": {"part": part}, "seconds": 0.0}
+
+    class Helper:
+        def compute(self, part):
+            return compute(part)
+
+    order = [("decoders", str(i)) for i in range(30)]
+    parts = Parts(order, [Helper()], gate)
+    outcomes = {}
+    main = threading.Thread(target=lambda: outcomes.update({p: parts.outcome(p, compute)[0] for p in order}))
+    main.start()
+    time.sleep(0.3)
+    assert state["started"] == 0, "a part started while both workers held the cores"
+    workers[0].done.set()
+    assert gate.capacity() == 1
+    time.sleep(0.3)
+    assert 0 < state["started"] < len(order) and state["peak"] == 1, state
+    workers[1].done.set()
+    main.join(30)
+    assert not main.is_alive() and state["peak"] == 2, state
+    assert all(outcomes[p]["value"] == {"part": p} for p in order)
+    assert parts.outcomes, "the helper computed nothing"
+    assert gate.running == 0 and gate.waited_s >= 0.5        # both processes waited about 0.3 s, then one 0.3 s
+
+
+def test_the_core_gate_lets_a_part_in_when_no_worker_is_left_however_many_threads_it_needs():
+    """A part needing more threads than the cores must not wait forever once the workers are done; 4 cores and two
+    2-thread parts beside two alive workers: one part at a time."""
+    done, alive = _Worker(), _Worker()
+    done.done.set()
+    assert CoreGate(2, 4, [done]).capacity() == 1 and CoreGate(2, 4, []).capacity() == 1
+    assert CoreGate(4, 2, [_Worker(), alive]).capacity() == 1 and CoreGate(4, 2, [done, done]).capacity() == 2

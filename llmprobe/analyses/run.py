@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import asdict
 
 from llmprobe.analyses.decoders import decoders_for_relation, protocol_note
@@ -38,7 +39,7 @@ AFTER_DECODERS = ("superposition", *MECHANISMS)     # the analyses that are one 
 
 def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits: int = 3, seed: int = 0,
                  max_subjects: int = 90, progress: bool = True, on_progress=None, done: dict | None = None,
-                 fitted: dict | None = None, planned: dict | None = None, helpers=(), **options) -> dict:
+                 fitted: dict | None = None, planned: dict | None = None, helpers=(), gate=None, **options) -> dict:
     """Run the requested analyses on a loaded model; returns a JSON-ready dict.
 
     ``relations``: ``llmprobe.datasets.Relation`` list; ``known``: relation name -> list of
@@ -67,7 +68,8 @@ def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits
     so a part taken over, or computed in another process, has the numbers a fresh run would give it.
     ``timing``: each part's seconds in the process that computed it (``decoders_seconds`` their sum over the
     relations), ``processes`` (1 + helpers), ``helper_parts`` (the relations and analyses a helper computed) and
-    ``total_seconds`` (this call's wall time).
+    ``total_seconds`` (this call's wall time). ``gate``: see :class:`Parts`; with one, ``timing`` also has
+    ``core_wait_seconds`` (the seconds parts waited for a core, summed over the processes).
     ``fitted``, if given, receives the fitted decoders of the relations computed here (not those taken over), see
     ``decoders.decoders_for_relation``. ``planned``, if given: relation name -> the plan's seconds of its
     decoders (``llmprobe.jobs.plan.decoder_seconds``), which the progress bar's time left is scaled from.
@@ -85,7 +87,7 @@ def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits
     taken = {("decoders", r.name): done_relations[r.name] for r in relations
              if isinstance(done_relations.get(r.name), dict)}
     taken.update({(name, None): done[name] for name in AFTER_DECODERS if isinstance(done.get(name), dict)})
-    parts = Parts([p for p in parts_of(relations, analyses) if p not in taken], helpers)
+    parts = Parts([p for p in parts_of(relations, analyses) if p not in taken], helpers, gate)
     log.processes = 1 + parts.n_helpers
     relation_seconds = []
 
@@ -101,6 +103,12 @@ def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits
             result[kind] = outcome["value"]
             result["timing"][f"{kind}_seconds"] = outcome["seconds"]
 
+    def compute_here(part) -> dict:
+        """``job.compute(part)``, its time in the progress bar counted from now (not from its turn: it may have
+        waited for a core)."""
+        log.started()
+        return job.compute(part)
+
     def take(part) -> None:
         """Part ``part`` at its turn: taken over, computed here, or waited for from the helper computing it."""
         kind, name = part
@@ -114,7 +122,7 @@ def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits
             else:
                 result[kind], result["timing"][f"{kind}_seconds"] = value, 0.0
         else:
-            outcome, here = parts.outcome(part, job.compute)
+            outcome, here = parts.outcome(part, compute_here)
             if here:
                 merge(part, outcome)
             else:
@@ -143,6 +151,8 @@ def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits
             merge(other, outcome)
     result["timing"]["processes"] = 1 + parts.n_helpers
     result["timing"]["helper_parts"] = [name or kind for kind, name in parts.order if (kind, name) in parts.outcomes]
+    if gate is not None:
+        result["timing"]["core_wait_seconds"] = round(gate.waited_s, 1)
     result["timing"]["total_seconds"] = round(time.perf_counter() - start, 1)
     result["partial"] = False
     return result
@@ -200,10 +210,13 @@ class Analyses:
 class Parts:
     """The parts of one stage (a ``run_analyses`` call; ``llmprobe.jobs.probe``'s known facts) shared between this
     process (:meth:`claim` from the front, at each part's turn) and its helpers (each helper's thread claims from
-    the back, hands the part to its process and files the outcome). Thread-safe."""
+    the back, hands the part to its process and files the outcome). ``gate``: None, or what holds a part's cores
+    while it is computed, here or in a helper (``llmprobe.jobs.matched.CoreGate``: the controls' workers first);
+    a part this process waits for from a helper holds none. Thread-safe."""
 
-    def __init__(self, parts: list, helpers=()):
+    def __init__(self, parts: list, helpers=(), gate=None):
         self.order = list(parts)
+        self.gate = gate
         self.claimed: set = set()
         self.outcomes: dict = {}          # part -> its outcome, of the parts the helpers computed
         self.handed: set = set()          # the parts of ``outcomes`` finished_elsewhere has handed over
@@ -237,7 +250,8 @@ class Parts:
         the helper fails (its part is then this process's to compute)."""
         while (part := self._claim_last()) is not None:
             try:
-                outcome = helper.compute(part)
+                with self.slot():
+                    outcome = helper.compute(part)
             except Exception:  # noqa: BLE001 - never leave a claimed part unanswered: this process computes it
                 outcome = None
             with self.changed:
@@ -253,7 +267,14 @@ class Parts:
         """(the outcome of ``part``, computed here): ``compute(part)`` here unless a helper claimed it, else the
         helper's outcome once it is back (here again if that helper died)."""
         outcome = self.wait(part) if not self.claim(part) else None
-        return (compute(part), True) if outcome is None else (outcome, False)
+        if outcome is not None:
+            return outcome, False
+        with self.slot():
+            return compute(part), True
+
+    def slot(self):
+        """The gate's hold on a part's cores (nothing without a gate)."""
+        return self.gate.slot() if self.gate is not None else nullcontext()
 
     def wait(self, part):
         """The outcome of ``part``, which a helper claimed, once it is back; None if that helper died (the part is

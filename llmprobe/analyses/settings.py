@@ -157,6 +157,11 @@ class Log:
             self.seconds += seconds
             self.planned_computed += self.planned[self.done] if self.planned else 0.0
 
+    def started(self) -> None:
+        """The bar's current item starts being computed now: the time it waited for a core (``Parts``' gate)
+        stays out of its seconds."""
+        self.begun = time.perf_counter()
+
     def skip(self) -> None:
         """The bar's current item is not computed (taken over from an earlier result, or refused at once: too few
         facts): it counts as done, but its time (about 0 s) stays out of the rate the time left is estimated from."""

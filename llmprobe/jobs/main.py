@@ -13,6 +13,7 @@ controls, as the pretrained model's subject states are; ``report["matched"]`` is
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -20,7 +21,7 @@ import torch
 from llmprobe.analyses.settings import settings_from
 from llmprobe.analyses.superposition import superposition_table
 from llmprobe.checks import UsageError
-from llmprobe.jobs.matched import MatchedWorker
+from llmprobe.jobs.matched import CoreGate, MatchedWorker
 from llmprobe.jobs.plan import REFERENCE_RATE, analyses_budget, matched_planned, matmul_rate, measured_rate
 from llmprobe.jobs.probe import ProbeJob, job_settings, library_versions, say
 from llmprobe.jobs.stages import checkpoint, earlier_stage, mark_interrupted, stage_key, start_stage, unfinished
@@ -45,18 +46,20 @@ def run(model=None, *, settings: Settings | None = None, out: str | Path = "runs
     shared-subject relations, all their facts, the subjects locatable in the neutral templates:
     ``llmprobe.analyses.superposition_table``); without the superposition analysis, on the known-fact table.
 
-    The matched controls need only the known facts, so they train while this process runs the analyses: one
-    worker process per control mode (trainable, frozen), each on one CPU thread, so the critical path is the
-    longer mode, not both in a row (SmolLM2: trainable 822 s, frozen 575 s of one thread). Their threads come
-    out of this process's budget: while they train, the analyses run on max(1, torch threads - workers) threads
-    (``timings.analyses_threads``; on 2 cores 1 thread: a second thread there makes the decoders 1.3x faster
-    alone but costs 13% more CPU, which the workers need), in as many processes of that many threads as the
-    threads hold (``timings.analyses_processes``: the main one and helpers that load the same model,
-    ``llmprobe.jobs.helpers``), so the cores the workers free when they finish keep working on the analyses' last
-    parts; the thread count, and so every number, does not depend on when they finish. They train on the model's
-    GPU when it has one (the
-    widest control, at the model's own width, is a GPU-sized job for a 7B model). Their numbers are those of ``train_matched`` called anywhere (it fixes one thread itself), mode by
-    mode: nothing is shared between the modes but the table (``synthetic.matched.merge_matched``). Their
+    The matched controls need only the known facts, so they train beside the analyses: one worker process per
+    control mode (trainable, frozen), each on one CPU thread, so the critical path is the longer mode, not both
+    in a row (SmolLM2: trainable 822 s, frozen 575 s of one thread). Their threads come out of this process's
+    budget: the analyses run on max(1, torch threads - workers) threads (``timings.analyses_threads``; on 2 cores
+    1 thread: a second thread there makes the decoders 1.3x faster alone but costs 13% more CPU, which the
+    workers need), in as many processes of that many threads as the threads hold
+    (``timings.analyses_processes``: the main one and helpers that load the same model,
+    ``llmprobe.jobs.helpers``). On the CPU the workers go first: an analysis part starts only on the cores the
+    alive workers leave (``llmprobe.jobs.matched.CoreGate``; on 2 cores none until a worker finishes), since
+    four one-thread processes on two cores made each SmolLM2 pass 9% slower than two did; each core a finished
+    worker frees goes to the analyses' parts (``analyses.timing.core_wait_seconds``: how long they waited). The
+    thread count, and so every number, does not depend on when the workers finish. They train on the model's
+    GPU when it has one (the widest control, at the model's own width, is a GPU-sized job for a 7B model). Their
+    numbers are those of ``train_matched`` called anywhere (it fixes one thread itself), mode by mode: nothing is shared between the modes but the table (``synthetic.matched.merge_matched``). Their
     ``[matched]`` lines say each mode's time left, from the plan (:func:`planned_matched`): the plan's seconds
     until a width is trained ("(planned)"), then the plan's seconds of the widths left times measured / planned.
 
@@ -83,7 +86,7 @@ def run(model=None, *, settings: Settings | None = None, out: str | Path = "runs
     controls = MatchedStage(job.settings, job.previous) if job.settings.matched.enabled else None
     job.ahead = controls.budget(job.lm) if controls else None
     try:
-        report = job.run(on_known=controls.start if controls else None)
+        report = job.run(on_known=partial(start_controls, controls, job) if controls else None)
         if controls:
             controls.finish(report, job.out)
     except KeyboardInterrupt:
@@ -108,6 +111,12 @@ def run(model=None, *, settings: Settings | None = None, out: str | Path = "runs
     return report
 
 
+def start_controls(controls: MatchedStage, job: ProbeJob, report: dict, known: dict, lm, relations: list) -> None:
+    """``run``'s ``on_known``: start the controls' stage and share the cores its workers leave with the analyses."""
+    controls.start(report, known, lm, relations)
+    job.gate = controls.gate
+
+
 class MatchedStage:
     """The controls stage of ``run``: started once the known facts are in (``start``, probe's ``on_known``),
     trained by a :class:`MatchedWorker` while the analyses run, collected by ``finish`` (or, after an interrupt,
@@ -119,6 +128,7 @@ class MatchedStage:
         self.started = False
         self.workers: list[MatchedWorker] = []      # one per control mode, each on one thread
         self.threads_before: int | None = None       # this process's torch threads before the workers took theirs
+        self.gate: CoreGate | None = None             # the cores shared with the analyses, when workers use the CPU
 
     def budget(self, lm) -> tuple[int, int] | None:
         """(threads, processes) of the analyses once the workers train beside them (``analyses_budget``), for the
@@ -167,6 +177,9 @@ class MatchedStage:
             self.threads_before = torch.get_num_threads()
             threads, report["timings"]["analyses_processes"] = analyses_budget(self.threads_before, len(self.workers))
             torch.set_num_threads(threads)
+            self.gate = CoreGate(self.threads_before, threads, self.workers)
+            say(f"analyses: each part starts on the cores the controls' workers leave ({self.gate.capacity()} "
+                f"part{'s' if self.gate.capacity() != 1 else ''} at a time now, more as they finish)")
         report["timings"]["analyses_threads"] = torch.get_num_threads()
 
     def finish(self, report: dict, out: Path) -> None:

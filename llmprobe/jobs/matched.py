@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from multiprocessing.connection import wait
 
 import torch
@@ -122,3 +123,40 @@ def _exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
 
 
 __all__ = ["MatchedWorker", "worker_setup"]
+
+
+class CoreGate:
+    """The CPU's cores shared by the controls' workers (one thread each) and the analyses' parts (``threads``
+    each): a part starts only when the cores the alive workers leave hold its threads beside the parts already
+    running (at least one part once every worker is done), so the workers train first, never crowded, and each
+    core a finished worker frees goes to the analyses. A part that started runs to its end (the capacity only
+    grows). ``waited_s``: the seconds parts waited for a core, summed over the processes. Thread-safe."""
+
+    POLL_S = 0.5        # how often a waiting part looks at the workers again
+
+    def __init__(self, cores: int, threads: int, workers: list):
+        self.cores, self.threads, self.workers = cores, threads, workers
+        self.running = 0
+        self.waited_s = 0.0
+        self.changed = threading.Condition()
+
+    def capacity(self) -> int:
+        """The parts that may run now: the cores the alive workers leave, over each part's threads."""
+        alive = sum(not worker.ready() for worker in self.workers)
+        return max((self.cores - alive) // self.threads, 0 if alive else 1)
+
+    @contextmanager
+    def slot(self):
+        """Hold one part's cores while the block runs; waits (polling the workers) until there is room."""
+        t = time.perf_counter()
+        with self.changed:
+            while self.running >= self.capacity():
+                self.changed.wait(self.POLL_S)
+            self.running += 1
+            self.waited_s += time.perf_counter() - t
+        try:
+            yield
+        finally:
+            with self.changed:
+                self.running -= 1
+                self.changed.notify_all()

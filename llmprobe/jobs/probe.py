@@ -206,6 +206,7 @@ class ProbeJob:
         self.ahead: tuple[int, int] | None = None   # (threads, processes) of the analyses, known before the known
         #                                             facts (``run``: beside its controls' workers): shared as they are
         self.helper_pool: list[AnalysisHelper] = []  # the helper processes started (known facts, then analyses)
+        self.gate = None      # what shares the cores with the analyses' parts (``run``: its controls' CoreGate)
 
     def load(self, model, tokenizer, lm: LoadedModel | None, **load_flags) -> None:
         """Seed the RNGs, read the relations, load the model (unless ``lm``) and start the report."""
@@ -356,7 +357,8 @@ class ProbeJob:
             try:
                 report["analyses"] = analyses_run.run_analyses(
                     self.lm, **arguments, on_progress=self.analyses_progress, done=earlier, fitted=self.fitted,
-                    planned=self.planned_decoders(analyses), helpers=helpers)
+                    planned=self.planned_decoders(analyses), helpers=helpers,
+                    gate=self.gate)
             finally:
                 self.stop_helpers()
         report["timings"]["analyses_s"] = round(time.perf_counter() - t, 1)
