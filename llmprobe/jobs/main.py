@@ -166,8 +166,8 @@ class MatchedStage:
         arguments = {**settings.matched_arguments(), "device": str(lm.device) if lm.device.type == "cuda" else "cpu"}
         modes = tuple(arguments.pop("modes"))
         say(f"matched controls: {len(table.subjects)} subjects x {len(table.relations)} relations, trained in "
-            f"{len(modes)} worker process{'es' if len(modes) > 1 else ''} ({', '.join(modes)}) meanwhile "
-            f"([matched] lines)")
+            f"{len(modes)} worker process{'es' if len(modes) > 1 else ''} ({', '.join(modes)}) beside "
+            f"the analyses ([matched] lines)")
         planned = planned_matched(table, report["model"]["d_model"], modes, arguments)
         self.workers = [MatchedWorker((table, report["model"]["d_model"]),
                                       {**arguments, "modes": (mode,),
