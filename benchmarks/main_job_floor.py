@@ -184,6 +184,17 @@ def drift_note(run_rate: float, rate_now: float) -> str:
     return f" (the host ran {how} during the run than now: read this ratio)"
 
 
+def busy_note(rate: float, rate1: float, threads: int) -> str:
+    """A warning line when ``threads`` threads ran under 0.75 x ``threads`` times one thread's rate (the cores were
+    not idle while they were measured: the floor is then too high and the run's ratio to it flattering; a
+    2026-12-05 try read 244 GFLOP/s on 2 threads beside a few seconds of another command, 376 on idle cores), else
+    ""."""
+    if threads < 2 or rate >= 0.75 * threads * rate1:
+        return ""
+    return (f"WARNING: {threads} threads ran at only {rate / rate1:.2f}x one thread: the cores were not idle while "
+            f"the rate was measured, so every floor below is too high; run this again on idle cores")
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--report", help="a default run's report.json: its measured seconds beside the floors")
@@ -215,6 +226,8 @@ def main(argv=None) -> dict:
 
     print(f"dense float32 matmul: {rate / 1e9:.0f} GFLOP/s on {threads} thread(s), {rate1 / 1e9:.0f} on one "
           f"(measured now; the ceiling)")
+    if busy_note(rate, rate1, threads):
+        print(busy_note(rate, rate1, threads))
     print(f"{'stage':<34}{'TFLOP':>8}{'floor s':>9}{'measured s':>12}{'ratio':>7}")
 
     def row(name, flops, measured=None, on=rate):
