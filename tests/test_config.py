@@ -253,7 +253,7 @@ def _record_controls(monkeypatch) -> dict:
     seen = {"kwargs": {}, "threads": []}
 
     class Recorder:
-        def __init__(self, args, kwargs, on_progress=None):
+        def __init__(self, args, kwargs, on_progress=None, on_done=None):
             seen["kwargs"].update(kwargs)
 
         def get(self):

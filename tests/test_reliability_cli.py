@@ -632,7 +632,8 @@ if __name__ == "__main__":''')
 @pytest.mark.skipif(not POSIX_PROC, reason="reads /proc")
 def test_a_dead_controls_worker_leaves_a_partial_report_and_exit_1(run_args, tmp_path):
     """Row 5: a controls worker killed by kill -9 left "partial": false and exit 0 with stages.controls.done
-    false. Now the report is partial, the command says so and exits 1, and --resume trains the controls."""
+    false. Now the report is partial, the command says so and exits 1, and --resume trains the controls. The other
+    mode's worker is stopped at once (the stage has failed), so the analyses waiting for its core go on."""
     out = tmp_path / "run"
     (tmp_path / "wrapper.py").write_text(CONTROLS_WRAPPER)
     proc = subprocess.Popen(run_args, env={**ENV, "SLOW_CONTROLS": "1"}, stdout=subprocess.PIPE,
@@ -646,6 +647,8 @@ def test_a_dead_controls_worker_leaves_a_partial_report_and_exit_1(run_args, tmp
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 1, stderr[-2000:]
     assert "Traceback" not in stderr and "partial" in stderr and "controls" in stderr and "--resume" in stderr
+    assert "worker failed; the other workers are stopped" in stderr    # not trained on to be thrown away, nor
+    #                                    holding the cores the analyses wait for (the other one sleeps 120 s here)
     report = json.loads((out / "report.json").read_text())
     assert report["partial"] is True and report["stages"]["matched"]["done"] is False
     assert report["stages"]["analyses"]["done"] is True

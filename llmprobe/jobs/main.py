@@ -12,6 +12,7 @@ controls, as the pretrained model's subject states are; ``report["matched"]`` is
 """
 from __future__ import annotations
 
+import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -129,6 +130,9 @@ class MatchedStage:
         self.workers: list[MatchedWorker] = []      # one per control mode, each on one thread
         self.threads_before: int | None = None       # this process's torch threads before the workers took theirs
         self.gate: CoreGate | None = None             # the cores shared with the analyses, when workers use the CPU
+        self.failed: MatchedWorker | None = None      # the first worker that failed (the others were then stopped)
+        self.stopping = False                         # stop() is stopping the workers: that is no failure
+        self.lock = threading.Lock()
 
     def budget(self, lm) -> tuple[int, int] | None:
         """(threads, processes) of the analyses once the workers train beside them (``analyses_budget``), for the
@@ -172,7 +176,8 @@ class MatchedStage:
         self.workers = [MatchedWorker((table, report["model"]["d_model"]),
                                       {**arguments, "modes": (mode,),
                                        "planned": {mode: planned[mode]} if mode in planned else None},
-                                      on_progress=_matched_progress) for mode in modes]
+                                      on_progress=_matched_progress, on_done=partial(self.worker_done, mode))
+                        for mode in modes]
         if arguments["device"] == "cpu":          # the workers' threads come out of this process's budget
             self.threads_before = torch.get_num_threads()
             threads, report["timings"]["analyses_processes"] = analyses_budget(self.threads_before, len(self.workers))
@@ -208,17 +213,34 @@ class MatchedStage:
             except RuntimeError:            # the worker failed: the stage stays unfinished
                 pass
 
+    def worker_done(self, mode: str, worker: MatchedWorker) -> None:
+        """A worker's result came or it died (its reader thread): a failure fails the whole stage (``--resume``
+        trains every mode again), so the other workers are stopped at once and their cores go to the analyses."""
+        with self.lock:
+            if self.stopping or self.failed is not None or not worker.failed():
+                return
+            self.failed = worker
+        say(f"matched controls: the {mode} worker failed; the other workers are stopped (the report will be "
+            f"partial: --resume trains the controls)")
+        for other in self.workers:
+            if other is not worker:
+                other.stop()
+
     def ready(self) -> bool:
         """Has every worker sent its result (or died)?"""
         return all(worker.ready() for worker in self.workers)
 
     def get(self) -> tuple[dict, float]:
         """Wait for every worker: (the merged controls block, the longest worker's seconds); RuntimeError when one
-        failed or died."""
+        failed or died (the first to fail on its own: not a worker stopped because of it)."""
+        if self.failed is not None:
+            self.failed.get()
         results = [worker.get() for worker in self.workers]
         return merge_matched([block for block, _ in results]), max(seconds for _, seconds in results)
 
     def stop(self) -> None:
+        with self.lock:
+            self.stopping = True
         for worker in self.workers:
             worker.stop()
         if self.threads_before is not None:

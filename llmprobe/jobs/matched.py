@@ -24,9 +24,11 @@ class MatchedWorker:
 
     ``on_progress``: called in this process, from a reader thread, with each progress line the worker's
     ``train_matched`` reports (so the lines can be written above this process's progress bars, not through
-    them); None leaves ``kwargs["progress"]`` to run in the worker."""
+    them); None leaves ``kwargs["progress"]`` to run in the worker. ``on_done``: called with this worker, from
+    the reader thread, once its result came or it died."""
 
-    def __init__(self, args: tuple, kwargs: dict, on_progress: Callable[[str], None] | None = None):
+    def __init__(self, args: tuple, kwargs: dict, on_progress: Callable[[str], None] | None = None,
+                 on_done: Callable[[MatchedWorker], None] | None = None):
         context = multiprocessing.get_context("spawn")
         receive, send = context.Pipe(duplex=False)
         self._result: tuple | None = None        # (ok, value) once the worker has sent it
@@ -36,11 +38,11 @@ class MatchedWorker:
                                        daemon=True, name="llmprobe-controls")
         self.process.start()
         send.close()
-        self._reader = threading.Thread(target=self._read, args=(receive, on_progress), daemon=True,
+        self._reader = threading.Thread(target=self._read, args=(receive, on_progress, on_done), daemon=True,
                                         name="llmprobe-controls-reader")
         self._reader.start()
 
-    def _read(self, receive, on_progress) -> None:
+    def _read(self, receive, on_progress, on_done) -> None:
         """Relay the worker's progress lines until its result arrives or the pipe closes (the worker died)."""
         try:
             while True:
@@ -56,10 +58,16 @@ class MatchedWorker:
         finally:
             receive.close()
             self._done.set()
+            if on_done is not None:
+                on_done(self)
 
     def ready(self) -> bool:
         """Has the worker sent its result (or its failure), or died?"""
         return self._done.is_set()
+
+    def failed(self) -> bool:
+        """Has the worker sent a failure, or died (been stopped)?"""
+        return self._done.is_set() and (self._result is None or not self._result[0])
 
     def get(self) -> tuple[dict, float]:
         """Wait for (controls, seconds); RuntimeError naming the cause when the worker failed or died."""
