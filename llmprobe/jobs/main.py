@@ -71,7 +71,7 @@ def run(model=None, *, settings: Settings | None = None, out: str | Path = "runs
     (``"partial": true``), the analyses' finished relations included (``analyses.partial``); ``resume`` takes
     finished stages (known facts, analyses, controls) and an interrupted analyses stage's finished relations from
     ``out`` when their key (model hash and settings) matches, and computes only the rest. A controls stage that
-    fails (its worker died) leaves the report partial (``"partial": true``; ``--resume`` trains them). The
+    fails (a worker died; the others are then stopped at once) leaves the report partial (``"partial": true``; ``--resume`` trains them). The
     folder, decoders and ``overwrite``: as in ``probe``; ``report["claims"]`` is the summary's claims and verdicts,
     the controls merged.
     """
