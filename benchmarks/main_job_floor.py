@@ -226,8 +226,9 @@ def main(argv=None) -> dict:
 
     print(f"dense float32 matmul: {rate / 1e9:.0f} GFLOP/s on {threads} thread(s), {rate1 / 1e9:.0f} on one "
           f"(measured now; the ceiling)")
-    if busy_note(rate, rate1, threads):
-        print(busy_note(rate, rate1, threads))
+    busy = busy_note(rate, rate1, threads)
+    if busy:
+        print(busy)
     print(f"{'stage':<34}{'TFLOP':>8}{'floor s':>9}{'measured s':>12}{'ratio':>7}")
 
     def row(name, flops, measured=None, on=rate):

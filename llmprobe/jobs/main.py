@@ -60,9 +60,10 @@ def run(model=None, *, settings: Settings | None = None, out: str | Path = "runs
     worker frees goes to the analyses' parts (``analyses.timing.core_wait_seconds``: how long they waited). The
     thread count, and so every number, does not depend on when the workers finish. They train on the model's
     GPU when it has one (the widest control, at the model's own width, is a GPU-sized job for a 7B model). Their
-    numbers are those of ``train_matched`` called anywhere (it fixes one thread itself), mode by mode: nothing is shared between the modes but the table (``synthetic.matched.merge_matched``). Their
-    ``[matched]`` lines say each mode's time left, from the plan (:func:`planned_matched`): the plan's seconds
-    until a width is trained ("(planned)"), then the plan's seconds of the widths left times measured / planned.
+    numbers are those of ``train_matched`` called anywhere (it fixes one thread itself), mode by mode: nothing is
+    shared between the modes but the table (``synthetic.matched.merge_matched``). Their ``[matched]`` lines say
+    each mode's time left, from the plan (:func:`planned_matched`): the plan's seconds until a width is trained
+    ("(planned)"), then the plan's seconds of the widths left times measured / planned.
 
     ``run.batch_size`` is every batched stage's largest micro-batch (known facts and analyses); ``device_map``,
     ``max_memory``, ``offload_folder``, ``quantize`` place the model (``llmprobe.load_model``).
@@ -71,9 +72,9 @@ def run(model=None, *, settings: Settings | None = None, out: str | Path = "runs
     (``"partial": true``), the analyses' finished relations included (``analyses.partial``); ``resume`` takes
     finished stages (known facts, analyses, controls) and an interrupted analyses stage's finished relations from
     ``out`` when their key (model hash and settings) matches, and computes only the rest. A controls stage that
-    fails (a worker died; the others are then stopped at once) leaves the report partial (``"partial": true``; ``--resume`` trains them). The
-    folder, decoders and ``overwrite``: as in ``probe``; ``report["claims"]`` is the summary's claims and verdicts,
-    the controls merged.
+    fails (a worker died; the others are then stopped at once) leaves the report partial (``"partial": true``;
+    ``--resume`` trains them). The folder, decoders and ``overwrite``: as in ``probe``; ``report["claims"]`` is
+    the summary's claims and verdicts, the controls merged.
     """
     start = time.perf_counter()
     unknown = sorted(set(formats) - set(FORMATS))
@@ -183,8 +184,9 @@ class MatchedStage:
             threads, report["timings"]["analyses_processes"] = analyses_budget(self.threads_before, len(self.workers))
             torch.set_num_threads(threads)
             self.gate = CoreGate(self.threads_before, threads, self.workers)
-            say(f"analyses: each part starts on the cores the controls' workers leave ({self.gate.capacity()} "
-                f"part{'s' if self.gate.capacity() != 1 else ''} at a time now, more as they finish)")
+            now = self.gate.capacity()
+            say(f"analyses: each part starts on the cores the controls' workers leave ({now} "
+                f"part{'s' if now != 1 else ''} at a time now, more as they finish)")
         report["timings"]["analyses_threads"] = torch.get_num_threads()
 
     def finish(self, report: dict, out: Path) -> None:

@@ -130,9 +130,6 @@ def _exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
     os._exit(1)
 
 
-__all__ = ["MatchedWorker", "worker_setup"]
-
-
 class CoreGate:
     """The CPU's cores shared by the controls' workers (one thread each) and the analyses' parts (``threads``
     each): a part starts only when the cores the alive workers leave hold its threads beside the parts already
@@ -168,3 +165,7 @@ class CoreGate:
             with self.changed:
                 self.running -= 1
                 self.changed.notify_all()
+
+
+__all__ = ["CoreGate", "MatchedWorker", "worker_setup"]
+

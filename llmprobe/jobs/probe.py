@@ -357,8 +357,7 @@ class ProbeJob:
             try:
                 report["analyses"] = analyses_run.run_analyses(
                     self.lm, **arguments, on_progress=self.analyses_progress, done=earlier, fitted=self.fitted,
-                    planned=self.planned_decoders(analyses), helpers=helpers,
-                    gate=self.gate)
+                    planned=self.planned_decoders(analyses), helpers=helpers, gate=self.gate)
             finally:
                 self.stop_helpers()
         report["timings"]["analyses_s"] = round(time.perf_counter() - t, 1)
