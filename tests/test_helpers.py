@@ -9,12 +9,14 @@ import torch
 from test_analyses import FAST, _relations
 from tiny_models import save_tiny
 
+import llmprobe.jobs.main as main_job
 from llmprobe.analyses.run import Parts, run_analyses
 from llmprobe.analyses.saved import weights_id
 from llmprobe.datasets import Fact, Relation
 from llmprobe.jobs.helpers import AnalysisHelper
 from llmprobe.jobs.matched import CoreGate
 from llmprobe.model.loading import load_model
+from llmprobe.settings import Settings
 
 
 @pytest.fixture(scope="module")
@@ -205,3 +207,28 @@ def test_the_core_gate_lets_a_part_in_when_no_worker_is_left_however_many_thread
     done.done.set()
     assert CoreGate(2, 4, [done]).capacity() == 1 and CoreGate(2, 4, []).capacity() == 1
     assert CoreGate(4, 2, [_Worker(), alive]).capacity() == 1 and CoreGate(4, 2, [done, done]).capacity() == 2
+
+
+def test_a_controls_worker_dying_while_the_others_start_stops_them(monkeypatch):
+    """The first mode's worker dies before the second is even started (its reader thread reports at once): the
+    second is stopped as soon as it is in, not left training until the stage is collected."""
+    class Fake:
+        made = []
+
+        def __init__(self, args, kwargs, on_progress=None, on_done=None):
+            self.mode, self.stopped = kwargs["modes"][0], False
+            Fake.made.append(self)
+            if self.mode == "trainable":
+                on_done(self)                      # died at once
+
+        def failed(self):
+            return self.mode == "trainable" or self.stopped
+
+        def stop(self):
+            self.stopped = True
+
+    monkeypatch.setattr(main_job, "MatchedWorker", Fake)
+    stage = main_job.MatchedStage(Settings(), {})
+    stage.start_workers(("table", 8), {}, ("trainable", "frozen"), {})
+    first, second = Fake.made
+    assert stage.failed is first and not first.stopped and second.stopped

@@ -174,11 +174,7 @@ class MatchedStage:
             f"{len(modes)} worker process{'es' if len(modes) > 1 else ''} ({', '.join(modes)}) beside "
             f"the analyses ([matched] lines)")
         planned = planned_matched(table, report["model"]["d_model"], modes, arguments)
-        self.workers = [MatchedWorker((table, report["model"]["d_model"]),
-                                      {**arguments, "modes": (mode,),
-                                       "planned": {mode: planned[mode]} if mode in planned else None},
-                                      on_progress=_matched_progress, on_done=partial(self.worker_done, mode))
-                        for mode in modes]
+        self.start_workers((table, report["model"]["d_model"]), arguments, modes, planned)
         if arguments["device"] == "cpu":          # the workers' threads come out of this process's budget
             self.threads_before = torch.get_num_threads()
             threads, report["timings"]["analyses_processes"] = analyses_budget(self.threads_before, len(self.workers))
@@ -215,6 +211,18 @@ class MatchedStage:
             except RuntimeError:            # the worker failed: the stage stays unfinished
                 pass
 
+    def start_workers(self, args: tuple, arguments: dict, modes: tuple, planned: dict) -> None:
+        """One :class:`MatchedWorker` per mode (``train_matched(*args, **arguments)`` with that mode); a worker
+        that fails while the later ones are starting stops them once they are all in."""
+        self.workers = [MatchedWorker(args, {**arguments, "modes": (mode,),
+                                             "planned": {mode: planned[mode]} if mode in planned else None},
+                                      on_progress=_matched_progress, on_done=partial(self.worker_done, mode))
+                        for mode in modes]
+        with self.lock:
+            failed = self.failed
+        if failed is not None:
+            self.stop_others(failed)
+
     def worker_done(self, mode: str, worker: MatchedWorker) -> None:
         """A worker's result came or it died (its reader thread): a failure fails the whole stage (``--resume``
         trains every mode again), so the other workers are stopped at once and their cores go to the analyses."""
@@ -224,8 +232,12 @@ class MatchedStage:
             self.failed = worker
         say(f"matched controls: the {mode} worker failed; the other workers are stopped (the report will be "
             f"partial: --resume trains the controls)")
+        self.stop_others(worker)
+
+    def stop_others(self, failed: MatchedWorker) -> None:
+        """Stop every worker but ``failed`` (those already started: ``start_workers`` calls it again)."""
         for other in self.workers:
-            if other is not worker:
+            if other is not failed:
                 other.stop()
 
     def ready(self) -> bool:
