@@ -39,6 +39,7 @@ from synthetic.train import (
     TrainConfig,
     _save_checkpoint,
     _save_task,
+    denormals_flushed,
     evaluate,
     lr_at,
     read_checkpoint,
@@ -247,7 +248,8 @@ def train_batched(tasks: list[FactTask | KHopTask], model_configs: list[ModelCon
     batch.resume(models, resume)
     batch.start_clock()
     batch.leave_finished()
-    batch.train()
+    with denormals_flushed(cfg.flush_denormals):
+        batch.train()
     return batch.results
 
 

@@ -418,6 +418,7 @@ def train_matched(table: FactTable, d_model: int, seed: int = 0, at_model_width:
                                               f"most {max_steps} in all (the threshold search: that first step)",
                              "mlp_ratio": cfg.mlp_ratio, "attention": cfg.attention,
                              "target_acc": search.target_acc, "device": device, "threads": THREADS,
+                             "flush_denormals": search.flush_denormals,
                              "chunk": search.chunk, "batched": "the seeds of one width in one stack"},
                 "modes": block_modes, "wall_seconds": round(time.perf_counter() - t0, 1),
                 "cpu_seconds": round(time.process_time() - cpu0, 1)}

@@ -117,6 +117,8 @@ def point_key(N: int, R: int, seed: int, mode: str, d: int, cfg: SweepConfig, in
         spec["weight_decay"] = t.weight_decay
     if t.past_fit is not None:
         spec["past_fit"] = t.past_fit
+    if t.flush_denormals:                 # only when set: points trained before it kept their denormals
+        spec["ftz"] = True
     if cfg.maps != "bijections":
         spec["maps"], spec["n_attributes"] = cfg.maps, cfg.n_attributes
     return hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]

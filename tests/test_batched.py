@@ -221,3 +221,41 @@ def test_ray_tasks_reserve_the_sweeps_threads(monkeypatch, tmp_path):
                       train=TrainConfig(max_steps=20, progress=False))
     run_sweep(cfg, str(tmp_path))
     assert asked == [3]
+
+
+def test_training_flushes_denormals_only_while_it_trains(monkeypatch):
+    # a tiny model trained 300 steps past its fit: its softmax has probabilities below float32's normal range
+    # (the case the flush is for); both trainers run their steps with the flush on by default, off when asked,
+    # and leave the caller's mode as it was
+    import synthetic.batched as batched
+    from synthetic.train import flushing_denormals
+
+    task = random_bijections(16, 2, 0)
+    mcfg = model_config_for(task, 8, seed=0)
+    seen = []
+    real_ce = batched.softmax_cross_entropy
+    monkeypatch.setattr(batched, "softmax_cross_entropy", lambda *a: seen.append(flushing_denormals()) or real_ce(*a))
+    params = {}
+    for flush in (True, False):
+        cfg = TrainConfig(max_steps=400, past_fit=300, progress=False, flush_denormals=flush)
+        alone = train(task, model_config=mcfg, config=cfg, callback=lambda *a: seen.append(flushing_denormals()))
+        assert set(seen) == {flush} and not flushing_denormals()
+        seen.clear()
+        stacked = train_batched([task], [mcfg], cfg)[0]
+        assert set(seen) == {flush} and not flushing_denormals()
+        seen.clear()
+        assert alone.fit_step == stacked.fit_step and alone.steps == stacked.steps == alone.fit_step + 300
+        params[flush] = alone.model
+        if not flush:
+            with torch.no_grad():
+                p = torch.softmax(alone.model(task.data().input_ids)[:, -1], dim=-1)
+            assert int(((p > 0) & (p < torch.finfo(torch.float32).tiny)).sum()) > 0
+    # flushing moves the trained model by rounding at most (here not at all)
+    _assert_same_params(params[True], params[False], atol=1e-6)
+    # a caller that flushes still flushes after training
+    torch.set_flush_denormal(True)
+    try:
+        train(task, model_config=mcfg, config=TrainConfig(max_steps=5, progress=False))
+        assert flushing_denormals()
+    finally:
+        torch.set_flush_denormal(False)
