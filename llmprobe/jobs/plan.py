@@ -287,7 +287,7 @@ MATCHED_D_STAR = {"trainable": 3, "frozen": 8}
 CONTROL_STEPS = 200     # mean training steps per seed of the curve's points at d >= 48 (27 trainings, both modes)
 CONTROL_POINT_STEPS = {"trainable": {3: 2000, 6: 262, 12: 190, 24: 165},     # narrower points: per seed, measured
                        "frozen": {8: 1767, 16: 298, 32: 199}}
-MATCHED_SEARCH_S = {"trainable": 71.4, "frozen": 69.2}   # each mode's d* bisection (widths 2-8, model-independent)
+MATCHED_SEARCH_S = {"trainable": 38.3, "frozen": 25.6}   # each mode's d* bisection (widths 2-8, model-independent)
 PREDICT_RANK = AUTO_JACOBIAN_RANK   # the low rank ``--jacobian-rank auto`` takes (128)
 
 
@@ -386,16 +386,18 @@ H200 = {"peak_flops": 989e12,        # bf16 dense tensor-core peak (NVIDIA H200 
 FITTED = {"load": (1.34e9, 0.313), "known_facts": (4.58e10, 0.069), "capture": (6.69e10, 0.042),
           "edits": (7.17e10, 0.073), "jacobians": (9.01e10, 0.023), "jacobians_lowrank": (9.96e10, 0.018),
           "random_init": (6.4e7, 0.332), "lre_fit": (4.26e8, 0.079), "lre_fit_lowrank": (7.49e8, 0.081),
-          "ridge_fit": (3.88e9, 0.001), "readout": (3.98e6, 0.0), "matched_step": (8.12e10, 0.010),
+          "ridge_fit": (3.88e9, 0.001), "readout": (3.98e6, 0.0), "matched_step": (1.18e11, 0.0031),
           "matched_measure": (8.48e5, 0.0)}
 # jacobians and jacobians_lowrank were fitted on FLOPs that took each product through one block too many (3 blocks
 # where 2 run at the benchmark's layer L-3: x 0.669 and x 0.541 of the work on its configs). Their rates are kept:
 # at the run's depth (23 blocks after layer 6) SmolLM2's exact Jacobians, counted by torch, ran at 9.5e10 in these
 # units (1.70 TFLOP in 31.4 s on one thread at 83 GFLOP/s matmul, x 145/83; 2026-12-03), and the low-rank/exact
 # ratio of the two rates is the one the measured speed-ups at K = 32-128 confirm (docs/scaling.md). Refit left.
-# matched_step is refitted on the 16 curve points of the SmolLM2 run of 2026-12-01 (each point's CPU seconds in its
-# one-thread worker, less matched_measure, against FLOPs x steps and steps over its 3 seeds; widths 3-576): the
-# benchmark's fit (4.41e10, 0.233), made at widths 256-1024, put 0.23 s on every step of a d = 3 model.
+# matched_step is refitted on the 16 curve points of the SmolLM2 run of 2026-12-05 with denormals flushed in the
+# controls' training (each point's CPU seconds in its one-thread worker x 188/145, the run's mean one-thread rate
+# over REFERENCE_RATE, less matched_measure, against FLOPs x steps and steps over its 3 seeds, least squares
+# weighted by 1/sqrt(seconds); widths 3-576: 676 s predicted for 682 measured), and MATCHED_SEARCH_S on its
+# searches; the fit before it (8.12e10, 0.010; 71.4 / 69.2 s) priced the denormal steps past each fit.
 CPU_FITS = {stage: {"a": 1.0 / rate, "b": b} for stage, (rate, b) in FITTED.items()}
 # the matched control's parameters at width d: 16 d^2 (its 8d MLP) + (193 subjects + 6 relations + 577 attributes
 # + 9) d on the default table (counted by ``synthetic.matched.train_at``, as the benchmark's quadratic fit does)
