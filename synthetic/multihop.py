@@ -68,8 +68,9 @@ def _key(cfg, hops: int, cot: bool, d: int, d_mlp: int, seed: int, relations: in
     :class:`SeedsConfig`; ``relations`` / ``task_seed`` default to ``cfg.relations`` / ``cfg.seed``)."""
     spec = {"N": cfg.subjects, "R": cfg.relations if relations is None else relations, "k": hops, "cot": cot,
             "d": d, "m": d_mlp, "seed": seed, "task_seed": cfg.seed if task_seed is None else task_seed,
-            "attention": cfg.attention, "lr": cfg.lr, "steps": cfg.max_steps,
-            "ftz": True}                  # trained with denormals flushed (TrainConfig's default since it has one)
+            "attention": cfg.attention, "lr": cfg.lr, "steps": cfg.max_steps}
+    if TrainConfig.flush_denormals:       # as synthetic.sweep.point_key: only when set (train_config's default)
+        spec["ftz"] = True
     return hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -129,14 +129,15 @@ def denormals_flushed(on: bool = True):
     the fit). Flushing moves no result of an operation by more than float32's smallest normal (1.2e-38), but a
     trajectory trained this way can differ in its last bits from one trained with them
     (``TrainConfig.flush_denormals=False``). No effect on CUDA."""
-    before = flushing_denormals() if on else None
-    if on:
-        torch.set_flush_denormal(True)
+    if not on:
+        yield
+        return
+    before = flushing_denormals()
+    torch.set_flush_denormal(True)
     try:
         yield
     finally:
-        if on:
-            torch.set_flush_denormal(before)
+        torch.set_flush_denormal(before)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -200,17 +201,17 @@ def train(task: FactTask | KHopTask, d_model: int | None = None, *, model_config
         _save_checkpoint(out_dir, model, adam_moments(opt, params), run.step, time.perf_counter() - run.t0,
                          run.history, run.acc, run.loss, cfg, run.fit_step)
 
-    try:
-        with denormals_flushed(cfg.flush_denormals):
+    with denormals_flushed(cfg.flush_denormals):
+        try:
             _steps(run, model, opt, data, bs, cfg, snapshot_at, bar, save if out_dir else None, callback)
-            _conclude(run, model, data, cfg, snapshot_at)
-    except KeyboardInterrupt:
-        if out_dir:   # keep what was done; the next call on out_dir resumes from here
-            save()
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
+        except KeyboardInterrupt:
+            if out_dir:   # keep what was done; the next call on out_dir resumes from here
+                save()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        _conclude(run, model, data, cfg, snapshot_at)
     wall = time.perf_counter() - run.t0
     result = run_result(task, model, cfg, steps=run.step, accuracy=run.acc, loss=run.loss, history=run.history,
                         wall_s=wall, cpu_s=time.process_time() - cpu0, time_to_target_s=run.t_target,

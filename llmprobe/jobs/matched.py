@@ -168,4 +168,3 @@ class CoreGate:
 
 
 __all__ = ["CoreGate", "MatchedWorker", "worker_setup"]
-
