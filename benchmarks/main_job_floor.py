@@ -22,9 +22,9 @@ time: no implementation of the same measurement on these cores can be faster.
   matmul and is not counted: a lower bound still);
 * the superposition, crosspatch, selector and multihop analyses (with ``--count-mechanisms``): each run once more
   on the report's model, relations, known facts and settings under torch's ``FlopCounterMode`` (every matmul,
-  attention and convolution FLOP they execute: superposition's states, swap edits and readout fits, each edit's
-  prompt prefix recomputed as the analysis does); without it their time is shown and no floor (superposition: its
-  states only).
+  attention and convolution FLOP they execute: superposition's states, swap edits and readout fits, each source
+  prompt's tokens before the subject once and each edit's from the subject on, as the cached edits run them);
+  without it their time is shown and no floor (superposition: its states only).
 
 With ``--report RUN/report.json`` it prints beside each stage the run's measured seconds (``timings``) and the
 ratio, and the whole run's wall time against the critical path's floor: load + known facts + the largest of
@@ -215,7 +215,7 @@ def main(argv=None) -> dict:
         "Jacobians (exact)": sum_work(jacobian_work(shape, p, work["lre_layers"]) for p in work["jacobian"]).flops,
         "capture + LM-head scoring": (sum_work(forward_work(shape, b, n) for b, n in work["forward"]).flops
                                       + work["head_rows"] * shape.head_flops()),
-        "causality and swap edits": sum_work(forward_work(shape, b, n, head=True) for b, n in work["edits"]).flops,
+        "causality and swap edits": sum_work(forward_work(shape, b, n, head) for b, n, head in work["edits"]).flops,
         "decoder fits (SVDs, ridge)": work["lre_fits"] * 8.0 * d ** 3 + work["ridge_fits"] * 45.0 * d ** 2,
     }
     known = known_work(shape, work["known"]).flops

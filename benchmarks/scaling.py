@@ -50,6 +50,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # the repository root first: a benchmark script must not shadow a package of the repository
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from llmprobe.analyses.settings import AnalysisSettings  # noqa: E402
+
 # the cost model (shapes, workload, FLOPs, prediction) is the package's: ``llmprobe plan`` predicts with it
 from llmprobe.jobs.plan import (  # noqa: E402
     H200,
@@ -224,7 +226,8 @@ def measure_config(d: int, layers: int, device: str, n_facts: int, n_jacobian: i
         if (rank is None and d > 1024) or (rank is not None and not has_low_rank()):
             continue
         kwargs = {} if rank is None else {"rank": rank}
-        stage(name, lambda: subject_jacobians(lm, template, jac_subjects, jac_layers[name], batch_size=16, chunk=96,
+        stage(name, lambda: subject_jacobians(lm, template, jac_subjects, jac_layers[name], batch_size=16,
+                                              chunk=AnalysisSettings.jacobian_chunk,
                                               **kwargs),
               jacobian_work(shape, jac_prompts, jac_layers[name], rank))
     _, seconds = timed(lambda: random_init(lm, seed=1), device)

@@ -204,17 +204,20 @@ def gpt2_64(tmp_path_factory):
 def test_prefix_cached_edits_give_the_full_passes_numbers(llama64, gpt2_64, family, layer):
     """The fast path of protocol lre's causality (each source prompt's tokens before the subject run once, its
     edit sets only from the subject on) gives the logits of the full resumed forward pass for every edit: 3 source
-    prompts of different lengths under an in-context prefix, each with 5 edits of growing norm, rows interleaved
-    (float64: equal to 1e-9). (An edit put anywhere but the subject's last token, a cache that drops or repeats a
-    token, or a row given another row's edit fails this.)"""
+    prompts of different lengths under an in-context prefix, each under two templates with different numbers of
+    tokens after the subject (two groups of the cached pass), each with 5 edits of growing norm, rows
+    interleaved (float64: equal to 1e-9). (An edit put anywhere but the subject's last token, a cache that drops
+    or repeats a token or has the wrong length, or a row given another row's edit fails this.)"""
     lm = llama64 if family == "llama" else gpt2_64
     layer = layer % lm.adapter.n_layers
     train = [Fact("France", "Paris"), Fact("Japan", "Tokyo"), Fact("Italy", "Rome")]
-    subjects = ["Germany", "United Kingdom", "Egypt"]
-    template = icl_template(TEMPLATE, train)
+    base = ["Germany", "United Kingdom", "Egypt"]
+    subjects = base * 2
+    templates = [icl_template(TEMPLATE, train)] * 3 + [icl_template("The capital city of {}, as everyone knows, is",
+                                                                    train)] * 3
     k = 5
-    rows = subjects * k
-    seqs = layer_sequences(lm, template, subjects, layer)
+    rows, template = subjects * k, templates * k
+    seqs = layer_sequences(lm, templates, subjects, layer)
     d = seqs[0].shape[-1]
     gen = torch.Generator().manual_seed(0)
     delta = torch.randn(len(rows), d, generator=gen, dtype=torch.float64) * torch.arange(len(rows))[:, None] / 3
@@ -275,23 +278,28 @@ def test_edited_predictions_take_the_full_pass_for_rows_near_a_tie(llama64, monk
         assert not torch.equal(got, full)                       # a flip beyond the margin is trusted
 
 
-def test_lre_protocol_numbers_equal_with_and_without_the_prefix_cache(llama64, monkeypatch):
-    """Protocol lre end to end on the tiny llama, causality measured: every number of the relation's entry (beta,
-    edit rank, faithfulness, causality and its controls per trial) is the same with the prefix-cached edits as
-    with the full resumed passes."""
+@pytest.mark.parametrize("protocol", ["lre", "strict"])
+def test_causality_numbers_equal_with_and_without_the_prefix_cache(llama64, monkeypatch, protocol):
+    """Both protocols end to end on the tiny llama, causality measured: every number of the relation's entry
+    (beta, edit rank, faithfulness, causality and its controls per re-fit or trial) is the same with the
+    prefix-cached edits (``edited_predictions``, the default) as with the full resumed passes, and the cached
+    path really ran (a ``PREFIX_CACHE`` the edits ignore fails the count)."""
     relation, results = _capital_all_known()
-    cfg = settings_from(protocol="lre", n_icl=3, lre_betas=(0.5, 1.0), lre_edit_ranks=(0, 8, 16, 24, 64))
-    seen = []
-    real = decoders_module.causality_hits
+    cfg = settings_from(protocol=protocol, n_icl=3 if protocol == "lre" else 0, lre_betas=(0.5, 1.0),
+                        lre_edit_ranks=(0, 8, 16, 24, 64), min_known=4, n_splits=2)
+    seen, cached = [], []
+    real, real_cached = decoders_module.causality_hits, decoders_module.edited_predictions
 
     def spy(*args, **kw):
         got = real(*args, **kw)
-        seen.append((kw.get("prefix_cache"), got))
+        seen.append((decoders_module.PREFIX_CACHE, got))
         return got
     monkeypatch.setattr(decoders_module, "causality_hits", spy)
+    monkeypatch.setattr(decoders_module, "edited_predictions",
+                        lambda *a, **k: cached.append(1) or real_cached(*a, **k))
     entries = {}
     for fast in (False, True):
-        monkeypatch.setattr(decoders_module, "LRE_PREFIX_CACHE", fast)
+        monkeypatch.setattr(decoders_module, "PREFIX_CACHE", fast)
         out = decoders_module.decoders_for_relation(llama64, relation, results, [1], [1], [1], True, False, cfg,
                                                     lambda message: None)
         out.pop("seconds")
@@ -299,7 +307,7 @@ def test_lre_protocol_numbers_equal_with_and_without_the_prefix_cache(llama64, m
     assert entries[True] == entries[False] and "causality" in entries[True]["layers"]["1"]["lre"]
     slow = [hits for fast, hits in seen if not fast]
     quick = [hits for fast, hits in seen if fast]
-    assert len(slow) == len(quick) > 0
+    assert len(slow) == len(quick) == len(cached) > 0
     assert all(torch.equal(a, b) for s, q in zip(slow, quick) for a, b in zip(s, q))
 
 

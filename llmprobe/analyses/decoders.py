@@ -60,7 +60,7 @@ from llmprobe.names import FIRST_TOKEN, SEQUENCE
 
 FULL_PATCH_NOTE = ("reference, not a bound: h_s replaced by h_t (an edit can exceed it); does not depend on the "
                    "fit: measured once")
-LRE_PREFIX_CACHE = True             # protocol lre's causality: edited_predictions (False: the full resumed pass)
+PREFIX_CACHE = True                 # causality's edits: edited_predictions (False: the full resumed pass)
 AUTO_JACOBIAN_RANK = 128             # the smallest rank whose numbers matched exact ones on SmolLM2 (docs/analyses.md)
 
 
@@ -158,15 +158,12 @@ def zero_shot_counts(results, n_known: int, cfg: AnalysisSettings) -> dict:
 
 
 def causality_hits(lm, data: RelationData, layer: int, deltas: list[torch.Tensor], src: torch.Tensor,
-                   tgt: torch.Tensor, cfg: AnalysisSettings, prefix_cache: bool = False) -> list[torch.Tensor]:
+                   tgt: torch.Tensor, cfg: AnalysisSettings) -> list[torch.Tensor]:
     """Hits [m] of each edit set (deltas [m, d] added to h_src at ``layer``) on the pairs (src, tgt): one batched
-    run of real forward passes for all sets. ``prefix_cache`` (first-token scoring with resume states; protocol
-    lre's many edit ranks per prompt): each source prompt's tokens before the subject run once and every edit set
-    of it only the tokens from the subject on, the rows near a tie again by the full pass
-    (``llmprobe.model.lre.edited_predictions``: the full pass's ids, bit for bit). It pays only with many edits per
-    prompt: SmolLM2, 30 prompts at layer 15, one thread: 3 edits each 3.6 s full vs 16.8 s cached, 6 edits
-    10.3 s vs 18.2 s, 40 edits 46.2 s vs 21.0 s (the cached pass runs once per prompt, the full pass batches
-    prompts)."""
+    run of real forward passes for all sets. With first-token scoring and resume states (``data.sequences``) and
+    ``PREFIX_CACHE`` on: ``llmprobe.model.lre.edited_predictions``, each source prompt's tokens before the subject
+    run once for all its edit sets and every edit only the tokens from the subject on, the rows near a tie again
+    by the full pass, so the ids are the full pass's bit for bit (off: the full resumed pass for every row)."""
     if not len(src):
         return [torch.zeros(0, dtype=torch.bool) for _ in deltas]
     k = len(deltas)
@@ -183,7 +180,7 @@ def causality_hits(lm, data: RelationData, layer: int, deltas: list[torch.Tensor
         hits = lp_t > lp_s
     else:
         resume = [data.sequences[layer][i] for i in src.tolist()] * k if layer in data.sequences else None
-        if prefix_cache and resume is not None:
+        if PREFIX_CACHE and resume is not None:
             pred = edited_predictions(lm, templates, subjects, layer, delta, resume, batch_size=cfg.batch_size)
         else:
             pred = next_token_predictions(lm, templates, subjects, layer, delta, batch_size=cfg.batch_size,
@@ -407,14 +404,12 @@ def _lre_trial_layer(lm, data: RelationData, layer: int, jac: JacobianResult, va
                    "beta": cfg.lre_betas[best], "rank": None}}
     (vs, vt), (ts, tt) = val_pairs, test_pairs
     if causal and len(vs) and len(ts):
-        fast = LRE_PREFIX_CACHE
         candidates = [(O[vt] - O[vs]) @ svd.pinv(r).T for r in cfg.lre_edit_ranks]
-        rates = torch.stack([h.double().mean() for h in causality_hits(lm, data, layer, candidates, vs, vt, cfg,
-                                                                                 prefix_cache=fast)])
+        rates = torch.stack([h.double().mean() for h in causality_hits(lm, data, layer, candidates, vs, vt, cfg)])
         edit_rank = cfg.lre_edit_ranks[int(rates.argmax())]          # ties: the first (smallest) rank
         edits = lre_edits(H, O, ts, tt, svd, edit_rank, gen)
         names = ("edit", "random_direction", "random_operator", "scaled_patch")
-        got = causality_hits(lm, data, layer, [edits[n] for n in names], ts, tt, cfg, prefix_cache=fast)
+        got = causality_hits(lm, data, layer, [edits[n] for n in names], ts, tt, cfg)
         out.update({"edit_rank": edit_rank, "val_causality": float(rates.max()), "causality": dict(zip(names, got))})
         out["fit"]["edit_rank"] = edit_rank
     return out

@@ -32,7 +32,8 @@ from llmprobe.geometry import random_direction_like
 from llmprobe.metric import bootstrap, paired_difference, proportion
 from llmprobe.model.batching import run_batched
 from llmprobe.model.capture import adapter_for, capture
-from llmprobe.model.lre import layer_sequences, logits_fn, next_token_predictions, output_name, relation_states
+from llmprobe.model.lre import edited_predictions as resumed_edit_ids
+from llmprobe.model.lre import layer_sequences, logits_fn, output_name, relation_states
 from llmprobe.model.random_init import random_init
 from llmprobe.model.scoring import first_token_targets
 from llmprobe.model.subjects import EncodedPrompts, encode, locate_errors
@@ -515,8 +516,8 @@ def crosspatch(lm, relations, known: dict, layers: list[int], cfg: AnalysisSetti
                                                                                      layer))
         deltas = torch.cat([donors[c] - clean_h for c in PATCHES]).float()
         resume = layer_sequences(lm, templates, recipients, layer, batch_size=cfg.batch_size)
-        preds = next_token_predictions(lm, templates * len(PATCHES), recipients * len(PATCHES), layer, deltas,
-                                       batch_size=cfg.batch_size, resume=resume * len(PATCHES))
+        preds = resumed_edit_ids(lm, templates * len(PATCHES), recipients * len(PATCHES), layer, deltas,
+                                 resume * len(PATCHES), batch_size=cfg.batch_size)
         preds = preds.view(len(PATCHES), len(items))
         hits = {c: (preds[k] == target).double() for k, c in enumerate(PATCHES)}
         hits["random_subject_follows"] = (preds[PATCHES.index("random_subject")] == follow).double()

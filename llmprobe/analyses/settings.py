@@ -68,7 +68,7 @@ class AnalysisSettings:
                                       # bootstrap of out-of-fold values, which under-covers: benchmarks/coverage.py)
     batch_size: int = 32
     jacobian_batch_size: int = 16
-    jacobian_chunk: int = 96           # output dims per batched backward
+    jacobian_chunk: int = 48           # output dims per batched backward (48: 6-10% faster than 96 on SmolLM2, same J)
     jacobian_rank: int | str = "auto"  # "full": exact; K: low-rank estimate of rank K; "auto": jacobian_rank_for
     jacobian_oversample: int = 10      # extra columns of the low-rank estimator (k = K + this)
 

@@ -28,7 +28,7 @@ from llmprobe.geometry import (
 )
 from llmprobe.metric import proportion
 from llmprobe.model.capture import module_weight
-from llmprobe.model.lre import layer_sequences, next_token_predictions, subject_states
+from llmprobe.model.lre import edited_predictions, layer_sequences, next_token_predictions, subject_states
 from llmprobe.model.random_init import random_init
 from llmprobe.model.scoring import attribute_token_ids, first_token_collisions, first_token_targets
 from llmprobe.model.subjects import SubjectNotFoundError, encode, locate_errors
@@ -275,8 +275,8 @@ def swap(lm, table: SuperpositionTable, U: list[torch.Tensor], H: torch.Tensor, 
     resume = [seqs[(e[1], e[0])] for e in edits] + [seqs[(e[2], e[0])] for e in edits]
     scales = [1.0] + [float(x) for x in cfg.swap_scales if float(x) != 1.0]   # the fitted edit comes first
     edit_sets = [x * scale for scale in scales for x in (deltas, deltas, rand, rand)]
-    preds = next_token_predictions(lm, (t_r + t_q + t_r + t_q) * len(scales), subj * 4 * len(scales), layer,
-                                   torch.cat(edit_sets), batch_size=cfg.batch_size, resume=resume * 2 * len(scales))
+    preds = edited_predictions(lm, (t_r + t_q + t_r + t_q) * len(scales), subj * 4 * len(scales), layer,
+                               torch.cat(edit_sets), resume * 2 * len(scales), batch_size=cfg.batch_size)
     m = len(edits)
     preds = preds.view(len(scales), 4, m)
 

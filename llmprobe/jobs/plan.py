@@ -213,7 +213,7 @@ def forward_work(shape: Shape, batches: list[tuple[int, int]], blocks: int, head
 
 
 def jacobian_work(shape: Shape, prompts: list[tuple[int, int]], layers: list[int], rank: int | None = None,
-                  oversample: int = 10, batch_size: int = 16, chunk: int = 96) -> Work:
+                  oversample: int = 10, batch_size: int = 16, chunk: int = AnalysisSettings.jacobian_chunk) -> Work:
     """subject_jacobians of prompts (tokens before the subject's last, tokens from it to the end) at the subject
     states of ``layers``, rows grouped by the second number: a prefix forward without grad, a forward with grad,
     then the products, each through the blocks after the layer it reaches (``chunk`` per batched backward): from
@@ -249,6 +249,22 @@ def padded_batches(tok, prompts: list[str], batch_size: int) -> list[tuple[int, 
             for i in range(0, len(lengths), batch_size)]
 
 
+def cached_edit_batches(prompts: list[tuple[int, int]], rows: int, batch_size: int
+                        ) -> list[tuple[list[tuple[int, int]], bool]]:
+    """The passes of ``llmprobe.model.lre.edited_predictions`` for ``rows`` edits cycling through ``prompts``
+    ((tokens before the subject's last, tokens from it to the end) per distinct prompt, :func:`jacobian_prompts`):
+    each distinct prompt's tokens before the subject once, without the LM head, and each edit's tokens from the
+    subject on, with it; as [(batches of (rows, padded tokens), head)] (the rare micro-batches run again near a tie
+    are not counted)."""
+    used = prompts[:rows]
+    edited = [prompts[i % len(prompts)] for i in range(rows)] if prompts else []
+    prefix = [(len(used[i:i + batch_size]), max(b for b, _ in used[i:i + batch_size]))
+              for i in range(0, len(used), batch_size)]
+    tails = [(len(edited[i:i + batch_size]), max(a for _, a in edited[i:i + batch_size]))
+             for i in range(0, len(edited), batch_size)]
+    return [(prefix, False), (tails, True)]
+
+
 def known_batches(tok, prompts: list[str], objects: list[str], batch_size: int = 32) -> list[tuple[int, int, int]]:
     """(rows, padded prompt tokens, generated tokens) per batch of ``known_facts`` (its ordering and budgets)."""
     budgets = [min(len(s) + 1, 16) for s in object_token_sequences(tok, prompts, objects)]
@@ -261,8 +277,9 @@ def known_batches(tok, prompts: list[str], objects: list[str], batch_size: int =
     return out
 
 
-def jacobian_prompts(tok, template: str, subjects: list[str]) -> list[tuple[int, int]]:
-    """(tokens before the subject's last token, tokens from it to the prompt's end) per prompt."""
+def jacobian_prompts(tok, template: str | list[str], subjects: list[str]) -> list[tuple[int, int]]:
+    """(tokens before the subject's last token, tokens from it to the prompt's end) per prompt (one template, or
+    one per subject)."""
     enc = encode(tok, template, subjects, padding_side="left")
     out = []
     for row in range(len(subjects)):
@@ -341,8 +358,8 @@ def run_workload(tok, n_layers: int, known_counts: dict | None, cfg: AnalysisSet
             w["forward"].append((batches, layer + 1))                            # layer_sequences
             edits = sum(len(cfg.edit_ranks) * len(r.val_pairs[0]) + 3 * n_test_pairs + 2 * n_test_pairs
                         for r in split.refits) + n_test_pairs
-            sample = prompts[:n] * math.ceil(edits / n)
-            w["edits"].append((padded_batches(tok, sample[:edits], cfg.batch_size), n_layers - 1 - layer))
+            w["edits"] += [(b, n_layers - 1 - layer, head) for b, head in
+                           cached_edit_batches(jacobian_prompts(tok, template, subjects), edits, cfg.batch_size)]
     try:
         table = superposition_table(tok, relations, {}, cfg) if do_sup or matched_modes else None
     except AnalysisError:                                # too few shared subjects: no readouts, no controls
@@ -360,8 +377,11 @@ def run_workload(tok, n_layers: int, known_counts: dict | None, cfg: AnalysisSet
     for layer in lre_layers:
         sample = [table.relations[r].templates[0].replace("{}", subjects[i % len(subjects)], 1)
                   for i in range(m) for r in [i % R]]
+        swapped = jacobian_prompts(tok, [table.relations[i % R].templates[0] for i in range(m)],
+                                   [subjects[i % len(subjects)] for i in range(m)])
         scales = len(cfg.swap_scales)
-        w["edits"].append((padded_batches(tok, sample * 4 * scales, cfg.batch_size), n_layers - 1 - layer))
+        w["edits"] += [(b, n_layers - 1 - layer, head) for b, head in
+                       cached_edit_batches(swapped, m * 4 * scales, cfg.batch_size)]
         w["forward"].append((padded_batches(tok, sample, cfg.batch_size), n_layers))        # clean answers
         w["forward"].append((padded_batches(tok, sample, cfg.batch_size), layer + 1))       # layer_sequences
     return w
@@ -484,7 +504,7 @@ def predict(shape: Shape, work: dict, model_cost, width_fits: dict, load_s: floa
         return count * (f["a"] * flops + f["b"])
 
     fwd = sum_work(forward_work(shape, b, blocks) for b, blocks in work["forward"])
-    edits = sum_work(forward_work(shape, b, blocks, head=True) for b, blocks in work["edits"])
+    edits = sum_work(forward_work(shape, b, blocks, head) for b, blocks, head in work["edits"])
     jac = sum_work(jacobian_work(shape, p, work["lre_layers"], rank) for p in work["jacobian"])
     heads = Work(work["head_rows"] * shape.head_flops(), 0)
     states = forward_work(shape, work["states"], shape.layers)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import DynamicCache
 
 from llmprobe.model.batching import run_batched
 from llmprobe.model.capture import adapter_for, capture, hooks, module_device, patch
@@ -319,82 +320,116 @@ def _resumed_output(lm, enc: EncodedPrompts, layer: int, delta: torch.Tensor, cl
 
 
 def prefix_cached_predictions(lm, template: str | Sequence[str], subjects: Sequence[str], layer: int,
-                              delta: torch.Tensor, resume: Sequence[torch.Tensor], batch_size: int = 256,
+                              delta: torch.Tensor, resume: Sequence[torch.Tensor], batch_size: int = 64,
                               return_logits: bool = False) -> torch.Tensor:
     """What ``next_token_predictions(lm, template, subjects, layer, delta, resume=resume)`` computes, for edits at
-    the subject's last token, with the prompt's tokens before the subject run once: an edit at position p
-    changes no state before p, so the keys and values of tokens [0, p) at every block are those of the clean
-    prompt. Rows are grouped by their filled prompt (e.g. the same source prompt under 40 edit ranks); per
-    prompt one clean pass over [0, p) fills a KV cache, then each batch of its rows (``batch_size``, no padding)
-    runs only the tokens [p, end] from block ``layer + 1`` on (``resume`` gives their clean layer-``layer``
-    states). The same numbers as the full passes in every comparison made (float64 logits to 1e-9 in
-    tests/test_lre_protocol.py; the protocol's entries identical on SmolLM2, docs/analyses.md); in principle an
-    order of float sums differs (attention over a cache instead of the whole sequence). Models without a KV cache API (``hook_points()``)
-    take :func:`next_token_predictions`."""
+    the subject's last token, with each prompt's tokens before the subject run once: an edit at position p
+    changes no state before p, so the keys and values of tokens [0, p) at every block after ``layer`` are those
+    of the clean prompt. The distinct filled prompts (e.g. one source prompt under several edits) are grouped by
+    their number of tokens after the subject and left-padded; per group of ``batch_size`` prompts one pass over
+    their tokens [0, p), resumed at block ``layer + 1`` from the clean states of ``resume``, fills a KV cache
+    (blocks 0..``layer``, which the resumed passes skip, hold zeros of that length so the cache's length is
+    right), then each ``batch_size`` of their edited rows runs only the tokens [p, end] from block ``layer + 1``
+    on that cache. Logits [n, vocab] (or ids [n]): those of the full passes up to the order of float sums
+    (attention over a cache and other padding; float64 logits to 1e-9 in tests/test_lre_protocol.py, float32 on
+    SmolLM2 within 5e-5): :func:`edited_predictions` turns them into the full passes' ids bit for bit. Models
+    without a KV cache API (``hook_points()``) and edits at the last block take :func:`next_token_predictions`."""
     model, tok = lm.model, lm.tokenizer
     adapter = adapter_for(model)
-    if not _caches_prefix(adapter):
+    layer = adapter.layer_index(layer)
+    if not _caches_prefix(adapter) or layer == adapter.n_layers - 1:
         return next_token_predictions(lm, template, subjects, layer, delta, return_logits=return_logits,
                                       resume=resume)
     subjects = list(subjects)
     templates, prompts = _filled(template, subjects)
-    layer = adapter.layer_index(layer)
     dtype = next(model.parameters()).dtype
     device = module_device(adapter.embed if adapter.embed is not None else model)
     to_logits = logits_fn(lm)
-    out_name = output_name(model)
-    rows_of: dict[str, list[int]] = {}
+    rows_of: dict[str, list[int]] = {}              # each distinct prompt's rows, in order of first appearance
     for i, prompt in enumerate(prompts):
         rows_of.setdefault(prompt, []).append(i)
+    rows = list(rows_of.values())
+    firsts = [r[0] for r in rows]
+    enc = encode(tok, [templates[i] for i in firsts], [subjects[i] for i in firsts], padding_side="left")
+    width = enc.input_ids.shape[1]
+    after = enc.prompt_last - enc.subject_last                          # tokens after the subject's last
+    before = enc.attention_mask.sum(1) - 1 - after                      # real tokens before it
+    for j, first in enumerate(firsts):
+        if resume[first].shape[0] != int(enc.attention_mask[j].sum()):
+            raise ValueError(f"resume states have {resume[first].shape[0]} tokens but the prompt has "
+                             f"{int(enc.attention_mask[j].sum())}")
     results: list[torch.Tensor | None] = [None] * len(prompts)
-    pre_kw = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-    for rows in rows_of.values():
-        first = rows[0]
-        enc = encode(tok, [templates[first]], [subjects[first]])
-        ids = enc.input_ids[0].to(device)
-        T, p, last = ids.shape[0], int(enc.subject_last[0]), int(enc.prompt_last[0])
-        clean = resume[first]
-        if clean.shape[0] != T:
-            raise ValueError(f"resume states have {clean.shape[0]} tokens but the prompt has {T}")
-        cache = None
-        if p > 0 and layer < adapter.n_layers - 1:
-            with torch.no_grad():
-                pre = model(input_ids=ids[None, :p], attention_mask=torch.ones(1, p, dtype=torch.long, device=device),
-                            use_cache=True, **pre_kw)
-            cache = getattr(pre, "cache", None)
-            if cache is None:
-                cache = getattr(pre, "past_key_values", None)
-        for start in range(0, len(rows), batch_size):
-            part = rows[start:start + batch_size]
-            m = len(part)
-            states = clean[p:].to(device, dtype)[None].repeat(m, 1, 1)
-            states[:, 0] += delta[part].to(device, dtype)
-            if layer == adapter.n_layers - 1:
-                o = states[:, last - p]
-            else:
-                kwargs = {}
-                if cache is not None:
-                    mine = copy.deepcopy(cache)
-                    mine.batch_repeat_interleave(m)
-                    kwargs = {_cache_kwarg(model): mine, "use_cache": True}
-                seen = {}
-
-                def get(h):
-                    seen["o"] = h[:, last - p]
-                    raise _Stop
-                with torch.no_grad(), _resumed_at(adapter, layer, states), _output_hooks(adapter, {out_name: get}):
-                    try:
-                        model(input_ids=ids[None, p:].expand(m, -1),
-                              attention_mask=torch.ones(m, T, dtype=torch.long, device=device),
-                              position_ids=torch.arange(p, T, device=device)[None].expand(m, -1), **kwargs)
-                    except _Stop:
-                        pass
-                o = seen["o"]
-            logits = to_logits(o)
-            got = logits if return_logits else logits.argmax(-1)
-            for j, row in enumerate(part):
-                results[row] = got[j]
+    for a in after.unique().tolist():
+        group = torch.nonzero(after == a).flatten().tolist()
+        for start in range(0, len(group), batch_size):
+            part = group[start:start + batch_size]
+            p = int(before[part].max())
+            ids = enc.input_ids[part, width - (p + a + 1):].to(device)        # [g, p + a + 1], left-padded
+            pre_mask = enc.attention_mask[part, width - (p + a + 1):width - (a + 1)].to(device)
+            cache = _prefix_cache(lm, layer, ids[:, :p], pre_mask,
+                                  [resume[firsts[j]][:int(before[j])] for j in part], dtype) if p else None
+            edited = [(q, row) for q, j in enumerate(part) for row in rows[j]]
+            for begin in range(0, len(edited), batch_size):
+                chunk = edited[begin:begin + batch_size]
+                which = torch.tensor([q for q, _ in chunk], device=device)
+                mine = [row for _, row in chunk]
+                states = torch.stack([resume[row][-(a + 1):] for row in mine]).to(device, dtype)
+                states[:, 0] += delta[mine].to(device, dtype)
+                mask = torch.cat([pre_mask[which], torch.ones(len(chunk), a + 1, dtype=pre_mask.dtype,
+                                                              device=device)], 1)
+                o = _run_resumed(lm, layer, states, ids[which, p:], mask, (mask.cumsum(-1) - 1)[:, p:],
+                                 None if cache is None else _cache_rows(cache, which))
+                logits = to_logits(o)
+                got = logits if return_logits else logits.argmax(-1)
+                for k, row in enumerate(mine):
+                    results[row] = got[k]
     return torch.stack(results)
+
+
+def _run_resumed(lm, layer: int, states: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
+                 position_ids: torch.Tensor, cache=None) -> torch.Tensor:
+    """Blocks ``layer + 1``.. on ``states`` [B, t, d] (``ids`` [B, t] give the shapes; ``mask`` [B, past + t]
+    covers the cache's tokens too): o at the last position [B, d_out]; ``cache`` is filled as it goes."""
+    model = lm.model
+    adapter = adapter_for(model)
+    seen = {}
+
+    def get(h):
+        seen["o"] = h[:, -1]
+        raise _Stop
+    kwargs = {"use_cache": True, _cache_kwarg(model): cache} if cache is not None else {"use_cache": False}
+    with torch.no_grad(), _resumed_at(adapter, layer, states), _output_hooks(adapter, {output_name(model): get}):
+        try:
+            model(input_ids=ids, attention_mask=mask, position_ids=position_ids, **kwargs)
+        except _Stop:
+            pass
+    return seen["o"]
+
+
+def _prefix_cache(lm, layer: int, ids: torch.Tensor, mask: torch.Tensor, clean: list[torch.Tensor], dtype):
+    """KV cache of the clean tokens ``ids`` [g, p] (left-padded, ``mask`` [g, p]) at the blocks after ``layer``,
+    from their clean layer-``layer`` states ``clean`` ([p_i, d] each); blocks 0..``layer`` hold zeros of length p
+    (never read: the resumed passes skip them; they give the cache its length)."""
+    model = lm.model
+    g, p = ids.shape
+    states = torch.zeros(g, p, clean[0].shape[-1], dtype=dtype, device=ids.device)
+    for q, seq in enumerate(clean):
+        if seq.shape[0]:
+            states[q, p - seq.shape[0]:] = seq.to(ids.device, dtype)
+    cache = DynamicCache(config=model.config)
+    _run_resumed(lm, layer, states, ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache)
+    filled = cache.layers[layer + 1]
+    for skipped in cache.layers[:layer + 1]:
+        skipped.update(torch.zeros_like(filled.keys), torch.zeros_like(filled.values))
+    return cache
+
+
+def _cache_rows(cache, rows: torch.Tensor):
+    """A copy of ``cache`` holding its batch rows ``rows`` (the original is left as it is)."""
+    mine = copy.copy(cache)
+    mine.layers = [copy.copy(layer) for layer in cache.layers]
+    mine.batch_select_indices(rows)
+    return mine
 
 
 def _caches_prefix(adapter) -> bool:
