@@ -56,6 +56,7 @@ from llmprobe.jobs.plan import (  # noqa: E402  (the cost model's workload count
     MATCHED_D_STAR,
     SMOLLM2_KNOWN,
     TARGETS,
+    edit_work,
     forward_work,
     jacobian_work,
     known_work,
@@ -215,7 +216,7 @@ def main(argv=None) -> dict:
         "Jacobians (exact)": sum_work(jacobian_work(shape, p, work["lre_layers"]) for p in work["jacobian"]).flops,
         "capture + LM-head scoring": (sum_work(forward_work(shape, b, n) for b, n in work["forward"]).flops
                                       + work["head_rows"] * shape.head_flops()),
-        "causality and swap edits": sum_work(forward_work(shape, b, n, head) for b, n, head in work["edits"]).flops,
+        "causality and swap edits": edit_work(shape, work["edits"]).flops,
         "decoder fits (SVDs, ridge)": work["lre_fits"] * 8.0 * d ** 3 + work["ridge_fits"] * 45.0 * d ** 2,
     }
     known = known_work(shape, work["known"]).flops

@@ -212,6 +212,11 @@ def forward_work(shape: Shape, batches: list[tuple[int, int]], blocks: int, head
     return w
 
 
+def edit_work(shape: Shape, edits: list[tuple[list[tuple[int, int]], int, bool]]) -> Work:
+    """The edits' passes: (batches, blocks, LM head) entries of ``run_workload``'s "edits"."""
+    return sum_work(forward_work(shape, b, blocks, head) for b, blocks, head in edits)
+
+
 def jacobian_work(shape: Shape, prompts: list[tuple[int, int]], layers: list[int], rank: int | None = None,
                   oversample: int = 10, batch_size: int = 16, chunk: int = AnalysisSettings.jacobian_chunk) -> Work:
     """subject_jacobians of prompts (tokens before the subject's last, tokens from it to the end) at the subject
@@ -240,13 +245,17 @@ def jacobian_work(shape: Shape, prompts: list[tuple[int, int]], layers: list[int
 
 
 # -------------------------------------------------------------------------------------- the run's workload
+def length_batches(lengths: list[int], batch_size: int) -> list[tuple[int, int]]:
+    """(rows, padded tokens) of each batch of rows of these token ``lengths``, in order."""
+    return [(len(lengths[i:i + batch_size]), max(lengths[i:i + batch_size]))
+            for i in range(0, len(lengths), batch_size)]
+
+
 def padded_batches(tok, prompts: list[str], batch_size: int) -> list[tuple[int, int]]:
     """(rows, padded tokens) of each batch, in the order the project batches them."""
     if not prompts:
         return []
-    lengths = [len(ids) for ids in tok(prompts)["input_ids"]]
-    return [(len(lengths[i:i + batch_size]), max(lengths[i:i + batch_size]))
-            for i in range(0, len(lengths), batch_size)]
+    return length_batches([len(ids) for ids in tok(prompts)["input_ids"]], batch_size)
 
 
 def cached_edit_batches(prompts: list[tuple[int, int]], rows: int, batch_size: int
@@ -256,13 +265,9 @@ def cached_edit_batches(prompts: list[tuple[int, int]], rows: int, batch_size: i
     each distinct prompt's tokens before the subject once, without the LM head, and each edit's tokens from the
     subject on, with it; as [(batches of (rows, padded tokens), head)] (the rare micro-batches run again near a tie
     are not counted)."""
-    used = prompts[:rows]
     edited = [prompts[i % len(prompts)] for i in range(rows)] if prompts else []
-    prefix = [(len(used[i:i + batch_size]), max(b for b, _ in used[i:i + batch_size]))
-              for i in range(0, len(used), batch_size)]
-    tails = [(len(edited[i:i + batch_size]), max(a for _, a in edited[i:i + batch_size]))
-             for i in range(0, len(edited), batch_size)]
-    return [(prefix, False), (tails, True)]
+    return [(length_batches([before for before, _ in prompts[:rows]], batch_size), False),
+            (length_batches([after for _, after in edited], batch_size), True)]
 
 
 def known_batches(tok, prompts: list[str], objects: list[str], batch_size: int = 32) -> list[tuple[int, int, int]]:
@@ -374,16 +379,16 @@ def run_workload(tok, n_layers: int, known_counts: dict | None, cfg: AnalysisSet
         w["states"] += padded_batches(tok, neutral, cfg.batch_size * 2) * 2
     R = len(table.relations)
     m = min(cfg.max_swap_subjects, len(subjects)) * R                          # swap edits (at most)
+    swap_templates = [table.relations[i % R].templates[0] for i in range(m)]
+    swap_subjects = [subjects[i % len(subjects)] for i in range(m)]
+    sample = padded_batches(tok, [t.replace("{}", s, 1) for t, s in zip(swap_templates, swap_subjects)],
+                            cfg.batch_size)
+    swapped = cached_edit_batches(jacobian_prompts(tok, swap_templates, swap_subjects), m * 4 * len(cfg.swap_scales),
+                                  cfg.batch_size)
     for layer in lre_layers:
-        sample = [table.relations[r].templates[0].replace("{}", subjects[i % len(subjects)], 1)
-                  for i in range(m) for r in [i % R]]
-        swapped = jacobian_prompts(tok, [table.relations[i % R].templates[0] for i in range(m)],
-                                   [subjects[i % len(subjects)] for i in range(m)])
-        scales = len(cfg.swap_scales)
-        w["edits"] += [(b, n_layers - 1 - layer, head) for b, head in
-                       cached_edit_batches(swapped, m * 4 * scales, cfg.batch_size)]
-        w["forward"].append((padded_batches(tok, sample, cfg.batch_size), n_layers))        # clean answers
-        w["forward"].append((padded_batches(tok, sample, cfg.batch_size), layer + 1))       # layer_sequences
+        w["edits"] += [(b, n_layers - 1 - layer, head) for b, head in swapped]
+        w["forward"].append((sample, n_layers))                                 # clean answers
+        w["forward"].append((sample, layer + 1))                                # layer_sequences
     return w
 
 
@@ -504,7 +509,7 @@ def predict(shape: Shape, work: dict, model_cost, width_fits: dict, load_s: floa
         return count * (f["a"] * flops + f["b"])
 
     fwd = sum_work(forward_work(shape, b, blocks) for b, blocks in work["forward"])
-    edits = sum_work(forward_work(shape, b, blocks, head) for b, blocks, head in work["edits"])
+    edits = edit_work(shape, work["edits"])
     jac = sum_work(jacobian_work(shape, p, work["lre_layers"], rank) for p in work["jacobian"])
     heads = Work(work["head_rows"] * shape.head_flops(), 0)
     states = forward_work(shape, work["states"], shape.layers)

@@ -337,7 +337,7 @@ def prefix_cached_predictions(lm, template: str | Sequence[str], subjects: Seque
     model, tok = lm.model, lm.tokenizer
     adapter = adapter_for(model)
     layer = adapter.layer_index(layer)
-    if not _caches_prefix(adapter) or layer == adapter.n_layers - 1:
+    if not _caches_prefix(adapter, layer):
         return next_token_predictions(lm, template, subjects, layer, delta, return_logits=return_logits,
                                       resume=resume)
     subjects = list(subjects)
@@ -352,12 +352,13 @@ def prefix_cached_predictions(lm, template: str | Sequence[str], subjects: Seque
     firsts = [r[0] for r in rows]
     enc = encode(tok, [templates[i] for i in firsts], [subjects[i] for i in firsts], padding_side="left")
     width = enc.input_ids.shape[1]
+    n_tokens = enc.attention_mask.sum(1)
     after = enc.prompt_last - enc.subject_last                          # tokens after the subject's last
-    before = enc.attention_mask.sum(1) - 1 - after                      # real tokens before it
+    before = n_tokens - 1 - after                                       # real tokens before it
     for j, first in enumerate(firsts):
-        if resume[first].shape[0] != int(enc.attention_mask[j].sum()):
+        if resume[first].shape[0] != int(n_tokens[j]):
             raise ValueError(f"resume states have {resume[first].shape[0]} tokens but the prompt has "
-                             f"{int(enc.attention_mask[j].sum())}")
+                             f"{int(n_tokens[j])}")
     results: list[torch.Tensor | None] = [None] * len(prompts)
     for a in after.unique().tolist():
         group = torch.nonzero(after == a).flatten().tolist()
@@ -432,10 +433,10 @@ def _cache_rows(cache, rows: torch.Tensor):
     return mine
 
 
-def _caches_prefix(adapter) -> bool:
-    """Can :func:`prefix_cached_predictions` run this model's blocks on a KV cache (Hugging Face blocks, not hook
-    points)?"""
-    return adapter._points is None and adapter.blocks is not None
+def _caches_prefix(adapter, layer: int) -> bool:
+    """Can :func:`prefix_cached_predictions` run this model's blocks after ``layer`` on a KV cache (Hugging Face
+    blocks, not hook points, and at least one block after it)?"""
+    return adapter._points is None and adapter.blocks is not None and adapter.layer_index(layer) < adapter.n_layers - 1
 
 
 def edited_predictions(lm, template: str | Sequence[str], subjects: Sequence[str], layer: int,
@@ -445,7 +446,7 @@ def edited_predictions(lm, template: str | Sequence[str], subjects: Sequence[str
     a row whose top-1 logit leads its runner-up by less than ``_MARGIN`` there (far above the two paths' float
     difference) is one whose id the order of float sums could flip, and its micro-batch of the full resumed pass
     is run (``known``) so that its id is that pass's. LongTensor [n]."""
-    if not _caches_prefix(adapter_for(lm.model)):
+    if not _caches_prefix(adapter_for(lm.model), layer):
         return next_token_predictions(lm, template, subjects, layer, delta, batch_size=batch_size, resume=resume)
     logits = prefix_cached_predictions(lm, template, subjects, layer, delta, resume, return_logits=True)
     top = logits.float().topk(2, dim=-1)
