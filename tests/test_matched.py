@@ -282,3 +282,46 @@ def test_run_gives_each_modes_worker_the_plan_of_its_table(table, monkeypatch, c
         assert plans[mode]["width"](7) == expected["width"](7) > 0
     assert job.planned_matched(table, 24, ("trainable",), {"device": "cpu"}) == {}
     assert "no plan of the matched controls' time (KeyError" in capsys.readouterr().err
+
+
+_KILLED_WORKER = '''
+import multiprocessing, sys, time
+
+def child(parent_pid):
+    from llmprobe.jobs.matched import worker_setup
+    from tqdm.auto import tqdm
+    worker_setup(parent_pid)
+    for _ in tqdm(range(3)):
+        pass
+    print("bar done", flush=True)
+    time.sleep(60)
+
+if __name__ == "__main__":
+    import os
+    context = multiprocessing.get_context("spawn")
+    process = context.Process(target=child, args=(os.getpid(),), daemon=True)
+    process.start()
+    deadline = time.time() + 60
+    while time.time() < deadline and not open(sys.argv[1]).read():
+        time.sleep(0.1)
+    process.kill()
+    process.join()
+'''
+
+
+def test_a_killed_worker_leaves_no_semaphore_behind(tmp_path):
+    """A worker killed after its progress bar (as run kills its helpers at the end) leaves the parent's exit
+    quiet: tqdm's default multiprocessing lock in a spawned process was a semaphore its resource tracker
+    reported as leaked."""
+    import subprocess
+    import sys
+
+    script, said = tmp_path / "killed_worker.py", tmp_path / "said.txt"
+    script.write_text(_KILLED_WORKER)
+    said.write_text("")
+    with open(said, "w") as out:
+        done = subprocess.run([sys.executable, str(script), str(said)], stdout=out, stderr=subprocess.PIPE,
+                              text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "bar done" in said.read_text()
+    assert "leaked semaphore" not in done.stderr, done.stderr

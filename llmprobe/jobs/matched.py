@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from multiprocessing.connection import wait
 
 import torch
+from tqdm import tqdm
 
 from llmprobe.io import reuse_freed_memory
 from synthetic.matched import train_matched
@@ -104,8 +105,12 @@ def _worker_main(send, parent_pid: int, args: tuple, kwargs: dict, relay_progres
 
 
 def worker_setup(parent_pid: int | None = None, threads: int = 1) -> None:
-    """Worker set-up: ``threads`` torch threads; Ctrl-C is left to the parent (which stops the worker); and the
-    worker exits on its own when the parent is gone (kill -9 of the parent leaves no orphan work on)."""
+    """Worker set-up: ``threads`` torch threads; Ctrl-C is left to the parent (which stops the worker); the
+    worker exits on its own when the parent is gone (kill -9 of the parent leaves no orphan work on); and its
+    progress bars lock with a thread lock: tqdm's default lock is a multiprocessing semaphore, which a spawned
+    process registers with the parent's resource tracker and, killed, never unregisters (the parent then warned
+    of a leaked semaphore at its exit)."""
+    tqdm.set_lock(threading.RLock())
     torch.set_num_threads(threads)
     reuse_freed_memory()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
