@@ -15,7 +15,8 @@ time: no implementation of the same measurement on these cores can be faster.
   per ridge fit ~ 45 d^2 (as the cost model counts them);
 * the matched controls: with ``--report``, every model-step the report's controls trained (the d* bisections'
   tries and each curve point's seeds, to the steps recorded), 6 x parameters x facts FLOPs per full-batch step;
-  without it, the plan's step counts. With ``--count-mechanisms`` instead counted by torch on the run's table:
+  without it, the plan's step counts. With ``--count-mechanisms`` instead counted by torch on the run's table
+  (``FlopCounterMode``, with the in-place ``baddbmm_`` it skips: the softmax's unembedding gradient):
   one full-batch step (loss and backward) of a control of each width and mode, times the steps, and each
   curve point's measurement (``measure_control`` on seed 0's model, the R^2 of every seed's kept snapshots),
   run on a freshly initialised control of that width (the same shapes; Adam's elementwise update is not a
@@ -40,6 +41,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -48,6 +50,7 @@ from typing import NamedTuple
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from llmprobe.analyses.run import Analyses  # noqa: E402
@@ -103,9 +106,19 @@ def run_inputs(report_path: str) -> RunInputs:
     return RunInputs(report, settings, lm, relations, known)
 
 
+def _inplace_matmul_flops(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of an in-place ``addmm_`` / ``baddbmm_`` (a [.., n, k] @ b [.., k, m]): 2 n k m per matrix."""
+    return 2 * math.prod(a_shape) * b_shape[-1]
+
+
+# torch's FlopCounterMode counts the out-of-place addmm and baddbmm only; the controls' softmax accumulates the
+# unembedding's gradient with baddbmm_
+INPLACE_MATMULS = {torch.ops.aten.addmm_: _inplace_matmul_flops, torch.ops.aten.baddbmm_: _inplace_matmul_flops}
+
+
 def counted(fn) -> float:
-    """The FLOPs torch's FlopCounterMode counts while ``fn()`` runs."""
-    with FlopCounterMode(display=False) as counter:
+    """The FLOPs torch's FlopCounterMode counts while ``fn()`` runs (in-place matmuls included)."""
+    with FlopCounterMode(display=False, custom_mapping=INPLACE_MATMULS) as counter:
         fn()
     return float(counter.get_total_flops())
 

@@ -88,3 +88,34 @@ def test_jacobian_work_counts_each_product_through_the_blocks_it_reaches(scaling
     k = 8 + 10                        # k shared VJPs to layer 2, then k JVPs + k VJPs to each layer's own state
     assert low.flops == pytest.approx(forward + k * (7 - 2) * back + 2 * k * ((7 - 2) + (7 - 4) + (7 - 6)) * back)
     assert scaling.jacobian_work(shape, prompts, [2, 4, 6], rank=600).flops == full.flops   # k >= d: exact
+
+
+@pytest.fixture(scope="module")
+def ceilings():
+    spec = importlib.util.spec_from_file_location("step_ceilings_bench", SCRIPT.parent / "step_ceilings.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_control_steps_flops_are_its_mlp_and_softmax_matmuls(ceilings):
+    """step_ceilings counts a stacked control step's matmuls as torch does: the six MLP matmuls (forward, and the
+    input and weight gradients of W_in and W_out) plus the softmax's three (logits, their input and weight
+    gradients), and nothing else of the step is a matmul."""
+    seeds, d = 2, 8
+    got = ceilings.control_step(rate=1e9, steps=1, d=d, seeds=seeds)
+    assert got["mlp_flops"] == 6 * 2 * seeds * got["facts"] * d * 8 * d
+    assert got["flops"] == got["mlp_flops"] + 3 * 2 * seeds * got["facts"] * d * got["outputs"]
+    assert got["step_s"] > 0 and got["mlp_s"] > 0
+
+
+def test_the_attention_backward_gives_the_same_bits_per_cotangent_and_folded(ceilings):
+    """The claims docs/scaling.md makes from step_ceilings: legacy vmap's loop over the cotangents, the flash
+    kernel called once per cotangent, and the cotangents folded into the kernel's batch give the same bits; the
+    math kernel does not."""
+    got = ceilings.attention_backward(1, k=4, batch=4, heads=2, queries=2, keys=6, dim=8)
+    same = {name: bits for name, (_, bits) in got.items()}
+    assert same == {"legacy vmap (is_grads_batched), flash kernel": None,
+                    "the flash kernel once per cotangent, stacked": True,
+                    "cotangents folded into the kernel's batch": True,
+                    "legacy vmap, math kernel": False}
