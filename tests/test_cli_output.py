@@ -117,6 +117,32 @@ def test_the_time_a_relation_waited_for_a_core_stays_out_of_the_time_left(capsys
     assert "~01:00 left" in lines[1], lines            # one relation after b at a's 60 s
 
 
+def test_a_relation_waiting_for_a_core_says_so_and_its_time_left_stands_still(capsys, monkeypatch):
+    """While a relation waits for a core the controls' workers hold (``Log.waiting``, as ``Parts``' gate calls
+    it), the bar and the lines say so and the plan's time left does not count down; once it starts
+    (``Log.started``) the countdown runs from then."""
+    import llmprobe.analyses.settings as settings
+
+    clock = [0.0]
+    monkeypatch.setattr(settings.time, "perf_counter", lambda: clock[0])
+    log = Log(True)
+    for name in log.bar(["a", "b"], "decoders", planned=[60.0, 60.0]):
+        if name == "a":
+            log.waiting()
+            clock[0] += 300.0                          # five minutes in the queue
+            log(f"{name}: queued")
+            log.started()
+        clock[0] += 30.0
+        log(f"{name}: half way")
+        clock[0] += 30.0
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "queued" in line or "half" in line]
+    assert "decoders 1/2, ~02:00 left (planned) once a core is free (the controls hold them)]" in lines[0], lines
+    assert "decoders 1/2, ~01:30 left (planned)]" in lines[1], lines     # 30 s into a's 60, from its start
+    assert "once a core is free" not in lines[1] and "once a core is free" not in lines[2]
+    assert "~02:00 left (planned) once a core is free" in err.replace("\r", "\n")   # the bar's own line too
+
+
 def _countries() -> FactTable:
     countries = [("France", "Paris", "Europe"), ("Japan", "Tokyo", "Asia"), ("Brazil", "Brasilia", "Americas"),
                  ("Egypt", "Cairo", "Africa"), ("Italy", "Rome", "Europe"), ("India", "New Delhi", "Asia")]

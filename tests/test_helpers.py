@@ -209,6 +209,29 @@ def test_the_core_gate_lets_a_part_in_when_no_worker_is_left_however_many_thread
     assert CoreGate(4, 2, [_Worker(), alive]).capacity() == 1 and CoreGate(4, 2, [done, done]).capacity() == 2
 
 
+def test_the_core_gate_says_once_that_a_part_waits_and_not_when_it_goes_in_at_once():
+    """``CoreGate.slot(on_wait)``: called once when the part must wait (both workers alive on 2 cores), never when
+    a core is free."""
+    workers = [_Worker(), _Worker()]
+    gate, calls = CoreGate(2, 1, workers), []
+    entered = threading.Event()
+
+    def part():
+        with gate.slot(on_wait=lambda: calls.append("waiting")):
+            entered.set()
+
+    thread = threading.Thread(target=part)
+    thread.start()
+    time.sleep(1.2)                                     # more than two polls of the gate
+    assert not entered.is_set() and calls == ["waiting"]
+    workers[0].done.set()
+    thread.join(10)
+    assert entered.is_set() and calls == ["waiting"]
+    with gate.slot(on_wait=lambda: calls.append("again")):
+        pass
+    assert calls == ["waiting"]
+
+
 def test_a_controls_worker_dying_while_the_others_start_stops_them(monkeypatch):
     """The first mode's worker dies before the second is even started (its reader thread reports at once): the
     second is stopped as soon as it is in, not left training until the stage is collected."""

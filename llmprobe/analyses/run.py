@@ -122,7 +122,7 @@ def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits
             else:
                 result[kind], result["timing"][f"{kind}_seconds"] = value, 0.0
         else:
-            outcome, here = parts.outcome(part, compute_here)
+            outcome, here = parts.outcome(part, compute_here, on_wait=log.waiting)
             if here:
                 merge(part, outcome)
             else:
@@ -263,18 +263,19 @@ class Parts:
             if outcome is None:
                 return
 
-    def outcome(self, part, compute) -> tuple[dict, bool]:
+    def outcome(self, part, compute, on_wait=None) -> tuple[dict, bool]:
         """(the outcome of ``part``, computed here): ``compute(part)`` here unless a helper claimed it, else the
-        helper's outcome once it is back (here again if that helper died)."""
+        helper's outcome once it is back (here again if that helper died). ``on_wait``: called once if the part
+        has to wait for a core before it is computed here."""
         outcome = self.wait(part) if not self.claim(part) else None
         if outcome is not None:
             return outcome, False
-        with self.slot():
+        with self.slot(on_wait):
             return compute(part), True
 
-    def slot(self):
-        """The gate's hold on a part's cores (nothing without a gate)."""
-        return self.gate.slot() if self.gate is not None else nullcontext()
+    def slot(self, on_wait=None):
+        """The gate's hold on a part's cores (nothing without a gate); ``on_wait`` as the gate's."""
+        return self.gate.slot(on_wait) if self.gate is not None else nullcontext()
 
     def wait(self, part):
         """The outcome of ``part``, which a helper claimed, once it is back; None if that helper died (the part is

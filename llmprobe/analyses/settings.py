@@ -111,8 +111,10 @@ class Log:
     ``llmprobe.jobs.plan``) it is the items left's planned seconds times measured / planned of the items computed
     (the plan before any was computed, "(planned)"); without it their mean time times the items left
     ("estimating..." until one was computed); divided by ``processes`` when helper processes share the items
-    (:meth:`elsewhere`: an item another process computed). ``write``: where a line goes (default: above the bars on
-    stderr; a helper process sends its lines to the main one)."""
+    (:meth:`elsewhere`: an item another process computed). While the current item waits for a core the controls'
+    workers hold (:meth:`waiting`, until :meth:`started`), the bar and the lines say so and its time left stands
+    still. ``write``: where a line goes (default: above the bars on stderr; a helper process sends its lines to
+    the main one)."""
 
     def __init__(self, enabled: bool, write=None):
         self.enabled, self.start, self.write = enabled, time.perf_counter(), write
@@ -122,6 +124,8 @@ class Log:
         self.planned_computed = 0.0                        # the plan's seconds of the items computed
         self.skipped, self.begun = False, 0.0              # the current item: marked by skip(); its start
         self.processes = 1                                 # processes sharing the items (the time left divides)
+        self.held = False                                  # the current item waits for a core (waiting())
+        self.live = None                                   # the stage's tqdm bar while it runs
 
     def bar(self, items: list, what: str, unit: str = "relation", planned: list[float] | None = None) -> Iterator:
         """``items`` one by one under a progress bar named ``what`` (k of N, elapsed and remaining time);
@@ -135,6 +139,7 @@ class Log:
         try:
             with tqdm(total=len(items), desc=what, unit=unit, file=sys.stderr, disable=not self.enabled,
                       bar_format=style, postfix=self.left() or "estimating...") as bar:
+                self.live = bar
                 for item in items:
                     self.skipped, self.begun = False, time.perf_counter()
                     yield item
@@ -146,7 +151,7 @@ class Log:
                     bar.set_postfix_str(self.left() or "done", refresh=False)
                     bar.update()
         finally:
-            self.total, self.planned = 0, None
+            self.total, self.planned, self.live, self.held = 0, None, None, False
 
     def elsewhere(self, seconds: float) -> None:
         """The bar's current item was computed by another process in ``seconds``: it counts in the rate with
@@ -157,10 +162,21 @@ class Log:
             self.seconds += seconds
             self.planned_computed += self.planned[self.done] if self.planned else 0.0
 
+    def waiting(self) -> None:
+        """The bar's current item waits for a core (``Parts``' gate): the bar says so until :meth:`started`."""
+        self.held = True
+        self._show()
+
     def started(self) -> None:
         """The bar's current item starts being computed now: the time it waited for a core (``Parts``' gate)
         stays out of its seconds."""
-        self.begun = time.perf_counter()
+        self.held, self.begun = False, time.perf_counter()
+        self._show()
+
+    def _show(self) -> None:
+        """Redraw the bar's time left (tqdm redraws it only when an item is done)."""
+        if self.live is not None:
+            self.live.set_postfix_str(self.left() or "estimating...")
 
     def skip(self) -> None:
         """The bar's current item is not computed (taken over from an earlier result, or refused at once: too few
@@ -181,8 +197,10 @@ class Log:
             after = now * (self.total - self.done - 1)
         else:
             return ""
-        left = (after + max(0.0, now - (time.perf_counter() - self.begun))) / self.processes
-        return f"~{tqdm.format_interval(left)} left" + ("" if self.computed else " (planned)")
+        elapsed = 0.0 if self.held else time.perf_counter() - self.begun
+        left = (after + max(0.0, now - elapsed)) / self.processes
+        return (f"~{tqdm.format_interval(left)} left" + ("" if self.computed else " (planned)")
+                + (" once a core is free (the controls hold them)" if self.held else ""))
 
     def where(self) -> str:
         """`` | decoders 3/9, ~10:24 left`` while a stage runs (:meth:`left`; "estimating..." when there is

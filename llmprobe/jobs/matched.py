@@ -156,11 +156,15 @@ class CoreGate:
         return max((self.cores - alive) // self.threads, 0 if alive else 1)
 
     @contextmanager
-    def slot(self):
-        """Hold one part's cores while the block runs; waits (polling the workers) until there is room."""
+    def slot(self, on_wait: Callable[[], None] | None = None):
+        """Hold one part's cores while the block runs; waits (polling the workers) until there is room, calling
+        ``on_wait`` once first when it has to wait."""
         t = time.perf_counter()
         with self.changed:
             while self.running >= self.capacity():
+                if on_wait is not None:
+                    on_wait()
+                    on_wait = None
                 self.changed.wait(self.POLL_S)
             self.running += 1
             self.waited_s += time.perf_counter() - t
