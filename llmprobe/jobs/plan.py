@@ -359,12 +359,13 @@ def run_workload(tok, n_layers: int, known_counts: dict | None, cfg: AnalysisSet
                 if do_lre and layer in lre_layers:
                     w["lre_fits"] += 1
                     w["head_rows"] += 21 * len(refit.val) + len(split.test)
+        edits = sum(len(cfg.edit_ranks) * len(r.val_pairs[0]) + 3 * n_test_pairs + 2 * n_test_pairs
+                    for r in split.refits) + n_test_pairs
+        causal = cached_edit_batches(jacobian_prompts(tok, template, subjects), edits, cfg.batch_size) \
+            if do_lre else []
         for layer in lre_layers if do_lre else []:                               # causality layers = LRE layers
             w["forward"].append((batches, layer + 1))                            # layer_sequences
-            edits = sum(len(cfg.edit_ranks) * len(r.val_pairs[0]) + 3 * n_test_pairs + 2 * n_test_pairs
-                        for r in split.refits) + n_test_pairs
-            w["edits"] += [(b, n_layers - 1 - layer, head) for b, head in
-                           cached_edit_batches(jacobian_prompts(tok, template, subjects), edits, cfg.batch_size)]
+            w["edits"] += [(b, n_layers - 1 - layer, head) for b, head in causal]
     try:
         table = superposition_table(tok, relations, {}, cfg) if do_sup or matched_modes else None
     except AnalysisError:                                # too few shared subjects: no readouts, no controls

@@ -295,6 +295,15 @@ def _resumed_at(adapter, layer: int, states: torch.Tensor) -> Iterator[None]:
                 block.forward = forward
 
 
+def _left_padded(seqs: Sequence[torch.Tensor], length: int, dtype, device) -> torch.Tensor:
+    """Each of ``seqs`` ([n_i, d], n_i <= ``length``) right-aligned in zeros: [len(seqs), length, d]."""
+    out = torch.zeros(len(seqs), length, seqs[0].shape[-1], dtype=dtype, device=device)
+    for row, seq in enumerate(seqs):
+        if seq.shape[0]:
+            out[row, length - seq.shape[0]:] = seq.to(device, dtype)
+    return out
+
+
 def _resumed_output(lm, enc: EncodedPrompts, layer: int, delta: torch.Tensor, clean: Sequence[torch.Tensor]):
     """o for a batch whose layer-``layer`` states are ``clean`` + ``delta`` at the subject: blocks 0..layer
     pass their input through, and block ``layer + 1`` receives the given states instead."""
@@ -303,12 +312,10 @@ def _resumed_output(lm, enc: EncodedPrompts, layer: int, delta: torch.Tensor, cl
     dtype = next(model.parameters()).dtype
     device = clean[0].device     # where block ``layer`` wrote them (accelerate moves them on to the next block)
     B, T = enc.input_ids.shape
-    states = torch.zeros(B, T, clean[0].shape[-1], dtype=dtype, device=device)
-    for row, seq in enumerate(clean):
-        n = int(enc.attention_mask[row].sum())
+    for seq, n in zip(clean, enc.attention_mask.sum(1).tolist()):
         if seq.shape[0] != n:
             raise ValueError(f"resume states have {seq.shape[0]} tokens but the prompt has {n}")
-        states[row, T - n:] = seq.to(device, dtype)
+    states = _left_padded(clean, T, dtype, device)
     rows = torch.arange(B, device=device)
     states[rows, enc.subject_last.to(device)] += delta.to(device, dtype)
     if layer == adapter.n_layers - 1:
@@ -412,11 +419,7 @@ def _prefix_cache(lm, layer: int, ids: torch.Tensor, mask: torch.Tensor, clean: 
     from their clean layer-``layer`` states ``clean`` ([p_i, d] each); blocks 0..``layer`` hold zeros of length p
     (never read: the resumed passes skip them; they give the cache its length)."""
     model = lm.model
-    g, p = ids.shape
-    states = torch.zeros(g, p, clean[0].shape[-1], dtype=dtype, device=ids.device)
-    for q, seq in enumerate(clean):
-        if seq.shape[0]:
-            states[q, p - seq.shape[0]:] = seq.to(ids.device, dtype)
+    states = _left_padded(clean, ids.shape[1], dtype, ids.device)
     cache = DynamicCache(config=model.config)
     _run_resumed(lm, layer, states, ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache)
     filled = cache.layers[layer + 1]
