@@ -211,13 +211,29 @@ def test_the_core_gate_lets_a_part_in_when_no_worker_is_left_however_many_thread
 
 def test_the_core_gate_says_once_that_a_part_waits_and_not_when_it_goes_in_at_once():
     """``CoreGate.slot(on_wait)``: called once when the part must wait (both workers alive on 2 cores), never when
-    a core is free."""
+    a core is free; outside the gate's lock (another thread can take it meanwhile: the callback redraws a bar,
+    which takes tqdm's lock)."""
     workers = [_Worker(), _Worker()]
     gate, calls = CoreGate(2, 1, workers), []
     entered = threading.Event()
 
+    def lock_is_free() -> bool:
+        got = []
+
+        def take():
+            got.append(gate.changed.acquire(timeout=1.0))
+            if got[0]:
+                gate.changed.release()
+        other = threading.Thread(target=take)
+        other.start()
+        other.join()
+        return got[0]
+
+    def waiting():
+        calls.append("waiting" if lock_is_free() else "waiting under the gate's lock")
+
     def part():
-        with gate.slot(on_wait=lambda: calls.append("waiting")):
+        with gate.slot(on_wait=waiting):
             entered.set()
 
     thread = threading.Thread(target=part)

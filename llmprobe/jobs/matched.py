@@ -158,13 +158,14 @@ class CoreGate:
     @contextmanager
     def slot(self, on_wait: Callable[[], None] | None = None):
         """Hold one part's cores while the block runs; waits (polling the workers) until there is room, calling
-        ``on_wait`` once first when it has to wait."""
+        ``on_wait`` once first when it has to wait (outside the gate's lock: it may redraw a progress bar)."""
         t = time.perf_counter()
         with self.changed:
+            full = self.running >= self.capacity()
+        if full and on_wait is not None:
+            on_wait()
+        with self.changed:
             while self.running >= self.capacity():
-                if on_wait is not None:
-                    on_wait()
-                    on_wait = None
                 self.changed.wait(self.POLL_S)
             self.running += 1
             self.waited_s += time.perf_counter() - t
