@@ -22,7 +22,8 @@
 
 The cost model itself (shapes, the workload count, FLOPs, the prediction) is ``llmprobe.jobs.plan``'s, which
 ``llmprobe plan`` predicts with from its shipped fits; this script measures and fits (its fits printed here are
-what ``llmprobe.jobs.plan.FITTED`` holds).
+what ``llmprobe.jobs.plan.FITTED`` holds; the stages it does not measure, the mechanism analyses, take the shipped
+fit, fitted on SmolLM2's run).
 
     python benchmarks/scaling.py --quick                 # smoke run (small models): 2-4 minutes
     python benchmarks/scaling.py --threads 1 --json F    # the full benchmark (13 minutes here, shared machine)
@@ -54,6 +55,7 @@ from llmprobe.analyses.settings import AnalysisSettings  # noqa: E402
 
 # the cost model (shapes, workload, FLOPs, prediction) is the package's: ``llmprobe plan`` predicts with it
 from llmprobe.jobs.plan import (  # noqa: E402
+    CPU_FITS,
     H200,
     PREDICT_RANK,
     SMOLLM2_KNOWN,
@@ -305,8 +307,10 @@ def measure_width(d: int, quick: bool = False) -> dict:
 
 
 # ------------------------------------------------------------------------------------ measured on SmolLM2
-SMOLLM2_RUN = {"load": 4.4, "known_facts": 77.1, "jacobians": 540.9, "decoders_other": 284.7, "superposition": 148.3,
-               "matched": 438.7, "wall": 1057.6}   # its measured run (report.json timings; 2 idle cores, README)
+# its measured run (report.json timings of the run of 2026-12-05 at 181-170 GFLOP/s one thread, 2 idle cores:
+# the known facts over 2 processes, every analysis in one one-thread process, the controls in their worker)
+SMOLLM2_RUN = {"load": 1.3, "known_facts": 35.9, "jacobians": 340.4, "decoders_other": 187.7, "superposition": 74.2,
+               "crosspatch": 44.9, "selector": 17.1, "multihop": 57.6, "matched": 380.3, "wall": 766.5}
 LOW_RANK = 64           # rank of the low-rank Jacobian estimate timed (k = 74 < d at every benchmark width)
 # SmolLM2's measured low-rank speed-ups (CPU seconds, exact / rank K; `benchmarks/jacobian_rank.py --timing-only
 # --measured 32,64,128 --timing-relations 2`: the first 9 subjects of the first 2 bundled relations, layers 6/15/24)
@@ -417,7 +421,7 @@ def fit_and_predict(measured: list[dict], measured_widths: list[dict], args, t0:
         entry["auto_rank"] = auto_rank(shape, work["lre_layers"])
         for rank, label in ((None, "full"), (entry["auto_rank"], "auto")):
             for where in ("cpu", "h200"):
-                entry[f"{where}_{label}"] = predict_on(shape, work, {**fits, **width_fits}, where, rank)
+                entry[f"{where}_{label}"] = predict_on(shape, work, {**CPU_FITS, **fits, **width_fits}, where, rank)
         entry["memory_cpu"] = memory(shape, work, 4)
         entry["memory_h200"] = memory(shape, work, H200["bytes_per_param"])
         predictions[shape.name] = entry
@@ -492,7 +496,8 @@ def print_measured(measured: list[dict], widths: list[dict], fits: dict, width_f
 
 
 def print_predictions(predictions: dict) -> None:
-    stages = ("load", "known_facts", "jacobians", "decoders_other", "superposition", "matched", "wall")
+    stages = ("load", "known_facts", "jacobians", "decoders_other", "superposition", "crosspatch", "selector",
+              "multihop", "matched", "wall")
     for where in ("cpu", "h200"):
         title = ("this machine, one thread (the fit above)" if where == "cpu" else
                  f"one H200 (roofline: {H200['peak_flops'] / 1e12:.0f} TFLOP/s bf16 x {H200['efficiency']:.0%}, "

@@ -40,14 +40,14 @@ def relation(tmp_path):
 # ------------------------------------------------------------------------------------------ item 1: progress
 def test_analyses_lines_carry_k_of_n_and_the_time_left(capsys):
     log = Log(True)
-    for name in log.bar(["a", "b", "c"], "decoders"):
+    for name in log.bar(["a", "b", "c"], "analyses"):
         log(f"{name}: fitted")
     log("superposition: begun")
     lines = [line for line in capsys.readouterr().err.splitlines() if "fitted" in line or "begun" in line]
-    assert [re.search(r"decoders (\d)/3", line).group(1) for line in lines[:3]] == ["1", "2", "3"]
+    assert [re.search(r"\| (\d)/3", line).group(1) for line in lines[:3]] == ["1", "2", "3"]
     assert "left" not in lines[0] and "estimating..." in lines[0]
     assert all(re.search(r"~\d\d:\d\d left", line) for line in lines[1:3])
-    assert "decoders" not in lines[3]                    # the stage is over: no k/N any more
+    assert "/3" not in lines[3]                          # the stage is over: no k/N any more
 
 
 
@@ -60,14 +60,14 @@ def test_the_time_left_is_estimated_from_the_relations_computed_not_the_skipped_
     clock = [0.0]
     monkeypatch.setattr(settings.time, "perf_counter", lambda: clock[0])
     log = Log(True)
-    for name in log.bar(["resumed", "a", "b", "c"], "decoders"):
+    for name in log.bar(["resumed", "a", "b", "c"], "analyses"):
         log(f"{name}: begun")
         if name == "resumed":
             log.skip()
         else:
             clock[0] += 60.0                          # a computed relation: one minute
     lines = [line for line in capsys.readouterr().err.splitlines() if "begun" in line]
-    assert [re.search(r"decoders (\d)/4", line).group(1) for line in lines] == ["1", "2", "3", "4"]
+    assert [re.search(r"\| (\d)/4", line).group(1) for line in lines] == ["1", "2", "3", "4"]
     assert "estimating..." in lines[0] and "estimating..." in lines[1] and "left" not in lines[1]
     assert "~02:00 left" in lines[2] and "~01:00 left" in lines[3]     # 60 s per computed relation
 
@@ -82,7 +82,7 @@ def test_the_time_left_is_the_plans_seconds_scaled_by_measured_over_planned(caps
     monkeypatch.setattr(settings.time, "perf_counter", lambda: clock[0])
     log = Log(True)
     takes = {"resumed": 0.0, "a": 20.0, "b": 60.0, "c": 0.0}
-    for name in log.bar(list(takes), "decoders", planned=[40.0, 10.0, 30.0, 20.0]):
+    for name in log.bar(list(takes), "analyses", planned=[40.0, 10.0, 30.0, 20.0]):
         log(f"{name}: begun")
         if name == "resumed":
             log.skip()
@@ -90,14 +90,14 @@ def test_the_time_left_is_the_plans_seconds_scaled_by_measured_over_planned(caps
         log(f"{name}: half way")
         clock[0] += takes[name] / 2
     lines = [line for line in capsys.readouterr().err.splitlines() if "begun" in line or "half" in line]
-    assert "decoders 1/4, ~01:40 left (planned)" in lines[0]    # 40 + 10 + 30 + 20 s planned
-    assert "decoders 2/4, ~01:00 left (planned)" in lines[2]    # the resumed one computed nothing
-    assert "decoders 2/4, ~00:50 left (planned)" in lines[3]    # 10 s into a's 20: it counts down
-    assert "decoders 3/4, ~01:40 left]" in lines[4]             # (30 + 20) x 20 s measured / 10 s planned
-    assert "decoders 3/4, ~01:10 left]" in lines[5]             # 30 s into b's 60 s estimate, 40 s after it
-    assert "decoders 4/4, ~00:40 left]" in lines[6]             # 20 x (20 + 60) / (10 + 30)
+    assert "| 1/4, ~01:40 left (planned)" in lines[0]    # 40 + 10 + 30 + 20 s planned
+    assert "| 2/4, ~01:00 left (planned)" in lines[2]    # the resumed one computed nothing
+    assert "| 2/4, ~00:50 left (planned)" in lines[3]    # 10 s into a's 20: it counts down
+    assert "| 3/4, ~01:40 left]" in lines[4]             # (30 + 20) x 20 s measured / 10 s planned
+    assert "| 3/4, ~01:10 left]" in lines[5]             # 30 s into b's 60 s estimate, 40 s after it
+    assert "| 4/4, ~00:40 left]" in lines[6]             # 20 x (20 + 60) / (10 + 30)
     with pytest.raises(ValueError, match="2 planned seconds for 3 items"):
-        list(log.bar(["a", "b", "c"], "decoders", planned=[1.0, 2.0]))
+        list(log.bar(["a", "b", "c"], "analyses", planned=[1.0, 2.0]))
 
 
 def test_the_time_a_relation_waited_for_a_core_stays_out_of_the_time_left(capsys, monkeypatch):
@@ -108,7 +108,7 @@ def test_the_time_a_relation_waited_for_a_core_stays_out_of_the_time_left(capsys
     clock = [0.0]
     monkeypatch.setattr(settings.time, "perf_counter", lambda: clock[0])
     log = Log(True)
-    for name in log.bar(["a", "b", "c"], "decoders"):
+    for name in log.bar(["a", "b", "c"], "analyses"):
         clock[0] += 600.0 if name == "a" else 0.0         # a waits for a core
         log.started()
         clock[0] += 60.0
@@ -126,7 +126,7 @@ def test_a_relation_waiting_for_a_core_says_so_and_its_time_left_stands_still(ca
     clock = [0.0]
     monkeypatch.setattr(settings.time, "perf_counter", lambda: clock[0])
     log = Log(True)
-    for name in log.bar(["a", "b"], "decoders", planned=[60.0, 60.0]):
+    for name in log.bar(["a", "b"], "analyses", planned=[60.0, 60.0]):
         if name == "a":
             log.waiting()
             clock[0] += 300.0                          # five minutes in the queue
@@ -137,8 +137,8 @@ def test_a_relation_waiting_for_a_core_says_so_and_its_time_left_stands_still(ca
         clock[0] += 30.0
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if "queued" in line or "half" in line]
-    assert "decoders 1/2, ~02:00 left (planned) once a core is free (the controls hold them)]" in lines[0], lines
-    assert "decoders 1/2, ~01:30 left (planned)]" in lines[1], lines     # 30 s into a's 60, from its start
+    assert "| 1/2, ~02:00 left (planned) once a core is free (the controls hold them)]" in lines[0], lines
+    assert "| 1/2, ~01:30 left (planned)]" in lines[1], lines     # 30 s into a's 60, from its start
     assert "once a core is free" not in lines[1] and "once a core is free" not in lines[2]
     assert "~02:00 left (planned) once a core is free" in err.replace("\r", "\n")   # the bar's own line too
 
@@ -238,9 +238,9 @@ def test_probe_model_runs_the_analyses_and_writes_the_html_report(tiny, relation
     report = json.loads((out / "report.json").read_text())
     assert report["settings"]["run"]["analyses"] == ["lre", "ridge", "superposition"] and "analyses" in report
     assert (out / "report.html").is_file() and (out / "report.md").is_file()
-    err = capsys.readouterr().err              # the decoders' time left: the plan's until one was computed
-    assert re.search(r"\| decoders 1/1, ~\d\d:\d\d left \(planned\)\]", err), err[-2000:]
-    assert re.search(r"decoders: 100%.*\| 1/1 \[\d\d:\d\d, done\]", err)
+    err = capsys.readouterr().err     # the analyses' time left (decoders, superposition): the plan's until one was computed
+    assert re.search(r"\| 1/2, ~\d\d:\d\d left \(planned\)\] capital", err), err[-2000:]
+    assert re.search(r"analyses: 100%.*\| 2/2 \[\d\d:\d\d, done\]", err)
     assert main(["probe", tiny, "--relations", relation, "--layers", "-1", "--device", "cpu", "--analyses", "",
                  "--out", str(tmp_path / "known")]) == 0
     assert "analyses" not in json.loads((tmp_path / "known" / "report.json").read_text())

@@ -11,24 +11,31 @@ import transformers
 from tiny_models import CONFIGS, save_tiny
 
 import llmprobe.jobs.plan as plan_module
+from llmprobe.analyses.run import parts_of
+from llmprobe.analyses.settings import AnalysisSettings
 from llmprobe.checks import UsageError
 from llmprobe.cli import main
 from llmprobe.commands import print_plan
+from llmprobe.datasets import load_relations
 from llmprobe.jobs.plan import (
     CPU_FITS,
     REFERENCE_RATE,
     SMOLLM2_KNOWN,
     STAGES,
     TARGETS,
+    PlannedFact,
     auto_rank,
     format_plan,
     matmul_rate,
+    part_seconds,
     plan,
     predict_on,
     run_workload,
     shape_from_config,
     smollm2_tokenizer,
 )
+from llmprobe.model.loading import load_model
+from llmprobe.names import ANALYSES
 from llmprobe.settings import from_options
 
 
@@ -55,7 +62,8 @@ def test_a_config_alone_gets_a_plan_and_a_deeper_or_wider_model_costs_more(tiny,
         for stage in ("jacobians", "decoders_other", "known_facts"):          # decoders_other: the capture passes
             assert bigger["stages"][stage]["seconds"] > base["stages"][stage]["seconds"], stage
         assert bigger["shape"]["params"] > base["shape"]["params"]
-    analyses = sum(base["stages"][s]["seconds"] for s in ("jacobians", "decoders_other", "superposition"))
+    analyses = sum(base["stages"][s]["seconds"] for s in ("jacobians", "decoders_other", "superposition",
+                                                           "crosspatch", "selector", "multihop"))
     controls = base["stages"]["matched"]["seconds"]             # the longer mode's worker
     both = base["total"]["matched_seconds"]                     # trainable and frozen, one worker each
     assert controls < both <= 2 * controls
@@ -90,6 +98,9 @@ def test_a_relation_subset_and_fewer_layers_predict_less(tiny):
     bare = plan("HuggingFaceTB/SmolLM2-135M", from_options("run", None, {"analyses": "ridge", "matched": False}),
                 rate=REFERENCE_RATE)
     assert bare["stages"]["jacobians"]["seconds"] == bare["stages"]["matched"]["seconds"] == 0
+    assert all(bare["stages"][s]["seconds"] == bare["stages"][s]["peak_bytes"] == 0
+               for s in ("crosspatch", "selector", "multihop"))
+    assert all(smol["stages"][s]["seconds"] > 0 for s in ("crosspatch", "selector", "multihop"))
 
 
 def test_an_unknown_path_or_name_offline_is_a_usage_error_naming_it(tmp_path, monkeypatch):
@@ -115,15 +126,15 @@ def test_presets_work_offline_and_memory_grows_with_the_parameters(monkeypatch):
 
 def test_the_shipped_fits_reproduce_the_benchmark_and_its_documented_table():
     """The plan of the default run is the benchmark's prediction with the shipped fits (this CPU at the fit
-    machine's rate), and those fits give docs/scaling.md's predicted walls (SmolLM2 14.3 min here; 8B on one H200
-    25.2 min)."""
+    machine's rate), and those fits give docs/scaling.md's predicted walls (SmolLM2 15.5 min here; 8B on one H200
+    29.5 min)."""
     shape = TARGETS[0]
     work = run_workload(smollm2_tokenizer(), shape.layers, SMOLLM2_KNOWN)
     expected = predict_on(shape, work, CPU_FITS, "cpu", auto_rank(shape, work["lre_layers"]))
     got = plan(shape, rate=REFERENCE_RATE)
     assert {s: got["stages"][s]["seconds"] for s in STAGES} == pytest.approx({s: expected[s] for s in STAGES})
-    assert got["total"]["seconds"] == pytest.approx(14.3 * 60, rel=0.05)
-    assert plan(TARGETS[3], device="h200")["total"]["seconds"] == pytest.approx(25.2 * 60, rel=0.05)
+    assert got["total"]["seconds"] == pytest.approx(15.5 * 60, rel=0.05)
+    assert plan(TARGETS[3], device="h200")["total"]["seconds"] == pytest.approx(29.5 * 60, rel=0.05)
 
 
 def test_the_cli_prints_the_table_for_a_model_folder(tiny, capsys):
@@ -135,6 +146,26 @@ def test_the_cli_prints_the_table_for_a_model_folder(tiny, capsys):
     assert main(["plan", "meta-llama/Meta-Llama-3-8B", "--device", "h200", "--out", "never-made"]) == 0
     out = capsys.readouterr().out
     assert "one H200" in out and "this CPU" not in out and "d_model 4096" in out
+
+
+def test_the_analyses_bar_plans_every_part_on_the_facts_the_model_knows(tiny):
+    """``part_seconds``: the plan's seconds of every part ``run_analyses`` runs (each relation's decoders, the
+    superposition and mechanism analyses), counted on the known facts given: a relation known too little plans
+    0 s, more known facts plan more, and the mechanisms' seconds are those of the plan's own stages."""
+    lm = load_model(str(tiny), device="cpu", dtype="float32")
+    relations = load_relations(None)
+    cfg = AnalysisSettings()
+
+    def knowing(share: float) -> dict:
+        return {r.name: [PlannedFact(f.subject, f.object, i < share * len(r.facts)) for i, f in enumerate(r.facts)]
+                for r in relations}
+    little, more = (part_seconds(lm, relations, knowing(share), [0, 2], cfg) for share in (0.25, 0.5))
+    assert list(little) == parts_of(relations, ANALYSES)
+    assert all(more[part] > little[part] > 0 for part in little if part[0] == "decoders")
+    for name in ("crosspatch", "selector", "multihop"):
+        assert more[(name, None)] > 0
+    none = part_seconds(lm, relations, knowing(0.01), [0, 2], cfg, analyses=("lre",))
+    assert list(none) == [("decoders", r.name) for r in relations] and set(none.values()) == {0.0}
 
 
 def test_run_prints_the_plan_before_loading_and_never_fails_for_it(tiny, tmp_path, capsys, monkeypatch):
@@ -161,7 +192,7 @@ def test_a_folder_copied_without_weights_still_plans_and_format_plan_takes_one_p
     for weights in folder.glob("*.safetensors"):
         weights.write_bytes(b"not weights")                    # were they read, the plan would fail
     text = format_plan(plan(folder, rate=REFERENCE_RATE))
-    assert text.count("\n") < 16 and "no weights read" in text
+    assert text.count("\n") < 19 and "no weights read" in text
     assert plan_module.measured_rate.cache_info().maxsize == 1    # the machine's rate: measured once a process
 
 

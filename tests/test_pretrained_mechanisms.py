@@ -20,6 +20,7 @@ from tiny_models import FAMILIES, save_tiny
 
 import llmprobe.analyses.multihop as multihop_module
 import llmprobe.analyses.selector as selector_module
+import llmprobe.model.lre as lre_module
 from llmprobe.analyses.multihop import chains, compositions, prompts_for
 from llmprobe.analyses.run import run_analyses
 from llmprobe.analyses.selector import (
@@ -33,7 +34,9 @@ from llmprobe.analyses.selector import (
     random_units,
     transplant_metrics,
 )
+from llmprobe.analyses.settings import Log, settings_from
 from llmprobe.datasets import Fact, Relation, load_relations
+from llmprobe.jobs.plan import MECHANISM_WORKLOADS
 from llmprobe.metric import iter_metrics
 from llmprobe.model.capture import adapter_for, capture
 from llmprobe.model.known import known_facts, object_split
@@ -261,13 +264,21 @@ def _teach(lm, relations, steps=120, lr=1e-2):
     model.requires_grad_(False)
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def taught(request, tmp_path_factory):
-    lm = load_model(str(save_tiny(request.param, tmp_path_factory.mktemp(request.param))), device="cpu",
-                    dtype="float32")
+def _taught(family: str, tmp_path_factory):
+    lm = load_model(str(save_tiny(family, tmp_path_factory.mktemp(family))), device="cpu", dtype="float32")
     relations = _taught_relations()
     _teach(lm, relations)
     return lm, relations, {r.name: known_facts(lm, r) for r in relations}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def taught(request, tmp_path_factory):
+    return _taught(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def taught_llama(tmp_path_factory):
+    return _taught("llama", tmp_path_factory)
 
 
 def test_every_family_runs_every_new_analysis(taught, monkeypatch):
@@ -342,3 +353,67 @@ def test_own_gates_change_nothing_and_other_gates_do(taught):
     assert not torch.allclose(states(donor), clean, atol=1e-3)
     ones = {l: torch.ones_like(gates[l]) for l in layers}
     assert torch.equal(edited_predictions(lm.model, own, scale=ones), edited_predictions(lm.model, own))
+
+
+# ------------------------------------------------------------------------------------------------- the plan
+def _count_passes(model, counts: dict) -> list:
+    """Hooks adding each block's (rows x tokens) to counts["token_blocks"] and the LM head's rows to
+    counts["head_rows"]."""
+    adapter, handles = adapter_for(model), []
+
+    def block(module, args, kwargs):
+        states = args[0] if args else kwargs["hidden_states"]
+        counts["token_blocks"] += states.shape[0] * states.shape[1]
+
+    def head(module, args):
+        counts["head_rows"] += args[0].numel() // args[0].shape[-1]
+    handles += [b.register_forward_pre_hook(block, with_kwargs=True) for b in adapter.blocks]
+    handles.append(adapter.lm_head.register_forward_pre_hook(head))
+    return handles
+
+
+def _planned_passes(work: dict, n_layers: int) -> dict:
+    """The same counts of a mechanism workload of ``llmprobe.jobs.plan``."""
+    passes = work["forward"] + work["edits"]
+    return {"token_blocks": sum(rows * tokens * blocks for batches, blocks, _ in passes for rows, tokens in batches)
+            + sum(rows * (prompt + new - 1) * n_layers for rows, prompt, new in work["generate"]),
+            "head_rows": sum(rows for batches, _, head in passes if head for rows, _ in batches)
+            + sum(rows * new for rows, _, new in work["generate"])}
+
+
+@pytest.mark.parametrize("analysis", ["crosspatch", "selector", "multihop"])
+def test_the_plan_counts_the_passes_each_mechanism_analysis_runs(taught_llama, analysis, monkeypatch):
+    """``llmprobe plan`` prices the crosspatch, selector and multihop analyses by the passes it counts for them
+    (``llmprobe.jobs.plan.MECHANISM_WORKLOADS``, from the analyses' own item builders). Against the passes each
+    analysis runs on a taught tiny Llama (hooks on every block and the LM head, of the model and its random
+    twins; the near-tie reruns of the cached edits off): the LM-head rows are equal and the token-blocks within
+    20% (the plan's upper bounds: the selector's test block as deep as the model, each bridge generated to its
+    budget; the prefix-cached edits batched by length, not by group). A plan without the crosspatch's per-layer
+    patches, the selector's random twin or the multihop's generation misses by more."""
+    lm, relations, known = taught_llama
+    monkeypatch.setattr(multihop_module, "FEW_SHOT", 1)      # as test_every_family_runs_every_new_analysis
+    monkeypatch.setattr(lre_module, "_MARGIN", 0.0)          # every cached edit's id taken as it is
+    counts = {"token_blocks": 0, "head_rows": 0}
+    handles = _count_passes(lm.model, counts)
+    twins = []
+
+    def counted_twin(*args, **kwargs):
+        twin = random_init(*args, **kwargs)
+        twins.append(_count_passes(twin.model, counts))
+        return twin
+    monkeypatch.setattr(selector_module, "random_init", counted_twin)
+    monkeypatch.setattr(multihop_module, "random_init", counted_twin)
+    cfg = settings_from(3, 0, 90, n_boot=50, folds=3)
+    layers, n_layers = [0, 1, 2], lm.adapter.n_layers
+    run = {"crosspatch": selector_module.crosspatch, "selector": selector_module.selector,
+           "multihop": multihop_module.multihop}[analysis]
+    try:
+        run(lm, relations, known, layers, cfg, Log(False))
+    finally:
+        for handle in handles + [h for hs in twins for h in hs]:
+            handle.remove()
+    work = MECHANISM_WORKLOADS[analysis](lm.tokenizer, relations, known, layers, n_layers, cfg)
+    planned = _planned_passes(work, n_layers)
+    assert counts["token_blocks"] > 0 and planned["head_rows"] == counts["head_rows"]
+    assert 0.8 < planned["token_blocks"] / counts["token_blocks"] < 1.2, (planned, counts)
+    assert work["twins"] == len(twins)

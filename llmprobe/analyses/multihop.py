@@ -94,14 +94,14 @@ def chains(comp: Composition, facts: dict[str, dict[str, str]]) -> list[Chain]:
     return out
 
 
-def _statement(rel, subject: str) -> str:
+def statement(rel, subject: str) -> str:
     return rel.templates[0].replace("{}", subject, 1)
 
 
-def _reasoning(comp: Composition, chain: Chain) -> str:
+def reasoning(comp: Composition, chain: Chain) -> str:
     """``<hop 1 statement> b_1. ... <hop k statement> a.``"""
     inputs, outputs = [chain.subject] + chain.bridges, chain.bridges + [chain.answer]
-    return " ".join(f"{_statement(h, x)} {y}." for h, x, y in zip(comp.hops, inputs, outputs))
+    return " ".join(f"{statement(h, x)} {y}." for h, x, y in zip(comp.hops, inputs, outputs))
 
 
 def _question(comp: Composition, subject: str) -> str:
@@ -111,7 +111,7 @@ def _question(comp: Composition, subject: str) -> str:
 def prompts_for(comp: Composition, examples: list[Chain], chain: Chain) -> dict[str, str]:
     """The direct prompt and the chain-of-thought prefix (up to ``A:``) of ``chain`` after ``examples``."""
     direct = "".join(f"{_question(comp, ex.subject)} {ex.answer}\n\n" for ex in examples)
-    cot = "".join(f"{_question(comp, ex.subject)} {_reasoning(comp, ex)}\n\n" for ex in examples)
+    cot = "".join(f"{_question(comp, ex.subject)} {reasoning(comp, ex)}\n\n" for ex in examples)
     return {"direct": direct + _question(comp, chain.subject), "cot": cot + _question(comp, chain.subject)}
 
 
@@ -137,7 +137,7 @@ def last_token(lm, prompts: list[str], layers: list[int], batch_size: int = 32,
     return torch.cat([p[0] for p in parts]), {l: torch.cat([p[1][l] for p in parts]) for l in layers}
 
 
-def _budget(tok, names: list[str]) -> int:
+def bridge_budget(tok, names: list[str]) -> int:
     return min(8, 1 + max(len(tok(" " + n, add_special_tokens=False)["input_ids"]) for n in names))
 
 
@@ -155,23 +155,7 @@ def multihop(lm, relations, known: dict, layers: list[int], cfg: AnalysisSetting
         out["note"] = "no composition of the relations given (properties.composed_templates, prompts/SCHEMA.md)"
         out["seconds"] = round(time.perf_counter() - t0, 1)
         return out
-    facts = {r.name: {f.subject: f.object for f in r.facts} for r in relations}
-    known_facts = {name: {f.subject: f.object for f in rows if f.known} for name, rows in known.items()}
-    rows = []             # (composition, chain, prompts)
-    for comp in comps:
-        every = chains(comp, facts)
-        items = chains(comp, known_facts)
-        gen = random.Random(generator(cfg, "multihop", comp.name).initial_seed())
-        gen.shuffle(items)
-        items = items[:MAX_ITEMS]
-        taken = {c.subject for c in items}
-        pool = [c for c in every if c.subject not in taken] or every
-        if len(items) < MIN_ITEMS or len(pool) < FEW_SHOT:
-            out["skipped"][comp.name] = f"{len(items)} known chains (of {len(every)})"
-            continue
-        examples = gen.sample(pool, FEW_SHOT)
-        items = [c for c in items if c not in examples]
-        rows += [(comp, c, prompts_for(comp, examples, c)) for c in items]
+    rows, out["skipped"] = item_rows(comps, relations, known, cfg)
     if not rows:
         out["note"] = f"no composition has {MIN_ITEMS} known chains"
         out["seconds"] = round(time.perf_counter() - t0, 1)
@@ -198,22 +182,47 @@ def multihop(lm, relations, known: dict, layers: list[int], cfg: AnalysisSetting
     return out
 
 
+def item_rows(comps: list[Composition], relations, known: dict, cfg: AnalysisSettings
+              ) -> tuple[list[tuple[Composition, Chain, dict[str, str]]], dict[str, str]]:
+    """The items of every composition: (composition, chain, its prompts) per known chain (at most ``MAX_ITEMS``
+    per composition, after ``FEW_SHOT`` examples drawn from its other chains), and the compositions skipped
+    (name -> why)."""
+    facts = {r.name: {f.subject: f.object for f in r.facts} for r in relations}
+    known_facts = {name: {f.subject: f.object for f in rows if f.known} for name, rows in known.items()}
+    rows, skipped = [], {}             # (composition, chain, prompts)
+    for comp in comps:
+        every = chains(comp, facts)
+        items = chains(comp, known_facts)
+        gen = random.Random(generator(cfg, "multihop", comp.name).initial_seed())
+        gen.shuffle(items)
+        items = items[:MAX_ITEMS]
+        taken = {c.subject for c in items}
+        pool = [c for c in every if c.subject not in taken] or every
+        if len(items) < MIN_ITEMS or len(pool) < FEW_SHOT:
+            skipped[comp.name] = f"{len(items)} known chains (of {len(every)})"
+            continue
+        examples = gen.sample(pool, FEW_SHOT)
+        items = [c for c in items if c not in examples]
+        rows += [(comp, c, prompts_for(comp, examples, c)) for c in items]
+    return rows, skipped
+
+
 def _chain_of_thought(lm, rows, cfg: AnalysisSettings) -> dict[str, torch.Tensor]:
     """Hits of the chain-of-thought prompt (the model's own bridges), of the ceiling (the true bridges) and of
     every bridge the model states: {"cot", "ceiling", "cot_bridges"} BoolTensors [n]."""
     tok = lm.tokenizer
-    texts = [p["cot"] + " " + _statement(comp.hops[0], c.subject) for comp, c, p in rows]
+    texts = [p["cot"] + " " + statement(comp.hops[0], c.subject) for comp, c, p in rows]
     bridges_right = torch.ones(len(rows), dtype=torch.bool)
     for step in range(max(len(comp.hops) for comp, _, _ in rows) - 1):
         todo = [i for i, (comp, _, _) in enumerate(rows) if len(comp.hops) > step + 1]
         names = [rows[i][1].bridges[step] for i in todo]
-        said = greedy_continuations(lm, [texts[i] for i in todo], _budget(tok, names), cfg.batch_size)
+        said = greedy_continuations(lm, [texts[i] for i in todo], bridge_budget(tok, names), cfg.batch_size)
         for i, text, true in zip(todo, said, names):
             bridge = _END.split(text, 1)[0].strip() or text.strip()
             bridges_right[i] &= is_known(text, true)
-            texts[i] += f" {bridge}. " + _statement(rows[i][0].hops[step + 1], bridge)
+            texts[i] += f" {bridge}. " + statement(rows[i][0].hops[step + 1], bridge)
     answers = [c.answer for _, c, _ in rows]
-    ceiling = [p["cot"] + " " + _reasoning(comp, c).rsplit(" " + c.answer + ".", 1)[0] for comp, c, p in rows]
+    ceiling = [p["cot"] + " " + reasoning(comp, c).rsplit(" " + c.answer + ".", 1)[0] for comp, c, p in rows]
     unique = list(dict.fromkeys(texts + ceiling))            # a chain of true bridges is its own ceiling
     pred = dict(zip(unique, last_token(lm, unique, [], cfg.batch_size)[0].tolist()))
     cot_pred, ceil_pred = (torch.tensor([pred[t] for t in x]) for x in (texts, ceiling))

@@ -71,8 +71,8 @@ def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits
     ``total_seconds`` (this call's wall time). ``gate``: see :class:`Parts`; with one, ``timing`` also has
     ``core_wait_seconds`` (the seconds parts waited for a core, summed over the processes).
     ``fitted``, if given, receives the fitted decoders of the relations computed here (not those taken over), see
-    ``decoders.decoders_for_relation``. ``planned``, if given: relation name -> the plan's seconds of its
-    decoders (``llmprobe.jobs.plan.decoder_seconds``), which the progress bar's time left is scaled from.
+    ``decoders.decoders_for_relation``. ``planned``, if given: part (:func:`parts_of`) -> the plan's seconds of it
+    (``llmprobe.jobs.plan.part_seconds``), which the progress bar's time left is scaled from.
     """
     analyses = tuple(analyses)
     unknown = [a for a in analyses if a not in ANALYSES]
@@ -136,15 +136,13 @@ def run_analyses(lm, relations, known: dict, layers, analyses=ANALYSES, n_splits
             on_progress(result)
 
     try:
+        order = parts_of(relations, analyses)
+        plan = [planned.get(part, 0.0) for part in order] if planned else None
+        for part in log.bar(order, "analyses", unit="part", planned=plan):
+            take(part)
         if job.do_lre or job.do_ridge:
-            plan = [planned.get(r.name, 0.0) for r in relations] if planned else None
-            for relation in log.bar(relations, "decoders", planned=plan):
-                take(("decoders", relation.name))
             result["relations"] = {r.name: result["relations"][r.name] for r in relations}
             result["timing"]["decoders_seconds"] = round(sum(relation_seconds), 1)
-        for name in AFTER_DECODERS:
-            if name in analyses:
-                take((name, None))
     finally:
         parts.close()
         for other, outcome in parts.finished_elsewhere():     # an interrupt keeps what the helpers finished

@@ -327,7 +327,7 @@ def fact_grid(tokenizer, relations, known: dict, cfg: AnalysisSettings) -> FactG
     return FactGrid(kept, subjects, answers, firsts, located, validation)
 
 
-def _complete_rows(grid: FactGrid) -> tuple[list[int], list[int]]:
+def complete_rows(grid: FactGrid) -> tuple[list[int], list[int]]:
     """Relations and subjects of the gating grid (subjects known in every grid relation): relations are dropped
     one by one, the one with the fewest known facts first, until ``MIN_GRID_SUBJECTS`` subjects are complete (or
     two relations are left); at most ``GRID_SUBJECTS`` of them are kept. A choice by known-fact counts only."""
@@ -352,7 +352,7 @@ def selector(lm, relations, known: dict, layers: list[int], cfg: AnalysisSetting
            "matched_control": "controls.modes.<mode>.points[].selector.gate_transplant: the same transplant "
                               "(the donor's gate, the item's own values) on the matched controls' ReLU on/off mask",
            "error": None}
-    rels, rows = _complete_rows(grid)
+    rels, rows = complete_rows(grid)
     subjects = [grid.subjects[i] for i in rows]
     log(f"selector: gating grid {len(subjects)} subjects x {len(rels)} relations, {len(layers)} layers")
     if len(subjects) < 2:
@@ -399,6 +399,13 @@ def _transplant_items(grid: FactGrid, split: bool, limit: int, gen: random.Rando
     return items
 
 
+def transplant_item_sets(grid: FactGrid, cfg: AnalysisSettings) -> tuple[dict, dict]:
+    """The gate transplants' validation items (they choose the block) and test items (:func:`_transplant_items`)."""
+    gen = random.Random(generator(cfg, "selector", "transplant items").initial_seed())
+    return (_transplant_items(grid, True, VALIDATION_ITEMS, gen),
+            _transplant_items(grid, False, TRANSPLANT_ITEMS, gen))
+
+
 def _prompt_sets(tok, items: dict) -> tuple[PromptSet, PromptSet, PromptSet, torch.Tensor]:
     return (*(PromptSet([t for t, _ in items[k]], [s for _, s in items[k]], tok) for k in ("own", "same", "other")),
             torch.tensor(items["answers"], dtype=torch.long))
@@ -413,9 +420,7 @@ def _transplant(lm, grid: FactGrid, cfg: AnalysisSettings, log: Log) -> dict:
     """Gate transplants: the block of layers with the largest (same - other) keep rate on validation facts,
     then every measure on test facts, pooled and per relation of the test facts (``by_relation``: the same items
     split by their own relation r; a relation with fewer than MIN_RELATION_ITEMS gets its count and an error)."""
-    gen = random.Random(generator(cfg, "selector", "transplant items").initial_seed())
-    val = _transplant_items(grid, True, VALIDATION_ITEMS, gen)
-    test = _transplant_items(grid, False, TRANSPLANT_ITEMS, gen)
+    val, test = transplant_item_sets(grid, cfg)
     if not val["answers"] or not test["answers"]:
         return {"error": f"too few known facts with a donor ({len(val['answers'])} validation, "
                          f"{len(test['answers'])} test)"}
@@ -448,19 +453,17 @@ def _transplant(lm, grid: FactGrid, cfg: AnalysisSettings, log: Log) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- crosspatch
-def crosspatch(lm, relations, known: dict, layers: list[int], cfg: AnalysisSettings, log: Log) -> dict:
-    """One subject state serves every relation: the state of subject s at layer l, from a relation-free prompt
-    (``neutral``) or from relation A's prompt (``cross_relation``), replaces the state of another subject s' at
-    its last token in relation B's prompt (a real forward pass from layer l on); success = the model answers B's
-    attribute of s. Beside it: the state from B's own prompt of s (``same_relation``, the reference), the neutral
-    state of a random third subject s'' (``random_subject``; ``random_subject_follows``: it answers B of s'') and
-    a random vector of the neutral state's norm (``random_vector``). Per layer (every layer but the last: no
-    selection is made), pooled over pairs and per ordered pair (A, B)."""
-    t0 = time.perf_counter()
-    tok, n_layers = lm.tokenizer, lm.adapter.n_layers
-    grid = fact_grid(tok, relations, known, cfg)
+def patch_layers_of(layers: list[int], n_layers: int) -> list[int]:
+    """The layers crosspatch patches: every layer of ``layers`` but the last block (no selection is made)."""
+    return [l for l in layers if l < n_layers - 1] or list(layers)
+
+
+def crosspatch_items(tok, grid: FactGrid, cfg: AnalysisSettings) -> tuple[str, list[tuple[int, int, int, int, int]]]:
+    """The neutral template and crosspatch's items (A, B, s, s', s''): relation indices A != B and subject
+    indices of ``grid``: up to ``PAIR_ITEMS`` per ordered pair, s known in B and located in A and in the neutral
+    template, a recipient s' and a random subject s'' of B with other first answer tokens. AnalysisError when
+    there is none."""
     neutral = neutral_templates(tok, grid.relations, cfg.neutral_templates)[0][0]
-    patch_layers = [l for l in layers if l < n_layers - 1] or list(layers)
     in_neutral = [e is None for e in locate_errors(tok, neutral, grid.subjects)]
     R, first = len(grid.relations), grid.firsts
     facts = {r: [i for i in grid.known(r) if in_neutral[i]] for r in range(R)}
@@ -480,6 +483,23 @@ def crosspatch(lm, relations, known: dict, layers: list[int], cfg: AnalysisSetti
                     break
     if not items:
         raise AnalysisError(f"no item with a recipient and a random subject of other answers in {grid.names}")
+    return neutral, items
+
+
+def crosspatch(lm, relations, known: dict, layers: list[int], cfg: AnalysisSettings, log: Log) -> dict:
+    """One subject state serves every relation: the state of subject s at layer l, from a relation-free prompt
+    (``neutral``) or from relation A's prompt (``cross_relation``), replaces the state of another subject s' at
+    its last token in relation B's prompt (a real forward pass from layer l on); success = the model answers B's
+    attribute of s. Beside it: the state from B's own prompt of s (``same_relation``, the reference), the neutral
+    state of a random third subject s'' (``random_subject``; ``random_subject_follows``: it answers B of s'') and
+    a random vector of the neutral state's norm (``random_vector``). Per layer (every layer but the last: no
+    selection is made), pooled over pairs and per ordered pair (A, B)."""
+    t0 = time.perf_counter()
+    tok, n_layers = lm.tokenizer, lm.adapter.n_layers
+    grid = fact_grid(tok, relations, known, cfg)
+    neutral, items = crosspatch_items(tok, grid, cfg)
+    patch_layers = patch_layers_of(layers, n_layers)
+    R, first = len(grid.relations), grid.firsts
     log(f"crosspatch: {len(items)} items over {R * (R - 1)} relation pairs, {len(patch_layers)} layers")
     # subject states of relation B's prompts: the recipients' clean states and the same-relation sources
     states, answered = {}, {}

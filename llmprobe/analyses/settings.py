@@ -104,9 +104,9 @@ def settings_from(n_splits: int = 3, seed: int = 0, max_subjects: int = 90, **op
 
 
 class Log:
-    """Progress on stderr: a tqdm bar per stage (:meth:`bar`: "decoders 3/9 [05:12, ~10:24 left]") and lines with
-    the seconds since the analyses started and, inside a stage, its item "k/N" and the time left:
-    ``[analyses 743s | decoders 3/9, ~10:24 left] country_continent: ...``. The time left comes from the items
+    """Progress on stderr: a tqdm bar per stage (:meth:`bar`: "analyses ... 3/17 [05:12, ~10:24 left]") and lines
+    with the seconds since the analyses started and, inside a stage, its item "k/N" and the time left:
+    ``[analyses 743s | 3/17, ~10:24 left] country_continent: ...``. The time left comes from the items
     computed (not those :meth:`skip` marks): with the plan's seconds per item (``bar(planned=...)``, from
     ``llmprobe.jobs.plan``) it is the items left's planned seconds times measured / planned of the items computed
     (the plan before any was computed, "(planned)"); without it their mean time times the items left
@@ -203,11 +203,11 @@ class Log:
                 + (" once a core is free (the controls hold them)" if self.held else ""))
 
     def where(self) -> str:
-        """`` | decoders 3/9, ~10:24 left`` while a stage runs (:meth:`left`; "estimating..." when there is
+        """`` | 3/17, ~10:24 left`` while a stage runs (:meth:`left`; "estimating..." when there is
         nothing to estimate from yet), else ""."""
         if self.done >= self.total:
             return ""
-        return f" | {self.what} {self.done + 1}/{self.total}, {self.left() or 'estimating...'}"
+        return f" | {self.done + 1}/{self.total}, {self.left() or 'estimating...'}"
 
     def __call__(self, message: str) -> None:
         if self.write is not None:

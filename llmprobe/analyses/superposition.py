@@ -185,7 +185,7 @@ def superposition(lm, table: SuperpositionTable, layers: list[int], swap_layers:
         "merged_attributes": merged_attributes(table, U),
         "layers": {}, "error": None,
     }
-    for layer in log.bar(layers, "superposition", unit="layer"):
+    for layer in layers:
         nulls = {"random_init": (null_H[layer], U_c)} if null_H is not None else None
         rep = superposition_readout(H[layer], A, U, nulls=nulls, relation_names=names, k=cfg.folds,
                                     seed=cfg.seed, n_boot=cfg.n_boot, decode=False,

@@ -21,7 +21,7 @@ from llmprobe.analyses.settings import settings_from
 from llmprobe.checks import output_folder, parse_layers
 from llmprobe.datasets import DatasetError, Relation, load_relations
 from llmprobe.jobs.helpers import AnalysisHelper
-from llmprobe.jobs.plan import decoder_seconds
+from llmprobe.jobs.plan import part_seconds
 from llmprobe.jobs.stages import (
     checkpoint,
     claim_folder,
@@ -357,7 +357,7 @@ class ProbeJob:
             try:
                 report["analyses"] = analyses_run.run_analyses(
                     self.lm, **arguments, on_progress=self.analyses_progress, done=earlier, fitted=self.fitted,
-                    planned=self.planned_decoders(analyses), helpers=helpers, gate=self.gate)
+                    planned=self.planned_parts(analyses), helpers=helpers, gate=self.gate)
             finally:
                 self.stop_helpers()
         report["timings"]["analyses_s"] = round(time.perf_counter() - t, 1)
@@ -404,19 +404,16 @@ class ProbeJob:
             helper.stop()
         self.helper_pool = []
 
-    def planned_decoders(self, analyses: tuple) -> dict | None:
-        """Relation name -> the plan's seconds of its decoders (``jobs.plan.decoder_seconds``), for the progress
-        bar's time left; None (said on stderr) when the plan cannot be made: it never stops the analyses."""
-        if not {"lre", "ridge"} & set(analyses):
-            return None
+    def planned_parts(self, analyses: tuple) -> dict | None:
+        """Each analysis part -> the plan's seconds of it (``jobs.plan.part_seconds``, on the facts the model
+        knows), for the progress bar's time left; None (said on stderr) when the plan cannot be made: it never
+        stops the analyses."""
         try:
             cfg = settings_from(seed=self.settings.run.seed, **self.settings.analysis_options())
-            known = {name: sum(r.known for r in results) for name, results in self.known.items()}
-            seconds = decoder_seconds(self.lm, self.analysed, known, self.report["layers"], cfg, analyses)
+            return part_seconds(self.lm, self.analysed, self.known, self.report["layers"], cfg, analyses)
         except Exception as error:  # noqa: BLE001 - the time left is an estimate; the analyses go on without it
-            say(f"no plan of the decoders' time ({type(error).__name__}: {(str(error).splitlines() or [''])[0]})")
+            say(f"no plan of the analyses' time ({type(error).__name__}: {(str(error).splitlines() or [''])[0]})")
             return None
-        return {relation.name: t for relation, t in zip(self.analysed, seconds)}
 
     def analyses_progress(self, partial: dict) -> None:
         """``run_analyses``' checkpoint: the finished relations (their decoders first) are safe from an interrupt."""
