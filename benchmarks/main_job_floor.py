@@ -55,7 +55,9 @@ from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from llmprobe.analyses.run import Analyses  # noqa: E402
 from llmprobe.jobs.main import matched_table  # noqa: E402
-from llmprobe.jobs.plan import (  # noqa: E402  (the cost model's workload count and the matmul rate)
+from llmprobe.jobs.plan import matched_curve, matched_step_flops, matmul_rate, smollm2_tokenizer  # noqa: E402
+from llmprobe.jobs.probe import fitting, load_options, run_relations  # noqa: E402
+from llmprobe.jobs.workload import (  # noqa: E402
     MATCHED_D_STAR,
     SMOLLM2_KNOWN,
     TARGETS,
@@ -63,14 +65,9 @@ from llmprobe.jobs.plan import (  # noqa: E402  (the cost model's workload count
     forward_work,
     jacobian_work,
     known_work,
-    matched_curve,
-    matched_step_flops,
-    matmul_rate,
     run_workload,
-    smollm2_tokenizer,
     sum_work,
 )
-from llmprobe.jobs.probe import fitting, load_options, run_relations  # noqa: E402
 from llmprobe.model.interop import as_loaded_model  # noqa: E402
 from llmprobe.model.known import FactResult  # noqa: E402
 from llmprobe.report.schema import read_report  # noqa: E402

@@ -57,23 +57,25 @@ from llmprobe.analyses.settings import AnalysisSettings  # noqa: E402
 from llmprobe.jobs.plan import (  # noqa: E402
     CPU_FITS,
     H200,
+    auto_rank,
+    cpu_model_cost,
+    duration,
+    gib,
+    memory,
+    predict_on,
+)
+from llmprobe.jobs.workload import (  # noqa: E402
     PREDICT_RANK,
     SMOLLM2_KNOWN,
     TARGETS,
     Shape,
     Work,
-    auto_rank,
-    cpu_model_cost,
-    duration,
     forward_work,
-    gib,
     jacobian_prompts,
     jacobian_work,
     known_batches,
     known_work,
-    memory,
     padded_batches,
-    predict_on,
     run_workload,
 )
 

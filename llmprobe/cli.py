@@ -18,7 +18,7 @@ from llmprobe.checks import (
     positive_int,
 )
 from llmprobe.commands import run_command
-from llmprobe.jobs.plan import PRESETS
+from llmprobe.jobs.workload import PRESETS
 from llmprobe.names import ANALYSES, PROTOCOLS
 from llmprobe.settings import COMMAND_ANALYSES, Settings
 from synthetic.cli import add_parser as add_synth

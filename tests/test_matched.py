@@ -238,7 +238,8 @@ def test_the_plan_prices_each_width_as_the_run_plan_does():
     function survives pickling (the worker is a spawned process)."""
     import pickle
 
-    from llmprobe.jobs.plan import CPU_FITS, PRESETS, matched_curve, matched_planned, matched_width_steps, predict_on
+    from llmprobe.jobs.plan import CPU_FITS, matched_curve, matched_planned, matched_width_steps, predict_on
+    from llmprobe.jobs.workload import PRESETS
 
     shape = PRESETS["smollm2-135m"]
     work = {"forward": [], "edits": [], "jacobian": [], "lre_layers": [], "head_rows": 0, "states": [], "known": [],

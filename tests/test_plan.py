@@ -20,20 +20,16 @@ from llmprobe.datasets import load_relations
 from llmprobe.jobs.plan import (
     CPU_FITS,
     REFERENCE_RATE,
-    SMOLLM2_KNOWN,
     STAGES,
-    TARGETS,
-    PlannedFact,
     auto_rank,
     format_plan,
     matmul_rate,
     part_seconds,
     plan,
     predict_on,
-    run_workload,
-    shape_from_config,
     smollm2_tokenizer,
 )
+from llmprobe.jobs.workload import SMOLLM2_KNOWN, TARGETS, PlannedFact, run_workload, shape_from_config
 from llmprobe.model.loading import load_model
 from llmprobe.names import ANALYSES
 from llmprobe.settings import from_options

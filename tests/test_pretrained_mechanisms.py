@@ -36,7 +36,7 @@ from llmprobe.analyses.selector import (
 )
 from llmprobe.analyses.settings import Log, settings_from
 from llmprobe.datasets import Fact, Relation, load_relations
-from llmprobe.jobs.plan import MECHANISM_WORKLOADS
+from llmprobe.jobs.workload import MECHANISM_WORKLOADS
 from llmprobe.metric import iter_metrics
 from llmprobe.model.capture import adapter_for, capture
 from llmprobe.model.known import known_facts, object_split
@@ -384,7 +384,7 @@ def _planned_passes(work: dict, n_layers: int) -> dict:
 @pytest.mark.parametrize("analysis", ["crosspatch", "selector", "multihop"])
 def test_the_plan_counts_the_passes_each_mechanism_analysis_runs(taught_llama, analysis, monkeypatch):
     """``llmprobe plan`` prices the crosspatch, selector and multihop analyses by the passes it counts for them
-    (``llmprobe.jobs.plan.MECHANISM_WORKLOADS``, from the analyses' own item builders). Against the passes each
+    (``llmprobe.jobs.workload.MECHANISM_WORKLOADS``, from the analyses' own item builders). Against the passes each
     analysis runs on a taught tiny Llama (hooks on every block and the LM head, of the model and its random
     twins; the near-tie reruns of the cached edits off): the LM-head rows are equal and the token-blocks within
     20% (the plan's upper bounds: the selector's test block as deep as the model, each bridge generated to its

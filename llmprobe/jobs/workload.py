@@ -1,0 +1,531 @@
+"""What ``llmprobe run`` does, counted (layer 5): the shapes its FLOPs depend on, its workload in
+model-independent units and that workload in FLOPs; ``llmprobe.jobs.plan`` prices it.
+
+* :class:`Shape`: what the FLOPs and the memory depend on, read from a config (:func:`model_shape`: a local
+  folder, a .gguf file, the embedded default, a preset of a published config, a hub name when online);
+* :func:`run_workload`: what ``llmprobe run`` does with its settings in model-independent units (batches of
+  rows x tokens, Jacobian prompts, fit counts), counted with the project's own code (splits, layer choice, the
+  superposition table, the mechanism analyses' item builders) on the SmolLM2 tokenizer's prompt lengths;
+* :func:`known_work`, :func:`forward_work`, :func:`jacobian_work`, :func:`mechanism_work`: that workload in
+  FLOPs and passes of a shape.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmprobe.analyses.decoders import AUTO_JACOBIAN_RANK
+from llmprobe.analyses.multihop import bridge_budget, compositions, item_rows, reasoning, statement
+from llmprobe.analyses.selector import (
+    PATCHES,
+    blocks_of,
+    complete_rows,
+    crosspatch_items,
+    fact_grid,
+    patch_layers_of,
+    transplant_item_sets,
+)
+from llmprobe.analyses.settings import AnalysisError, AnalysisSettings, pick_layers
+from llmprobe.analyses.splits import relation_split
+from llmprobe.analyses.superposition import superposition_table
+from llmprobe.checks import UsageError, parse_layers
+from llmprobe.datasets import load_relations
+from llmprobe.model.known import object_token_sequences
+from llmprobe.model.loading import (
+    DEFAULT_INSTALL,
+    DEFAULT_MODEL,
+    ModelLoadError,
+    _looks_like_path,
+    check_hub_reachable,
+    default_gguf,
+    embedded_folder,
+)
+from llmprobe.model.scoring import first_token_targets
+from llmprobe.model.subjects import encode
+from llmprobe.names import ANALYSES
+
+# ------------------------------------------------------------------------------------------ shapes and FLOPs
+VOCAB = 49152               # the SmolLM2 tokenizer's vocabulary (the benchmark models use it)
+UNGATED = ("gpt2", "phi")   # model types whose MLP has two matrices (the others: gate, up, down)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoder-only model's shape (what its FLOPs and memory depend on); head_dim None = d // heads."""
+
+    name: str
+    d: int
+    layers: int
+    ff: int
+    heads: int
+    kv_heads: int
+    vocab: int = VOCAB
+    tied: bool = True
+    head_dim: int | None = None
+    mlp_matrices: int = 3
+
+    @property
+    def block_params(self) -> int:
+        """Parameters of one decoder block (attention, MLP, two norms)."""
+        head = self.head_dim or self.d // self.heads
+        kv = 2 * self.d * head * self.kv_heads
+        return 2 * self.d * head * self.heads + kv + self.mlp_matrices * self.d * self.ff + 2 * self.d
+
+    @property
+    def params(self) -> int:
+        embeddings = self.vocab * self.d * (1 if self.tied else 2)
+        return self.layers * self.block_params + embeddings + self.d
+
+    def token_block_flops(self) -> float:
+        """FLOPs of one token through one block (forward), or of one vector-Jacobian product through it."""
+        return 2.0 * self.block_params
+
+    def head_flops(self) -> float:
+        """FLOPs of the LM head on one position."""
+        return 2.0 * self.d * self.vocab
+
+
+TARGETS = [   # published configs (vocab, MLP width, heads, tied embeddings)
+    Shape("SmolLM2-135M", 576, 30, 1536, 9, 3, 49152, True),
+    Shape("0.5B (Qwen2.5-0.5B)", 896, 24, 4864, 14, 2, 151936, True),
+    Shape("1.5B (Qwen2.5-1.5B)", 1536, 28, 8960, 12, 2, 151936, True),
+    Shape("8B (Llama-3-8B)", 4096, 32, 14336, 32, 8, 128256, False),
+    Shape("70B (Llama-3-70B)", 8192, 80, 28672, 64, 8, 128256, False),
+]
+
+
+def preset_key(name: str) -> str:
+    """``meta-llama/Meta-Llama-3-8B-Instruct`` -> ``llama-3-8b``: a hub name without owner, ``meta-`` and
+    ``-instruct``, lower case."""
+    key = name.strip().lower().split("/")[-1]
+    return key.removeprefix("meta-").removesuffix("-instruct")
+
+
+# preset key -> Shape: each target by its short label ("8b") and its model ("llama-3-8b"); Llama-3.1 has 3's shape
+PRESETS = {preset_key(part.strip("()")): shape for shape in TARGETS for part in shape.name.split(" ")}
+PRESETS.update({"llama-3.1-8b": TARGETS[3], "llama-3.1-70b": TARGETS[4]})
+
+
+def shape_from_config(config, name: str) -> Shape:
+    """The Shape of a transformers config (its text config for a multimodal one)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    d, heads = int(text.hidden_size), int(text.num_attention_heads)
+    ff = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * d
+    return Shape(name, d, int(text.num_hidden_layers), int(ff), heads,
+                 int(getattr(text, "num_key_value_heads", None) or heads), int(text.vocab_size),
+                 bool(getattr(config, "tie_word_embeddings", True)), getattr(text, "head_dim", None) or None,
+                 2 if getattr(text, "model_type", "") in UNGATED else 3)
+
+
+def _config_of(name: str | Path, trust_remote_code: bool = False, **kwargs):
+    """transformers' config of a folder, GGUF file's folder (``gguf_file=``) or hub name: config.json only."""
+    from transformers import AutoConfig  # lazy: start-up time: the CLI's checks and errors do not load transformers
+
+    return AutoConfig.from_pretrained(str(name), trust_remote_code=trust_remote_code, **kwargs)
+
+
+def model_shape(model=None, trust_remote_code: bool = False) -> tuple[Shape, str]:
+    """(Shape, where it came from) of ``model``: None or the embedded default's name (its cached safetensors
+    copy's config.json, else its GGUF file's metadata: no weights dequantised), a local folder (config.json) or
+    .gguf file, a preset (``PRESETS``: ``meta-llama/Meta-Llama-3-8B``, ``Qwen/Qwen2.5-0.5B``, ...), a hub name
+    (cached or online; remote code only with ``trust_remote_code``), a transformers config or a Shape.
+    UsageError naming ``model`` when none of these reads it."""
+    if isinstance(model, Shape):
+        return model, "given shape"
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        return shape_from_config(model, getattr(model, "_name_or_path", "") or "config"), "given config"
+    name = None if model is None else str(model)
+    if name is None or name == DEFAULT_MODEL:
+        try:
+            gguf = default_gguf()
+        except ModelLoadError:
+            return PRESETS["smollm2-135m"], f"preset: the embedded model's shape (not installed: {DEFAULT_INSTALL})"
+        folder = embedded_folder(gguf)
+        if (folder / "config.json").is_file():
+            return shape_from_config(_config_of(folder), DEFAULT_MODEL), "the embedded model's config.json"
+        return shape_from_config(_config_of(gguf.parent, gguf_file=gguf.name), DEFAULT_MODEL), f"metadata of {gguf}"
+    local = Path(os.path.expanduser(name))
+    presets = ", ".join(sorted(PRESETS))
+    if local.is_dir() and not (local / "config.json").is_file():
+        raise UsageError(f"{name}: a folder without config.json; pass a model folder, a .gguf file, a hub name or "
+                         f"a preset ({presets})")
+    if local.is_dir() or (local.is_file() and name.lower().endswith(".gguf")):
+        where, kwargs = (local, {}) if local.is_dir() else (local.parent, {"gguf_file": local.name})
+        source = f"{local / 'config.json'}" if local.is_dir() else f"metadata of {local}"
+    elif preset_key(name) in PRESETS:
+        return PRESETS[preset_key(name)], f"preset {PRESETS[preset_key(name)].name}: its published config"
+    elif local.exists() or _looks_like_path(name):
+        raise UsageError(f"{name}: no model folder or .gguf file there, and not a preset ({presets})")
+    else:
+        where, kwargs, source = name, {}, f"the hub's config.json of {name}"
+    try:
+        if where == name:
+            check_hub_reachable(name, None)
+        return shape_from_config(_config_of(where, trust_remote_code, **kwargs), name), source
+    except (ModelLoadError, OSError, ValueError, KeyError, AttributeError, TypeError) as error:
+        first = (str(error).splitlines() or [""])[0]
+        raise UsageError(f"{name}: no config to plan from ({type(error).__name__}: {first}); presets that work "
+                         f"offline: {presets}") from None
+
+
+# ------------------------------------------------------------------------------------- workload in FLOPs
+@dataclass
+class Work:
+    """One stage's work: FLOPs (model, on the device) and passes (forward or backward calls)."""
+
+    flops: float = 0.0
+    passes: int = 0
+
+    def add(self, flops: float, passes: int = 1) -> None:
+        self.flops += flops
+        self.passes += passes
+
+
+def sum_work(parts) -> Work:
+    total = Work()
+    for wk in parts:
+        total.add(wk.flops, wk.passes)
+    return total
+
+
+def known_work(shape: Shape, batches: list[tuple[int, int, int]]) -> Work:
+    """known_facts: per batch (rows, padded prompt tokens, tokens generated): prefill + one step per further
+    token, the LM head on one position per row and step."""
+    w = Work()
+    for rows, prompt, gen in batches:
+        w.add(rows * ((prompt + gen - 1) * shape.layers * shape.token_block_flops() + gen * shape.head_flops()),
+              gen)
+    return w
+
+
+def forward_work(shape: Shape, batches: list[tuple[int, int]], blocks: int, head: bool = False) -> Work:
+    """Forward passes of (rows, padded tokens) batches through ``blocks`` blocks (+ LM head on one row each)."""
+    w = Work()
+    for rows, tokens in batches:
+        w.add(rows * (tokens * blocks * shape.token_block_flops() + (shape.head_flops() if head else 0.0)))
+    return w
+
+
+def edit_work(shape: Shape, edits: list[tuple[list[tuple[int, int]], int, bool]]) -> Work:
+    """The edits' passes: (batches, blocks, LM head) entries of ``run_workload``'s "edits"."""
+    return sum_work(forward_work(shape, b, blocks, head) for b, blocks, head in edits)
+
+
+def jacobian_work(shape: Shape, prompts: list[tuple[int, int]], layers: list[int], rank: int | None = None,
+                  oversample: int = 10, batch_size: int = 16, chunk: int = AnalysisSettings.jacobian_chunk) -> Work:
+    """subject_jacobians of prompts (tokens before the subject's last, tokens from it to the end) at the subject
+    states of ``layers``, rows grouped by the second number: a prefix forward without grad, a forward with grad,
+    then the products, each through the blocks after the layer it reaches (``chunk`` per batched backward): from
+    o = blocks.{L-1}.resid_post to the state blocks.{l}.resid_post, blocks l+1 .. L-1 (L - 1 - l of them, as
+    ``llmprobe.model.lre.jacobian_cost`` counts them; torch's FlopCounterMode agrees, tests/test_scaling_bench.py).
+
+    Exact (``rank`` None, or k = rank + oversample >= d): d VJPs from o, through the blocks after min(layers)
+    (one backward reaches every layer). Low-rank (``llmprobe.model.lre._lowrank_rows``): k VJPs through the blocks
+    after min(layers) (shared by the layers), then per layer l k JVPs and k VJPs through the blocks after l."""
+    k = None if rank is None or rank + oversample >= shape.d else rank + oversample
+    first = min(layers)
+    terms = [(shape.d, first)] if k is None else [(k, first)] + [(2 * k, l) for l in layers]
+    w = Work()
+    for start in range(0, len(prompts), batch_size):
+        part = prompts[start:start + batch_size]
+        for after in sorted({a for _, a in part}):
+            group = [p for p in part if p[1] == after]
+            rows, prefix = len(group), max(p for p, _ in group)
+            w.add(rows * (prefix + after) * shape.layers * shape.token_block_flops(), 2)
+            for products, layer in terms:
+                w.add(products * rows * after * (shape.layers - 1 - layer) * shape.token_block_flops(),
+                      math.ceil(products / chunk))
+    return w
+
+
+# -------------------------------------------------------------------------------------- the run's workload
+def length_batches(lengths: list[int], batch_size: int) -> list[tuple[int, int]]:
+    """(rows, padded tokens) of each batch of rows of these token ``lengths``, in order."""
+    return [(len(lengths[i:i + batch_size]), max(lengths[i:i + batch_size]))
+            for i in range(0, len(lengths), batch_size)]
+
+
+def padded_batches(tok, prompts: list[str], batch_size: int) -> list[tuple[int, int]]:
+    """(rows, padded tokens) of each batch, in the order the project batches them."""
+    if not prompts:
+        return []
+    return length_batches([len(ids) for ids in tok(prompts)["input_ids"]], batch_size)
+
+
+def cached_edit_batches(prompts: list[tuple[int, int]], rows: int, batch_size: int
+                        ) -> list[tuple[list[tuple[int, int]], bool]]:
+    """The passes of ``llmprobe.model.lre.edited_predictions`` for ``rows`` edits cycling through ``prompts``
+    ((tokens before the subject's last, tokens from it to the end) per distinct prompt, :func:`jacobian_prompts`):
+    each distinct prompt's tokens before the subject once, without the LM head, and each edit's tokens from the
+    subject on, with it; as [(batches of (rows, padded tokens), head)] (the rare micro-batches run again near a tie
+    are not counted)."""
+    edited = [prompts[i % len(prompts)] for i in range(rows)] if prompts else []
+    return [(length_batches([before for before, _ in prompts[:rows]], batch_size), False),
+            (length_batches([after for _, after in edited], batch_size), True)]
+
+
+def known_batches(tok, prompts: list[str], objects: list[str], batch_size: int = 32) -> list[tuple[int, int, int]]:
+    """(rows, padded prompt tokens, generated tokens) per batch of ``known_facts`` (its ordering and budgets)."""
+    budgets = [min(len(s) + 1, 16) for s in object_token_sequences(tok, prompts, objects)]
+    lengths = [len(ids) for ids in tok(prompts)["input_ids"]]
+    order = sorted(range(len(prompts)), key=lambda i: (budgets[i], len(prompts[i])))
+    out = []
+    for i in range(0, len(order), batch_size):
+        chunk = order[i:i + batch_size]
+        out.append((len(chunk), max(lengths[j] for j in chunk), max(budgets[j] for j in chunk)))
+    return out
+
+
+def jacobian_prompts(tok, template: str | list[str], subjects: list[str]) -> list[tuple[int, int]]:
+    """(tokens before the subject's last token, tokens from it to the prompt's end) per prompt (one template, or
+    one per subject)."""
+    enc = encode(tok, template, subjects, padding_side="left")
+    out = []
+    for row in range(len(subjects)):
+        n = int(enc.attention_mask[row].sum())
+        pad = enc.input_ids.shape[1] - n
+        s, last = int(enc.subject_last[row]) - pad, int(enc.prompt_last[row]) - pad
+        out.append((s, last - s + 1))
+    return out
+
+
+# Known facts of SmolLM2-135M-Instruct per relation (measured: `llmprobe run`, report schema 2, README). The
+# decoders use the first min(known, 90) of them; relations with fewer than 8 are skipped. Larger models know more
+# facts: the prediction states this assumption and also gives the upper bound with every fact known.
+SMOLLM2_KNOWN = {"company_hq_city": 5, "company_hq_country": 10, "country_capital": 49, "country_continent": 106,
+                 "country_currency": 33, "country_demonym": 19, "country_language": 79, "country_subregion": 16,
+                 "landmark_city": 18, "landmark_country": 22, "person_citizenship": 5, "person_occupation": 17,
+                 "product_company": 1}
+SMOLLM2_KNOWN_FRACTION = 380 / 1574   # of every bundled fact: assumed for a relation not in SMOLLM2_KNOWN
+# the matched controls' table is the superposition table of the bundled relations (all facts), the same for any
+# model; measured on it in the SmolLM2 run of 2026-12-01 (3 seeds, 100 steps past the fit, 2000-step cap):
+MATCHED_D_STAR = {"trainable": 3, "frozen": 8}
+CONTROL_STEPS = 200     # mean training steps per seed of the curve's points at d >= 48 (27 trainings, both modes)
+CONTROL_POINT_STEPS = {"trainable": {3: 2000, 6: 262, 12: 190, 24: 165},     # narrower points: per seed, measured
+                       "frozen": {8: 1767, 16: 298, 32: 199}}
+MATCHED_SEARCH_S = {"trainable": 38.3, "frozen": 25.6}   # each mode's d* bisection (widths 2-8, model-independent)
+PREDICT_RANK = AUTO_JACOBIAN_RANK   # the low rank ``--jacobian-rank auto`` takes (128)
+
+
+def run_workload(tok, n_layers: int, known_counts: dict | None, cfg: AnalysisSettings | None = None,
+                 relations: list | None = None, layers: str = "every:3", analyses=ANALYSES,
+                 matched_modes=tuple(MATCHED_D_STAR), at_model_width: bool = True, known_results: dict | None = None
+                 ) -> dict:
+    """What ``llmprobe run`` does with these settings (default: its defaults), in model-independent units:
+    batches of (rows, tokens), Jacobian prompts, CPU fit counts. ``relations`` None = every bundled relation;
+    ``known_counts`` None = every fact known; the mechanism analyses count on ``known_results`` (relation name ->
+    its known-facts results) when given, else on each relation's first ``known_counts`` facts. Without ``lre`` no Jacobians, LRE fits or causality edits; without
+    ``ridge`` no ridge fits; without ``superposition`` no states, readouts or swap edits; ``matched_modes`` ()
+    = no matched controls."""
+    cfg = cfg or AnalysisSettings()
+    relations = load_relations(None) if relations is None else relations
+    do_lre, do_ridge, do_sup = ("lre" in analyses), ("ridge" in analyses), ("superposition" in analyses)
+    layers = parse_layers(layers, n_layers)
+    lre_layers = (sorted({l % n_layers for l in cfg.lre_layers} & set(layers)) if cfg.lre_layers is not None else
+                  pick_layers(layers, cfg.max_lre_layers, n_layers))
+    w: dict = {"layers": layers, "lre_layers": lre_layers, "known": [], "forward": [], "edits": [], "jacobian": [],
+               "lre_fits": 0, "ridge_fits": 0, "head_rows": 0, "states": [], "readouts": len(layers) if do_sup else 0,
+               "matched_modes": tuple(matched_modes), "at_model_width": at_model_width}
+    for rel in relations:
+        template = rel.templates[0]
+        prompts = [template.replace("{}", f.subject, 1) for f in rel.facts]
+        w["known"] += known_batches(tok, prompts, [f.object for f in rel.facts])
+        known = len(rel.facts) if known_counts is None else known_counts.get(rel.name, 0)
+        n = min(known, cfg.max_subjects)
+        if n < cfg.min_known or not (do_lre or do_ridge):
+            continue
+        facts = rel.facts[:n]
+        subjects = [f.subject for f in facts]
+        y = first_token_targets(tok, prompts[:n], [f.object for f in facts])
+        try:
+            split = relation_split(y, rel.name, cfg)
+        except AnalysisError:                                                    # too few facts: skipped
+            continue
+        batches = padded_batches(tok, prompts[:n], cfg.batch_size)
+        w["forward"].append((batches, n_layers))                                  # relation_states
+        if do_lre:
+            union = split.jacobian_union().tolist()
+            w["jacobian"].append(jacobian_prompts(tok, template, [subjects[i] for i in union]))
+        n_test_pairs = len(split.test_pairs[0])
+        for layer in layers:
+            for refit in split.refits:
+                if do_ridge:
+                    w["ridge_fits"] += len(cfg.ridge_alphas) + 1
+                    w["head_rows"] += len(cfg.ridge_alphas) * len(refit.val) + 2 * len(split.test)
+                if do_lre and layer in lre_layers:
+                    w["lre_fits"] += 1
+                    w["head_rows"] += 21 * len(refit.val) + len(split.test)
+        edits = sum(len(cfg.edit_ranks) * len(r.val_pairs[0]) + 3 * n_test_pairs + 2 * n_test_pairs
+                    for r in split.refits) + n_test_pairs
+        causal = cached_edit_batches(jacobian_prompts(tok, template, subjects), edits, cfg.batch_size) \
+            if do_lre else []
+        for layer in lre_layers if do_lre else []:                               # causality layers = LRE layers
+            w["forward"].append((batches, layer + 1))                            # layer_sequences
+            w["edits"] += [(b, n_layers - 1 - layer, head) for b, head in causal]
+    assumed = known_results if known_results is not None else assumed_known(relations, known_counts)
+    w["mechanisms"] = {name: count(tok, relations, assumed, layers, n_layers, cfg)
+                       for name, count in MECHANISM_WORKLOADS.items() if name in analyses}
+    try:
+        table = superposition_table(tok, relations, {}, cfg) if do_sup or matched_modes else None
+    except AnalysisError:                                # too few shared subjects: no readouts, no controls
+        table, w["readouts"], w["matched_modes"] = None, 0, ()
+    w["n_subjects"] = len(table.subjects) if table is not None else 0
+    w["n_facts_table"] = int((table.A >= 0).sum()) if table is not None else 0
+    if table is None or not do_sup:
+        return w
+    subjects = table.subjects
+    for template in table.neutral:                                              # the model and its random twin
+        neutral = [template.replace("{}", s, 1) for s in subjects]
+        w["states"] += padded_batches(tok, neutral, cfg.batch_size * 2) * 2
+    R = len(table.relations)
+    m = min(cfg.max_swap_subjects, len(subjects)) * R                          # swap edits (at most)
+    swap_templates = [table.relations[i % R].templates[0] for i in range(m)]
+    swap_subjects = [subjects[i % len(subjects)] for i in range(m)]
+    sample = padded_batches(tok, [t.replace("{}", s, 1) for t, s in zip(swap_templates, swap_subjects)],
+                            cfg.batch_size)
+    swapped = cached_edit_batches(jacobian_prompts(tok, swap_templates, swap_subjects), m * 4 * len(cfg.swap_scales),
+                                  cfg.batch_size)
+    for layer in lre_layers:
+        w["edits"] += [(b, n_layers - 1 - layer, head) for b, head in swapped]
+        w["forward"].append((sample, n_layers))                                 # clean answers
+        w["forward"].append((sample, layer + 1))                                # layer_sequences
+    return w
+
+
+# --------------------------------------------------------------------------- the mechanism analyses' workload
+@dataclass(frozen=True)
+class PlannedFact:
+    """A fact as the analyses read a known-facts result (``llmprobe.model.known.FactResult``'s fields they use)."""
+
+    subject: str
+    object: str
+    known: bool
+
+
+def assumed_known(relations: list, known_counts: dict | None) -> dict[str, list[PlannedFact]]:
+    """Relation name -> its facts, the first ``known_counts[name]`` of them known (None: every fact): which
+    facts a model knows is learnt only when it runs; the plan takes each relation's first ones."""
+    return {rel.name: [PlannedFact(f.subject, f.object, known_counts is None or i < known_counts.get(rel.name, 0))
+                       for i, f in enumerate(rel.facts)] for rel in relations}
+
+
+def _mechanism() -> dict:
+    """An empty workload of one mechanism analysis: forward passes [(batches, blocks, LM head)], prefix-cached
+    edits (the same), greedy generation [(rows, prompt tokens, new tokens)], random twins built."""
+    return {"forward": [], "edits": [], "generate": [], "twins": 0}
+
+
+def _filled_batches(tok, templates: list[str], subjects: list[str], batch_size: int) -> list[tuple[int, int]]:
+    return padded_batches(tok, [t.replace("{}", s, 1) for t, s in zip(templates, subjects)], batch_size)
+
+
+def selector_workload(tok, relations: list, known: dict, layers: list[int], n_layers: int,
+                      cfg: AnalysisSettings) -> dict:
+    """The passes of ``llmprobe.analyses.selector.selector``: the gates of the gating grid's prompts up to the
+    last probed layer (the model and its random twin), the donors' gates at every layer, two edited full passes
+    per block of layers on the validation items, and on the test items the gates at the chosen block (its
+    deepest layer assumed: the last block) and four full passes (transplants, random units, clean)."""
+    work = _mechanism()
+    try:
+        grid = fact_grid(tok, relations, known, cfg)
+    except AnalysisError:
+        return work
+    rels, rows = complete_rows(grid)
+    batch = cfg.batch_size
+    if len(rows) >= 2:
+        templates = [grid.relations[r].templates[0] for _ in rows for r in rels]
+        subjects = [grid.subjects[i] for i in rows for _ in rels]
+        copies = 2 if cfg.random_control else 1
+        work["forward"] += [(_filled_batches(tok, templates, subjects, batch), max(layers) + 1, False)] * copies
+        work["twins"] += copies - 1
+    val, test = transplant_item_sets(grid, cfg)
+    if not val["answers"] or not test["answers"]:
+        return work
+    of = lambda items, key: _filled_batches(tok, [t for t, _ in items[key]], [s for _, s in items[key]], batch)
+    work["forward"] += [(of(val, "same"), n_layers, False), (of(val, "other"), n_layers, False)]
+    work["forward"] += [(of(val, "own"), n_layers, True)] * (2 * len(blocks_of(n_layers)))
+    work["forward"] += [(of(test, key), n_layers, False) for key in ("own", "same", "other")]
+    work["forward"] += [(of(test, "own"), n_layers, True)] * 4
+    return work
+
+
+def crosspatch_workload(tok, relations: list, known: dict, layers: list[int], n_layers: int,
+                        cfg: AnalysisSettings) -> dict:
+    """The passes of ``llmprobe.analyses.selector.crosspatch``: the subject states of each relation B's sources
+    and recipients (with the LM head), of the cross-relation sources and of the neutral prompts; per patched
+    layer the recipients' clean states up to it and their five patches (prefix-cached edits, as the decoders')."""
+    work = _mechanism()
+    try:
+        grid = fact_grid(tok, relations, known, cfg)
+        neutral, items = crosspatch_items(tok, grid, cfg)
+    except AnalysisError:
+        return work
+    batch, names = cfg.batch_size, grid.subjects
+    for b in range(len(grid.relations)):
+        subjects = sorted({i for x in items if x[1] == b for i in (x[2], x[3])})
+        if subjects:
+            work["forward"].append((_filled_batches(tok, [grid.relations[b].templates[0]] * len(subjects),
+                                                    [names[i] for i in subjects], batch), n_layers, True))
+    work["forward"].append((_filled_batches(tok, [grid.relations[a].templates[0] for a, *_ in items],
+                                            [names[x[2]] for x in items], batch), n_layers, False))
+    needed = sorted({x[2] for x in items} | {x[4] for x in items})
+    work["forward"].append((_filled_batches(tok, [neutral] * len(needed), [names[i] for i in needed], batch),
+                            n_layers, False))
+    templates = [grid.relations[x[1]].templates[0] for x in items]
+    recipients = [names[x[3]] for x in items]
+    resumed = cached_edit_batches(jacobian_prompts(tok, templates, recipients), len(PATCHES) * len(items), batch)
+    for layer in patch_layers_of(layers, n_layers):
+        work["forward"].append((_filled_batches(tok, templates, recipients, batch), layer + 1, False))
+        work["edits"] += [(b, n_layers - 1 - layer, head) for b, head in resumed]
+    return work
+
+
+def _generation_batches(tok, prompts: list[str], new_tokens: int, batch_size: int) -> list[tuple[int, int, int]]:
+    """(rows, padded prompt tokens, tokens generated) per batch of ``greedy_tokens`` with one budget."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    lengths = [len(ids) for ids in tok(prompts)["input_ids"]] if prompts else []
+    return [(len(part), max(lengths[i] for i in part), new_tokens)
+            for part in (order[k:k + batch_size] for k in range(0, len(order), batch_size))]
+
+
+def multihop_workload(tok, relations: list, known: dict, layers: list[int], n_layers: int,
+                      cfg: AnalysisSettings) -> dict:
+    """The passes of ``llmprobe.analyses.multihop.multihop``: the direct prompts (the model and its random
+    twin), each bridge generated greedily after the chain-of-thought prompt (to its full budget), and the
+    chain-of-thought and ceiling prompts' next tokens. The model's own bridges are not known before it runs: the
+    true ones stand in for them, and each chain-of-thought prompt is counted apart from its ceiling (as when a
+    bridge is wrong)."""
+    work = _mechanism()
+    rows, _ = item_rows(compositions(relations), relations, known, cfg)
+    if not rows:
+        return work
+    batch = cfg.batch_size
+    direct = [p["direct"] for *_, p in rows]
+    work["forward"].append((padded_batches(tok, direct, batch), n_layers, True))
+    texts = [p["cot"] + " " + statement(comp.hops[0], c.subject) for comp, c, p in rows]
+    for step in range(max(len(comp.hops) for comp, _, _ in rows) - 1):
+        todo = [i for i, (comp, _, _) in enumerate(rows) if len(comp.hops) > step + 1]
+        bridges = [rows[i][1].bridges[step] for i in todo]
+        work["generate"] += _generation_batches(tok, [texts[i] for i in todo], bridge_budget(tok, bridges), batch)
+        for i, bridge in zip(todo, bridges):
+            texts[i] += f" {bridge}. " + statement(rows[i][0].hops[step + 1], bridge)
+    ceiling = [p["cot"] + " " + reasoning(comp, c).rsplit(" " + c.answer + ".", 1)[0] for comp, c, p in rows]
+    work["forward"].append((padded_batches(tok, texts + ceiling, batch), n_layers, True))
+    bridges = {c.bridges[s] for _, c, _ in rows for s in range(len(c.bridges))}
+    if cfg.random_control and sum(len(c.bridges) for _, c, _ in rows) >= 4 and len(bridges) >= 2:
+        work["forward"].append((padded_batches(tok, direct, batch), n_layers, True))
+        work["twins"] += 1
+    return work
+
+
+MECHANISM_WORKLOADS = {"crosspatch": crosspatch_workload, "selector": selector_workload,
+                       "multihop": multihop_workload}
+
+
+def mechanism_work(shape: Shape, work: dict) -> Work:
+    """One mechanism analysis' workload in FLOPs and passes of ``shape``: its forward passes, edits and
+    generation."""
+    return sum_work([sum_work(forward_work(shape, b, blocks, head) for b, blocks, head in work["forward"]),
+                     edit_work(shape, work["edits"]), known_work(shape, work["generate"])])
