@@ -65,14 +65,25 @@ def control_step(rate: float, steps: int, d: int = 576, seeds: int = 3) -> dict[
     ids, targets = torch.stack([x.input_ids for x in datas]), torch.stack([x.targets for x in datas])
     pos = datas[0].target_pos
 
-    def step():
+    def forward_backward():
         loss, _ = stack.loss(ids, pos, targets, chunk=cfg.chunk)
         loss.sum().backward()
+
+    def step():
+        forward_backward()
         stack.adam_step([cfg.lr] * seeds, cfg)
+
+    def adam_alone() -> float:
+        """One step's Adam update, timed apart from the forward and backward before it."""
+        forward_backward()
+        t = time.perf_counter()
+        stack.adam_step([cfg.lr] * seeds, cfg)
+        return time.perf_counter() - t
 
     with denormals_flushed(True):
         flops = counted(step)
         seconds = best_seconds(step, steps)
+        adam = min(adam_alone() for _ in range(steps))
         m, facts = models[0].config.d_mlp, ids.shape[1]
         x, w_in = torch.randn(seeds, facts, d), torch.randn(seeds, d, m)
         h, w_out = torch.randn(seeds, facts, m), torch.randn(seeds, m, d)
@@ -88,7 +99,9 @@ def control_step(rate: float, steps: int, d: int = 576, seeds: int = 3) -> dict[
     print(f"  its six MLP matmuls alone {mlp:.3f} s ({mlp_flops / mlp / 1e9:.0f} GFLOP/s, "
           f"{mlp * rate / mlp_flops:.2f} x their floor); the rest of the step {seconds - mlp:.3f} s "
           f"({(seconds - mlp) / seconds:.0%}: softmax, bias, ReLU, Adam)")
-    return {"step_s": seconds, "flops": flops, "mlp_s": mlp, "mlp_flops": mlp_flops, "facts": facts,
+    print(f"  of which Adam {adam:.3f} s ({adam / seconds:.0%} of the step: a fused Adam could save part of that "
+          f"at most, and would change the controls' numbers)")
+    return {"step_s": seconds, "adam_s": adam, "flops": flops, "mlp_s": mlp, "mlp_flops": mlp_flops, "facts": facts,
             "outputs": tasks[0].n_outputs}
 
 
