@@ -260,13 +260,19 @@ def _readout_hits(H: torch.Tensor, y: torch.Tensor, U: torch.Tensor, group: torc
     return hits, majority
 
 
+def bridges_readable(rows) -> bool:
+    """Whether the items' bridges are enough to read out (at least 4 bridges of at least 2 entities)."""
+    bridges = [b for _, c, _ in rows for b in c.bridges]
+    return len(bridges) >= 4 and len(set(bridges)) >= 2
+
+
 def _latent_bridge(lm, rows, direct: list[str], states: dict[int, torch.Tensor], layers: list[int],
                    cfg: AnalysisSettings, log: Log) -> dict:
     """Per layer, the readout of every bridge (item x bridge position) from the direct prompt's last-token
     states, cross-fitted over those rows, beside shuffled labels and the random-init model's states."""
     index = [(i, step) for i, (_, c, _) in enumerate(rows) for step in range(len(c.bridges))]
     names = sorted({rows[i][1].bridges[s] for i, s in index})
-    if len(index) < 4 or len(names) < 2:
+    if not bridges_readable(rows):
         return {"error": f"{len(index)} bridges of {len(names)} entities: too few to read out"}
     y = torch.tensor([names.index(rows[i][1].bridges[s]) for i, s in index])
     shuffled = y[torch.randperm(len(y), generator=generator(cfg, "multihop", "shuffled"))]

@@ -118,7 +118,7 @@ class Log:
 
     def __init__(self, enabled: bool, write=None):
         self.enabled, self.start, self.write = enabled, time.perf_counter(), write
-        self.what, self.done, self.total = "", 0, 0        # the stage in progress: items done (computed or not) of N
+        self.done, self.total = 0, 0                       # the stage in progress: items done (computed or not) of N
         self.computed, self.seconds = 0, 0.0               # items computed and their time: the rate of the time left
         self.planned: list[float] | None = None            # the plan's seconds per item, or None
         self.planned_computed = 0.0                        # the plan's seconds of the items computed
@@ -132,7 +132,7 @@ class Log:
         ``planned``: the plan's seconds of each item (as many as ``items``), or None."""
         if planned is not None and len(planned) != len(items):
             raise ValueError(f"bar: {len(planned)} planned seconds for {len(items)} items")
-        self.what, self.done, self.total, self.computed, self.seconds = what, 0, len(items), 0, 0.0
+        self.done, self.total, self.computed, self.seconds = 0, len(items), 0, 0.0
         self.planned, self.planned_computed = (list(planned) if planned is not None else None), 0.0
         self.begun = time.perf_counter()
         style = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"    # postfix: ", ~10:24 left"

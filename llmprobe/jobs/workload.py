@@ -17,7 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmprobe.analyses.decoders import AUTO_JACOBIAN_RANK
-from llmprobe.analyses.multihop import bridge_budget, compositions, item_rows, reasoning, statement
+from llmprobe.analyses.multihop import (
+    bridge_budget,
+    bridges_readable,
+    compositions,
+    item_rows,
+    reasoning,
+    statement,
+)
 from llmprobe.analyses.selector import (
     PATCHES,
     blocks_of,
@@ -266,9 +273,12 @@ def cached_edit_batches(prompts: list[tuple[int, int]], rows: int, batch_size: i
             (length_batches([after for _, after in edited], batch_size), True)]
 
 
-def known_batches(tok, prompts: list[str], objects: list[str], batch_size: int = 32) -> list[tuple[int, int, int]]:
-    """(rows, padded prompt tokens, generated tokens) per batch of ``known_facts`` (its ordering and budgets)."""
-    budgets = [min(len(s) + 1, 16) for s in object_token_sequences(tok, prompts, objects)]
+def generation_batches(tok, prompts: list[str], budgets: list[int], batch_size: int = 32
+                       ) -> list[tuple[int, int, int]]:
+    """(rows, padded prompt tokens, generated tokens) per batch of ``llmprobe.model.known.greedy_tokens`` with
+    these new-token ``budgets`` (one per prompt): its ordering, by budget and then prompt length."""
+    if not prompts:
+        return []
     lengths = [len(ids) for ids in tok(prompts)["input_ids"]]
     order = sorted(range(len(prompts)), key=lambda i: (budgets[i], len(prompts[i])))
     out = []
@@ -276,6 +286,12 @@ def known_batches(tok, prompts: list[str], objects: list[str], batch_size: int =
         chunk = order[i:i + batch_size]
         out.append((len(chunk), max(lengths[j] for j in chunk), max(budgets[j] for j in chunk)))
     return out
+
+
+def known_batches(tok, prompts: list[str], objects: list[str], batch_size: int = 32) -> list[tuple[int, int, int]]:
+    """:func:`generation_batches` of ``known_facts`` (its budgets: the object's tokens + 1, at most 16)."""
+    budgets = [min(len(s) + 1, 16) for s in object_token_sequences(tok, prompts, objects)]
+    return generation_batches(tok, prompts, budgets, batch_size)
 
 
 def jacobian_prompts(tok, template: str | list[str], subjects: list[str]) -> list[tuple[int, int]]:
@@ -476,18 +492,11 @@ def crosspatch_workload(tok, relations: list, known: dict, layers: list[int], n_
     templates = [grid.relations[x[1]].templates[0] for x in items]
     recipients = [names[x[3]] for x in items]
     resumed = cached_edit_batches(jacobian_prompts(tok, templates, recipients), len(PATCHES) * len(items), batch)
+    clean = _filled_batches(tok, templates, recipients, batch)
     for layer in patch_layers_of(layers, n_layers):
-        work["forward"].append((_filled_batches(tok, templates, recipients, batch), layer + 1, False))
+        work["forward"].append((clean, layer + 1, False))
         work["edits"] += [(b, n_layers - 1 - layer, head) for b, head in resumed]
     return work
-
-
-def _generation_batches(tok, prompts: list[str], new_tokens: int, batch_size: int) -> list[tuple[int, int, int]]:
-    """(rows, padded prompt tokens, tokens generated) per batch of ``greedy_tokens`` with one budget."""
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    lengths = [len(ids) for ids in tok(prompts)["input_ids"]] if prompts else []
-    return [(len(part), max(lengths[i] for i in part), new_tokens)
-            for part in (order[k:k + batch_size] for k in range(0, len(order), batch_size))]
 
 
 def multihop_workload(tok, relations: list, known: dict, layers: list[int], n_layers: int,
@@ -508,13 +517,13 @@ def multihop_workload(tok, relations: list, known: dict, layers: list[int], n_la
     for step in range(max(len(comp.hops) for comp, _, _ in rows) - 1):
         todo = [i for i, (comp, _, _) in enumerate(rows) if len(comp.hops) > step + 1]
         bridges = [rows[i][1].bridges[step] for i in todo]
-        work["generate"] += _generation_batches(tok, [texts[i] for i in todo], bridge_budget(tok, bridges), batch)
+        work["generate"] += generation_batches(tok, [texts[i] for i in todo],
+                                               [bridge_budget(tok, bridges)] * len(todo), batch)
         for i, bridge in zip(todo, bridges):
             texts[i] += f" {bridge}. " + statement(rows[i][0].hops[step + 1], bridge)
     ceiling = [p["cot"] + " " + reasoning(comp, c).rsplit(" " + c.answer + ".", 1)[0] for comp, c, p in rows]
     work["forward"].append((padded_batches(tok, texts + ceiling, batch), n_layers, True))
-    bridges = {c.bridges[s] for _, c, _ in rows for s in range(len(c.bridges))}
-    if cfg.random_control and sum(len(c.bridges) for _, c, _ in rows) >= 4 and len(bridges) >= 2:
+    if cfg.random_control and bridges_readable(rows):
         work["forward"].append((padded_batches(tok, direct, batch), n_layers, True))
         work["twins"] += 1
     return work
