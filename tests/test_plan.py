@@ -10,7 +10,9 @@ import torch
 import transformers
 from tiny_models import CONFIGS, save_tiny
 
+import llmprobe.jobs.cost_model as cost_model
 import llmprobe.jobs.plan as plan_module
+import llmprobe.jobs.workload as workload_module
 from llmprobe.analyses.run import parts_of
 from llmprobe.analyses.settings import AnalysisSettings
 from llmprobe.checks import UsageError
@@ -221,3 +223,35 @@ def test_the_analyses_share_the_cores_the_workers_free_unless_a_model_copy_does_
     monkeypatch.undo()
     monkeypatch.setattr(plan_module.os, "sched_getaffinity", lambda pid: set(range(8)))
     assert plan(TARGETS[0], rate=REFERENCE_RATE)["total"]["analyses_processes"] == 1
+
+
+def test_every_constant_of_the_cost_model_has_its_provenance_and_is_the_one_plan_and_workload_use():
+    """llmprobe/jobs/cost_model.toml: each fitted, measured or assumed constant has its machine (or "assumed"),
+    date, source and note beside its value; plan and workload hold the file's values, in their own types."""
+    data = cost_model.DATA
+    for name, entry in cost_model.entries().items():
+        assert set(entry) == {"value", *cost_model.PROVENANCE}, f"{name}: {sorted(entry)}"
+        assert all(isinstance(entry[f], str) and entry[f].strip() for f in cost_model.PROVENANCE), name
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", entry["date"]), f"{name}: date {entry['date']}"
+    assert any(e["machine"] == "assumed" for e in data["H200"].values())
+    assert set(data) == {"FITTED", "H200", "MATCHED_PARAMS", "REFERENCE_RATE", "PROCESS_BYTES", "SMOLLM2_KNOWN",
+                         "SMOLLM2_KNOWN_FRACTION", "MATCHED_D_STAR", "CONTROL_STEPS", "CONTROL_POINT_STEPS",
+                         "MATCHED_SEARCH_S"}
+    fitted = plan_module.FITTED
+    assert fitted == {stage: tuple(e["value"]) for stage, e in data["FITTED"].items()}
+    assert all(type(fit) is tuple and len(fit) == 2 for fit in fitted.values())
+    assert set(CPU_FITS) == set(fitted) | {"matched_params"}
+    assert all(CPU_FITS[stage] == {"a": 1.0 / rate, "b": b} for stage, (rate, b) in fitted.items())
+    assert plan_module.H200 == {key: e["value"] for key, e in data["H200"].items()}
+    assert type(plan_module.H200["hbm_bytes"]) is int and plan_module.H200["hbm_bytes"] == 139 * 2**30
+    assert CPU_FITS["matched_params"] == data["MATCHED_PARAMS"]["value"] == [16.0, 785.0, 0.0]
+    assert REFERENCE_RATE == data["REFERENCE_RATE"]["value"] == 145e9
+    assert plan_module.PROCESS_BYTES == data["PROCESS_BYTES"]["value"] == 0.5 * 2**30
+    for name in ("SMOLLM2_KNOWN", "SMOLLM2_KNOWN_FRACTION", "MATCHED_D_STAR", "CONTROL_STEPS", "MATCHED_SEARCH_S"):
+        assert getattr(workload_module, name) == data[name]["value"], name
+    assert workload_module.SMOLLM2_KNOWN_FRACTION == sum(SMOLLM2_KNOWN.values()) / 1574
+    assert type(workload_module.CONTROL_STEPS) is int and all(type(n) is int for n in SMOLLM2_KNOWN.values())
+    points = workload_module.CONTROL_POINT_STEPS
+    assert points == {mode: {int(d): n for d, n in steps.items()}
+                      for mode, steps in data["CONTROL_POINT_STEPS"]["value"].items()}
+    assert all(type(d) is int and type(n) is int for steps in points.values() for d, n in steps.items())

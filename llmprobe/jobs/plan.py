@@ -27,6 +27,7 @@ from llmprobe.analyses.decoders import jacobian_rank_for
 from llmprobe.analyses.settings import AnalysisSettings, settings_from
 from llmprobe.checks import UsageError
 from llmprobe.datasets import load_relations
+from llmprobe.jobs.cost_model import constant, group
 from llmprobe.jobs.workload import (
     CONTROL_POINT_STEPS,
     CONTROL_STEPS,
@@ -58,51 +59,21 @@ from llmprobe.settings import Settings
 from synthetic.matched import curve_widths
 
 # ------------------------------------------------------------------------------------------------ predict
-H200 = {"peak_flops": 989e12,        # bf16 dense tensor-core peak (NVIDIA H200 SXM datasheet)
-        "efficiency": 0.25,          # assumed achieved fraction for these small batches (tens of tokens a pass)
-        "hbm_bytes_per_s": 4.8e12,   # every pass reads the weights it uses once (a memory-bound floor)
-        "launch_s_per_block": 1e-4,  # assumed eager-PyTorch overhead per block per pass (~10 kernels + hooks)
-        "disk_bytes_per_s": 2e9,     # assumed safetensors read speed (load)
-        "hbm_bytes": 139 * 2**30,    # usable GPU memory (what torch reports on the H200 machine)
-        "bytes_per_param": 2,        # bfloat16 (``--dtype auto`` on CUDA)
-        "fp32_flops": 67e12,         # float32 (no TF32) peak: the matched controls train in float32 on the GPU
-        "matched_efficiency": 0.5,   # assumed for their full-batch steps (1158 rows x d x 8d matmuls)
-        "matched_step_s": 1e-3}      # assumed overhead per training step (forward, backward, Adam: ~40 kernels)
-
-# The fits of benchmarks/scaling.py on the project's 2-core CPU machine, one thread, CPU seconds (docs/scaling.md,
-# "Measured", 2026-12-01, third session; as printed there: work per second 1/a to 3 digits, b to the ms):
+# The fitted, measured and assumed numbers below come from cost_model.toml, each with its machine (or "assumed"),
+# date, source and how it was fitted. H200: one H200's roofline (datasheet peaks, assumed efficiencies and
+# overheads, its memory, bytes per parameter).
+H200 = group("H200")
+# The CPU fits of benchmarks/scaling.py and of the SmolLM2 runs, one thread, CPU seconds (docs/scaling.md):
 # stage -> (work per second, seconds per pass). Work: FLOPs for the model stages, weight bytes for load,
 # parameters for random_init, the operation counts of docs/scaling.md for the width-only CPU stages.
-FITTED = {"load": (1.34e9, 0.313), "known_facts": (6.03e10, 0.052), "capture": (6.69e10, 0.042),
-          "edits": (7.17e10, 0.073), "jacobians": (9.01e10, 0.023), "jacobians_lowrank": (9.96e10, 0.018),
-          "random_init": (6.4e7, 0.332), "lre_fit": (4.26e8, 0.079), "lre_fit_lowrank": (7.49e8, 0.081),
-          "ridge_fit": (3.88e9, 0.001), "readout": (3.98e6, 0.0), "matched_step": (1.18e11, 0.0031),
-          "matched_measure": (8.48e5, 0.0), "mechanisms": (1.22e11, 0.0073)}
-# jacobians and jacobians_lowrank were fitted on FLOPs that took each product through one block too many (3 blocks
-# where 2 run at the benchmark's layer L-3: x 0.669 and x 0.541 of the work on its configs). Their rates are kept:
-# at the run's depth (23 blocks after layer 6) SmolLM2's exact Jacobians, counted by torch, ran at 9.5e10 in these
-# units (1.70 TFLOP in 31.4 s on one thread at 83 GFLOP/s matmul, x 145/83; 2026-12-03), and the low-rank/exact
-# ratio of the two rates is the one the measured speed-ups at K = 32-128 confirm (docs/scaling.md). Refit left.
-# matched_step is refitted on the 16 curve points of the SmolLM2 run of 2026-12-05 with denormals flushed in the
-# controls' training (each point's CPU seconds in its one-thread worker x 188/145, the run's mean one-thread rate
-# over REFERENCE_RATE, less matched_measure, against FLOPs x steps and steps over its 3 seeds, least squares
-# weighted by 1/sqrt(seconds); widths 3-576: 676 s predicted for 682 measured), and MATCHED_SEARCH_S on its
-# searches; the fit before it (8.12e10, 0.010; 71.4 / 69.2 s) priced the denormal steps past each fit.
-# known_facts was (4.58e10, 0.069) from the benchmark; both numbers are now x 0.76, the measured / planned
-# seconds of the SmolLM2 run of 2026-12-05 (35.9 s over its 2 processes, 94.6 one-thread seconds planned at its
-# 181 GFLOP/s). mechanisms (crosspatch, selector, multihop: FLOPs and passes of mechanism_work) is fitted on that
-# run's three analyses, counted with its own known facts (least squares of the relative errors, less the random
-# twins' construction, at REFERENCE_RATE: 1.03, 0.91 and 1.05 of the measured 44.9, 17.1 and 57.6 s). Their
-# passes are longer than the benchmark's (few-shot prompts, 5 patches per item), so they run faster than the
-# capture fit says (it predicted 1.5-2x their time).
+FITTED = {stage: tuple(fit) for stage, fit in group("FITTED").items()}
 CPU_FITS = {stage: {"a": 1.0 / rate, "b": b} for stage, (rate, b) in FITTED.items()}
-# the matched control's parameters at width d: 16 d^2 (its 8d MLP) + (193 subjects + 6 relations + 577 attributes
-# + 9) d on the default table (counted by ``synthetic.matched.train_at``, as the benchmark's quadratic fit does)
-CPU_FITS["matched_params"] = [16.0, 785.0, 0.0]
-# one thread's dense float32 matmul rate per CPU second on the fit's machine (``measured_rate()``, five runs on
-# 2026-12-02 at load average 1-2: 140-151 GFLOP/s): it over this machine's rate scales every CPU fit
-REFERENCE_RATE = 145e9
-PROCESS_BYTES = 0.5 * 2**30   # Python, torch and the tokenizer: the smallest benchmark model's peak RSS less its model
+# the matched control's parameters at width d: [p2, p1, p0] of p2 d^2 + p1 d + p0 on the default table
+CPU_FITS["matched_params"] = constant("MATCHED_PARAMS")
+# one thread's dense float32 matmul rate per CPU second on the fits' machine: it over this machine's rate (measured
+# now, ``measured_rate()``) scales every CPU fit
+REFERENCE_RATE = constant("REFERENCE_RATE")
+PROCESS_BYTES = constant("PROCESS_BYTES")   # Python, torch and the tokenizer: a process's RSS less its model
 
 
 def h200_matched_step(flops: float) -> float:

@@ -39,6 +39,7 @@ from llmprobe.analyses.splits import relation_split
 from llmprobe.analyses.superposition import superposition_table
 from llmprobe.checks import UsageError, parse_layers
 from llmprobe.datasets import load_relations
+from llmprobe.jobs.cost_model import constant
 from llmprobe.model.known import object_token_sequences
 from llmprobe.model.loading import (
     DEFAULT_INSTALL,
@@ -307,21 +308,18 @@ def jacobian_prompts(tok, template: str | list[str], subjects: list[str]) -> lis
     return out
 
 
-# Known facts of SmolLM2-135M-Instruct per relation (measured: `llmprobe run`, report schema 2, README). The
+# Known facts of SmolLM2-135M-Instruct per relation (measured; values and provenance in cost_model.toml). The
 # decoders use the first min(known, 90) of them; relations with fewer than 8 are skipped. Larger models know more
 # facts: the prediction states this assumption and also gives the upper bound with every fact known.
-SMOLLM2_KNOWN = {"company_hq_city": 5, "company_hq_country": 10, "country_capital": 49, "country_continent": 106,
-                 "country_currency": 33, "country_demonym": 19, "country_language": 79, "country_subregion": 16,
-                 "landmark_city": 18, "landmark_country": 22, "person_citizenship": 5, "person_occupation": 17,
-                 "product_company": 1}
-SMOLLM2_KNOWN_FRACTION = 380 / 1574   # of every bundled fact: assumed for a relation not in SMOLLM2_KNOWN
-# the matched controls' table is the superposition table of the bundled relations (all facts), the same for any
-# model; measured on it in the SmolLM2 run of 2026-12-01 (3 seeds, 100 steps past the fit, 2000-step cap):
-MATCHED_D_STAR = {"trainable": 3, "frozen": 8}
-CONTROL_STEPS = 200     # mean training steps per seed of the curve's points at d >= 48 (27 trainings, both modes)
-CONTROL_POINT_STEPS = {"trainable": {3: 2000, 6: 262, 12: 190, 24: 165},     # narrower points: per seed, measured
-                       "frozen": {8: 1767, 16: 298, 32: 199}}
-MATCHED_SEARCH_S = {"trainable": 38.3, "frozen": 25.6}   # each mode's d* bisection (widths 2-8, model-independent)
+SMOLLM2_KNOWN = constant("SMOLLM2_KNOWN")
+SMOLLM2_KNOWN_FRACTION = constant("SMOLLM2_KNOWN_FRACTION")   # of every bundled fact: for a relation not measured
+# the matched controls on the default table (the same for any model), measured in SmolLM2 runs: each mode's d*,
+# mean steps per seed at d >= 48, steps per seed of the narrower points (width -> steps), each mode's d* bisection
+MATCHED_D_STAR = constant("MATCHED_D_STAR")
+CONTROL_STEPS = constant("CONTROL_STEPS")
+CONTROL_POINT_STEPS = {mode: {int(d): steps for d, steps in points.items()}
+                       for mode, points in constant("CONTROL_POINT_STEPS").items()}
+MATCHED_SEARCH_S = constant("MATCHED_SEARCH_S")
 PREDICT_RANK = AUTO_JACOBIAN_RANK   # the low rank ``--jacobian-rank auto`` takes (128)
 
 
