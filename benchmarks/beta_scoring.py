@@ -1,7 +1,7 @@
 """Benchmark: scoring every beta of an LRE decoder, one LM-head call per beta against ``line_argmax``.
 
 The decoders choose beta by faithfulness: the top-1 token of logits(beta W h + b) for every beta of a grid (7 in
-the strict protocol, 21 in the reference's). ``llmprobe.model.lre.line_argmax`` serves the whole grid with two
+the strict protocol, 21 in the reference's). ``llmprobe.model.engine.line_argmax`` serves the whole grid with two
 head calls where the final norm is an RMS norm (docs/analyses.md); this script times both on the model's own
 states, in the same run, and checks that they give the same ids.
 
@@ -23,8 +23,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from llmprobe.datasets import load_relations  # noqa: E402
+from llmprobe.model.engine import line_argmax, logits_fn, relation_states  # noqa: E402
 from llmprobe.model.loading import load_model  # noqa: E402
-from llmprobe.model.lre import line_argmax, logits_fn, relation_states  # noqa: E402
 
 GRIDS = {"strict (7 betas)": (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0),
          "lre (21 betas)": tuple(i / 4 for i in range(21))}

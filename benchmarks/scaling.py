@@ -172,9 +172,10 @@ def measure_config(d: int, layers: int, device: str, n_facts: int, n_jacobian: i
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from llmprobe.datasets import Relation, load_relations
+    from llmprobe.model.engine import layer_sequences, next_token_predictions, relation_states
     from llmprobe.model.known import known_facts
     from llmprobe.model.loading import load_model
-    from llmprobe.model.lre import layer_sequences, next_token_predictions, relation_states, subject_jacobians
+    from llmprobe.model.lre import subject_jacobians
     from llmprobe.model.random_init import random_init
 
     shape = bench_shape(d, layers)

@@ -19,9 +19,9 @@ from llmprobe.datasets import Fact, Relation
 from llmprobe.geometry import random_spectrum_like
 from llmprobe.metric import iter_metrics
 from llmprobe.model.adapters import ModelAdapter
+from llmprobe.model.engine import next_token_predictions
 from llmprobe.model.known import FactResult
 from llmprobe.model.loading import LoadedModel, load_model
-from llmprobe.model.lre import next_token_predictions
 from llmprobe.names import ANALYSES
 
 FAST = dict(n_boot=100, max_swap_subjects=4, folds=3, max_val_pairs=4, max_test_pairs=8)

@@ -5,6 +5,7 @@ from tiny_models import FAMILIES, save_tiny
 
 from llmprobe.model.adapters import SUPPORTED_TYPES, AdapterError, ModelAdapter, to_lens_name
 from llmprobe.model.capture import capture, forward, patch
+from llmprobe.model.families import PLAIN_MLP
 from llmprobe.model.loading import ModelLoadError, load_model
 from llmprobe.model.subjects import SubjectNotFoundError, encode
 
@@ -106,7 +107,7 @@ def test_mlp_pre_is_the_input_of_the_activation(loaded):
     adapter = loaded.adapter
     mlp, act = adapter.place("blocks.1.mlp_out").module, adapter.place("blocks.1.mlp_pre").module
     assert adapter.names().index("blocks.1.mlp_pre") == adapter.names().index("blocks.1.mlp_hidden") - 1
-    assert adapter.mlp_gated(1) == (adapter.model_type not in ("phi", "gpt2"))
+    assert adapter.mlp_gated(1) == (adapter.model_type not in PLAIN_MLP)
     seen = {}
     handle = mlp.register_forward_pre_hook(lambda module, args: seen.update(x=args[0].detach()))
     try:

@@ -27,9 +27,9 @@ from llmprobe.commands import settings_of as command_settings
 from llmprobe.jobs import rerun as rerun_job
 from llmprobe.jobs.main import run
 from llmprobe.jobs.probe import load_options, probe
+from llmprobe.model.engine import next_token_predictions
 from llmprobe.model.families import ALL, FAMILIES, TESTED, families
 from llmprobe.model.loading import load_model
-from llmprobe.model.lre import next_token_predictions
 from llmprobe.names import ANALYSES
 
 ROOT = Path(__file__).resolve().parents[1]

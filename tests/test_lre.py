@@ -11,23 +11,22 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from torch import nn
 from transformers import PreTrainedTokenizerFast
 
-import llmprobe.model.lre as lre_module
+import llmprobe.model.engine as engine_module
 from llmprobe.geometry import LinearRelationDecoder, LinearRelationOperator
 from llmprobe.model.adapters import ModelAdapter
 from llmprobe.model.capture import adapter_for, capture, forward, patch
-from llmprobe.model.known import first_token_ids
-from llmprobe.model.loading import LoadedModel, load_model
-from llmprobe.model.lre import (
+from llmprobe.model.engine import (
     layer_sequences,
     line_argmax,
     logits_fn,
     next_token_predictions,
     output_name,
-    per_prompt_jacobians,
     relation_states,
-    subject_jacobians,
     subject_states,
 )
+from llmprobe.model.known import first_token_ids
+from llmprobe.model.loading import LoadedModel, load_model
+from llmprobe.model.lre import per_prompt_jacobians, subject_jacobians
 from llmprobe.model.random_init import random_init
 from llmprobe.model.scoring import first_token_collisions, object_continuations, sequence_logprobs
 from llmprobe.model.subjects import encode
@@ -463,7 +462,7 @@ def test_line_argmax_gives_the_ids_of_one_head_call_per_beta(family, fast, tmp_p
     betas = [i / 4 for i in range(21)]
     one_call_each = torch.stack([logits_fn(lm)(beta * A + B).argmax(-1) for beta in betas])
     assert torch.equal(line_argmax(lm, A, B, betas), one_call_each)
-    gain = lre_module._scale_free_gain(lm)
+    gain = engine_module._scale_free_gain(lm)
     assert (gain is not None) == fast
     if not fast:
         return
@@ -475,7 +474,7 @@ def test_line_argmax_gives_the_ids_of_one_head_call_per_beta(family, fast, tmp_p
     zero = torch.zeros_like(tied)
     real = logits_fn(lm)(tied).argmax(-1)
     assert torch.equal(line_argmax(lm, zero, tied, [1.0])[0], real)
-    monkeypatch.setattr(lre_module, "_MARGIN", 0.0)
+    monkeypatch.setattr(engine_module, "_MARGIN", 0.0)
     assert int((line_argmax(lm, zero, tied, [1.0])[0] != real).sum()) > 20
 
 

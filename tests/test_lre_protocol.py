@@ -19,7 +19,7 @@ from test_lre import LinearToy, word_tokenizer
 from tiny_models import save_tiny
 
 import llmprobe.analyses.decoders as decoders_module
-import llmprobe.model.lre as lre
+import llmprobe.model.engine as engine
 from llmprobe.analyses.run import run_analyses
 from llmprobe.analyses.settings import AnalysisError, settings_from
 from llmprobe.analyses.splits import in_context_draws, object_pairs
@@ -27,6 +27,7 @@ from llmprobe.checks import read_json
 from llmprobe.datasets import Fact, Relation, load_relations
 from llmprobe.io import write_json
 from llmprobe.model.adapters import ModelAdapter
+from llmprobe.model.engine import layer_sequences, next_token_predictions, prefix_cached_predictions
 from llmprobe.model.known import (
     CONTEXT,
     EXCLUDED,
@@ -38,7 +39,7 @@ from llmprobe.model.known import (
     known_facts,
 )
 from llmprobe.model.loading import LoadedModel, load_model
-from llmprobe.model.lre import layer_sequences, next_token_predictions, per_prompt_jacobians, prefix_cached_predictions
+from llmprobe.model.lre import per_prompt_jacobians
 
 TEMPLATE = "The capital of {} is"
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "lre_protocol.py"
@@ -245,27 +246,27 @@ def test_edited_predictions_take_the_full_pass_for_rows_near_a_tie(llama64, monk
     gen = torch.Generator().manual_seed(1)
     delta = torch.randn(len(subjects), seqs[0].shape[-1], generator=gen, dtype=torch.float64)
     full = next_token_predictions(lm, TEMPLATE, subjects, 1, delta, resume=seqs * 3, batch_size=4)
-    exact = lre.prefix_cached_predictions
+    exact = engine.prefix_cached_predictions
 
     def flipped(*args, **kwargs):
         logits = exact(*args, **kwargs).clone()
         for row in (2, 7):
             top = logits[row].topk(2)
             a, b = top.indices.tolist()
-            gap = lre._MARGIN / 2 if margin == "inside" else lre._MARGIN * 4
+            gap = engine._MARGIN / 2 if margin == "inside" else engine._MARGIN * 4
             logits[row, b] = logits[row, a] + gap            # the runner-up now leads, by ``gap``
         runs.clear()                                          # the fast path's own prompts are not counted
         return logits
 
-    monkeypatch.setattr(lre, "prefix_cached_predictions", flipped)
+    monkeypatch.setattr(engine, "prefix_cached_predictions", flipped)
     runs = []
-    real_encode = lre.encode
-    monkeypatch.setattr(lre, "encode", lambda *a, **k: runs.append(a[2]) or real_encode(*a, **k))
-    got = lre.edited_predictions(lm, TEMPLATE, subjects, 1, delta, seqs * 3, batch_size=4)
+    real_encode = engine.encode
+    monkeypatch.setattr(engine, "encode", lambda *a, **k: runs.append(a[2]) or real_encode(*a, **k))
+    got = engine.edited_predictions(lm, TEMPLATE, subjects, 1, delta, seqs * 3, batch_size=4)
     run_in_full = list(runs)
     fast = flipped(lm, TEMPLATE, subjects, 1, delta, seqs * 3, return_logits=True)
     top = fast.topk(2, dim=-1).values
-    close = {row for row in range(len(subjects)) if float(top[row, 0] - top[row, 1]) < lre._MARGIN}
+    close = {row for row in range(len(subjects)) if float(top[row, 0] - top[row, 1]) < engine._MARGIN}
     assert ({2, 7} <= close) == (margin == "inside")
     ran = sorted({row // 4 for row in close})                  # the micro-batches of 4 holding a close row
     assert run_in_full == [subjects[4 * b:4 * b + 4] for b in ran]      # those run in full, and only those

@@ -20,7 +20,7 @@ from tiny_models import FAMILIES, save_tiny
 
 import llmprobe.analyses.multihop as multihop_module
 import llmprobe.analyses.selector as selector_module
-import llmprobe.model.lre as lre_module
+import llmprobe.model.engine as engine_module
 from llmprobe.analyses.multihop import chains, compositions, prompts_for
 from llmprobe.analyses.run import run_analyses
 from llmprobe.analyses.selector import (
@@ -392,7 +392,7 @@ def test_the_plan_counts_the_passes_each_mechanism_analysis_runs(taught_llama, a
     patches, the selector's random twin or the multihop's generation misses by more."""
     lm, relations, known = taught_llama
     monkeypatch.setattr(multihop_module, "FEW_SHOT", 1)      # as test_every_family_runs_every_new_analysis
-    monkeypatch.setattr(lre_module, "_MARGIN", 0.0)          # every cached edit's id taken as it is
+    monkeypatch.setattr(engine_module, "_MARGIN", 0.0)          # every cached edit's id taken as it is
     counts = {"token_blocks": 0, "head_rows": 0}
     handles = _count_passes(lm.model, counts)
     twins = []

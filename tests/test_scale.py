@@ -119,7 +119,8 @@ def test_offloaded_model_gives_the_numbers_of_the_model_in_one_piece(tiny_folder
                                                                      everything_known, tmp_path):
     from llmprobe.jobs.probe import probe
     from llmprobe.model.capture import capture, patch
-    from llmprobe.model.lre import layer_sequences, next_token_predictions, subject_jacobians
+    from llmprobe.model.engine import layer_sequences, next_token_predictions
+    from llmprobe.model.lre import subject_jacobians
     from llmprobe.model.subjects import encode
 
     split = load_model(tiny_folder, device="cpu", device_map="auto", max_memory=OFFLOAD,
@@ -176,7 +177,8 @@ def test_bfloat16_model_matches_float32_within_the_stated_tolerance(tiny_folder,
     metrics: a continuous value within 0.02, a proportion within 0.02 + 1/n (one prediction at a near-tie may
     flip between precisions)."""
     from llmprobe.jobs.probe import probe
-    from llmprobe.model.lre import relation_states, subject_jacobians
+    from llmprobe.model.engine import relation_states
+    from llmprobe.model.lre import subject_jacobians
 
     half = load_model(tiny_folder, device="cpu", dtype="bfloat16")
     assert next(half.model.parameters()).dtype == torch.bfloat16
@@ -242,6 +244,7 @@ def test_quantization_without_bitsandbytes_or_cuda_is_refused(tiny_folder, tmp_p
 def test_cli_batch_size_reaches_every_batched_stage_and_device_flags_reach_the_loader(
         tiny_folder, relation_files, everything_known, tmp_path, monkeypatch, capsys):
     import llmprobe.analyses.decoders as decoders
+    import llmprobe.model.engine as engine
     import llmprobe.model.known as known_module
     import llmprobe.model.lre as lre
     from llmprobe.cli import main
@@ -258,6 +261,7 @@ def test_cli_batch_size_reaches_every_batched_stage_and_device_flags_reach_the_l
         sizes.setdefault("jacobians", set()).add(kwargs["batch_size"])
         return jacobian(*args, **kwargs)
 
+    monkeypatch.setattr(engine, "run_batched", spy)
     monkeypatch.setattr(lre, "run_batched", spy)
     monkeypatch.setattr(known_module, "run_batched", spy)
     monkeypatch.setattr(decoders, "subject_jacobians", spy_jacobians)

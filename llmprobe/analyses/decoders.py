@@ -42,18 +42,16 @@ from llmprobe.analyses.splits import (
 )
 from llmprobe.geometry import LinearRelationDecoder, RidgeDecoder, random_direction_like, random_spectrum_factors
 from llmprobe.metric import Metric, proportion
-from llmprobe.model.known import icl_template, resolve_n_icl
-from llmprobe.model.lre import (
-    JacobianResult,
+from llmprobe.model.engine import (
     edited_predictions,
-    jacobian_cost,
     layer_sequences,
     line_argmax,
     logits_fn,
     next_token_predictions,
     relation_states,
-    subject_jacobians,
 )
+from llmprobe.model.known import icl_template, resolve_n_icl
+from llmprobe.model.lre import JacobianResult, jacobian_cost, subject_jacobians
 from llmprobe.model.scoring import Scorer, first_token_collisions, first_token_targets, sequence_logprobs
 from llmprobe.model.subjects import fill
 from llmprobe.names import FIRST_TOKEN, SEQUENCE
@@ -161,7 +159,7 @@ def causality_hits(lm, data: RelationData, layer: int, deltas: list[torch.Tensor
                    tgt: torch.Tensor, cfg: AnalysisSettings) -> list[torch.Tensor]:
     """Hits [m] of each edit set (deltas [m, d] added to h_src at ``layer``) on the pairs (src, tgt): one batched
     run of real forward passes for all sets. With first-token scoring and resume states (``data.sequences``) and
-    ``PREFIX_CACHE`` on: ``llmprobe.model.lre.edited_predictions``, each source prompt's tokens before the subject
+    ``PREFIX_CACHE`` on: ``llmprobe.model.engine.edited_predictions``, each source prompt's tokens before the subject
     run once for all its edit sets and every edit only the tokens from the subject on, the rows near a tie again
     by the full pass, so the ids are the full pass's bit for bit (off: the full resumed pass for every row)."""
     if not len(src):

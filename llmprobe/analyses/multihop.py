@@ -34,8 +34,8 @@ from llmprobe.geometry import ALPHA_GRID, RelationReadout, kfold_indices
 from llmprobe.metric import paired_difference, proportion
 from llmprobe.model.batching import run_batched
 from llmprobe.model.capture import capture
+from llmprobe.model.engine import logits_fn, output_name, state_name
 from llmprobe.model.known import greedy_continuations, is_known
-from llmprobe.model.lre import logits_fn, output_name, state_name
 from llmprobe.model.random_init import random_init
 from llmprobe.model.scoring import first_token_targets
 

@@ -32,8 +32,8 @@ from llmprobe.geometry import random_direction_like
 from llmprobe.metric import bootstrap, paired_difference, proportion
 from llmprobe.model.batching import run_batched
 from llmprobe.model.capture import adapter_for, capture
-from llmprobe.model.lre import edited_predictions as resumed_edit_ids
-from llmprobe.model.lre import layer_sequences, logits_fn, output_name, relation_states
+from llmprobe.model.engine import edited_predictions as resumed_edit_ids
+from llmprobe.model.engine import layer_sequences, logits_fn, output_name, relation_states
 from llmprobe.model.random_init import random_init
 from llmprobe.model.scoring import first_token_targets
 from llmprobe.model.subjects import EncodedPrompts, encode, locate_errors

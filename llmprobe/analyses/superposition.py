@@ -28,7 +28,7 @@ from llmprobe.geometry import (
 )
 from llmprobe.metric import proportion
 from llmprobe.model.capture import module_weight
-from llmprobe.model.lre import edited_predictions, layer_sequences, next_token_predictions, subject_states
+from llmprobe.model.engine import edited_predictions, layer_sequences, next_token_predictions, subject_states
 from llmprobe.model.random_init import random_init
 from llmprobe.model.scoring import attribute_token_ids, first_token_collisions, first_token_targets
 from llmprobe.model.subjects import SubjectNotFoundError, encode, locate_errors

@@ -32,6 +32,10 @@ FAMILIES = {
     "gemma3_text": ("Gemma3ForCausalLM", _LAYERS),
     "gpt2": ("GPT2LMHeadModel", _GPT2),
 }
+# model types whose MLP is plain (act(fc1 x): two matrices), not gated (act(gate_proj x) * up_proj x: three): what
+# ``ModelAdapter.mlp_gated`` finds in the model's modules, for a config without weights (the plan's shapes);
+# tests/test_capture.py checks that the two agree on every family
+PLAIN_MLP = ("gpt2", "phi")
 UNTESTED = {"gemma3": "the multimodal Gemma 3 config: its text model (gemma3_text) is what the tests build"}
 
 # (what is checked, the test that checks it, the families it builds)

@@ -27,7 +27,7 @@ import torch
 
 from llmprobe.model.batching import run_batched
 from llmprobe.model.capture import NonFiniteStatesError, capture
-from llmprobe.model.lre import next_token_predictions
+from llmprobe.model.engine import next_token_predictions
 from llmprobe.model.subjects import fill
 
 KNOWN_RULES = {     # report.json "scoring": the known-fact rule of each protocol, which its scoring also uses
