@@ -51,6 +51,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # the repository root first: a benchmark script must not shadow a package of the repository
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from llmprobe.analyses.passes import jacobian_prompts, padded_batches  # noqa: E402
 from llmprobe.analyses.settings import AnalysisSettings  # noqa: E402
 
 # the cost model (shapes, workload, FLOPs, prediction) is the package's: ``llmprobe plan`` predicts with it
@@ -71,11 +72,9 @@ from llmprobe.jobs.workload import (  # noqa: E402
     Shape,
     Work,
     forward_work,
-    jacobian_prompts,
     jacobian_work,
     known_batches,
     known_work,
-    padded_batches,
     run_workload,
 )
 

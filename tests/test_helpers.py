@@ -10,11 +10,12 @@ from test_analyses import FAST, _relations
 from tiny_models import save_tiny
 
 import llmprobe.jobs.main as main_job
-from llmprobe.analyses.run import Parts, run_analyses
+from llmprobe.analyses.run import run_analyses
 from llmprobe.analyses.saved import weights_id
 from llmprobe.datasets import Fact, Relation
 from llmprobe.jobs.helpers import AnalysisHelper
 from llmprobe.jobs.matched import CoreGate
+from llmprobe.jobs.runner import Parts, SharedRunner
 from llmprobe.model.loading import load_model
 from llmprobe.settings import Settings
 
@@ -57,7 +58,7 @@ def _same(a, b) -> bool:
 def _analyse(lm, work, helpers=()):
     torch.set_num_threads(1)
     fitted = {}
-    result = run_analyses(lm, **work, progress=False, fitted=fitted, helpers=helpers)
+    result = run_analyses(lm, **work, progress=False, runner=SharedRunner(fitted=fitted, helpers=tuple(helpers)))
     return result, fitted
 
 

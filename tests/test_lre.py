@@ -127,7 +127,8 @@ def test_jacobian_flops_are_those_the_plan_counts(llama64):
     exact; the low-rank JVPs' math attention is bmm, compared apart)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from llmprobe.jobs.workload import jacobian_prompts, jacobian_work, shape_from_config
+    from llmprobe.analyses.passes import jacobian_prompts
+    from llmprobe.jobs.workload import jacobian_work, shape_from_config
 
     shape = shape_from_config(llama64.model.config, "tiny llama")
     template = "The capital of {} is in the north of"

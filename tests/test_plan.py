@@ -13,6 +13,7 @@ from tiny_models import CONFIGS, save_tiny
 import llmprobe.jobs.cost_model as cost_model
 import llmprobe.jobs.plan as plan_module
 import llmprobe.jobs.workload as workload_module
+from llmprobe.analyses.passes import PlannedFact
 from llmprobe.analyses.run import parts_of
 from llmprobe.analyses.settings import AnalysisSettings
 from llmprobe.checks import UsageError
@@ -22,7 +23,6 @@ from llmprobe.datasets import load_relations
 from llmprobe.jobs.plan import (
     CPU_FITS,
     REFERENCE_RATE,
-    STAGES,
     auto_rank,
     format_plan,
     matmul_rate,
@@ -30,8 +30,9 @@ from llmprobe.jobs.plan import (
     plan,
     predict_on,
     smollm2_tokenizer,
+    stages,
 )
-from llmprobe.jobs.workload import SMOLLM2_KNOWN, TARGETS, PlannedFact, run_workload, shape_from_config
+from llmprobe.jobs.workload import SMOLLM2_KNOWN, TARGETS, run_workload, shape_from_config
 from llmprobe.model.loading import load_model
 from llmprobe.names import ANALYSES
 from llmprobe.settings import from_options
@@ -52,7 +53,7 @@ def config_only(folder, where, **changes):
 
 def test_a_config_alone_gets_a_plan_and_a_deeper_or_wider_model_costs_more(tiny, tmp_path):
     base = plan(config_only(tiny, tmp_path / "base"), rate=REFERENCE_RATE)
-    assert list(base["stages"]) == list(STAGES) and base["shape"]["layers"] == 3 and base["device"] == "cpu"
+    assert list(base["stages"]) == list(stages()) and base["shape"]["layers"] == 3 and base["device"] == "cpu"
     assert all(stage["seconds"] > 0 and stage["peak_bytes"] > 0 for stage in base["stages"].values())
     deep = plan(config_only(tiny, tmp_path / "deep", num_hidden_layers=6), rate=REFERENCE_RATE)
     wide = plan(config_only(tiny, tmp_path / "wide", hidden_size=64, intermediate_size=128), rate=REFERENCE_RATE)
@@ -130,7 +131,7 @@ def test_the_shipped_fits_reproduce_the_benchmark_and_its_documented_table():
     work = run_workload(smollm2_tokenizer(), shape.layers, SMOLLM2_KNOWN)
     expected = predict_on(shape, work, CPU_FITS, "cpu", auto_rank(shape, work["lre_layers"]))
     got = plan(shape, rate=REFERENCE_RATE)
-    assert {s: got["stages"][s]["seconds"] for s in STAGES} == pytest.approx({s: expected[s] for s in STAGES})
+    assert {s: got["stages"][s]["seconds"] for s in stages()} == pytest.approx({s: expected[s] for s in stages()})
     assert got["total"]["seconds"] == pytest.approx(15.5 * 60, rel=0.05)
     assert plan(TARGETS[3], device="h200")["total"]["seconds"] == pytest.approx(29.5 * 60, rel=0.05)
 
@@ -139,7 +140,7 @@ def test_the_cli_prints_the_table_for_a_model_folder(tiny, capsys):
     assert main(["plan", str(tiny), "--relations", "country_capital", "--layers", "every:1"]) == 0
     out = capsys.readouterr().out
     assert f"plan of llmprobe run: {tiny}" in out and "this CPU" in out and "one H200" in out
-    for label in (*STAGES.values(), "run (wall)"):
+    for label in (*stages().values(), "run (wall)"):
         assert re.search(rf"^{re.escape(label)} +\d", out, re.M), label
     assert main(["plan", "meta-llama/Meta-Llama-3-8B", "--device", "h200", "--out", "never-made"]) == 0
     out = capsys.readouterr().out

@@ -22,7 +22,8 @@ import llmprobe.analyses.multihop as multihop_module
 import llmprobe.analyses.selector as selector_module
 import llmprobe.model.engine as engine_module
 from llmprobe.analyses.multihop import chains, compositions, prompts_for
-from llmprobe.analyses.run import run_analyses
+from llmprobe.analyses.registry import by_name
+from llmprobe.analyses.run import Runner, run_analyses
 from llmprobe.analyses.selector import (
     PromptSet,
     blocks_of,
@@ -36,7 +37,6 @@ from llmprobe.analyses.selector import (
 )
 from llmprobe.analyses.settings import Log, settings_from
 from llmprobe.datasets import Fact, Relation, load_relations
-from llmprobe.jobs.workload import MECHANISM_WORKLOADS
 from llmprobe.metric import iter_metrics
 from llmprobe.model.capture import adapter_for, capture
 from llmprobe.model.known import known_facts, object_split
@@ -176,7 +176,8 @@ def test_an_interrupted_run_takes_the_mechanism_analyses_over(construction):
     lm = SimpleNamespace(adapter=adapter_for(construction), tokenizer=None)
     done = {"crosspatch": {"layers": {"0": "kept"}, "error": None}, "selector": {"error": "too few facts"},
             "multihop": {"compositions": [], "error": None}}
-    res = run_analyses(lm, [], {}, [0], analyses=("crosspatch", "selector", "multihop"), progress=False, done=done)
+    res = run_analyses(lm, [], {}, [0], analyses=("crosspatch", "selector", "multihop"), progress=False,
+                       runner=Runner(done=done))
     assert all(res[name] is done[name] for name in done) and res["errors"] == ["selector: too few facts"]
     assert res["partial"] is False and {"crosspatch_seconds", "multihop_seconds"} <= set(res["timing"])
 
@@ -384,7 +385,7 @@ def _planned_passes(work: dict, n_layers: int) -> dict:
 @pytest.mark.parametrize("analysis", ["crosspatch", "selector", "multihop"])
 def test_the_plan_counts_the_passes_each_mechanism_analysis_runs(taught_llama, analysis, monkeypatch):
     """``llmprobe plan`` prices the crosspatch, selector and multihop analyses by the passes it counts for them
-    (``llmprobe.jobs.workload.MECHANISM_WORKLOADS``, from the analyses' own item builders). Against the passes each
+    (each analysis record's ``workload``, from the analyses' own item builders). Against the passes each
     analysis runs on a taught tiny Llama (hooks on every block and the LM head, of the model and its random
     twins; the near-tie reruns of the cached edits off): the LM-head rows are equal and the token-blocks within
     20% (the plan's upper bounds: the selector's test block as deep as the model, each bridge generated to its
@@ -412,7 +413,7 @@ def test_the_plan_counts_the_passes_each_mechanism_analysis_runs(taught_llama, a
     finally:
         for handle in handles + [h for hs in twins for h in hs]:
             handle.remove()
-    work = MECHANISM_WORKLOADS[analysis](lm.tokenizer, relations, known, layers, n_layers, cfg)
+    work = by_name(analysis).workload(lm.tokenizer, relations, known, layers, n_layers, cfg, (analysis,))
     planned = _planned_passes(work, n_layers)
     assert counts["token_blocks"] > 0 and planned["head_rows"] == counts["head_rows"]
     assert 0.8 < planned["token_blocks"] / counts["token_blocks"] < 1.2, (planned, counts)

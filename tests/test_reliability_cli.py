@@ -451,7 +451,10 @@ def test_run_analyses_reports_progress_and_takes_over_what_is_done(tmp_path, mon
     re-listed, nothing recomputed."""
     from test_analyses import _relations
 
-    import llmprobe.analyses
+    import llmprobe.analyses.decoders
+    import llmprobe.analyses.run
+    import llmprobe.analyses.superposition
+    from llmprobe.analyses.run import Runner
     from llmprobe.model.loading import load_model
 
     lm = load_model(str(save_tiny("llama", tmp_path / "llama")), device="cpu")
@@ -465,7 +468,7 @@ def test_run_analyses_reports_progress_and_takes_over_what_is_done(tmp_path, mon
         seen.append((result["partial"], list(result["relations"]), "superposition" in result))
 
     first = llmprobe.analyses.run.run_analyses(lm, rels, known, [0, 1, 2], analyses=("ridge", "superposition"),
-                                           progress=False, on_progress=on_progress, **FAST)
+                                           progress=False, runner=Runner(on_progress=on_progress), **FAST)
     names = ["capital", "continent", "language"]
     assert seen == [(True, names[:1], False), (True, names[:2], False), (True, names, False), (True, names, True)]
     assert first["partial"] is False and first["superposition"]["error"] is None
@@ -474,12 +477,12 @@ def test_run_analyses_reports_progress_and_takes_over_what_is_done(tmp_path, mon
     def recomputed(*args, **kwargs):
         raise AssertionError("recomputed a part that was done")
 
-    monkeypatch.setattr(llmprobe.analyses.run, "decoders_for_relation", recomputed)
-    monkeypatch.setattr(llmprobe.analyses.run, "superposition", recomputed)
+    monkeypatch.setattr(llmprobe.analyses.decoders, "decoders_for_relation", recomputed)
+    monkeypatch.setattr(llmprobe.analyses.superposition, "superposition", recomputed)
     done = json.loads(json.dumps(first))
     seen.clear()
     again = llmprobe.analyses.run.run_analyses(lm, rels, known, [0, 1, 2], analyses=("ridge", "superposition"),
-                                           progress=False, on_progress=on_progress, done=done, **FAST)
+                                           progress=False, runner=Runner(on_progress=on_progress, done=done), **FAST)
     assert again["relations"] == done["relations"] and again["superposition"] == done["superposition"]
     assert again["errors"] == first["errors"] and len(again["errors"]) == 1 and again["partial"] is False
     assert len(seen) == 4

@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmprobe.analyses.settings import AnalysisError, AnalysisSettings, Log
+from llmprobe.analyses.passes import cached_edit_batches, jacobian_prompts, padded_batches
+from llmprobe.analyses.record import Analysis
+from llmprobe.analyses.settings import AnalysisError, AnalysisSettings, Log, planned_lre_layers
 from llmprobe.analyses.splits import (
     Refit,
     RelationSplit,
@@ -613,3 +615,61 @@ def decoders_for_relation(lm, relation, results, layers: list[int], lre_layers: 
             fitted.setdefault(relation.name, {})[method] = {**scores[sel["layer"]]["fit"], "layer": sel["layer"]}
     out["seconds"] = round(time.perf_counter() - t0, 1)
     return out
+
+
+# ------------------------------------------------------------------------------------------------ its record
+def decoders_workload(tok, relations: list, known: dict, layers: list[int], n_layers: int, cfg: AnalysisSettings,
+                      analyses: tuple) -> dict:
+    """The work of :func:`decoders_for_relation` over ``relations``, each on its first known facts (as many as
+    ``known`` marks known, at most ``cfg.max_subjects``; a relation with fewer than ``cfg.min_known`` or too few to
+    split is skipped): "forward" [(batches, blocks)] (its states, then its layer sequences at each LRE layer),
+    "jacobian" [its Jacobian prompts] (lre), "edits" [(batches, blocks, LM head)] (its causality edits, cached, at
+    each LRE layer), and the CPU fits: "lre_fits", "ridge_fits", "head_rows" (LM-head rows of validation and
+    test scoring)."""
+    do_lre, do_ridge = "lre" in analyses, "ridge" in analyses
+    lre_layers = planned_lre_layers(cfg, layers, n_layers)
+    w: dict = {"forward": [], "jacobian": [], "edits": [], "lre_fits": 0, "ridge_fits": 0, "head_rows": 0}
+    for rel in relations if do_lre or do_ridge else []:
+        template = rel.templates[0]
+        n = min(sum(f.known for f in known.get(rel.name, ())), cfg.max_subjects)
+        if n < cfg.min_known:
+            continue
+        facts = rel.facts[:n]
+        subjects = [f.subject for f in facts]
+        prompts = [template.replace("{}", s, 1) for s in subjects]
+        y = first_token_targets(tok, prompts, [f.object for f in facts])
+        try:
+            split = relation_split(y, rel.name, cfg)
+        except AnalysisError:                                                    # too few facts: skipped
+            continue
+        batches = padded_batches(tok, prompts, cfg.batch_size)
+        w["forward"].append((batches, n_layers))                                  # relation_states
+        if do_lre:
+            union = split.jacobian_union().tolist()
+            w["jacobian"].append(jacobian_prompts(tok, template, [subjects[i] for i in union]))
+        n_test_pairs = len(split.test_pairs[0])
+        for layer in layers:
+            for refit in split.refits:
+                if do_ridge:
+                    w["ridge_fits"] += len(cfg.ridge_alphas) + 1
+                    w["head_rows"] += len(cfg.ridge_alphas) * len(refit.val) + 2 * len(split.test)
+                if do_lre and layer in lre_layers:
+                    w["lre_fits"] += 1
+                    w["head_rows"] += 21 * len(refit.val) + len(split.test)
+        edits = sum(len(cfg.edit_ranks) * len(r.val_pairs[0]) + 3 * n_test_pairs + 2 * n_test_pairs
+                    for r in split.refits) + n_test_pairs
+        causal = cached_edit_batches(jacobian_prompts(tok, template, subjects), edits, cfg.batch_size) \
+            if do_lre else []
+        for layer in lre_layers if do_lre else []:                               # causality layers = LRE layers
+            w["forward"].append((batches, layer + 1))                            # layer_sequences
+            w["edits"] += [(b, n_layers - 1 - layer, head) for b, head in causal]
+    return w
+
+
+def _decoders(job, relation, fits: dict) -> dict:
+    return decoders_for_relation(job.lm, relation, job.known.get(relation.name), job.layers, job.lre_layers,
+                                 job.causal_layers, job.do_lre, job.do_ridge, job.cfg, job.log, fits)
+
+
+DECODERS = Analysis("decoders", ("lre", "ridge"), _decoders, decoders_workload, "decoders",
+                    claims=("LRE edits causal",), per_relation=True, priced="decoders")

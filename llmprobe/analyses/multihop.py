@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llmprobe.analyses.passes import empty_passes, generation_batches, padded_batches
+from llmprobe.analyses.record import Analysis
 from llmprobe.analyses.settings import AnalysisSettings, Log
 from llmprobe.analyses.splits import generator
 from llmprobe.analyses.superposition import attribute_vectors
@@ -305,3 +307,42 @@ def _latent_bridge(lm, rows, direct: list[str], states: dict[int, torch.Tensor],
         out["layers"][str(layer)] = entry
     log(f"multihop: latent bridge readout at {len(layers)} layers ({len(index)} bridges, {len(names)} entities)")
     return out
+
+
+# ------------------------------------------------------------------------------------------------ its record
+def multihop_workload(tok, relations: list, known: dict, layers: list[int], n_layers: int,
+                      cfg: AnalysisSettings, analyses: tuple = ()) -> dict:
+    """The passes of ``llmprobe.analyses.multihop.multihop``: the direct prompts (the model and its random
+    twin), each bridge generated greedily after the chain-of-thought prompt (to its full budget), and the
+    chain-of-thought and ceiling prompts' next tokens. The model's own bridges are not known before it runs: the
+    true ones stand in for them, and each chain-of-thought prompt is counted apart from its ceiling (as when a
+    bridge is wrong)."""
+    work = empty_passes()
+    rows, _ = item_rows(compositions(relations), relations, known, cfg)
+    if not rows:
+        return work
+    batch = cfg.batch_size
+    direct = [p["direct"] for *_, p in rows]
+    work["forward"].append((padded_batches(tok, direct, batch), n_layers, True))
+    texts = [p["cot"] + " " + statement(comp.hops[0], c.subject) for comp, c, p in rows]
+    for step in range(max(len(comp.hops) for comp, _, _ in rows) - 1):
+        todo = [i for i, (comp, _, _) in enumerate(rows) if len(comp.hops) > step + 1]
+        bridges = [rows[i][1].bridges[step] for i in todo]
+        work["generate"] += generation_batches(tok, [texts[i] for i in todo],
+                                               [bridge_budget(tok, bridges)] * len(todo), batch)
+        for i, bridge in zip(todo, bridges):
+            texts[i] += f" {bridge}. " + statement(rows[i][0].hops[step + 1], bridge)
+    ceiling = [p["cot"] + " " + reasoning(comp, c).rsplit(" " + c.answer + ".", 1)[0] for comp, c, p in rows]
+    work["forward"].append((padded_batches(tok, texts + ceiling, batch), n_layers, True))
+    if cfg.random_control and bridges_readable(rows):
+        work["forward"].append((padded_batches(tok, direct, batch), n_layers, True))
+        work["twins"] += 1
+    return work
+
+
+def _multihop(job) -> dict:
+    return multihop(job.lm, job.relations, job.known, job.layers, job.cfg, job.log)
+
+
+MULTIHOP = Analysis("multihop", ("multihop",), _multihop, multihop_workload, "multihop",
+                    claims=("chain-of-thought breaks the multi-hop bottleneck",))

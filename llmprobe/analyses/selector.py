@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from llmprobe.analyses.passes import cached_edit_batches, empty_passes, filled_batches, jacobian_prompts
+from llmprobe.analyses.record import Analysis
 from llmprobe.analyses.settings import AnalysisError, AnalysisSettings, Log
 from llmprobe.analyses.splits import generator
 from llmprobe.analyses.superposition import neutral_templates, shared_group
@@ -567,3 +569,80 @@ def _patch_metrics(hits: dict[str, torch.Tensor], cfg: AnalysisSettings) -> dict
         out[f"{c}_minus_same"] = paired_difference(h[c], h["same_relation"], n_boot=cfg.n_boot,
                                                    seed=cfg.seed).to_dict()
     return out
+
+
+# ------------------------------------------------------------------------------------------------ their records
+def selector_workload(tok, relations: list, known: dict, layers: list[int], n_layers: int,
+                      cfg: AnalysisSettings, analyses: tuple = ()) -> dict:
+    """The passes of ``llmprobe.analyses.selector.selector``: the gates of the gating grid's prompts up to the
+    last probed layer (the model and its random twin), the donors' gates at every layer, two edited full passes
+    per block of layers on the validation items, and on the test items the gates at the chosen block (its
+    deepest layer assumed: the last block) and four full passes (transplants, random units, clean)."""
+    work = empty_passes()
+    try:
+        grid = fact_grid(tok, relations, known, cfg)
+    except AnalysisError:
+        return work
+    rels, rows = complete_rows(grid)
+    batch = cfg.batch_size
+    if len(rows) >= 2:
+        templates = [grid.relations[r].templates[0] for _ in rows for r in rels]
+        subjects = [grid.subjects[i] for i in rows for _ in rels]
+        copies = 2 if cfg.random_control else 1
+        work["forward"] += [(filled_batches(tok, templates, subjects, batch), max(layers) + 1, False)] * copies
+        work["twins"] += copies - 1
+    val, test = transplant_item_sets(grid, cfg)
+    if not val["answers"] or not test["answers"]:
+        return work
+    of = lambda items, key: filled_batches(tok, [t for t, _ in items[key]], [s for _, s in items[key]], batch)
+    work["forward"] += [(of(val, "same"), n_layers, False), (of(val, "other"), n_layers, False)]
+    work["forward"] += [(of(val, "own"), n_layers, True)] * (2 * len(blocks_of(n_layers)))
+    work["forward"] += [(of(test, key), n_layers, False) for key in ("own", "same", "other")]
+    work["forward"] += [(of(test, "own"), n_layers, True)] * 4
+    return work
+
+
+def crosspatch_workload(tok, relations: list, known: dict, layers: list[int], n_layers: int,
+                        cfg: AnalysisSettings, analyses: tuple = ()) -> dict:
+    """The passes of ``llmprobe.analyses.selector.crosspatch``: the subject states of each relation B's sources
+    and recipients (with the LM head), of the cross-relation sources and of the neutral prompts; per patched
+    layer the recipients' clean states up to it and their five patches (prefix-cached edits, as the decoders')."""
+    work = empty_passes()
+    try:
+        grid = fact_grid(tok, relations, known, cfg)
+        neutral, items = crosspatch_items(tok, grid, cfg)
+    except AnalysisError:
+        return work
+    batch, names = cfg.batch_size, grid.subjects
+    for b in range(len(grid.relations)):
+        subjects = sorted({i for x in items if x[1] == b for i in (x[2], x[3])})
+        if subjects:
+            work["forward"].append((filled_batches(tok, [grid.relations[b].templates[0]] * len(subjects),
+                                                    [names[i] for i in subjects], batch), n_layers, True))
+    work["forward"].append((filled_batches(tok, [grid.relations[a].templates[0] for a, *_ in items],
+                                            [names[x[2]] for x in items], batch), n_layers, False))
+    needed = sorted({x[2] for x in items} | {x[4] for x in items})
+    work["forward"].append((filled_batches(tok, [neutral] * len(needed), [names[i] for i in needed], batch),
+                            n_layers, False))
+    templates = [grid.relations[x[1]].templates[0] for x in items]
+    recipients = [names[x[3]] for x in items]
+    resumed = cached_edit_batches(jacobian_prompts(tok, templates, recipients), len(PATCHES) * len(items), batch)
+    clean = filled_batches(tok, templates, recipients, batch)
+    for layer in patch_layers_of(layers, n_layers):
+        work["forward"].append((clean, layer + 1, False))
+        work["edits"] += [(b, n_layers - 1 - layer, head) for b, head in resumed]
+    return work
+
+
+def _crosspatch(job) -> dict:
+    return crosspatch(job.lm, job.relations, job.known, job.layers, job.cfg, job.log)
+
+
+def _selector(job) -> dict:
+    return selector(job.lm, job.relations, job.known, job.layers, job.cfg, job.log)
+
+
+CROSSPATCH = Analysis("crosspatch", ("crosspatch",), _crosspatch, crosspatch_workload, "crosspatch",
+                      claims=("one subject state serves every relation",))
+SELECTOR = Analysis("selector", ("selector",), _selector, selector_workload, "selector",
+                    claims=("MLP a relation-conditioned selector",))

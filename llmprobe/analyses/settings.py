@@ -83,6 +83,14 @@ def pick_layers(layers: list[int], k: int, n_layers: int) -> list[int]:
     return sorted(picks)
 
 
+def planned_lre_layers(cfg: AnalysisSettings, layers: list[int], n_layers: int) -> list[int]:
+    """The LRE layers a run takes among ``layers`` of an ``n_layers``-deep model (``cfg.lre_layers``, else
+    ``pick_layers``), from the depth alone: the plan's (``llmprobe.analyses.run`` picks them on the model)."""
+    if cfg.lre_layers is not None:
+        return sorted({l % n_layers for l in cfg.lre_layers} & set(layers))
+    return pick_layers(layers, cfg.max_lre_layers, n_layers)
+
+
 def settings_from(n_splits: int = 3, seed: int = 0, max_subjects: int = 90, **options) -> AnalysisSettings:
     """Validated settings: unknown option names and values outside their choices raise at once."""
     bad = [k for k in options if k not in AnalysisSettings.__dataclass_fields__]

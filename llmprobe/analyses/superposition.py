@@ -17,7 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from llmprobe.analyses.settings import AnalysisError, AnalysisSettings, Log
+from llmprobe.analyses.passes import cached_edit_batches, jacobian_prompts, padded_batches
+from llmprobe.analyses.record import Analysis
+from llmprobe.analyses.settings import AnalysisError, AnalysisSettings, Log, planned_lre_layers
 from llmprobe.datasets import FactTable
 from llmprobe.geometry import (
     SuperpositionFit,
@@ -290,3 +292,46 @@ def swap(lm, table: SuperpositionTable, U: list[torch.Tensor], H: torch.Tensor, 
         "by_scale": [{"scale": scale, **measured(preds[k])} for k, scale in enumerate(scales)],
         "n_edits": m, "n_subjects": len(set(idx)), "edit_norm_ratio": norm_ratio,
     }
+
+
+# ------------------------------------------------------------------------------------------------ its record
+def superposition_workload(tok, relations: list, known: dict, layers: list[int], n_layers: int,
+                           cfg: AnalysisSettings, analyses: tuple) -> dict:
+    """The work of :func:`superposition` on :func:`superposition_table`: "states" [(rows, tokens)] (each neutral
+    template's states, the model's and its random twin's), "readouts" (one fit per layer) of "readout_subjects", and at each swap layer
+    (the LRE layers) its swap edits, cached ("edits" [(batches, blocks, LM head)]), the clean answers and the
+    layer sequences ("forward" [(batches, blocks)]). Nothing when the relations share too few subjects."""
+    w: dict = {"states": [], "edits": [], "forward": [], "readouts": 0, "readout_subjects": 0}
+    try:
+        table = superposition_table(tok, relations, known, cfg)
+    except AnalysisError:
+        return w
+    subjects = table.subjects
+    w["readouts"], w["readout_subjects"] = len(layers), len(subjects)
+    for template in table.neutral:                                              # the model and its random twin
+        neutral = [template.replace("{}", s, 1) for s in subjects]
+        w["states"] += padded_batches(tok, neutral, cfg.batch_size * 2) * 2
+    R = len(table.relations)
+    m = min(cfg.max_swap_subjects, len(subjects)) * R                          # swap edits (at most)
+    swap_templates = [table.relations[i % R].templates[0] for i in range(m)]
+    swap_subjects = [subjects[i % len(subjects)] for i in range(m)]
+    sample = padded_batches(tok, [t.replace("{}", s, 1) for t, s in zip(swap_templates, swap_subjects)],
+                            cfg.batch_size)
+    swapped = cached_edit_batches(jacobian_prompts(tok, swap_templates, swap_subjects), m * 4 * len(cfg.swap_scales),
+                                  cfg.batch_size)
+    for layer in planned_lre_layers(cfg, layers, n_layers):
+        w["edits"] += [(b, n_layers - 1 - layer, head) for b, head in swapped]
+        w["forward"].append((sample, n_layers))                                 # clean answers
+        w["forward"].append((sample, layer + 1))                                # layer_sequences
+    return w
+
+
+def _superposition(job) -> dict:
+    return superposition(job.lm, superposition_table(job.lm.tokenizer, job.relations, job.known, job.cfg),
+                         job.layers, job.swap_layers, job.cfg, job.log)
+
+
+SUPERPOSITION = Analysis("superposition", ("superposition",), _superposition, superposition_workload,
+                         "superposition", claims=("attributes linearly decodable",
+                                                  "subject states a superposition of attribute vectors"),
+                         priced="superposition")

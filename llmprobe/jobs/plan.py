@@ -24,6 +24,7 @@ from dataclasses import asdict
 import torch
 
 from llmprobe.analyses.decoders import jacobian_rank_for
+from llmprobe.analyses.registry import REGISTRY
 from llmprobe.analyses.settings import AnalysisSettings, settings_from
 from llmprobe.checks import UsageError
 from llmprobe.datasets import load_relations
@@ -33,7 +34,6 @@ from llmprobe.jobs.workload import (
     CONTROL_STEPS,
     MATCHED_D_STAR,
     MATCHED_SEARCH_S,
-    MECHANISM_WORKLOADS,
     SMOLLM2_KNOWN,
     SMOLLM2_KNOWN_FRACTION,
     Shape,
@@ -165,7 +165,7 @@ def predict(shape: Shape, work: dict, model_cost, width_fits: dict, load_s: floa
                              + model_cost("capture", heads, shape) + lre_fits
                              + width_cost("ridge_fit", 45.0 * shape.d ** 2, work["ridge_fits"]))
     out["superposition"] = (model_cost("capture", states, shape) + init_s
-                            + width_cost("readout", float(work["n_subjects"]) ** 2 * shape.d, work["readouts"]))
+                            + width_cost("readout", float(work["readout_subjects"]) ** 2 * shape.d, work["readouts"]))
     per_mode = {}
     for mode in (m for m in work.get("matched_modes", MATCHED_D_STAR) if m in MATCHED_D_STAR):
         seconds = search_s * MATCHED_SEARCH_S[mode] / sum(MATCHED_SEARCH_S.values())
@@ -177,12 +177,12 @@ def predict(shape: Shape, work: dict, model_cost, width_fits: dict, load_s: floa
         per_mode[mode] = seconds
     out["matched"] = max(per_mode.values(), default=0.0)          # one worker per mode, side by side
     out["matched_total"] = sum(per_mode.values())
-    for name in MECHANISM_WORKLOADS:
+    for name in priced_by_passes():
         mechanism = work.get("mechanisms", {}).get(name)
         out[name] = (model_cost("mechanisms", mechanism_work(shape, mechanism), shape) + mechanism["twins"] * init_s
                      if mechanism else 0.0)
     out["analyses"] = sum(out[stage] for stage in ("jacobians", "decoders_other", "superposition",
-                                                    *MECHANISM_WORKLOADS))
+                                                    *priced_by_passes()))
     # beside the workers the analyses run on the threads left, in as many processes of that many threads as the
     # cores hold (llmprobe.jobs.helpers); the workers and the analyses share the cores: no faster than their work
     # spread over every core
@@ -301,9 +301,21 @@ def settings_workload(settings: Settings, n_layers: int) -> tuple[dict, Analysis
     return _WORKLOADS[key]
 
 
-STAGES = {"load": "load", "known_facts": "known facts", "jacobians": "Jacobians", "decoders_other": "decoders, rest",
-          "superposition": "superposition", "crosspatch": "crosspatch", "selector": "selector",
-          "multihop": "multihop", "matched": "matched controls"}
+def priced_by_passes() -> list[str]:
+    """The registered analyses (``llmprobe.analyses.registry``) priced by their passes, each a stage of its own, in
+    run order (crosspatch, selector, multihop and any registered since)."""
+    return [a.name for a in REGISTRY if a.priced == "passes"]
+
+
+def stages() -> dict[str, str]:
+    """The plan's stages in run order, key -> label: load, known facts, the decoders' Jacobians and the rest of
+    their work, the superposition, each analysis priced by its passes (its record's label), the matched
+    controls."""
+    return {"load": "load", "known_facts": "known facts", "jacobians": "Jacobians", "decoders_other": "decoders, rest",
+            "superposition": "superposition", **{a.name: a.stage for a in REGISTRY if a.priced == "passes"},
+            "matched": "matched controls"}
+
+
 DEVICES = ("cpu", "h200")       # this CPU, one H200
 
 
@@ -372,17 +384,17 @@ def plan(model=None, settings: Settings | None = None, *, device: str = "cpu", r
              "superposition": base + weights + twin, "matched": workers * (base + control) if control else 0}
     for name, mechanism in work.get("mechanisms", {}).items():              # selector, multihop: a random twin
         peaks[name] = base + weights * (1 + min(mechanism["twins"], 1)) if seconds[name] else 0
-    for name in MECHANISM_WORKLOADS:
+    for name in priced_by_passes():
         peaks.setdefault(name, 0)
     helpers = seconds["analyses_processes"] - 1                   # analysis helpers, each with its copy
-    analysis_peak = max(decoders, *(peaks[s] for s in ("superposition", *MECHANISM_WORKLOADS)))
+    analysis_peak = max(decoders, *(peaks[s] for s in ("superposition", *priced_by_passes())))
     peak = max(peaks["known_facts"], analysis_peak * (1 + helpers) + peaks["matched"])
     host = peak if on_host else PROCESS_BYTES + max(mem["host_init"] if twin else 0, jacobians)
     limit = _ram_bytes() if on_host else H200["hbm_bytes"]
     label = DEFAULT_MODEL if model is None else str(model) if isinstance(model, (str, os.PathLike)) else shape.name
     return {"model": label, "source": source, "shape": {**asdict(shape), "params": shape.params}, "device": device,
             "rate": rate, "jacobian_rank": rank, "assumed": assumed,
-            "stages": {stage: {"seconds": seconds[stage], "peak_bytes": peaks[stage]} for stage in STAGES},
+            "stages": {stage: {"seconds": seconds[stage], "peak_bytes": peaks[stage]} for stage in stages()},
             "total": {"seconds": seconds["wall"], "matched_seconds": seconds["matched_total"],
                       "analyses_processes": seconds["analyses_processes"], "peak_bytes": peak,
                       "host_peak_bytes": host,
@@ -410,7 +422,7 @@ def part_seconds(lm, relations: list, known: dict, layers: list[int], cfg: Analy
         seconds = predict_on(shape, work, CPU_FITS, device, rank, scale)
         out[("decoders", relation.name)] = (seconds["jacobians"] + seconds["decoders_other"] if work["forward"]
                                             else 0.0)
-    rest = tuple(a for a in analyses if a == "superposition" or a in MECHANISM_WORKLOADS)
+    rest = tuple(a for a in analyses if a == "superposition" or a in priced_by_passes())
     if rest:
         work = run_workload(lm.tokenizer, shape.layers, counts, cfg, relations, layers, rest, matched_modes=(),
                             known_results=known)
@@ -495,7 +507,7 @@ def format_plan(plans: dict | list[dict]) -> str:
              f"  {a['relations']} relations, {a['facts']} facts, {a['known']} known (SmolLM2-135M's measured counts: "
              f"a larger model knows more, costing more)",
              f"{'stage':<18}" + "".join(f"{head[p['device']]:>22}" for p in plans)]
-    rows = [(label, [p["stages"][stage] for p in plans]) for stage, label in STAGES.items()]
+    rows = [(label, [p["stages"][stage] for p in plans]) for stage, label in stages().items()]
     rows.append(("run (wall)", [p["total"] for p in plans]))
     for label, cells in rows:
         lines.append(f"{label:<18}" + "".join(f"{duration(c['seconds']):>11}{gib(c['peak_bytes']):>7} GiB"

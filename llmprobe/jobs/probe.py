@@ -22,6 +22,7 @@ from llmprobe.checks import output_folder, parse_layers
 from llmprobe.datasets import DatasetError, Relation, load_relations
 from llmprobe.jobs.helpers import AnalysisHelper
 from llmprobe.jobs.plan import part_seconds
+from llmprobe.jobs.runner import Parts, SharedRunner
 from llmprobe.jobs.stages import (
     checkpoint,
     claim_folder,
@@ -298,7 +299,7 @@ class ProbeJob:
         helpers = self.start_helpers(processes - 1, threads, "known facts") if len(todo) > 1 else []
         for helper in helpers:
             helper.work("known", {"relations": todo, **options})
-        parts, before = analyses_run.Parts([("known", name) for name in todo], helpers), torch.get_num_threads()
+        parts, before = Parts([("known", name) for name in todo], helpers), torch.get_num_threads()
         if helpers:
             torch.set_num_threads(threads)
         by_helpers, by_name = [], {r.name: r for r in self.relations}
@@ -355,9 +356,9 @@ class ProbeJob:
                          "analyses": analyses, "seed": self.settings.run.seed, **self.settings.analysis_options()}
             helpers = self.helpers(arguments)
             try:
-                report["analyses"] = analyses_run.run_analyses(
-                    self.lm, **arguments, on_progress=self.analyses_progress, done=earlier, fitted=self.fitted,
-                    planned=self.planned_parts(analyses), helpers=helpers, gate=self.gate)
+                runner = SharedRunner(on_progress=self.analyses_progress, done=earlier, fitted=self.fitted,
+                                      planned=self.planned_parts(analyses), helpers=tuple(helpers), gate=self.gate)
+                report["analyses"] = analyses_run.run_analyses(self.lm, **arguments, runner=runner)
             finally:
                 self.stop_helpers()
         report["timings"]["analyses_s"] = round(time.perf_counter() - t, 1)

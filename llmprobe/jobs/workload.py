@@ -17,46 +17,28 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmprobe.analyses.decoders import AUTO_JACOBIAN_RANK
-from llmprobe.analyses.multihop import (
-    bridge_budget,
-    bridges_readable,
-    compositions,
-    item_rows,
-    reasoning,
-    statement,
-)
-from llmprobe.analyses.selector import (
-    PATCHES,
-    blocks_of,
-    complete_rows,
-    crosspatch_items,
-    fact_grid,
-    patch_layers_of,
-    transplant_item_sets,
-)
-from llmprobe.analyses.settings import AnalysisError, AnalysisSettings, pick_layers
-from llmprobe.analyses.splits import relation_split
+from llmprobe.analyses.passes import assumed_known, generation_batches
+from llmprobe.analyses.registry import selected
+from llmprobe.analyses.settings import AnalysisError, AnalysisSettings, planned_lre_layers
 from llmprobe.analyses.superposition import superposition_table
 from llmprobe.checks import UsageError, parse_layers
 from llmprobe.datasets import load_relations
 from llmprobe.jobs.cost_model import constant
+from llmprobe.model.families import PLAIN_MLP
 from llmprobe.model.known import object_token_sequences
 from llmprobe.model.loading import (
     DEFAULT_INSTALL,
     DEFAULT_MODEL,
     ModelLoadError,
-    _looks_like_path,
     check_hub_reachable,
     default_gguf,
     embedded_folder,
+    looks_like_path,
 )
-from llmprobe.model.scoring import first_token_targets
-from llmprobe.model.subjects import encode
 from llmprobe.names import ANALYSES
 
 # ------------------------------------------------------------------------------------------ shapes and FLOPs
 VOCAB = 49152               # the SmolLM2 tokenizer's vocabulary (the benchmark models use it)
-UNGATED = ("gpt2", "phi")   # model types whose MLP has two matrices (the others: gate, up, down)
 
 
 @dataclass(frozen=True)
@@ -124,7 +106,7 @@ def shape_from_config(config, name: str) -> Shape:
     return Shape(name, d, int(text.num_hidden_layers), int(ff), heads,
                  int(getattr(text, "num_key_value_heads", None) or heads), int(text.vocab_size),
                  bool(getattr(config, "tie_word_embeddings", True)), getattr(text, "head_dim", None) or None,
-                 2 if getattr(text, "model_type", "") in UNGATED else 3)
+                 2 if getattr(text, "model_type", "") in PLAIN_MLP else 3)
 
 
 def _config_of(name: str | Path, trust_remote_code: bool = False, **kwargs):
@@ -164,7 +146,7 @@ def model_shape(model=None, trust_remote_code: bool = False) -> tuple[Shape, str
         source = f"{local / 'config.json'}" if local.is_dir() else f"metadata of {local}"
     elif preset_key(name) in PRESETS:
         return PRESETS[preset_key(name)], f"preset {PRESETS[preset_key(name)].name}: its published config"
-    elif local.exists() or _looks_like_path(name):
+    elif local.exists() or looks_like_path(name):
         raise UsageError(f"{name}: no model folder or .gguf file there, and not a preset ({presets})")
     else:
         where, kwargs, source = name, {}, f"the hub's config.json of {name}"
@@ -249,63 +231,10 @@ def jacobian_work(shape: Shape, prompts: list[tuple[int, int]], layers: list[int
 
 
 # -------------------------------------------------------------------------------------- the run's workload
-def length_batches(lengths: list[int], batch_size: int) -> list[tuple[int, int]]:
-    """(rows, padded tokens) of each batch of rows of these token ``lengths``, in order."""
-    return [(len(lengths[i:i + batch_size]), max(lengths[i:i + batch_size]))
-            for i in range(0, len(lengths), batch_size)]
-
-
-def padded_batches(tok, prompts: list[str], batch_size: int) -> list[tuple[int, int]]:
-    """(rows, padded tokens) of each batch, in the order the project batches them."""
-    if not prompts:
-        return []
-    return length_batches([len(ids) for ids in tok(prompts)["input_ids"]], batch_size)
-
-
-def cached_edit_batches(prompts: list[tuple[int, int]], rows: int, batch_size: int
-                        ) -> list[tuple[list[tuple[int, int]], bool]]:
-    """The passes of ``llmprobe.model.lre.edited_predictions`` for ``rows`` edits cycling through ``prompts``
-    ((tokens before the subject's last, tokens from it to the end) per distinct prompt, :func:`jacobian_prompts`):
-    each distinct prompt's tokens before the subject once, without the LM head, and each edit's tokens from the
-    subject on, with it; as [(batches of (rows, padded tokens), head)] (the rare micro-batches run again near a tie
-    are not counted)."""
-    edited = [prompts[i % len(prompts)] for i in range(rows)] if prompts else []
-    return [(length_batches([before for before, _ in prompts[:rows]], batch_size), False),
-            (length_batches([after for _, after in edited], batch_size), True)]
-
-
-def generation_batches(tok, prompts: list[str], budgets: list[int], batch_size: int = 32
-                       ) -> list[tuple[int, int, int]]:
-    """(rows, padded prompt tokens, generated tokens) per batch of ``llmprobe.model.known.greedy_tokens`` with
-    these new-token ``budgets`` (one per prompt): its ordering, by budget and then prompt length."""
-    if not prompts:
-        return []
-    lengths = [len(ids) for ids in tok(prompts)["input_ids"]]
-    order = sorted(range(len(prompts)), key=lambda i: (budgets[i], len(prompts[i])))
-    out = []
-    for i in range(0, len(order), batch_size):
-        chunk = order[i:i + batch_size]
-        out.append((len(chunk), max(lengths[j] for j in chunk), max(budgets[j] for j in chunk)))
-    return out
-
-
 def known_batches(tok, prompts: list[str], objects: list[str], batch_size: int = 32) -> list[tuple[int, int, int]]:
     """:func:`generation_batches` of ``known_facts`` (its budgets: the object's tokens + 1, at most 16)."""
     budgets = [min(len(s) + 1, 16) for s in object_token_sequences(tok, prompts, objects)]
     return generation_batches(tok, prompts, budgets, batch_size)
-
-
-def jacobian_prompts(tok, template: str | list[str], subjects: list[str]) -> list[tuple[int, int]]:
-    """(tokens before the subject's last token, tokens from it to the prompt's end) per prompt (one template, or
-    one per subject)."""
-    enc = encode(tok, template, subjects, padding_side="left")
-    out = []
-    for row in range(len(subjects)):
-        n = int(enc.attention_mask[row].sum())
-        pad = enc.input_ids.shape[1] - n
-        s, last = int(enc.subject_last[row]) - pad, int(enc.prompt_last[row]) - pad
-        out.append((s, last - s + 1))
-    return out
 
 
 # Known facts of SmolLM2-135M-Instruct per relation (measured; values and provenance in cost_model.toml). The
@@ -329,206 +258,37 @@ def run_workload(tok, n_layers: int, known_counts: dict | None, cfg: AnalysisSet
                  ) -> dict:
     """What ``llmprobe run`` does with these settings (default: its defaults), in model-independent units:
     batches of (rows, tokens), Jacobian prompts, CPU fit counts. ``relations`` None = every bundled relation;
-    ``known_counts`` None = every fact known; the mechanism analyses count on ``known_results`` (relation name ->
-    its known-facts results) when given, else on each relation's first ``known_counts`` facts. Without ``lre`` no Jacobians, LRE fits or causality edits; without
-    ``ridge`` no ridge fits; without ``superposition`` no states, readouts or swap edits; ``matched_modes`` ()
-    = no matched controls."""
+    ``known_counts`` None = every fact known. The known facts' generation, then each analysis that ``analyses``
+    selects (``llmprobe.analyses.registry``) counted by its own record's ``workload`` on ``known_results``
+    (relation name -> its known-facts results) when given, else on each relation's first ``known_counts`` facts:
+    the decoders' and the superposition's work under their stages' keys ("forward", "edits", "jacobian",
+    "states", fit counts), every other analysis' passes under "mechanisms"; the matched controls' table (its
+    subjects and facts); ``matched_modes`` () = no matched controls."""
     cfg = cfg or AnalysisSettings()
     relations = load_relations(None) if relations is None else relations
-    do_lre, do_ridge, do_sup = ("lre" in analyses), ("ridge" in analyses), ("superposition" in analyses)
     layers = parse_layers(layers, n_layers)
-    lre_layers = (sorted({l % n_layers for l in cfg.lre_layers} & set(layers)) if cfg.lre_layers is not None else
-                  pick_layers(layers, cfg.max_lre_layers, n_layers))
-    w: dict = {"layers": layers, "lre_layers": lre_layers, "known": [], "forward": [], "edits": [], "jacobian": [],
-               "lre_fits": 0, "ridge_fits": 0, "head_rows": 0, "states": [], "readouts": len(layers) if do_sup else 0,
-               "matched_modes": tuple(matched_modes), "at_model_width": at_model_width}
+    w: dict = {"layers": layers, "lre_layers": planned_lre_layers(cfg, layers, n_layers), "known": [], "forward": [],
+               "edits": [], "jacobian": [], "lre_fits": 0, "ridge_fits": 0, "head_rows": 0, "states": [],
+               "readouts": 0, "readout_subjects": 0, "mechanisms": {}, "matched_modes": tuple(matched_modes),
+               "at_model_width": at_model_width}
     for rel in relations:
-        template = rel.templates[0]
-        prompts = [template.replace("{}", f.subject, 1) for f in rel.facts]
+        prompts = [rel.templates[0].replace("{}", f.subject, 1) for f in rel.facts]
         w["known"] += known_batches(tok, prompts, [f.object for f in rel.facts])
-        known = len(rel.facts) if known_counts is None else known_counts.get(rel.name, 0)
-        n = min(known, cfg.max_subjects)
-        if n < cfg.min_known or not (do_lre or do_ridge):
-            continue
-        facts = rel.facts[:n]
-        subjects = [f.subject for f in facts]
-        y = first_token_targets(tok, prompts[:n], [f.object for f in facts])
-        try:
-            split = relation_split(y, rel.name, cfg)
-        except AnalysisError:                                                    # too few facts: skipped
-            continue
-        batches = padded_batches(tok, prompts[:n], cfg.batch_size)
-        w["forward"].append((batches, n_layers))                                  # relation_states
-        if do_lre:
-            union = split.jacobian_union().tolist()
-            w["jacobian"].append(jacobian_prompts(tok, template, [subjects[i] for i in union]))
-        n_test_pairs = len(split.test_pairs[0])
-        for layer in layers:
-            for refit in split.refits:
-                if do_ridge:
-                    w["ridge_fits"] += len(cfg.ridge_alphas) + 1
-                    w["head_rows"] += len(cfg.ridge_alphas) * len(refit.val) + 2 * len(split.test)
-                if do_lre and layer in lre_layers:
-                    w["lre_fits"] += 1
-                    w["head_rows"] += 21 * len(refit.val) + len(split.test)
-        edits = sum(len(cfg.edit_ranks) * len(r.val_pairs[0]) + 3 * n_test_pairs + 2 * n_test_pairs
-                    for r in split.refits) + n_test_pairs
-        causal = cached_edit_batches(jacobian_prompts(tok, template, subjects), edits, cfg.batch_size) \
-            if do_lre else []
-        for layer in lre_layers if do_lre else []:                               # causality layers = LRE layers
-            w["forward"].append((batches, layer + 1))                            # layer_sequences
-            w["edits"] += [(b, n_layers - 1 - layer, head) for b, head in causal]
     assumed = known_results if known_results is not None else assumed_known(relations, known_counts)
-    w["mechanisms"] = {name: count(tok, relations, assumed, layers, n_layers, cfg)
-                       for name, count in MECHANISM_WORKLOADS.items() if name in analyses}
+    for analysis in selected(analyses):
+        work = analysis.workload(tok, relations, assumed, layers, n_layers, cfg, tuple(analyses))
+        if analysis.priced == "passes":
+            w["mechanisms"][analysis.name] = work
+            continue
+        for key, value in work.items():                 # the decoders' and the superposition's stage keys
+            w[key] += value
     try:
-        table = superposition_table(tok, relations, {}, cfg) if do_sup or matched_modes else None
-    except AnalysisError:                                # too few shared subjects: no readouts, no controls
-        table, w["readouts"], w["matched_modes"] = None, 0, ()
+        table = superposition_table(tok, relations, {}, cfg) if matched_modes else None
+    except AnalysisError:                                # too few shared subjects: no controls
+        table, w["matched_modes"] = None, ()
     w["n_subjects"] = len(table.subjects) if table is not None else 0
     w["n_facts_table"] = int((table.A >= 0).sum()) if table is not None else 0
-    if table is None or not do_sup:
-        return w
-    subjects = table.subjects
-    for template in table.neutral:                                              # the model and its random twin
-        neutral = [template.replace("{}", s, 1) for s in subjects]
-        w["states"] += padded_batches(tok, neutral, cfg.batch_size * 2) * 2
-    R = len(table.relations)
-    m = min(cfg.max_swap_subjects, len(subjects)) * R                          # swap edits (at most)
-    swap_templates = [table.relations[i % R].templates[0] for i in range(m)]
-    swap_subjects = [subjects[i % len(subjects)] for i in range(m)]
-    sample = padded_batches(tok, [t.replace("{}", s, 1) for t, s in zip(swap_templates, swap_subjects)],
-                            cfg.batch_size)
-    swapped = cached_edit_batches(jacobian_prompts(tok, swap_templates, swap_subjects), m * 4 * len(cfg.swap_scales),
-                                  cfg.batch_size)
-    for layer in lre_layers:
-        w["edits"] += [(b, n_layers - 1 - layer, head) for b, head in swapped]
-        w["forward"].append((sample, n_layers))                                 # clean answers
-        w["forward"].append((sample, layer + 1))                                # layer_sequences
     return w
-
-
-# --------------------------------------------------------------------------- the mechanism analyses' workload
-@dataclass(frozen=True)
-class PlannedFact:
-    """A fact as the analyses read a known-facts result (``llmprobe.model.known.FactResult``'s fields they use)."""
-
-    subject: str
-    object: str
-    known: bool
-
-
-def assumed_known(relations: list, known_counts: dict | None) -> dict[str, list[PlannedFact]]:
-    """Relation name -> its facts, the first ``known_counts[name]`` of them known (None: every fact): which
-    facts a model knows is learnt only when it runs; the plan takes each relation's first ones."""
-    return {rel.name: [PlannedFact(f.subject, f.object, known_counts is None or i < known_counts.get(rel.name, 0))
-                       for i, f in enumerate(rel.facts)] for rel in relations}
-
-
-def _mechanism() -> dict:
-    """An empty workload of one mechanism analysis: forward passes [(batches, blocks, LM head)], prefix-cached
-    edits (the same), greedy generation [(rows, prompt tokens, new tokens)], random twins built."""
-    return {"forward": [], "edits": [], "generate": [], "twins": 0}
-
-
-def _filled_batches(tok, templates: list[str], subjects: list[str], batch_size: int) -> list[tuple[int, int]]:
-    return padded_batches(tok, [t.replace("{}", s, 1) for t, s in zip(templates, subjects)], batch_size)
-
-
-def selector_workload(tok, relations: list, known: dict, layers: list[int], n_layers: int,
-                      cfg: AnalysisSettings) -> dict:
-    """The passes of ``llmprobe.analyses.selector.selector``: the gates of the gating grid's prompts up to the
-    last probed layer (the model and its random twin), the donors' gates at every layer, two edited full passes
-    per block of layers on the validation items, and on the test items the gates at the chosen block (its
-    deepest layer assumed: the last block) and four full passes (transplants, random units, clean)."""
-    work = _mechanism()
-    try:
-        grid = fact_grid(tok, relations, known, cfg)
-    except AnalysisError:
-        return work
-    rels, rows = complete_rows(grid)
-    batch = cfg.batch_size
-    if len(rows) >= 2:
-        templates = [grid.relations[r].templates[0] for _ in rows for r in rels]
-        subjects = [grid.subjects[i] for i in rows for _ in rels]
-        copies = 2 if cfg.random_control else 1
-        work["forward"] += [(_filled_batches(tok, templates, subjects, batch), max(layers) + 1, False)] * copies
-        work["twins"] += copies - 1
-    val, test = transplant_item_sets(grid, cfg)
-    if not val["answers"] or not test["answers"]:
-        return work
-    of = lambda items, key: _filled_batches(tok, [t for t, _ in items[key]], [s for _, s in items[key]], batch)
-    work["forward"] += [(of(val, "same"), n_layers, False), (of(val, "other"), n_layers, False)]
-    work["forward"] += [(of(val, "own"), n_layers, True)] * (2 * len(blocks_of(n_layers)))
-    work["forward"] += [(of(test, key), n_layers, False) for key in ("own", "same", "other")]
-    work["forward"] += [(of(test, "own"), n_layers, True)] * 4
-    return work
-
-
-def crosspatch_workload(tok, relations: list, known: dict, layers: list[int], n_layers: int,
-                        cfg: AnalysisSettings) -> dict:
-    """The passes of ``llmprobe.analyses.selector.crosspatch``: the subject states of each relation B's sources
-    and recipients (with the LM head), of the cross-relation sources and of the neutral prompts; per patched
-    layer the recipients' clean states up to it and their five patches (prefix-cached edits, as the decoders')."""
-    work = _mechanism()
-    try:
-        grid = fact_grid(tok, relations, known, cfg)
-        neutral, items = crosspatch_items(tok, grid, cfg)
-    except AnalysisError:
-        return work
-    batch, names = cfg.batch_size, grid.subjects
-    for b in range(len(grid.relations)):
-        subjects = sorted({i for x in items if x[1] == b for i in (x[2], x[3])})
-        if subjects:
-            work["forward"].append((_filled_batches(tok, [grid.relations[b].templates[0]] * len(subjects),
-                                                    [names[i] for i in subjects], batch), n_layers, True))
-    work["forward"].append((_filled_batches(tok, [grid.relations[a].templates[0] for a, *_ in items],
-                                            [names[x[2]] for x in items], batch), n_layers, False))
-    needed = sorted({x[2] for x in items} | {x[4] for x in items})
-    work["forward"].append((_filled_batches(tok, [neutral] * len(needed), [names[i] for i in needed], batch),
-                            n_layers, False))
-    templates = [grid.relations[x[1]].templates[0] for x in items]
-    recipients = [names[x[3]] for x in items]
-    resumed = cached_edit_batches(jacobian_prompts(tok, templates, recipients), len(PATCHES) * len(items), batch)
-    clean = _filled_batches(tok, templates, recipients, batch)
-    for layer in patch_layers_of(layers, n_layers):
-        work["forward"].append((clean, layer + 1, False))
-        work["edits"] += [(b, n_layers - 1 - layer, head) for b, head in resumed]
-    return work
-
-
-def multihop_workload(tok, relations: list, known: dict, layers: list[int], n_layers: int,
-                      cfg: AnalysisSettings) -> dict:
-    """The passes of ``llmprobe.analyses.multihop.multihop``: the direct prompts (the model and its random
-    twin), each bridge generated greedily after the chain-of-thought prompt (to its full budget), and the
-    chain-of-thought and ceiling prompts' next tokens. The model's own bridges are not known before it runs: the
-    true ones stand in for them, and each chain-of-thought prompt is counted apart from its ceiling (as when a
-    bridge is wrong)."""
-    work = _mechanism()
-    rows, _ = item_rows(compositions(relations), relations, known, cfg)
-    if not rows:
-        return work
-    batch = cfg.batch_size
-    direct = [p["direct"] for *_, p in rows]
-    work["forward"].append((padded_batches(tok, direct, batch), n_layers, True))
-    texts = [p["cot"] + " " + statement(comp.hops[0], c.subject) for comp, c, p in rows]
-    for step in range(max(len(comp.hops) for comp, _, _ in rows) - 1):
-        todo = [i for i, (comp, _, _) in enumerate(rows) if len(comp.hops) > step + 1]
-        bridges = [rows[i][1].bridges[step] for i in todo]
-        work["generate"] += generation_batches(tok, [texts[i] for i in todo],
-                                               [bridge_budget(tok, bridges)] * len(todo), batch)
-        for i, bridge in zip(todo, bridges):
-            texts[i] += f" {bridge}. " + statement(rows[i][0].hops[step + 1], bridge)
-    ceiling = [p["cot"] + " " + reasoning(comp, c).rsplit(" " + c.answer + ".", 1)[0] for comp, c, p in rows]
-    work["forward"].append((padded_batches(tok, texts + ceiling, batch), n_layers, True))
-    if cfg.random_control and bridges_readable(rows):
-        work["forward"].append((padded_batches(tok, direct, batch), n_layers, True))
-        work["twins"] += 1
-    return work
-
-
-MECHANISM_WORKLOADS = {"crosspatch": crosspatch_workload, "selector": selector_workload,
-                       "multihop": multihop_workload}
 
 
 def mechanism_work(shape: Shape, work: dict) -> Work:

@@ -190,7 +190,7 @@ def _check_quantized_folder(folder: Path, config: dict) -> None:
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 
 
-def _looks_like_path(name: str) -> bool:
+def looks_like_path(name: str) -> bool:
     """A model name meant as a file system path (hub ids are ``name`` or ``owner/name``)."""
     return (name.startswith(("./", "../", "/", "~", ".\\", "..\\")) or name in (".", "..")
             or name.count("/") > 1 or "\\" in name
@@ -321,7 +321,7 @@ def _locate(name: str | None, gguf_file: str | None, revision: str | None, allow
     elif Path(local).exists():
         raise ModelLoadError(f"{name!r} is a file but not a .gguf model; pass a model folder (config.json and "
                              f"safetensors weights), a .gguf file or a hub name")
-    elif _looks_like_path(name):
+    elif looks_like_path(name):
         raise ModelLoadError(f"no such folder or file: {name!r} ({os.path.abspath(local)} does not exist); pass an "
                              f"existing model folder or .gguf file, a hub name like Qwen/Qwen2.5-0.5B, or omit MODEL "
                              f"for the embedded default {DEFAULT_MODEL}")

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from llmprobe.io import write_json, write_text
+from llmprobe.metric import iter_metrics
 from llmprobe.report.claims import (
     CAPACITY,
     CAUSAL,
@@ -227,6 +228,30 @@ def transplant_rows(report: dict) -> list[list]:
     return rows
 
 
+# the analyses block's entries the tables and claims above read in their own layout, and its bookkeeping; every
+# other entry (an analysis registered beside these, ``llmprobe.analyses.registry``) gets a table of its metrics
+OWN_LAYOUT = ("settings", "partial", "relations", "errors", "timing", "superposition", "crosspatch", "selector",
+              "multihop")
+
+
+def other_analysis_rows(report: dict) -> dict[str, list[list]]:
+    """Analysis name -> one row per typed metric of an analyses entry without a layout of its own (source, the
+    metric's place in the entry, value [95% CI], n, its primary null with value): how a newly registered analysis
+    is shown until it has a table of its own."""
+    out = {}
+    for name, entry in (report.get("analyses") or {}).items():
+        if name in OWN_LAYOUT or not isinstance(entry, dict):
+            continue
+        rows = []
+        for path, m in iter_metrics(entry):
+            null = m.get("primary_null")
+            rows.append([source_name(report), ".".join(path), _with_ci(m), m.get("n"),
+                         f"{null} {_with_ci((m.get('nulls') or {}).get(null))}" if null else ""])
+        if rows or entry.get("error"):
+            out[name] = rows or [[source_name(report), "error", str(entry["error"]), None, ""]]
+    return out
+
+
 def summary_tables(reports: list[dict], rows: list[dict]) -> list[tuple[str, list[str], list[list]]]:
     """(title, header, body) tables shared by the HTML and Markdown renderers."""
     tables = []
@@ -267,6 +292,13 @@ def summary_tables(reports: list[dict], rows: list[dict]) -> list[tuple[str, lis
                        ["matched model", "d", "d*", "train acc", "steps", "bits/param", "R^2", "R^2 nulls",
                         "mean readout accuracy", "relation gating", "gate transplant (same relation)",
                         "gate transplant (other relation)"], controls))
+    others: dict[str, list[list]] = {}
+    for report in reports:
+        for name, body in other_analysis_rows(report).items():
+            others.setdefault(name, []).extend(body)
+    for name, body in others.items():
+        tables.append((f"Analysis {name}: its metrics", ["source", "metric", "value [95% CI]", "n", "primary null"],
+                       body))
     return tables
 
 
