@@ -5,6 +5,7 @@
 # are installed; fails at once, with the reason, without CUDA.
 #
 #     bash benchmarks/gpu.sh            # outputs under $OUT (the device machine's result folder) or /tmp/llmprobe-gpu
+#     bash benchmarks/gpu.sh lre [RELATION ...]   # instead: the LRE reference's layer sweep (below), limit 540 s
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-/tmp/llmprobe-gpu}"
@@ -28,6 +29,25 @@ fi
 python -c "import torch; p = torch.cuda.get_device_properties(0); \
 print(f'device: {p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}, CUDA {torch.version.cuda}')"
 nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv 2>/dev/null || true
+
+# The LRE reference's sweep (docs/lre_protocol.md): --protocol lre in both selection modes at every layer but the
+# last (the reference also tries the embeddings and the last layer, where an edit at the subject cannot reach the
+# prompt's last token), exact Jacobians, 3 trials of 5 training facts, on the embedded SmolLM2 in float32. The
+# relations named (default: the two of docs/lre_protocol.md's step table), each row written to lre_sweep.json as
+# it finishes, so a run cut by the limit keeps the relations it finished.
+if [ "${1:-}" = "lre" ]; then
+    shift
+    relations=("${@:-lre:country_capital_city lre:occupation_gender}")
+    echo "== benchmarks/lre_protocol.py --device cuda --layers all --relations ${relations[*]} (limit 540 s)"
+    status=0
+    # shellcheck disable=SC2068
+    timeout 540 python benchmarks/lre_protocol.py --device cuda --layers all --jacobian-rank full \
+        --relations ${relations[@]} --out "$OUT_DIR/lre_sweep.json" > "$OUT_DIR/lre_sweep.log" 2>&1 || status=$?
+    grep -v -e "Writing model shards" -e "Loading weights" "$OUT_DIR/lre_sweep.log" | tail -n 30
+    python benchmarks/lre_protocol.py --table "$OUT_DIR/lre_sweep.json" --markdown 2>/dev/null | tail -n 12 || true
+    echo "gpu.sh lre: exit status $status in $(( $(date +%s) - start )) s; outputs in $OUT_DIR"
+    exit "$status"
+fi
 
 # 0. the plan of the run below, to set beside what it measures (llmprobe plan: config only, no weights)
 echo "== llmprobe plan --device h200 --no-controls"

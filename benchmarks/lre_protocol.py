@@ -12,6 +12,13 @@ published means (GPT-J, GPT-2-XL, LLaMA-13B).
     python benchmarks/lre_protocol.py --relations lre:all --out runs/lre_protocol.json    # embedded SmolLM2
     python benchmarks/lre_protocol.py --table runs/lre_protocol.json     # the table of a saved (partial) run
     python benchmarks/lre_protocol.py --table runs/a.json runs/b.json --markdown   # runs pooled, for the docs
+    python benchmarks/lre_protocol.py --layers 15 --modes as-published --revert draw --relations \
+        lre:country_capital_city --out runs/draw.json       # one step of as-published put back to before
+
+It sets what it measures: exact Jacobians (``--jacobian-rank``, recorded in every row), as-published on the rows'
+text as the reference reads the file (``lre_as_read``; ``--decoded-escapes`` for our reading, validation's);
+``--revert`` puts one step of the reference back to what llmprobe did before (``rank``: rank 128; ``escapes``;
+``draw``: uniform; ``grid``: the GPT-J grid on every model; ``start``: no start text), to measure that step.
 
 Only relations the model knows enough of are measured, so a category mean here covers fewer relations than the
 paper's; the table says how many.
@@ -29,15 +36,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 import llmprobe.analyses.decoders as decoders  # noqa: E402
+import llmprobe.analyses.splits as splits  # noqa: E402
+import llmprobe.model.known as known  # noqa: E402
 from llmprobe.analyses.run import run_analyses  # noqa: E402
 from llmprobe.checks import parse_layers, read_json  # noqa: E402
-from llmprobe.datasets import LRE_CATEGORIES, load_relations  # noqa: E402
+from llmprobe.datasets import LRE_CATEGORIES, load_relations, lre_as_read  # noqa: E402
 from llmprobe.io import write_json  # noqa: E402
 from llmprobe.jobs.probe import locatable  # noqa: E402
 from llmprobe.model.known import KNOWN, known_facts  # noqa: E402
 from llmprobe.model.loading import load_model  # noqa: E402
 
 MODES = ("as-published", "validation")
+STEPS = ("rank", "escapes", "draw", "grid", "start")     # --revert: a step of the reference put back to before
 # published means over each category's relations: (faithfulness, causality), Hernandez et al. 2023
 PUBLISHED = {"GPT-J": {"factual": (.644, .720), "linguistic": (.831, .917), "commonsense": (.779, .883),
                        "bias": (.909, .977)},
@@ -78,35 +88,71 @@ def category(relation) -> str:
     return relation.properties.get("relation_type", "other")
 
 
+@contextlib.contextmanager
+def reverted(steps: tuple[str, ...]):
+    """Within it, the protocol steps named (of ``draw``, ``grid``, ``start``; ``rank`` and ``escapes`` are options
+    of :func:`measure`) do what llmprobe did before it followed the reference: a uniform draw of the training facts,
+    the GPT-J grid on every model, no start text."""
+    saved = [(known, "context_draws", known.context_draws), (splits, "context_draws", splits.context_draws),
+             (decoders, "reference_family", decoders.reference_family),
+             (known, "reference_start", known.reference_start), (decoders, "reference_start", decoders.reference_start)]
+    real_draws = known.context_draws
+    if "draw" in steps:
+        known.context_draws = splits.context_draws = lambda n, k, d, seed, name, objects=None: real_draws(
+            n, k, d, seed, name)
+    if "grid" in steps:
+        decoders.reference_family = lambda lm: "default"
+    if "start" in steps:
+        known.reference_start = decoders.reference_start = lambda tokenizer: ""
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
 def measure(lm, relations: list, layers: list[int], n_icl: int = 5, n_splits: int = 3, seed: int = 0,
-            options: dict | None = None, log=print, out_path: str | None = None, max_facts: int | None = None
-            ) -> dict:
-    """Known facts and both selection modes of every relation: {"relations": {name: {category, n_rows (checked),
-    n_rows_file, n_known per trial, measured, modes: {mode: relation entry}}}, "seconds"}; ``max_facts`` keeps the
-    first rows of a longer relation; written to ``out_path`` (atomically) after every relation, so a long run
-    that is stopped keeps the relations it finished."""
+            options: dict | None = None, log=print, out_path: str | None = None, max_facts: int | None = None,
+            modes: tuple[str, ...] = MODES, literal: bool = True, revert: tuple[str, ...] = ()) -> dict:
+    """Known facts and the selection ``modes`` of every relation: {"relations": {name: {category, n_rows (checked),
+    n_rows_file, n_known per trial, measured, jacobian_rank, modes: {mode: relation entry}}}, "seconds"};
+    ``max_facts`` keeps the first rows of a longer relation; as published on the rows' text as the reference reads
+    it (``literal``: ``lre_as_read``, its known facts checked apart where that text differs); ``revert``: steps put
+    back to before (:data:`STEPS`); written to ``out_path`` (atomically) after every relation, so a long run that
+    is stopped keeps the relations it finished. Options default to exact Jacobians (``jacobian_rank="full"``;
+    ``revert`` "rank": 128)."""
     t0 = time.perf_counter()
-    out: dict = {"relations": {}, "layers": layers, "n_icl": n_icl, "n_splits": n_splits}
+    options = {"jacobian_rank": "full", **(options or {}), **({"jacobian_rank": 128} if "rank" in revert else {})}
+    literal = literal and "escapes" not in revert
+    out: dict = {"relations": {}, "layers": layers, "n_icl": n_icl, "n_splits": n_splits,
+                 "jacobian_rank": options["jacobian_rank"], "literal": literal, "revert": list(revert)}
     for relation in relations:
         n_file = len(relation.facts)
         if max_facts:
             relation = relation.with_facts(relation.facts[:max_facts])
         facts, _ = locatable(lm, relation)
         relation = relation.with_facts(facts)
-        results = known_facts(lm, relation, protocol="lre", n_icl=n_icl, n_draws=n_splits, seed=seed)
-        entry = {"category": category(relation), "n_rows": len(results), "n_rows_file": n_file,
-                 "n_known": [sum(r.draws[k] == KNOWN for r in results)        # none: too few rows for a trial
-                             for k in range(len(results[0].draws) if results else 0)],
-                 "measured": measurable(results, n_icl), "modes": {}}
+        texts = {mode: lre_as_read(relation) if literal and mode == "as-published" else relation for mode in modes}
+        with reverted(revert):
+            checked = {id(r): (r, known_facts(lm, r, protocol="lre", n_icl=n_icl, n_draws=n_splits, seed=seed))
+                       for r in texts.values()}
+        first = checked[id(texts[modes[0]])][1]
+        entry = {"category": category(relation), "n_rows": len(first), "n_rows_file": n_file,
+                 "n_known": [sum(r.draws[k] == KNOWN for r in first)        # none: too few rows for a trial
+                             for k in range(len(first[0].draws) if first else 0)],
+                 "measured": any(measurable(res, n_icl) for _, res in checked.values()),
+                 "jacobian_rank": options["jacobian_rank"], "as_read_rows": sum(
+                     f != g for f, g in zip(relation.facts, lre_as_read(relation).facts)), "modes": {}}
         out["relations"][relation.name] = entry
-        log(f"{relation.name}: known per trial {entry['n_known']} of {len(results)} rows")
+        log(f"{relation.name}: known per trial {entry['n_known']} of {len(first)} rows")
         if entry["measured"]:
-            with shared_jacobians():             # both modes: the same trials, so the same Jacobians
-                for mode in MODES:
-                    got = run_analyses(lm, [relation], {relation.name: results}, layers, analyses=("lre",),
+            with shared_jacobians(), reverted(revert):     # both modes: the same trials, so the same Jacobians
+                for mode in modes:
+                    rel, results = checked[id(texts[mode])]
+                    got = run_analyses(lm, [rel], {rel.name: results}, layers, analyses=("lre",),
                                        seed=seed, n_splits=n_splits, progress=False, protocol="lre", n_icl=n_icl,
-                                       lre_selection=mode, lre_layers=tuple(layers), **(options or {}))
-                    entry["modes"][mode] = got["relations"][relation.name]
+                                       lre_selection=mode, lre_layers=tuple(layers), **options)
+                    entry["modes"][mode] = got["relations"][rel.name]
         out["seconds"] = round(time.perf_counter() - t0, 1)
         if out_path:
             write_json(out_path, out)
@@ -203,15 +249,16 @@ def relation_rows(measured: dict) -> list[str]:
         causal = "-" if c is None else f"{c:.3f} vs {random:.3f}"
         return f"{f:.3f} vs {majority:.3f} / {causal} ({n})"
     lines = ["| relation | category | rows | known per trial | as published: F vs majority / C vs random dir. "
-             "(n facts) | validation: the same | s |", "|---|---|---|---|---|---|---|"]
+             "(n facts) | validation: the same | s | J |", "|---|---|---|---|---|---|---|---|"]
     for name, e in measured["relations"].items():
         modes = e.get("modes") or {}
         cells = [cell(modes[m]) if m in modes else "not measurable" for m in MODES]
         seconds = round(sum(m.get("seconds") or 0 for m in modes.values()))
         rows = e["n_rows"] if e.get("n_rows_file", e["n_rows"]) == e["n_rows"] else \
             f"{e['n_rows']} of {e['n_rows_file']}"
+        rank = e.get("jacobian_rank", 128)           # runs before exact Jacobians were recorded: rank 128
         lines.append(f"| {name} | {e['category']} | {rows} | {', '.join(map(str, e['n_known'])) or '-'} | "
-                     f"{' | '.join(cells)} | {seconds} |")
+                     f"{' | '.join(cells)} | {seconds} | {'exact' if rank in ('full', None) else rank} |")
     return lines
 
 
@@ -243,6 +290,12 @@ def main(argv=None) -> dict:
                         help="print the table of saved --out files, pooled (measure nothing)")
     parser.add_argument("--markdown", action="store_true",
                         help="with --table: also each relation's row and the coverage by category (markdown)")
+    parser.add_argument("--jacobian-rank", default="full", help="full (exact, the reference's) or a rank K")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--decoded-escapes", action="store_true",
+                        help="as published on our reading of the rows (escapes decoded, spaces stripped)")
+    parser.add_argument("--revert", nargs="+", choices=STEPS, default=[],
+                        help="put these steps of the reference back to what llmprobe did before, to measure them")
     args = parser.parse_args(argv)
     if args.table:
         measured = merge([read_json(path) for path in args.table])
@@ -257,7 +310,10 @@ def main(argv=None) -> dict:
     lm = load_model(args.model, device=args.device)
     relations = load_relations(args.relations)
     layers = [l for l in parse_layers(args.layers, lm.adapter.n_layers) if l != lm.adapter.n_layers - 1]
-    measured = measure(lm, relations, layers, args.n_icl, args.trials, out_path=args.out, max_facts=args.max_facts)
+    rank = args.jacobian_rank if args.jacobian_rank == "full" else int(args.jacobian_rank)
+    measured = measure(lm, relations, layers, args.n_icl, args.trials, options={"jacobian_rank": rank},
+                       out_path=args.out, max_facts=args.max_facts, modes=tuple(args.modes),
+                       literal=not args.decoded_escapes, revert=tuple(args.revert))
     print(format_table(table(measured)))
     print(f"({measured['seconds']} s; layers {layers}; relations measured: "
           f"{sum(e['measured'] for e in measured['relations'].values())} of {len(measured['relations'])})")

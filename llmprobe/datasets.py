@@ -10,7 +10,10 @@ Formats read by :func:`load_relations` (see ``prompts/SCHEMA.md``):
   ``lre:commonsense``, ``lre:bias``, ``lre:all`` or ``lre:NAME`` (a file's name, e.g. ``lre:adj_comparative``):
   every row as the file has it, duplicates kept (the LRE reference's protocol uses them; the strict protocol
   counts a repeated fact once), literal ``\\uXXXX`` escapes in subjects and objects read as the characters they
-  name ("Bras\\u00edlia" is "Brasília"; the reference keeps the six characters).
+  name ("Bras\\u00edlia" is "Brasília") and spaces around them dropped. The reference keeps both: its
+  ``json.load`` leaves the file's doubly escaped ``\\\\u00ed`` as six characters (2 rows of
+  country_capital_city) and 3 rows end in a space; ``lre:SPEC:literal`` (e.g. ``lre:all:literal``) reads every
+  row as the reference does, and :func:`lre_as_read` turns a loaded relation's facts into that text.
 
 Malformed input raises :class:`DatasetError`, whose message names the file and the field.
 """
@@ -421,19 +424,38 @@ def _unescape(text: str) -> str:
     return re.sub(r"\\u([0-9a-fA-F]{4})", lambda m: chr(int(m.group(1), 16)), text)
 
 
+LITERAL = ":literal"      # lre:SPEC:literal: the rows' text as the reference reads it (module doc)
+
+
 def _read_lre(spec: str) -> list[Relation]:
     """The relations of an ``lre:`` name: each file checked as any LRE-format file, then its rows as they are
-    (duplicates kept, escapes read: module doc); ``properties.rows`` / ``duplicate_rows`` count them."""
+    (duplicates kept, escapes read and spaces stripped, or with ``:literal`` the text as the reference's
+    ``json.load`` gives it: module doc); ``properties.rows`` / ``duplicate_rows`` count them, ``as_read`` maps
+    each read text that differs from the file's to the file's (:func:`lre_as_read`)."""
+    literal = spec.endswith(LITERAL)
     out = []
-    for res in _lre_files(spec):
+    for res in _lre_files(spec[:-len(LITERAL)] if literal else spec):
         text = res.read_text(encoding="utf-8")
         relation = _read_json_text(text, str(res))[0]
-        facts = [Fact(_unescape(row["subject"].strip()), _unescape(row["object"].strip()))
-                 for row in json.loads(text)["samples"]]
+        rows = [(row["subject"], row["object"]) for row in json.loads(text)["samples"]]
+        as_read = {_unescape(t.strip()): t for row in rows for t in row if _unescape(t.strip()) != t}
+        facts = [Fact(*row) if literal else Fact(*(_unescape(t.strip()) for t in row)) for row in rows]
         properties = {**relation.properties, "rows": len(facts), "duplicate_rows": len(facts) - len(set(facts))}
+        if as_read and not literal:
+            properties["as_read"] = as_read
         out.append(Relation(relation.name, relation.templates, relation.neutral_templates, facts, properties,
                             relation.source))
     return out
+
+
+def lre_as_read(relation: Relation) -> Relation:
+    """``relation`` (from an ``lre:`` name) with each subject and object as the LRE reference reads its file
+    (``properties.as_read``: literal ``\\uXXXX`` escapes, spaces kept); itself when nothing differs."""
+    as_read = relation.properties.get("as_read") or {}
+    if not any(f.subject in as_read or f.object in as_read for f in relation.facts):
+        return relation
+    return relation.with_facts([Fact(as_read.get(f.subject, f.subject), as_read.get(f.object, f.object))
+                                for f in relation.facts])
 
 
 def load_relations(names_or_paths: list[str] | str | None = None, *, templates: list[str] | None = None,
@@ -445,8 +467,9 @@ def load_relations(names_or_paths: list[str] | str | None = None, *, templates: 
     Each item is a bundled relation name (``"country_capital"``), a JSON file in our schema or the LRE format
     (auto-detected), a .csv / .jsonl file of rows, a directory of such files, ``hf:NAME[:split]`` for
     ``datasets.load_dataset(NAME, split=split, **hf_kwargs)``, or ``lre:CATEGORY`` / ``lre:all`` / ``lre:NAME`` for
-    the bundled LRE dataset (module doc). Row sources take their columns from
-    ``subject_column``/``object_column`` (dotted names reach into nested records), their templates from
+    the bundled LRE dataset (``...:literal``: its rows' text as the reference reads it; module doc). Row sources
+    take their columns from ``subject_column``/``object_column`` (dotted names reach into nested records), their
+    templates from
     ``templates`` or else the distinct values of ``template_column``, and are split into one relation per value
     of ``relation_column`` when that column exists (otherwise the relation is named after the file/dataset).
     """

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -52,7 +52,7 @@ from llmprobe.model.engine import (
     next_token_predictions,
     relation_states,
 )
-from llmprobe.model.known import icl_template, resolve_n_icl
+from llmprobe.model.known import icl_template, reference_start, resolve_n_icl
 from llmprobe.model.lre import JacobianResult, jacobian_cost, subject_jacobians
 from llmprobe.model.scoring import Scorer, first_token_collisions, first_token_targets, sequence_logprobs
 from llmprobe.model.subjects import fill
@@ -352,6 +352,50 @@ def ridge_layer(lm, data: RelationData, layer: int, split: RelationSplit, causal
 
 
 LRE_SELECTIONS = ("validation", "as-published")
+# The reference's grids (src/sweeps.py): beta 21 values from 0, edit ranks 0, 8, ... below the limit, test rows
+# capped (after sorting them by subject), by its model name: "llama" for every LlamaForCausalLM (SmolLM2 too),
+# its default for the others it runs (GPT-J, GPT-2-XL, GPT-NeoX) and here for every other family as well.
+REFERENCE_GRIDS = {"llama": {"beta_max": 10.0, "rank_limit": 512, "test_cap": 200},
+                   "default": {"beta_max": 5.0, "rank_limit": 320, "test_cap": None}}
+
+
+def reference_family(lm) -> str:
+    """The reference's grid of this model: "llama" for a ``LlamaForCausalLM`` (its ``mt.name``), else "default"."""
+    return "llama" if type(lm.model).__name__ == "LlamaForCausalLM" else "default"
+
+
+def lre_jacobian_rank(cfg: AnalysisSettings) -> int | None:
+    """Protocol lre's Jacobian rank: exact (None), as the reference, unless a rank K is asked for
+    (``jacobian_rank`` K); "auto" is exact here (its rank 128 changed W by 0.2 relative to exact on SmolLM2)."""
+    rank = cfg.jacobian_rank
+    return None if rank in ("auto", "full", None) else int(rank)
+
+
+def lre_grids(lm, cfg: AnalysisSettings, rank: int | None) -> dict:
+    """The beta and edit-rank grids and the test cap of protocol lre on this model: the reference's for its family
+    (:data:`REFERENCE_GRIDS`) where ``lre_betas`` / ``lre_edit_ranks`` are left at their defaults, else as given;
+    edit ranks above a low Jacobian ``rank`` left out (all give its pseudo-inverse); the cap as published (the
+    reference's), ``max_subjects`` known facts per trial in validation mode."""
+    family = reference_family(lm)
+    grid = REFERENCE_GRIDS[family]
+    fields = AnalysisSettings.__dataclass_fields__
+    betas = tuple(cfg.lre_betas) if tuple(cfg.lre_betas) != fields["lre_betas"].default else \
+        tuple(grid["beta_max"] * i / 20 for i in range(21))
+    ranks = tuple(cfg.lre_edit_ranks) if tuple(cfg.lre_edit_ranks) != fields["lre_edit_ranks"].default else \
+        tuple(range(0, grid["rank_limit"], 8))
+    if rank is not None:
+        ranks = tuple(r for r in ranks if r <= rank) or (min(ranks),)
+    cap = grid["test_cap"] if cfg.lre_selection == "as-published" else cfg.max_subjects
+    return {"family": family, "betas": betas, "edit_ranks": ranks, "test_cap": cap}
+
+
+def reference_drops(subjects: list[str], objects: list[str]) -> bool:
+    """True where the reference's sweep stops on a trial: some known test fact has no edit target (no other of
+    another subject and another object: ``random_edit_targets`` skips it and the sweep's ``assert target is not
+    None`` fails), e.g. when the known test facts share one object."""
+    return any(not any(s != t and o != u for t, u in zip(subjects, objects)) for s, o in zip(subjects, objects))
+
+
 SELECTION_NOTES = {
     "validation": "beta, edit rank and layer chosen on each trial's validation facts (its test facts never used)",
     "as-published": "AS PUBLISHED: beta, edit rank and layer chosen on the test facts themselves, as the reference's "
@@ -431,7 +475,16 @@ def lre_protocol(lm, relation, results, lre_layers: list[int], causal_layers: li
     * beta and r per trial and layer, the layer by mean faithfulness over trials (causality reported there),
       chosen on validation facts or, ``cfg.lre_selection == "as-published"``, on the test facts as the reference.
 
-    A trial with no more known facts than training facts is skipped, as the reference does."""
+    Both modes: exact Jacobians unless a rank is asked for (:func:`lre_jacobian_rank`; then the edit ranks above
+    it are left out), the reference's grids for the model's family (:func:`lre_grids`), every prompt opened by
+    the reference's start text (``llmprobe.model.known.reference_start``; the known-fact stage's prompts too), the
+    training facts drawn one per distinct object first (the known-fact stage's draws). As published, the test
+    facts are a trial's known facts sorted by subject, capped as the reference caps them (LLaMA: 200).
+
+    A trial with no more known facts than training facts is skipped, as the reference does. A trial the
+    reference's sweep would drop (a known test fact with no edit target: :func:`reference_drops`) is kept, its
+    causality measured on the pairs there are; each layer's ``reference_mean`` gives the numbers the reference's
+    way: the mean over the trials it keeps of each trial's rate."""
     t0 = time.perf_counter()
     if cfg.lre_selection not in LRE_SELECTIONS:
         raise ValueError(f"lre_selection must be one of {LRE_SELECTIONS}, got {cfg.lre_selection!r}")
@@ -446,20 +499,28 @@ def lre_protocol(lm, relation, results, lre_layers: list[int], causal_layers: li
         raise AnalysisError(f"relation {relation.name}: protocol lre needs at least one training fact (n_icl)")
     draws = in_context_draws(results, "lre", n_icl, cfg.n_splits, cfg.seed, relation.name)
     base, tok = relation.templates[0], lm.tokenizer
-    rank = jacobian_rank_for(cfg, lm.adapter.d_model, lre_layers, lm.adapter.n_layers)
+    rank = lre_jacobian_rank(cfg)
+    grids = lre_grids(lm, cfg, rank)
+    cfg = replace(cfg, lre_betas=grids["betas"], lre_edit_ranks=grids["edit_ranks"])
+    start = reference_start(tok)
     n_known = sum(r.known for r in results)
-    out = {"template": icl_template(base, [results[i] for i in draws[0].context]), "protocol": "lre",
+    out = {"template": icl_template(base, [results[i] for i in draws[0].context], start=start), "protocol": "lre",
            "context_subjects": [results[i].subject for i in draws[0].context], "test_subjects": None,
            "selection": cfg.lre_selection, "selection_note": SELECTION_NOTES[cfg.lre_selection], "n_icl": n_icl,
            "n_known": n_known, "n_checked": len(results), **zero_shot_counts(results, n_known, cfg),
-           "jacobian_rank": rank, "trials": [], "layers": {}, "selected": {}, "error": None}
+           "jacobian_rank": rank, "grid": grids, "start_text": start, "trials": [], "layers": {}, "selected": {},
+           "error": None}
     per_layer: dict[int, list[dict]] = {layer: [] for layer in lre_layers}
     for k, draw in enumerate(draws):
         train = [results[i] for i in draw.context]
-        known = draw.known[:cfg.max_subjects]
+        published = sorted(draw.known, key=lambda i: results[i].subject)[:REFERENCE_GRIDS[grids["family"]][
+            "test_cap"]]                                    # the reference's test facts (known, by subject, capped)
+        known = published if as_published else draw.known[:grids["test_cap"]]
         val, test = trial_split(known, relation.name, k, cfg, as_published)
         record = {"train_subjects": [f.subject for f in train], "n_known": len(draw.known), "n_val": len(val),
-                  "n_test": len(test), "skipped": None}
+                  "n_test": len(test), "skipped": None,
+                  "reference_drops": reference_drops([results[i].subject for i in published],
+                                                     [results[i].object for i in published])}
         out["trials"].append(record)
         if len(known) <= len(train) or min(len(val), len(test)) < 2:
             record["skipped"] = (f"{len(known)} known facts with these {len(train)} training facts: too few to test "
@@ -468,7 +529,7 @@ def lre_protocol(lm, relation, results, lre_layers: list[int], causal_layers: li
         facts = sorted(set(val) | set(test))
         local = {i: j for j, i in enumerate(facts)}
         subjects, objects = [results[i].subject for i in facts], [results[i].object for i in facts]
-        templates = [icl_template(base, train, s) for s in subjects]
+        templates = [icl_template(base, train, s, start) for s in subjects]
         states = relation_states(lm, templates, subjects, lre_layers, batch_size=cfg.batch_size)
         y = first_token_targets(tok, states.prompts, objects)
         data = RelationData(relation.name, templates, subjects, objects, states.H, states.O, y,
@@ -481,7 +542,7 @@ def lre_protocol(lm, relation, results, lre_layers: list[int], causal_layers: li
         test_pairs = object_pairs(subjects, objects, ti, pair_gen)
         val_pairs = test_pairs if as_published else object_pairs(subjects, objects, vi, pair_gen)
         record["n_test_pairs"] = len(test_pairs[0])
-        train_templates = [icl_template(base, train, f.subject) for f in train]
+        train_templates = [icl_template(base, train, f.subject, start) for f in train]
         tj = time.perf_counter()
         jac = subject_jacobians(lm, train_templates, [f.subject for f in train], lre_layers,
                                 batch_size=cfg.jacobian_batch_size, chunk=cfg.jacobian_chunk, rank=rank,
@@ -497,7 +558,8 @@ def lre_protocol(lm, relation, results, lre_layers: list[int], causal_layers: li
             got = _lre_trial_layer(lm, data, layer, jac[layer], vi, ti, val_pairs, test_pairs, majority, causal, cfg,
                                    generator(cfg, relation.name, layer, k, "lre controls"))
             ids = [facts[j] for j in ti.tolist()]
-            got.update(trial=k, test_ids=ids, pair_ids=[facts[j] for j in test_pairs[0].tolist()])
+            got.update(trial=k, test_ids=ids, pair_ids=[facts[j] for j in test_pairs[0].tolist()],
+                       reference_drops=record["reference_drops"])
             per_layer[layer].append(got)
     measured = {layer: trials for layer, trials in per_layer.items() if trials}
     if not measured:
@@ -517,6 +579,12 @@ def lre_protocol(lm, relation, results, lre_layers: list[int], causal_layers: li
             parts = {name: _per_fact([(t["pair_ids"], t["causality"][name]) for t in edited])
                      for name in ("edit", "random_direction", "random_operator", "scaled_patch")}
             entry["causality"] = parts.pop("edit").with_nulls(parts, "random_direction").to_dict()
+        kept = [c for c, t in zip(chosen, trials) if not t["reference_drops"]]
+        entry["reference_mean"] = {   # the reference's number: the mean of each trial's rate over the trials it keeps
+            "faithfulness": sum(c["test_faithfulness"] for c in kept) / len(kept) if kept else None,
+            "causality": sum(c["test_causality"] for c in kept) / len(kept) if kept and all(
+                c["test_causality"] is not None for c in kept) else None,
+            "n_trials": len(kept), "dropped_trials": len(trials) - len(kept)}
         out["layers"][str(layer)] = {"lre": entry}
     score = {layer: sum(t["val_faithfulness"] for t in trials) / len(trials) for layer, trials in measured.items()}
     layer = max(score, key=lambda l: (score[l], -l))          # ties: the first layer, as the reference's max

@@ -35,8 +35,8 @@ def in_context_draws(results: list, protocol: str, n_icl: int, n_draws: int, see
     """The in-context draws of a relation's known-fact ``results`` (``llmprobe.model.known.FactResult``): those the
     known-fact stage recorded (``FactResult.draws``), checked against ``n_icl`` and, for protocol "lre",
     ``n_draws``; or, for results checked without draws (zero-shot, or made by the caller), drawn here from the
-    known facts with the same seeded draw (strict: once, and facts sharing an in-context subject left out).
-    Empty for zero-shot prompts (``n_icl`` 0)."""
+    known facts with the same seeded draw (strict: once, uniformly, and facts sharing an in-context subject left
+    out; lre: once per trial, one fact per distinct object first). Empty for zero-shot prompts (``n_icl`` 0)."""
     recorded = {len(r.draws) for r in results}
     if recorded - {0}:
         sizes = {sum(r.draws[k] == CONTEXT for r in results) for k in range(min(recorded))}
@@ -54,7 +54,8 @@ def in_context_draws(results: list, protocol: str, n_icl: int, n_draws: int, see
         raise AnalysisError(f"relation {name}: {len(known)} known facts leave none beside {n_icl} in-context "
                             f"examples")
     draws = []
-    for picked in context_draws(len(known), n_icl, n_draws if protocol == "lre" else 1, seed, name):
+    objects = [results[i].object for i in known] if protocol == "lre" else None
+    for picked in context_draws(len(known), n_icl, n_draws if protocol == "lre" else 1, seed, name, objects):
         context = [known[j] for j in picked]
         shared = {results[i].subject for i in context} if protocol == "strict" else set()
         draws.append(Draw(context, [i for i in known if i not in context and results[i].subject not in shared]))

@@ -12,10 +12,12 @@ facts is 1 by construction:
 Prompts are zero-shot (the relation's first template) or few-shot: ``n_icl`` facts of the relation drawn at random
 (:func:`context_draws`) are written before the prompt, one filled template and its object per line
 (:func:`icl_template`; a line whose subject is the queried one is left out, as the reference does). The strict
-protocol draws once and never checks a fact whose subject is an in-context one; the lre protocol draws once per
-trial of the reference (``n_draws``), each trial's training samples being its in-context examples, and checks
-every other fact (duplicates of a training row included). With draws, every fact is also checked zero-shot
-(``FactResult.known_zero_shot``), so a report can say when a relation is known only few-shot.
+protocol draws once, uniformly, and never checks a fact whose subject is an in-context one; the lre protocol draws
+once per trial of the reference (``n_draws``) by the reference's rule (one fact per distinct object first), each
+trial's training samples being its in-context examples, checks every other fact (duplicates of a training row
+included), and opens every prompt with the reference's start text (:func:`reference_start`). With draws, every
+fact is also checked zero-shot (``FactResult.known_zero_shot``), so a report can say when a relation is known only
+few-shot.
 """
 from __future__ import annotations
 
@@ -92,20 +94,70 @@ def seeded_generator(seed: int, *keys) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(text.encode()))
 
 
-def context_draws(n_facts: int, n_icl: int, n_draws: int, seed: int, name: str) -> list[list[int]]:
+def context_draws(n_facts: int, n_icl: int, n_draws: int, seed: int, name: str,
+                  objects: list[str] | None = None) -> list[list[int]]:
     """``n_draws`` sets of ``n_icl`` fact indices out of ``n_facts`` (sorted), each from its own seeded stream
-    (seed, relation ``name``, draw): the in-context examples of each draw (the reference's training samples)."""
+    (seed, relation ``name``, draw): the in-context examples of each draw (the reference's training samples).
+
+    Uniform without ``objects`` (the strict protocol's draw). With the facts' ``objects`` (protocol lre), the LRE
+    reference's ``Relation.split``: the facts in a random order, then one fact of each distinct object (objects in
+    the order they first come) before a second of any, so the training facts cover as many objects as there are
+    (:func:`covering_order`)."""
     if n_icl < 0 or n_icl >= n_facts:
         raise ValueError(f"relation {name}: {n_icl} in-context examples out of {n_facts} facts leave none to check")
-    return [sorted(torch.randperm(n_facts, generator=seeded_generator(seed, name, "context", k))[:n_icl].tolist())
-            for k in range(n_draws)]
+    if objects is not None and len(objects) != n_facts:
+        raise ValueError(f"relation {name}: {len(objects)} objects for {n_facts} facts")
+    draws = []
+    for k in range(n_draws):
+        order = torch.randperm(n_facts, generator=seeded_generator(seed, name, "context", k)).tolist()
+        if objects is not None:
+            order = covering_order(order, objects)
+        draws.append(sorted(order[:n_icl]))
+    return draws
 
 
-def icl_template(template: str, examples, subject: str | None = None) -> str:
+def covering_order(order: list[int], objects: list[str]) -> list[int]:
+    """``order`` (fact indices) re-ordered the reference's way: grouped by object (groups in the order their first
+    fact comes, each group in ``order``), then taken round by round, one fact of every group left per round."""
+    groups: dict[str, list[int]] = {}
+    for i in order:
+        groups.setdefault(objects[i], []).append(i)
+    out, depth = [], 0
+    while len(out) < len(order):
+        out += [g[depth] for g in groups.values() if depth < len(g)]
+        depth += 1
+    return out
+
+
+def icl_template(template: str, examples, subject: str | None = None, start: str = "") -> str:
     """``template`` after the in-context ``examples`` (facts with ``subject`` and ``object``), one filled template
-    and its object per line; an example whose subject is ``subject`` is left out (the reference's rule)."""
+    and its object per line; an example whose subject is ``subject`` is left out (the reference's rule); ``start``
+    (protocol lre: :func:`reference_start`) opens the prompt."""
     lines = [fill(template, f.subject)[0] + " " + f.object.strip() for f in examples if f.subject != subject]
-    return "".join(line + "\n" for line in lines) + template
+    return start + "".join(line + "\n" for line in lines) + template
+
+
+def reference_start(tokenizer) -> str:
+    """The text the LRE reference puts before every prompt (``models.maybe_prefix_eos``): the tokenizer's EOS
+    token for GPT-2-style tokenizers, else nothing.
+
+    The reference asks ``isinstance(tokenizer, GPT2TokenizerFast | GPTNeoXTokenizerFast)``; under transformers 5
+    those names are ``GPT2Tokenizer`` and ``GPTNeoXTokenizer`` (GPT-2, GPT-J, GPT-NeoX/Pythia and SmolLM2 load
+    them from their hub files), every other named class (Llama, Qwen2, CodeGen/Phi, Gemma, ...) gets nothing. A
+    tokenizer whose class was lost (the generic ``TokenizersBackend``, e.g. read from a GGUF file as the embedded
+    SmolLM2's is; or a hub ``PreTrainedTokenizerFast`` as Llama 3's) gets the EOS when it adds no start token of
+    its own: the reference's answer for every such model it runs (SmolLM2: its hub class is GPT2Tokenizer; Llama
+    3: it adds ``<|begin_of_text|>``, nothing prepended)."""
+    eos = getattr(tokenizer, "eos_token", None)
+    if not eos:
+        return ""
+    names = {cls.__name__ for cls in type(tokenizer).__mro__}
+    if names & {"GPT2Tokenizer", "GPT2TokenizerFast", "GPTNeoXTokenizer", "GPTNeoXTokenizerFast"}:
+        return eos
+    if type(tokenizer).__name__ not in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        return ""
+    probe = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return eos if probe == tokenizer("a", add_special_tokens=False)["input_ids"] else ""
 
 
 class _FiniteScores:
@@ -206,10 +258,12 @@ def known_facts(lm, relation, template: str | None = None, max_new_tokens: int |
     template = template or relation.templates[0]
     facts = list(relation.facts)
     n_icl = resolve_n_icl(protocol, n_icl)
-    zero_shot = _check(lm, protocol, [template] * len(facts), facts, batch_size, max_new_tokens)
+    start = reference_start(lm.tokenizer) if protocol == "lre" else ""
+    zero_shot = _check(lm, protocol, [start + template] * len(facts), facts, batch_size, max_new_tokens)
     if n_icl == 0 or n_icl >= len(facts):       # zero-shot, or too few facts for the examples (none to check)
         return [FactResult(f.subject, f.object, p, t, k) for f, (p, t, k) in zip(facts, zero_shot)]
-    draws = context_draws(len(facts), n_icl, n_draws if protocol == "lre" else 1, seed, relation.name)
+    draws = context_draws(len(facts), n_icl, n_draws if protocol == "lre" else 1, seed, relation.name,
+                          [f.object for f in facts] if protocol == "lre" else None)
     roles: list[list[str]] = [[] for _ in facts]
     first: list[tuple[str, str] | None] = [None] * len(facts)
     for context in draws:
@@ -219,7 +273,7 @@ def known_facts(lm, relation, template: str | None = None, max_new_tokens: int |
         if protocol == "strict":
             role.update({i: EXCLUDED for i, f in enumerate(facts) if i not in role and f.subject in subjects})
         checked = [i for i in range(len(facts)) if i not in role]
-        templates = [icl_template(template, examples, facts[i].subject) for i in checked]
+        templates = [icl_template(template, examples, facts[i].subject, start) for i in checked]
         for i, (p, t, k) in zip(checked, _check(lm, protocol, templates, [facts[i] for i in checked], batch_size,
                                                 max_new_tokens)):
             role[i] = KNOWN if k else UNKNOWN
