@@ -90,7 +90,7 @@ SETTING_FLAGS = (
         "help": "LRE Jacobians: full (exact, d_model backward passes per prompt), K (low-rank estimate of rank K: "
                 "K+10 products per prompt, then 2(K+10) per layer) or auto (rank 128 where that costs less than "
                 "exact, counting each product's blocks: exact on SmolLM2, low-rank from d_model ~ 650 with 3 "
-                "spread LRE layers; docs/analyses.md)"}),
+                "spread LRE layers; docs/analyses.md); --protocol lre: exact unless K is given, as the reference"}),
     ("--device-map", "run.device_map", ("probe", "run"), {
         "choices": DEVICE_MAPS,
         "help": "spread the model's blocks over GPUs, CPU and disk through accelerate (replaces --device)"}),

@@ -46,8 +46,10 @@ class AnalysisSettings:
                                       # none = the protocol's: strict 0 (zero-shot), lre 5 (the reference's N)
     lre_selection: str = "validation"  # protocol lre: beta, edit rank, layer chosen on "validation" facts or, as
                                        # the reference did, on the test facts ("as-published", labelled so)
-    lre_betas: tuple[float, ...] = tuple(i / 4 for i in range(21))      # protocol lre: the reference's 0 .. 5
+    lre_betas: tuple[float, ...] = tuple(i / 4 for i in range(21))      # protocol lre: the reference's 0 .. 5 (its
+    # GPT-J grid; left at this default, a Llama-class model gets the reference's LLaMA grid 0 .. 10: decoders.lre_grids)
     lre_edit_ranks: tuple[int, ...] = tuple(range(0, 320, 8))          # protocol lre: the reference's 0 .. 312
+    # (Llama-class default: 0 .. 504, decoders.lre_grids)
     scoring: str = FIRST_TOKEN        # causality success: first token, or "sequence" (full-sequence log-prob)
     lre_layers: tuple[int, ...] | None = None   # None: up to max_lre_layers of the layers (Jacobians cost the most)
     max_lre_layers: int = 3

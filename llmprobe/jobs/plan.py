@@ -23,7 +23,7 @@ from dataclasses import asdict
 
 import torch
 
-from llmprobe.analyses.decoders import jacobian_rank_for
+from llmprobe.analyses.decoders import jacobian_rank_for, lre_jacobian_rank
 from llmprobe.analyses.registry import REGISTRY
 from llmprobe.analyses.settings import AnalysisSettings, settings_from
 from llmprobe.checks import UsageError
@@ -100,8 +100,12 @@ def h200_model_cost(stage: str, wk: Work, shape: Shape) -> float:
 
 
 def auto_rank(shape: Shape, lre_layers: list[int], cfg: AnalysisSettings | None = None) -> int | None:
-    """The Jacobian rank ``cfg.jacobian_rank`` (default ``auto``) takes for this shape (None: exact)."""
-    return jacobian_rank_for(cfg or AnalysisSettings(), shape.d, lre_layers, shape.layers)
+    """The Jacobian rank ``cfg.jacobian_rank`` (default ``auto``) takes for this shape (None: exact); protocol lre's
+    (``lre_jacobian_rank``: exact unless a rank is asked for)."""
+    cfg = cfg or AnalysisSettings()
+    if cfg.protocol == "lre":
+        return lre_jacobian_rank(cfg)
+    return jacobian_rank_for(cfg, shape.d, lre_layers, shape.layers)
 
 
 def matched_params(d: int, width_fits: dict = CPU_FITS) -> float:
