@@ -7,8 +7,9 @@ from __future__ import annotations
 import math
 from statistics import NormalDist
 
+from llmprobe.analyses.results import SuperpositionLayer
 from llmprobe.metric import LEVEL, Metric, wilson
-from llmprobe.report.schema import matched_sources, source_name
+from llmprobe.report.schema import analyses_of, matched_sources, source_name
 
 CLAIMS = ("attributes linearly decodable", "LRE edits causal", "subject states a superposition of attribute vectors",
           "one subject state serves every relation", "MLP a relation-conditioned selector",
@@ -114,7 +115,7 @@ def _test(claim: str, relation: str, layer: int | None, metric: dict | None, nul
     null name). The null shown is the hardest one (largest p); ``comparison`` = (name, metric) set beside it."""
     if _compact(metric) is None:
         return None
-    nulls = (metric.get("nulls") or {}) if nulls is None else nulls
+    nulls = _nulls(metric) if nulls is None else nulls
     present = {name: nulls[name] for name in NULLS[claim] if _compact(nulls.get(name))}
     test = {"claim": claim, "relation": relation, "layer": layer, "metric": _compact(metric),
             "missing_nulls": [n for n in NULLS[claim] if n not in present], "null_name": None, "null": None,
@@ -201,8 +202,8 @@ def decoder_layers(report: dict, measured: set[int], relations: list[str] | None
     ``relations`` (every relation with a decoder when None) chose (ties: the lower layer); (_, None) when no decoder
     chose a measured layer."""
     chosen = {}
-    for relation, entry in ((report.get("analyses") or {}).get("relations") or {}).items():
-        layer = ((entry.get("selected") or {}).get("lre") or {}).get("layer")
+    for relation, entry in analyses_of(report).relations.items():
+        layer = entry.selection("lre").layer
         if layer is not None and int(layer) in measured:
             chosen[relation] = int(layer)
     votes = [layer for relation, layer in chosen.items() if relation in (relations or chosen)]
@@ -212,46 +213,54 @@ def decoder_layers(report: dict, measured: set[int], relations: list[str] | None
 
 def validation_layers(report: dict) -> tuple[dict[str, int], int | None]:
     """:func:`decoder_layers` of the superposition: its measured layers, its relations."""
-    superposition = (report.get("analyses") or {}).get("superposition") or {}
-    measured = {int(layer) for layer in superposition.get("layers") or {}}
-    return decoder_layers(report, measured, superposition.get("relations"))
+    superposition = analyses_of(report).superposition
+    measured = {int(layer) for layer in superposition.layers}
+    return decoder_layers(report, measured, superposition.relations)
 
 
 def _superposition_tests(report: dict) -> tuple[list[dict], list[dict], str]:
     """(readout tests, R^2 tests, where) of the pretrained superposition readouts at the layers of
     :func:`validation_layers` (every measured layer where no decoder chose one), each beside the trainable matched
     control at the same width."""
-    layers = ((report.get("analyses") or {}).get("superposition") or {}).get("layers") or {}
+    layers = analyses_of(report).superposition.layers
     chosen, common = validation_layers(report)
-    control = (((_same_width_control(report) or {}).get("analyses") or {}).get("superposition") or {}) \
-        .get("layers", {}).get("0") or {}
+    control = analyses_of(_same_width_control(report) or {}).superposition.layers.get("0") or SuperpositionLayer()
     name = f"the paper's model (matched control, trainable) at this width (d={report.get('model', {}).get('d_model')})"
     readouts, r2s = [], []
     for layer, entry in sorted(layers.items(), key=lambda kv: int(kv[0])):
-        for relation, metric in (entry.get("readout") or {}).items():
+        for relation, metric in entry.readout.items():
             if common is None or chosen.get(relation, common) == int(layer):
-                readouts.append(_test(DECODABLE, relation, int(layer), metric, margins=(metric or {}).get("margins"),
-                                      comparison=(name, (control.get("readout") or {}).get(relation))))
+                readouts.append(_test(DECODABLE, relation, int(layer), metric, margins=_margins(metric),
+                                      comparison=(name, control.readout.get(relation))))
         if common is None or common == int(layer):
-            r2 = entry.get("r2")
-            r2s.append(_test(SUPERPOSITION, "all relations", int(layer), r2, margins=(r2 or {}).get("margins"),
-                             comparison=(name, control.get("r2"))))
+            r2s.append(_test(SUPERPOSITION, "all relations", int(layer), entry.r2, margins=_margins(entry.r2),
+                             comparison=(name, control.r2)))
     where = (f"at the layer its LRE decoder chose on validation (else layer {common}, the one most relations' "
              "decoders chose)" if common is not None else "at every measured layer (no decoder chose one), all in "
              "the Holm family")
     return [t for t in readouts if t], [t for t in r2s if t], where
 
 
+def _margins(m: dict | None) -> dict | None:
+    """The paired differences by null a metric carries (``margins``: the superposition readouts), or None."""
+    return m.get("margins") if m else None
+
+
+def _nulls(m: dict | None) -> dict:
+    """A metric's nulls by name ({} for none or no metric)."""
+    return (m.get("nulls") if m else None) or {}
+
+
 def _causality_tests(report: dict) -> list[dict]:
     """One test per relation: LRE causality at the causality layer the decoders chose on validation, beside the
     same-norm step toward h_t (``scaled_patch``; else the ``full_patch`` reference)."""
     tests = []
-    for relation, entry in ((report.get("analyses") or {}).get("relations") or {}).items():
-        layer = ((entry.get("selected") or {}).get("lre") or {}).get("causality_layer")
+    for relation, entry in analyses_of(report).relations.items():
+        layer = entry.selection("lre").causality_layer
         if layer is None:
             continue
-        metric = (((entry.get("layers") or {}).get(str(layer)) or {}).get("lre") or {}).get("causality")
-        controls = (metric or {}).get("nulls") or {}
+        metric = entry.at(layer).lre.causality
+        controls = _nulls(metric)
         reference = next((n for n in REFERENCES if _compact(controls.get(n))), None)
         tests.append(_test(CAUSAL, relation, int(layer), metric,
                            comparison=(REFERENCES[reference], controls[reference]) if reference else None))
@@ -263,11 +272,11 @@ def _crosspatch_tests(report: dict) -> tuple[list[dict], str]:
     relation B's prompt of s' (pooled over ordered pairs) against the random_subject and random_vector patches,
     beside B's own state of s (same_relation), at the layer most of the crosspatch's relations' LRE decoders chose
     on validation (:func:`decoder_layers`; the crosspatch itself chooses none); every layer when none did."""
-    crosspatch = (report.get("analyses") or {}).get("crosspatch") or {}
-    layers = crosspatch.get("layers") or {}
-    _, common = decoder_layers(report, {int(layer) for layer in layers}, crosspatch.get("relations"))
-    tests = [_test(SERVES, "all relations", int(layer), entry.get("neutral"),
-                   comparison=("the state from relation B's own prompt (same_relation)", entry.get("same_relation")))
+    crosspatch = analyses_of(report).crosspatch
+    layers = crosspatch.layers
+    _, common = decoder_layers(report, {int(layer) for layer in layers}, crosspatch.relations)
+    tests = [_test(SERVES, "all relations", int(layer), entry.neutral,
+                   comparison=("the state from relation B's own prompt (same_relation)", entry.same_relation))
              for layer, entry in sorted(layers.items(), key=lambda kv: int(kv[0]))
              if common is None or common == int(layer)]
     where = (f"layer {common}, the one most of its relations' LRE decoders chose on validation" if common is not None
@@ -288,23 +297,23 @@ def _selector_tests(report: dict) -> tuple[list[dict], str]:
     facts): the fraction of test facts another relation's gates break (1 - other_relation) against the fraction a
     switch-off of as many random units breaks (1 - random_units; paired: random_minus_other), beside the same
     fraction in the trainable matched control at d* (1 - same_subject, Wilson, n = the table's facts)."""
-    transplant = ((report.get("analyses") or {}).get("selector") or {}).get("gate_transplant") or {}
-    if transplant.get("error") or _compact(transplant.get("other_relation")) is None:
+    transplant = analyses_of(report).selector.gate_transplant
+    if transplant.error or _compact(transplant.other_relation) is None:
         return [], ""
     at_star = _at_dstar(report)
-    control = (((at_star or {}).get("analyses") or {}).get("selector") or {}).get("gate_transplant") or {}
+    control = analyses_of(at_star or {}).selector.gate_transplant
     n_facts = ((at_star or {}).get("matched_to") or {}).get("n_facts")
     comparison = None
-    if control.get("same_subject") is not None and n_facts:
-        kept = Metric(control["same_subject"], wilson(control["same_subject"], n_facts), n_facts, "wilson").to_dict()
+    if control.same_subject is not None and n_facts:
+        kept = Metric(control.same_subject, wilson(control.same_subject, n_facts), n_facts, "wilson").to_dict()
         comparison = (f"the matched control ({source_name(at_star)}; same-relation gate keeps "
-                      f"{control['same_relation']:.2f}, other-relation gate {control['same_subject']:.2f})",
+                      f"{control.same_relation:.2f}, other-relation gate {control.same_subject:.2f})",
                       _broken(kept))
-    test = _test(SELECTOR, "all relations", None, _broken(transplant["other_relation"]),
-                 {"random_units": _broken(transplant.get("random_units"))},
-                 {"random_units": transplant.get("random_minus_other")}, comparison)
-    block = transplant.get("block") or []
-    same = _compact(transplant.get("same_relation"))
+    test = _test(SELECTOR, "all relations", None, _broken(transplant.other_relation),
+                 {"random_units": _broken(transplant.random_units)},
+                 {"random_units": transplant.random_minus_other}, comparison)
+    block = transplant.block
+    same = _compact(transplant.same_relation)
     where = (f"at layers {block[0]}-{block[-1]} (the block chosen on validation facts)" if block else "") + (
         f"; another subject's gates of the same relation keep {same['value']:.2f}" if same else "")
     return [t for t in [test] if t], where
@@ -314,11 +323,10 @@ def _multihop_tests(report: dict) -> list[dict]:
     """One test per number of hops k: chain-of-thought accuracy over the k-hop chains whose every hop the model
     knows (pooled over compositions) against the direct answer to the same chains (paired: cot_minus_direct),
     beside the ceiling (the chain-of-thought prompt with the true bridges)."""
-    pooled = ((report.get("analyses") or {}).get("multihop") or {}).get("pooled") or {}
-    tests = [_test(MULTIHOP, key, None, entry.get("cot"), {"direct": entry.get("direct")},
-                   {"direct": entry.get("cot_minus_direct")},
-                   ("the ceiling (the true bridges given)", entry.get("ceiling")))
-             for key, entry in sorted(pooled.items())]
+    pooled = analyses_of(report).multihop.pooled
+    tests = [_test(MULTIHOP, key, None, entry.cot, {"direct": entry.direct}, {"direct": entry.cot_minus_direct},
+                   ("the ceiling (the true bridges given)", entry.ceiling))
+             for key, entry in sorted(pooled.items(), key=lambda kv: kv[0])]
     return [t for t in tests if t]
 
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 import base64
 import colorsys
 
+from llmprobe.analyses.results import SelectorResult, SuperpositionLayer
 from llmprobe.io import figure_png, subplots
 from llmprobe.metric import pooled_readout
-from llmprobe.report.schema import ALL_RELATIONS, metric_rows, source_name
+from llmprobe.report.schema import ALL_RELATIONS, analyses_of, metric_rows, source_name
 
 # tab10 and tab20's light half, without their greys (greys are for what is not one relation)
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf",
@@ -191,25 +192,29 @@ def pretrained_reference(report: dict, relations: list[str]) -> tuple[str, dict 
     """(layer, R^2, pooled readout over ``relations``) of the pretrained report's superposition readouts at the
     layer with the highest cross-fitted R^2, the line the capacity figure draws (descriptive: chosen on the numbers
     shown; the claims choose their layers on validation, :mod:`llmprobe.report.claims`); None when it has none."""
-    layers = ((report.get("analyses") or {}).get("superposition") or {}).get("layers") or {}
-    scored = {l: e for l, e in layers.items() if (e.get("r2") or {}).get("value") is not None}
+    scored = _scored_layers(report)
     if not scored:
         return None
-    layer = max(scored, key=lambda l: scored[l]["r2"]["value"])
-    readout = {name: m for name, m in (scored[layer].get("readout") or {}).items() if name in relations}
-    return layer, scored[layer]["r2"], pooled_readout(readout)
+    layer = max(scored, key=lambda l: scored[l].r2["value"])
+    readout = {name: m for name, m in scored[layer].readout.items() if name in relations}
+    return layer, scored[layer].r2, pooled_readout(readout)
 
 
-def _superposition_at(report: dict) -> tuple[str, dict] | None:
+def _scored_layers(report: dict) -> dict[str, SuperpositionLayer]:
+    """The report's superposition layers with an R^2 value, by layer key."""
+    layers = analyses_of(report).superposition.layers
+    return {l: e for l, e in layers.items() if e.r2 and e.r2.get("value") is not None}
+
+
+def _superposition_at(report: dict) -> tuple[str, SuperpositionLayer] | None:
     """(label, layer entry) of a report's superposition readouts: a synthetic control's e_s, or the pretrained
     layer with the highest cross-fitted R^2 (descriptive: chosen on the held-out numbers it shows)."""
-    layers = ((report.get("analyses") or {}).get("superposition") or {}).get("layers") or {}
-    scored = {l: e for l, e in layers.items() if (e.get("r2") or {}).get("value") is not None}
+    scored = _scored_layers(report)
     if not scored:
         return None
     if report.get("kind") == "synthetic":
         return source_name(report), scored[min(scored, key=int)]
-    layer = max(scored, key=lambda l: scored[l]["r2"]["value"])
+    layer = max(scored, key=lambda l: scored[l].r2["value"])
     return f"{source_name(report)} (layer {layer}, highest R^2)", scored[layer]
 
 
@@ -226,15 +231,15 @@ def comparison_plot(reports: list[dict], colors: dict | None = None):
     sources = [s for s in (_superposition_at(r) for r in shown) if s]
     if not sources:
         return None
-    relations = sorted({n for _, e in sources for n in (e.get("readout") or {})})
+    relations = sorted({n for _, e in sources for n in e.readout})
     height = 0.8 / max(len(relations), 1)
     figure, (left, right) = subplots(1, 2, figsize=(10, 0.16 * len(sources) * max(len(relations), 2) + 1.6),
                                      sharey=True, width_ratios=[3, 1], layout="constrained")
     for index, (_, entry) in enumerate(sources):
         for k, relation in enumerate(relations):
-            _bar(left, index + (k - (len(relations) - 1) / 2) * height, (entry.get("readout") or {}).get(relation),
+            _bar(left, index + (k - (len(relations) - 1) / 2) * height, entry.readout.get(relation),
                  height, colors.get(relation, NEUTRAL))
-        _bar(right, index, entry.get("r2"), 0.6, NEUTRAL)
+        _bar(right, index, entry.r2, 0.6, NEUTRAL)
     left.set_yticks(range(len(sources)), [label for label, _ in sources], fontsize=7)
     left.invert_yaxis()
     left.set_xlim(0, 1.05)
@@ -378,8 +383,8 @@ def ablation_plots(reports: list[dict]) -> list[tuple[str, object, bool]]:
     live units; the controls at d* open, the other widths folded (one grid each)."""
     panels = []
     for report in reports:
-        selector = (report.get("analyses") or {}).get("selector") or {}
-        if report.get("kind") == "synthetic" and selector.get("ablation_drop"):
+        selector = analyses_of(report).selector
+        if report.get("kind") == "synthetic" and selector.ablation_drop:
             panels.append((report, selector))
     at_star = [(r, s) for r, s in panels if str(r.get("label", "")).endswith("(d*)")] or panels[:1]
     others = [(r, s) for r, s in panels if all(r is not o for o, _ in at_star)]
@@ -388,15 +393,16 @@ def ablation_plots(reports: list[dict]) -> list[tuple[str, object, bool]]:
         (f"MLP ablations of the matched controls at the other {len(others)} widths", others, True)) if group]
 
 
-def _heatmap_grid(panels: list[tuple[dict, dict]]):
+def _heatmap_grid(panels: list[tuple[dict, SelectorResult]]):
     """Two heatmaps per control (relation units, random units), two controls to a row, one colour bar."""
     cols = 4 if len(panels) > 1 else 2
     rows = -(-2 * len(panels) // cols)
     figure, axes = subplots(rows, cols, figsize=(2.6 * cols + 0.8, 2.6 * rows + 0.4), squeeze=False,
                             layout="constrained")
     image = None
-    cells = [(report, what, selector[key], selector["relations"]) for report, selector in panels
-             for what, key in (("relation units", "ablation_drop"), ("random units", "random_ablation_drop"))]
+    cells = [(report, what, drop, selector.relations) for report, selector in panels
+             for what, drop in (("relation units", selector.ablation_drop),
+                                ("random units", selector.random_ablation_drop))]
     for axis, (report, what, drop, names) in zip(axes.flat, cells):
         image = axis.imshow(drop, vmin=0, vmax=1, cmap="viridis")
         ticks = [n if len(n) <= 12 else n[:11] + "." for n in names]

@@ -28,6 +28,7 @@ from llmprobe.report.claims import (
 from llmprobe.report.figures import figure_key, png_data_uri, report_figures
 from llmprobe.report.schema import (
     ROW_FIELDS,
+    analyses_of,
     matched_sources,
     metric_rows,
     missing_stages,
@@ -139,40 +140,50 @@ def _control_text(m: dict | None, *names: str) -> str:
     return ", ".join(f"{n} {_fmt(controls[n].get('value'))}" for n in names if n in controls) or "-"
 
 
+def _null_names(m: dict | None) -> list[str]:
+    """The names of a metric's nulls, in its order ([] for none or no metric)."""
+    return list(m.get("nulls") or {}) if m else []
+
+
 def selected_rows(report: dict) -> list[list]:
     """Per relation and decoder, at the layers chosen on validation (``analyses.relations.R.selected``): test
     faithfulness and causality with n, interval and every control."""
     rows = []
-    for name, rel in ((report.get("analyses") or {}).get("relations") or {}).items():
-        for method, sel in (rel.get("selected") or {}).items():
-            at = lambda layer, key: ((rel.get("layers") or {}).get(str(layer)) or {}).get(method, {}).get(key)
-            faith = at(sel.get("layer"), "faithfulness")
-            causal = at(sel.get("causality_layer"), "causality") if sel.get("causality_layer") is not None else None
-            rows.append([source_name(report), name, method, sel.get("layer"), _with_ci(faith),
-                         _control_text(faith, *(faith or {}).get("nulls", {})), sel.get("causality_layer"),
-                         _with_ci(causal), _control_text(causal, *(causal or {}).get("nulls", {}))])
+    for name, rel in analyses_of(report).relations.items():
+        for method, sel in rel.selected.items():
+            faith = rel.at(sel.layer).decoder(method).faithfulness
+            causal = rel.at(sel.causality_layer).decoder(method).causality if sel.causality_layer is not None \
+                else None
+            rows.append([source_name(report), name, method, sel.layer, _with_ci(faith),
+                         _control_text(faith, *_null_names(faith)), sel.causality_layer,
+                         _with_ci(causal), _control_text(causal, *_null_names(causal))])
     return rows
+
+
+def _null_value(m: dict, name: str):
+    """The value of a metric's null ``name``; None when it has no such null."""
+    return (m.get("nulls") or {}).get(name, {}).get("value")
 
 
 def superposition_rows(report: dict) -> list[list]:
     """Per layer: R^2 with its controls, mean readout accuracy with its shuffled control, swap edit where run."""
     rows = []
-    layers = ((report.get("analyses") or {}).get("superposition") or {}).get("layers") or {}
+    layers = analyses_of(report).superposition.layers
     for layer, entry in sorted(layers.items(), key=lambda kv: int(kv[0])):
-        readout = [m for m in (entry.get("readout") or {}).values() if m.get("value") is not None]
+        readout = [m for m in entry.readout.values() if m.get("value") is not None]
         acc = _mean([m["value"] for m in readout])
         acc_shuffled = _mean([m["nulls"]["shuffled"]["value"] for m in readout
-                             if (m.get("nulls") or {}).get("shuffled", {}).get("value") is not None])
-        scales = (entry.get("swap") or {}).get("by_scale") or []
-        fitted = scales[0] if scales else {}
-        rows.append([source_name(report), int(layer), _with_ci(entry.get("r2")),
-                     _control_text(entry.get("r2"), "shuffled", "random_init"), acc, acc_shuffled,
-                     _with_ci(fitted["success"]) if fitted else "not run at this layer",
-                     _control_text(fitted.get("success"), "random_direction") if fitted else "-",
-                     _with_ci(fitted["others_unchanged"]) if fitted else "-",
-                     "; ".join(f"x{b['scale']:g}: {_fmt(b['success']['value'], 2)} "
-                               f"({_fmt(b['success']['nulls']['random_direction']['value'], 2)}) / "
-                               f"{_fmt(b['others_unchanged']['value'], 2)}" for b in scales) or "-"])
+                             if _null_value(m, "shuffled") is not None])
+        scales = entry.swap.by_scale
+        fitted = scales[0] if scales else None
+        rows.append([source_name(report), int(layer), _with_ci(entry.r2),
+                     _control_text(entry.r2, "shuffled", "random_init"), acc, acc_shuffled,
+                     _with_ci(fitted.success) if fitted else "not run at this layer",
+                     _control_text(fitted.success, "random_direction") if fitted else "-",
+                     _with_ci(fitted.others_unchanged) if fitted else "-",
+                     "; ".join(f"x{b.scale:g}: {_fmt(b.success['value'], 2)} "
+                               f"({_fmt(b.success['nulls']['random_direction']['value'], 2)}) / "
+                               f"{_fmt(b.others_unchanged['value'], 2)}" for b in scales) or "-"])
     return rows
 
 
@@ -193,18 +204,19 @@ def matched_rows(report: dict) -> list[list]:
     if report.get("kind") != "synthetic":
         return []
     train = report.get("train") or {}
-    layer = (((report.get("analyses") or {}).get("superposition") or {}).get("layers") or {}).get("0") or {}
-    readout = [m["value"] for m in (layer.get("readout") or {}).values() if m.get("value") is not None]
-    selector = (report.get("analyses") or {}).get("selector") or {}
-    transplant = selector.get("gate_transplant") or {}
+    analyses = analyses_of(report)
+    layer = analyses.superposition.at(0)
+    readout = [m["value"] for m in layer.readout.values() if m.get("value") is not None]
+    selector = analyses.selector
+    transplant = selector.gate_transplant
     return [[source_name(report), report.get("model", {}).get("d_model"),
              (report.get("threshold") or {}).get("d_star"), *_train_cells(train),
              f"{train['bits_per_param']:.3g}" if isinstance(train.get("bits_per_param"), (int, float)) else None,
-             _with_ci(layer.get("r2")),
-             _control_text(layer.get("r2"), "shuffled", "random_init"),
+             _with_ci(layer.r2),
+             _control_text(layer.r2, "shuffled", "random_init"),
              _mean(readout),
-             (selector.get("relation_gating") or {}).get("mean"), transplant.get("same_relation"),
-             transplant.get("same_subject")]]
+             selector.relation_gating.mean, transplant.same_relation,
+             transplant.same_subject]]
 
 
 def transplant_rows(report: dict) -> list[list]:
@@ -212,19 +224,19 @@ def transplant_rows(report: dict) -> list[list]:
     the answers kept clean, with another subject's gates of the same relation, with the same subject's gates of
     another relation and with as many random units switched off, and the selector line's difference: the share
     another relation's gates break less the share random units break (random_minus_other of the kept)."""
-    transplant = ((report.get("analyses") or {}).get("selector") or {}).get("gate_transplant") or {}
-    if report.get("kind") == "synthetic" or not transplant.get("by_relation"):
+    transplant = analyses_of(report).selector.gate_transplant
+    if report.get("kind") == "synthetic" or not transplant.by_relation:
         return []
-    block = transplant.get("block") or []
+    block = transplant.block
     where = f"{block[0]}-{block[-1]}" if block else "-"
     rows = []
-    for name, part in transplant["by_relation"].items():
-        if part.get("error"):
-            rows.append([source_name(report), name, where, part.get("n_items"), part["error"], "-", "-", "-", "-"])
+    for name, part in transplant.by_relation.items():
+        if part.error:
+            rows.append([source_name(report), name, where, part.n_items, part.error, "-", "-", "-", "-"])
             continue
-        rows.append([source_name(report), name, where, part["n_items"], _with_ci(part.get("clean")),
-                     _with_ci(part.get("same_relation")), _with_ci(part.get("other_relation")),
-                     _with_ci(part.get("random_units")), _difference_text(part.get("random_minus_other"))])
+        rows.append([source_name(report), name, where, part.n_items, _with_ci(part.clean),
+                     _with_ci(part.same_relation), _with_ci(part.other_relation),
+                     _with_ci(part.random_units), _difference_text(part.random_minus_other)])
     return rows
 
 

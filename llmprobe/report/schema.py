@@ -1,12 +1,13 @@
 """The report.json schema: its version, the one reader that checks a report before anything uses it (and reads
 the version before it in today's words), a report's name, the stages a partial report lacks, its matched block
-expanded into sources in the per-source layout, and every measured number flattened into tidy *metric rows* (what
-claims, figures and tables read)."""
+expanded into sources in the per-source layout, its analyses block typed (:func:`analyses_of`), and every measured
+number flattened into tidy *metric rows* (what claims, figures and tables read)."""
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+from llmprobe.analyses.results import AnalysesResult
 from llmprobe.checks import read_json
 from llmprobe.metric import is_metric, iter_metrics
 
@@ -105,6 +106,12 @@ def check_shape(report: dict, file: Path) -> None:
                          f"objects or an object")
 
 
+def analyses_of(report: dict) -> AnalysesResult:
+    """The report's ``analyses`` block typed (:mod:`llmprobe.analyses.results`): what the claims, tables and figures
+    read; a report (or matched source) without one gives an empty block."""
+    return AnalysesResult.from_dict(report.get("analyses"))
+
+
 def _at(report: dict, path: str) -> list[tuple[str, object]]:
     """(dotted path, value) of every value at ``path`` in ``report`` ("*": every key of an object)."""
     found = [("", report)]
@@ -171,14 +178,14 @@ def _what_is_missing(report: dict, stage: str, requested: list[str]) -> str:
         return (f"{len(relations)} of {len(wanted)} relations checked; no analysis or matched control ran, so every "
                 f"claim is not measured")
     if stage == "analyses":
-        analyses = report.get("analyses") or {}
-        done = [r for r in relations if r in (analyses.get("relations") or {})]
+        analyses = analyses_of(report)
+        done = [r for r in relations if r in analyses.relations]
         parts = []
         if {"lre", "ridge"} & set(requested):
             parts.append(f"decoders of {len(done)} of {len(relations)} relations"
                          + (f" ({', '.join(done)})" if done else ""))
         if "superposition" in requested:
-            parts.append("superposition readouts " + ("done" if analyses.get("superposition") else "missing"))
+            parts.append("superposition readouts " + ("done" if analyses.superposition else "missing"))
         return "; ".join(parts) + "; claims on the missing parts are not measured or rest on the relations done"
     if stage == "matched":
         return ("no matched synthetic models: the selector and capacity claims are not measured and the readouts "
