@@ -35,7 +35,7 @@ def run(tmp_path_factory):
     real_run, seen = llmprobe.analyses.run.run_analyses, {}
 
     def spy(*args, **kwargs):                       # keeps the very fits the analyses made, as probe passes them
-        seen["fitted"] = kwargs["fitted"]
+        seen["fitted"] = kwargs["runner"].fitted
         return real_run(*args, progress=False, **kwargs)
 
     model = str(save_tiny("llama", tmp / "llama"))
@@ -166,7 +166,7 @@ def test_low_rank_decoders_are_saved_as_factors_and_load_as_the_same_matrices(ru
     real_run, seen = llmprobe.analyses.run.run_analyses, {}
 
     def spy(*args, **kwargs):
-        seen["fitted"] = kwargs["fitted"]
+        seen["fitted"] = kwargs["runner"].fitted
         return real_run(*args, progress=False, **kwargs)
 
     def lowrank(out, **kwargs):
