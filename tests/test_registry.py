@@ -42,6 +42,7 @@ def test_every_registered_analysis_has_every_part_and_the_vocabulary_is_the_regi
     fed = set()
     for analysis in registry.REGISTRY:
         assert callable(analysis.compute) and callable(analysis.workload) and analysis.stage
+        assert analysis.result is not None and analysis.result.from_dict({}).to_dict() == {}
         assert set(analysis.claims) <= set(CLAIMS), analysis
         fed |= set(analysis.claims)
     assert fed == set(CLAIMS) - {CAPACITY}             # every claim line but the controls' is fed by an analysis
@@ -55,6 +56,8 @@ def test_a_record_missing_a_part_or_clashing_is_refused():
         Analysis("nothing", (), TOY.compute, TOY.workload, "x")
     with pytest.raises(ValueError, match="callables"):
         Analysis("halfway", ("halfway",), TOY.compute, None, "x")
+    with pytest.raises(ValueError, match="from_dict and to_dict"):
+        Analysis("untyped", ("untyped",), TOY.compute, TOY.workload, "x", result=dict)
     with pytest.raises(ValueError, match="priced"):
         Analysis("odd", ("odd",), TOY.compute, TOY.workload, "x", priced="flops")
     with pytest.raises(ValueError, match=r"\['lre'\] already registered"):

@@ -31,6 +31,7 @@ import torch
 
 from llmprobe.analyses.passes import cached_edit_batches, jacobian_prompts, padded_batches
 from llmprobe.analyses.record import Analysis
+from llmprobe.analyses.results import RelationDecoders
 from llmprobe.analyses.settings import AnalysisError, AnalysisSettings, Log, planned_lre_layers
 from llmprobe.analyses.splits import (
     Refit,
@@ -740,4 +741,4 @@ def _decoders(job, relation, fits: dict) -> dict:
 
 
 DECODERS = Analysis("decoders", ("lre", "ridge"), _decoders, decoders_workload, "decoders",
-                    claims=("LRE edits causal",), per_relation=True, priced="decoders")
+                    claims=("LRE edits causal",), per_relation=True, priced="decoders", result=RelationDecoders)

@@ -29,6 +29,7 @@ import torch
 
 from llmprobe.analyses.passes import empty_passes, generation_batches, padded_batches
 from llmprobe.analyses.record import Analysis
+from llmprobe.analyses.results import MultihopResult
 from llmprobe.analyses.settings import AnalysisSettings, Log
 from llmprobe.analyses.splits import generator
 from llmprobe.analyses.superposition import attribute_vectors
@@ -345,4 +346,4 @@ def _multihop(job) -> dict:
 
 
 MULTIHOP = Analysis("multihop", ("multihop",), _multihop, multihop_workload, "multihop",
-                    claims=("chain-of-thought breaks the multi-hop bottleneck",))
+                    claims=("chain-of-thought breaks the multi-hop bottleneck",), result=MultihopResult)

@@ -26,7 +26,9 @@ class Analysis:
     ``known`` says are known; ``stage``: the plan's label of it; ``priced``: "passes" (priced by the analyses'
     pass fit, a stage of its own), or the dedicated pricing of "decoders" (Jacobians, fits, edits) or
     "superposition" (states, readouts, swap edits); ``claims``: the summary's claim lines its numbers feed
-    (``llmprobe.report.claims.CLAIMS``)."""
+    (``llmprobe.report.claims.CLAIMS``); ``result``: the typed form of its entry (``llmprobe.analyses.results``:
+    ``from_dict`` / ``to_dict``), which the report layer reads; None: the report reads its metrics only (a table
+    of them, ``llmprobe.report.render.other_analysis_rows``)."""
 
     name: str
     selects: tuple[str, ...]
@@ -36,6 +38,7 @@ class Analysis:
     claims: tuple[str, ...] = ()
     per_relation: bool = False
     priced: str = "passes"
+    result: type | None = None
 
     def __post_init__(self):
         if not self.name or not self.selects:
@@ -44,6 +47,8 @@ class Analysis:
             raise ValueError(f"analysis {self.name!r}: priced {self.priced!r}; choose from {list(PRICED)}")
         if not callable(self.compute) or not callable(self.workload):
             raise ValueError(f"analysis {self.name!r}: compute and workload must be callables")
+        if self.result is not None and not (hasattr(self.result, "from_dict") and hasattr(self.result, "to_dict")):
+            raise ValueError(f"analysis {self.name!r}: its result type needs from_dict and to_dict")
 
     def __repr__(self) -> str:
         return f"Analysis({self.name!r}, selects={self.selects}, stage={self.stage!r})"

@@ -27,6 +27,7 @@ import torch
 
 from llmprobe.analyses.passes import cached_edit_batches, empty_passes, filled_batches, jacobian_prompts
 from llmprobe.analyses.record import Analysis
+from llmprobe.analyses.results import CrosspatchResult, SelectorResult
 from llmprobe.analyses.settings import AnalysisError, AnalysisSettings, Log
 from llmprobe.analyses.splits import generator
 from llmprobe.analyses.superposition import neutral_templates, shared_group
@@ -643,6 +644,6 @@ def _selector(job) -> dict:
 
 
 CROSSPATCH = Analysis("crosspatch", ("crosspatch",), _crosspatch, crosspatch_workload, "crosspatch",
-                      claims=("one subject state serves every relation",))
+                      claims=("one subject state serves every relation",), result=CrosspatchResult)
 SELECTOR = Analysis("selector", ("selector",), _selector, selector_workload, "selector",
-                    claims=("MLP a relation-conditioned selector",))
+                    claims=("MLP a relation-conditioned selector",), result=SelectorResult)

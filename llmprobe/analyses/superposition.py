@@ -19,6 +19,7 @@ import torch
 
 from llmprobe.analyses.passes import cached_edit_batches, jacobian_prompts, padded_batches
 from llmprobe.analyses.record import Analysis
+from llmprobe.analyses.results import SuperpositionResult
 from llmprobe.analyses.settings import AnalysisError, AnalysisSettings, Log, planned_lre_layers
 from llmprobe.datasets import FactTable
 from llmprobe.geometry import (
@@ -334,4 +335,4 @@ def _superposition(job) -> dict:
 SUPERPOSITION = Analysis("superposition", ("superposition",), _superposition, superposition_workload,
                          "superposition", claims=("attributes linearly decodable",
                                                   "subject states a superposition of attribute vectors"),
-                         priced="superposition")
+                         priced="superposition", result=SuperpositionResult)
