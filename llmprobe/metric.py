@@ -51,14 +51,13 @@ def _z(level: float) -> float:
 
 
 def t_quantile(level: float, df: int) -> float:
-    """Two-sided Student-t quantile t_{df, (1 + level) / 2} (Cornish-Fisher series, Abramowitz & Stegun 26.7.5; at
-    95%: within 2e-5 of the exact value for df >= 9, 0.03% at df = 4)."""
-    z = _z(level)
+    """Two-sided Student-t quantile t_{df, (1 + level) / 2}, exact (``scipy.special.stdtrit``; the series it
+    replaced was 11% narrow at df = 1 and 0.75% at df = 2, the matched controls' 3 seeds); inf for df < 1."""
     if df < 1:
         return float("inf")
-    return (z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
-            + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * df ** 3)
-            + (79 * z ** 9 + 776 * z ** 7 + 1482 * z ** 5 - 1920 * z ** 3 - 945 * z) / (92160 * df ** 4))
+    from scipy.special import stdtrit  # lazy: start-up time: scipy.special takes ~0.8 s to import, the CLI needs none
+
+    return float(stdtrit(df, (1 + level) / 2))
 
 
 def wilson(mean: float, n: int, level: float = LEVEL) -> tuple[float, float]:

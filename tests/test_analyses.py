@@ -102,13 +102,13 @@ def test_result_has_the_documented_keys_and_typed_metrics(tiny_result):
     for layer in ("0", "1", "2"):
         entry = sup["layers"][layer]
         r2 = entry["r2"]
-        assert r2["n"] == 28 and set(r2["nulls"]) == {"shuffled", "random_attributes", "random_init"}
+        assert r2["n"] == 28 and set(r2["nulls"]) == {"shuffled", "random_attributes", "random_init", "lexical"}
         assert r2["primary_null"] == "random_attributes" and r2["gain"] == r2["margins"]["random_attributes"]
         assert r2["interval"].startswith("jackknife") and len(r2["jackknife"]) == 20
         for name in sup["relations"]:
             m = entry["readout"][name]
             assert m["interval"] == "wilson (jackknife)" and 0 <= m["chance"] <= 1
-            assert set(m["nulls"]) == {"shuffled", "random_attributes", "random_init", "chance"}
+            assert set(m["nulls"]) == {"shuffled", "random_attributes", "random_init", "lexical", "chance"}
             assert m["nulls"]["chance"]["value"] == m["chance"] and m["gain"]["n"] == m["n"]
     swap = sup["layers"]["0"]["swap"]
     assert [b["scale"] for b in swap["by_scale"]] == list(settings["swap_scales"]) and swap["n_edits"] > 0

@@ -71,6 +71,8 @@ def test_refits_give_the_spread_and_json_round_trips():
 
 
 def test_t_quantile_matches_the_tables():
+    assert t_quantile(0.95, 1) == pytest.approx(12.7062, abs=1e-4)      # the series was 11% narrow here
+    assert t_quantile(0.95, 2) == pytest.approx(4.3027, abs=1e-4)       # and 0.75% here (3 seeds)
     assert t_quantile(0.95, 19) == pytest.approx(2.0930, abs=1e-4)
     assert t_quantile(0.95, 9) == pytest.approx(2.2622, abs=1e-4)
     assert t_quantile(0.95, 10 ** 6) == pytest.approx(1.95996, abs=1e-4)

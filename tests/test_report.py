@@ -151,7 +151,7 @@ def _r2(value, lo, hi, controls=None) -> dict:
 
 
 R2_NULLS = {"shuffled": (0.0, -0.001, 0.001), "random_init": (0.0, -0.001, 0.001),
-            "random_attributes": (0.0, -0.001, 0.001)}
+            "random_attributes": (0.0, -0.001, 0.001), "lexical": (0.0, -0.001, 0.001)}
 
 
 def _claims_report(causal: dict[str, tuple] | None = None, superposition: dict | None = None, d_model=8,
@@ -174,8 +174,9 @@ def _claims_report(causal: dict[str, tuple] | None = None, superposition: dict |
     return report
 
 
-def _readout(hits, n=40, shuffled=4, random_init=4) -> dict:
-    return _with(_prop(hits, n), {"shuffled": _prop(shuffled, n), "random_init": _prop(random_init, n)})
+def _readout(hits, n=40, shuffled=4, random_init=4, lexical=4) -> dict:
+    return _with(_prop(hits, n), {"shuffled": _prop(shuffled, n), "random_init": _prop(random_init, n),
+                                  "lexical": _prop(lexical, n)})
 
 
 def _line(report, claim):
@@ -184,9 +185,11 @@ def _line(report, claim):
 
 @pytest.mark.parametrize("lre, controls, expected", [
     ((40, 50), {"random_direction": (1, 50), "random_operator": (2, 50), "full_patch": (50, 50)}, "supported"),
-    ((40, 50), {"random_direction": (0, 50), "random_operator": (38, 50)}, "not shown"),    # every null counts
+    ((40, 50), {"random_direction": (0, 50), "random_operator": (38, 50)},                  # every null counts;
+     "inconclusive (low power)"),                     # 50 pairs cannot show +0.10 over Holm: not "not shown"
     ((24, 50), {"random_direction": (0, 50), "random_operator": (12, 50)}, "weak"),         # > 0, not > +0.10
-    ((5, 50), {"random_direction": (5, 50), "random_operator": (5, 50)}, "not shown"),
+    ((5, 50), {"random_direction": (5, 50), "random_operator": (5, 50)}, "inconclusive (low power)"),
+    ((500, 5000), {"random_direction": (500, 5000), "random_operator": (500, 5000)}, "not shown"),  # powered
     ((40, 50), {"random_direction": (1, 50)}, "null not measured"),                          # no random_operator
 ])
 def test_causality_is_graded_against_every_null_with_a_minimal_effect(lre, controls, expected):
@@ -195,8 +198,10 @@ def test_causality_is_graded_against_every_null_with_a_minimal_effect(lre, contr
     assert line["metric"]["n"] == lre[1] and line["metric"]["value"] == pytest.approx(lre[0] / lre[1])
     nulls = {k: v for k, v in controls.items() if k != "full_patch"}        # full_patch: a reference, not a null
     hardest = max(nulls, key=lambda k: nulls[k][0])
-    assert line["null_name"] == hardest and line["null"]["value"] == pytest.approx(nulls[hardest][0] / 50)
-    assert line["difference"]["value"] == pytest.approx((lre[0] - nulls[hardest][0]) / 50)
+    assert line["null_name"] == hardest and line["null"]["value"] == pytest.approx(nulls[hardest][0] / lre[1])
+    assert line["difference"]["value"] == pytest.approx((lre[0] - nulls[hardest][0]) / lre[1])
+    if expected in ("inconclusive (low power)", "not shown"):
+        assert (line["power"] < 0.8) == (expected == "inconclusive (low power)")
     assert line["difference"]["interval"] == "MOVER (unpaired)" and line["min_effect"] == 0.10
     if expected == "null not measured":
         assert line["missing_nulls"] == ["random_operator"] and "random_operator" in line["note"]
@@ -231,6 +236,10 @@ def test_a_claim_whose_null_is_missing_says_so():
     report = _claims_report({"capital": (40, 50, {})}, superposition={"1": {"r2": _r2(0.17, 0.15, 0.19, nulls)}})
     lines = summary_claims(report)
     assert lines[2]["verdict"] == "null not measured" and lines[2]["missing_nulls"] == ["random_attributes"]
+    before = _claims_report(superposition={"1": {"r2": _r2(0.17, 0.15, 0.19, {k: v for k, v in R2_NULLS.items()
+                                                                            if k != "lexical"})}})
+    line = summary_claims(before)[2]                          # a report before the lexical null
+    assert line["verdict"] == "null not measured" and line["missing_nulls"] == ["lexical"]
     assert "not measured: random_attributes" in lines[2]["note"]
     assert lines[1]["verdict"] == "null not measured" and lines[1]["missing_nulls"] == ["random_direction",
                                                                                           "random_operator"]
@@ -298,7 +307,7 @@ MATCHED_SELECTOR = {"table": {"n_subjects": 40, "relations": ["capital"], "n_fac
 
 @pytest.mark.parametrize("same, other, random, expected", [
     (64, 0, 60, "supported"),       # another relation's gates break every answer, a random edit of their size few
-    (64, 0, 0, "not shown"),        # a perfect selector, but a random switch-off of as many units breaks as much
+    (64, 0, 0, "inconclusive (low power)"),   # as much broken by random units, on a paired interval of [-1, 1]
     (64, 15, 18, "not shown"),      # SmolLM2's measured sizes: other relation keeps 0.23, random units 0.28
     (64, 0, 10, "weak"),            # breaks more than the random edit, not shown to by +0.10
 ])
@@ -372,8 +381,14 @@ def test_one_state_serves_every_relation_at_the_layer_chosen_on_validation():
     assert (line["layer"], line["verdict"], line["null_name"]) == (1, "supported", "random_subject")
     assert line["metric"]["value"] == pytest.approx(36 / 45) and "layer 1, the one most" in line["measure"]
     assert line["comparison"]["word"] == "as much as" and line["comparison"]["metric"]["value"] == pytest.approx(40 / 45)
+    assert line["comparison"]["difference"]["interval"] == "MOVER (unpaired)"
+    report = _crosspatch_report({1: (36, 40, 2, 1), 2: (44, 44, 2, 1)})      # the paired difference decides the word
+    report["analyses"]["crosspatch"]["layers"]["1"]["neutral_minus_same"] = {"value": -4 / 45, "ci": [-0.16, -0.02],
+                                                                             "n": 45, "interval": "bootstrap"}
+    comparison = _line(report, SERVES)["comparison"]
+    assert (comparison["word"], comparison["difference"]["interval"]) == ("less than", "paired bootstrap")
     line = _line(_crosspatch_report({1: (36, 40, 2, 34), 2: (44, 44, 2, 1)}), SERVES)
-    assert (line["verdict"], line["null_name"]) == ("not shown", "random_vector")      # every null counts
+    assert (line["verdict"], line["null_name"]) == ("inconclusive (low power)", "random_vector")  # every null counts
     assert _line(_claims_report(), SERVES)["verdict"] == "not measured"
 
 
@@ -387,7 +402,8 @@ def _multihop_report(cot: int, direct: int, ceiling: int, n=60) -> dict:
     return report
 
 
-@pytest.mark.parametrize("cot, direct, expected", [(40, 10, "supported"), (22, 20, "not shown"), (20, 40, "not shown")])
+@pytest.mark.parametrize("cot, direct, expected", [(40, 10, "supported"), (22, 20, "not shown"),
+                                                   (20, 40, "inconclusive (low power)")])
 def test_chain_of_thought_is_graded_against_the_direct_answer_to_the_same_chains(cot, direct, expected):
     line = _line(_multihop_report(cot, direct, 50), MULTIHOP)
     assert (line["verdict"], line["relation"], line["null_name"]) == (expected, "k=2", "direct")

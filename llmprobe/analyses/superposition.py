@@ -134,6 +134,41 @@ def _unembedding(lm) -> torch.Tensor:
     return module_weight(head).detach().float().cpu()     # (offloaded weights: read from the offload)
 
 
+def lexical_states(lm, subjects: list[str]) -> torch.Tensor | None:
+    """The lexical null's states [n, d]: each subject's static input embedding, the mean of the input-embedding
+    rows of its tokens (``" " + subject``, no special token): what a lexical shortcut reads, with no block of the
+    transformer run (a tied model's u vectors are these same rows). None for a model without an input embedding
+    (``get_input_embeddings``): the null is then not measured."""
+    embedding = lm.model.get_input_embeddings() if hasattr(lm.model, "get_input_embeddings") else None
+    if embedding is None or not hasattr(embedding, "weight"):
+        return None
+    weight = module_weight(embedding).detach().float().cpu()
+    ids = lm.tokenizer([" " + s for s in subjects], add_special_tokens=False)["input_ids"]
+    return torch.stack([weight[t].mean(0) for t in ids])
+
+
+def lexical_overlap(lm, table: SuperpositionTable, U: list[torch.Tensor], E: torch.Tensor) -> dict[str, dict]:
+    """Per relation, how lexical its facts are: the median cosine between each fact's attribute vector u_a(s)
+    and the subject's static embedding E_s (:func:`lexical_states`), and how many facts' attributes share the
+    subject's first token (" " + each), of ``n`` facts. A relation whose u sit near its subjects' own tokens
+    (a country's demonym) can be read from the subject's token alone; the lexical null measures how much."""
+    firsts = [ids[0] if ids else None for ids in
+              lm.tokenizer([" " + s for s in table.subjects], add_special_tokens=False)["input_ids"]]
+    out = {}
+    for r, name in enumerate(table.names):
+        rows = torch.nonzero(table.A[:, r] >= 0).flatten()
+        if not len(rows):
+            continue
+        u = U[r][table.A[rows, r]].double()
+        cosine = torch.nn.functional.cosine_similarity(u, E[rows].double(), dim=1)
+        attribute_ids = lm.tokenizer([" " + table.attributes[r][int(a)] for a in table.A[rows, r]],
+                                     add_special_tokens=False)["input_ids"]
+        shared = sum(bool(ids) and ids[0] == firsts[int(i)] for i, ids in zip(rows, attribute_ids))
+        out[name] = {"median_cosine": round(float(cosine.median()), 4), "shared_first_token": int(shared),
+                     "n": len(rows)}
+    return out
+
+
 def attribute_vectors(lm, attributes: list[list[str]], how: str) -> tuple[list[torch.Tensor], list[int]]:
     """Per relation, u vectors [n_attr, d] of its attributes, and how many attributes share a first token."""
     weight = _unembedding(lm)
@@ -170,6 +205,7 @@ def superposition(lm, table: SuperpositionTable, layers: list[int], swap_layers:
     U, collisions = attribute_vectors(lm, table.attributes, cfg.attribute_vectors)
     log(f"superposition: {len(subjects)} subjects x {len(names)} relations, states at {len(layers)} layers")
     H = subject_states(lm, table.neutral, subjects, layers, batch_size=cfg.batch_size)
+    lexical = lexical_states(lm, subjects)
     null_H, U_c = None, None
     if cfg.random_control:
         rlm = random_init(lm, seed=cfg.seed + 12345)
@@ -186,10 +222,15 @@ def superposition(lm, table: SuperpositionTable, layers: list[int], swap_layers:
         "n_attributes": {nm: len(a) for nm, a in zip(names, table.attributes)},
         "first_token_collisions": dict(zip(names, collisions)),
         "merged_attributes": merged_attributes(table, U),
+        "lexical_null": ("each subject's static input embedding (the mean of its tokens' rows, ' ' + subject), "
+                         "read with the model's u vectors: what the subject's tokens alone give") if lexical is not None
+        else "not measured: the model has no input embedding",
+        "lexical_overlap": lexical_overlap(lm, table, U, lexical) if lexical is not None else {},
         "layers": {}, "error": None,
     }
     for layer in layers:
-        nulls = {"random_init": (null_H[layer], U_c)} if null_H is not None else None
+        nulls = {**({"random_init": (null_H[layer], U_c)} if null_H is not None else {}),
+                 **({"lexical": lexical} if lexical is not None else {})}
         rep = superposition_readout(H[layer], A, U, nulls=nulls, relation_names=names, k=cfg.folds,
                                     seed=cfg.seed, n_boot=cfg.n_boot, decode=False,
                                     jackknife_groups=cfg.jackknife_groups)

@@ -15,9 +15,9 @@ CLAIMS = ("attributes linearly decodable", "LRE edits causal", "subject states a
           "one subject state serves every relation", "MLP a relation-conditioned selector",
           "chain-of-thought breaks the multi-hop bottleneck", "capacity O(R log N) in the matched controls")
 DECODABLE, CAUSAL, SUPERPOSITION, SERVES, SELECTOR, MULTIHOP, CAPACITY = CLAIMS
-NULLS = {DECODABLE: ("shuffled", "random_init"),                      # every one must be measured and beaten
+NULLS = {DECODABLE: ("shuffled", "random_init", "lexical"),           # every one must be measured and beaten
          CAUSAL: ("random_direction", "random_operator"),
-         SUPERPOSITION: ("shuffled", "random_init", "random_attributes"),
+         SUPERPOSITION: ("shuffled", "random_init", "random_attributes", "lexical"),
          SERVES: ("random_subject", "random_vector"),
          SELECTOR: ("random_units",),
          MULTIHOP: ("direct",)}
@@ -26,7 +26,8 @@ MIN_EFFECT = {DECODABLE: 0.10, CAUSAL: 0.10, SUPERPOSITION: 0.05, SERVES: 0.10, 
 REFERENCES = {"scaled_patch": "a same-norm step toward h_t (scaled_patch)",     # LRE causality's comparison
               "full_patch": "the full patch h_s -> h_t (full_patch, a reference)"}
 ALPHA = 0.025                   # one-sided familywise level (Holm): the one-sided level of the 95% intervals shown
-GRADES = ("supported", "weak", "not shown", "null not measured", "not measured")    # best first
+GRADES = ("supported", "weak", "inconclusive (low power)", "not shown", "null not measured", "not measured")  # best first
+POWER = 0.8                     # below this power to detect the minimal effect, "not shown" is "inconclusive (low power)"
 # bits per trainable parameter at d* of every trainable cell of the capacity sweep (docs/synthetic.md, "Measured
 # thresholds": N 256-4096, R 2-16, mean over seeds), by (kind of map, step cap); the tolerance is their range
 # general maps: trainable cells shaped like the country table (N = 48, 96, 193; R = 6; the controls' 2000-step
@@ -36,20 +37,25 @@ CAPACITY_SWEEP = {("bijections", 500): (1.43, 1.51, 1.74, 1.81, 1.76, 1.66, 1.75
                   ("general maps", 2000): (0.74, 1.14, 1.22)}
 VERDICT_RULE = (
     "Verdicts (docs/measures.md, Verdicts): each claim is tested against every one of its nulls (attributes "
-    "decodable: shuffled, random_init; LRE causal: random_direction, random_operator; superposition: shuffled, "
-    "random_init, random_attributes; one state serves every relation: the crosspatch's random_subject and "
+    "decodable: shuffled, random_init, lexical; LRE causal: random_direction, random_operator; superposition: "
+    "shuffled, random_init, random_attributes, lexical (the subjects' static token embeddings in place of their "
+    "states); one state serves every relation: the crosspatch's random_subject and "
     "random_vector patches; selector: switching off as many random units as another relation's gates switch "
     "(random_units); chain-of-thought: the direct answer to the same chains) on the difference measure - null with "
     "its 95% interval (paired bootstrap where the report has it, else MOVER from the two intervals). supported: "
     f"the difference exceeds the minimal effect (+{MIN_EFFECT[DECODABLE]:g} accuracy, +{MIN_EFFECT[SUPERPOSITION]:g} "
     "R^2) against every null, Holm-adjusted over all tests of the report (claims x relations) at one-sided "
-    f"{ALPHA:g}; weak: it exceeds 0 but is not shown to exceed the minimal effect; not shown: neither; null not "
-    "measured: a null is missing from the report. Layers, chosen on validation subjects only: LRE causality at its "
+    f"{ALPHA:g}; weak: it exceeds 0 but is not shown to exceed the minimal effect; inconclusive (low power): "
+    f"neither, and the test's power to find a true difference of the minimal effect (from its interval's width, at "
+    f"one-sided {ALPHA:g} over the Holm family's size, its strictest step) is below {POWER:g}: it could not have "
+    "shown the claim at this n; not shown: neither, with the power to; null not measured: a null is missing from "
+    "the report. Layers, chosen on validation subjects only: LRE causality at its "
     "causality layer, each readout at its relation's LRE layer, the R^2 and the crosspatch at the layer most "
     "relations' LRE chose (with no decoder: every layer, all in the Holm family), the gate transplant at the block "
     "the selector chose on validation facts. A line shows the median relation: its verdict is the "
     "grade that at least half the relations reach. The matched control is a comparison (more than / as much as / less than), "
-    "not a null. Capacity: the table's bits per trainable parameter at d* against the range of the capacity "
+    "not a null; its word (more than / as much as / less than) comes from the paired difference where the report "
+    "has one. Capacity: the table's bits per trainable parameter at d* against the range of the capacity "
     "sweep's cells for the same kind of map and step cap, two-sided: supported inside it, not shown outside it "
     "(inconclusive when d* is an upper bound and the lower bound it gives lies below the range's top, or when the "
     "narrowest curve width at which every seed fits falls on the other side of the range), not comparable when the "
@@ -93,6 +99,17 @@ def p_above(diff: dict, threshold: float) -> float:
     return 1.0 - NormalDist().cdf((value - threshold) * _Z / half)
 
 
+def power(diff: dict, effect: float, alpha: float) -> float:
+    """Power of the one-sided test "difference > 0" at level ``alpha`` to find a true difference of ``effect``,
+    from the difference's 95% interval (normal approximation: its standard error is the interval's width over
+    2 x 1.96): what the test could have shown at its n, whatever it found."""
+    lo, hi = _bounds(diff)
+    se = (hi - lo) / (2 * _Z)
+    if not se > 0:                                           # a zero-width interval: any effect is found
+        return 1.0
+    return NormalDist().cdf(effect / se - NormalDist().inv_cdf(1 - alpha))
+
+
 def holm(p_values: list[float]) -> list[float]:
     """Holm's step-down adjusted p-values (familywise error), in the order given."""
     order = sorted(range(len(p_values)), key=p_values.__getitem__)
@@ -109,10 +126,11 @@ def _word(diff: dict) -> str:
 
 
 def _test(claim: str, relation: str, layer: int | None, metric: dict | None, nulls: dict | None = None,
-          margins: dict | None = None, comparison: tuple[str, dict | None] | None = None) -> dict | None:
+          margins: dict | None = None, comparison: tuple | None = None) -> dict | None:
     """One test of ``claim`` on ``relation`` at ``layer``: the measure (typed metric, JSON form) against each null
     of the claim (``nulls``: {name: metric}, default the metric's controls; ``margins``: paired differences by
-    null name). The null shown is the hardest one (largest p); ``comparison`` = (name, metric) set beside it."""
+    null name). The null shown is the hardest one (largest p); ``comparison`` = (name, metric) or (name, metric,
+    the paired difference metric - it) set beside it, its word from the paired difference when given."""
     if _compact(metric) is None:
         return None
     nulls = _nulls(metric) if nulls is None else nulls
@@ -120,7 +138,7 @@ def _test(claim: str, relation: str, layer: int | None, metric: dict | None, nul
     test = {"claim": claim, "relation": relation, "layer": layer, "metric": _compact(metric),
             "missing_nulls": [n for n in NULLS[claim] if n not in present], "null_name": None, "null": None,
             "difference": None, "min_effect": MIN_EFFECT[claim], "p": None, "p_zero": None, "p_holm": None,
-            "p_zero_holm": None, "comparison": None}
+            "p_zero_holm": None, "power": None, "comparison": None}
     against = {name: difference(metric, null, (margins or {}).get(name)) for name, null in present.items()}
     if against:
         hardest = max(against, key=lambda n: (p_above(against[n], MIN_EFFECT[claim]), p_above(against[n], 0.0)))
@@ -128,7 +146,7 @@ def _test(claim: str, relation: str, layer: int | None, metric: dict | None, nul
                     p=max(p_above(d, MIN_EFFECT[claim]) for d in against.values()),       # every null beaten
                     p_zero=max(p_above(d, 0.0) for d in against.values()))
     if comparison and _compact(comparison[1]):
-        diff = difference(metric, comparison[1])
+        diff = difference(metric, comparison[1], comparison[2] if len(comparison) > 2 else None)
         test["comparison"] = {"name": comparison[0], "metric": _compact(comparison[1]), "difference": diff,
                               "word": _word(diff)}
     return test
@@ -137,7 +155,11 @@ def _test(claim: str, relation: str, layer: int | None, metric: dict | None, nul
 def _grade(test: dict) -> str:
     if test["missing_nulls"]:
         return "null not measured"
-    return "supported" if test["p_holm"] < ALPHA else "weak" if test["p_zero_holm"] < ALPHA else "not shown"
+    if test["p_holm"] < ALPHA:
+        return "supported"
+    if test["p_zero_holm"] < ALPHA:
+        return "weak"
+    return "inconclusive (low power)" if test["power"] is not None and test["power"] < POWER else "not shown"
 
 
 def _rank(test: dict) -> tuple:
@@ -151,7 +173,8 @@ def _line(claim: str, measure: str, tests: list[dict]) -> dict:
     first), so that its verdict is the grade at least half the relations reach."""
     line = {"claim": claim, "measure": measure, "relation": None, "layer": None, "metric": None, "null_name": None,
             "null": None, "missing_nulls": [], "difference": None, "min_effect": MIN_EFFECT.get(claim), "p_holm": None,
-            "p_zero_holm": None, "verdict": "not measured", "counts": {}, "comparison": None, "note": ""}
+            "p_zero_holm": None, "power": None, "verdict": "not measured", "counts": {}, "comparison": None,
+            "note": ""}
     if not tests:
         return line
     best: dict[str, dict] = {}
@@ -162,7 +185,7 @@ def _line(claim: str, measure: str, tests: list[dict]) -> dict:
     shown = ranked[(len(ranked) - 1) // 2]
     counts = {g: sum(t["grade"] == g for t in ranked) for g in GRADES if any(t["grade"] == g for t in ranked)}
     line.update({k: shown[k] for k in ("relation", "layer", "metric", "null_name", "null", "missing_nulls",
-                                       "difference", "p_holm", "p_zero_holm", "comparison")},
+                                       "difference", "p_holm", "p_zero_holm", "power", "comparison")},
                 verdict=shown["grade"], counts=counts)
     layers = sorted({t["layer"] for t in tests if t["layer"] is not None})
     if len(ranked) > 1:
@@ -276,7 +299,8 @@ def _crosspatch_tests(report: dict) -> tuple[list[dict], str]:
     layers = crosspatch.layers
     _, common = decoder_layers(report, {int(layer) for layer in layers}, crosspatch.relations)
     tests = [_test(SERVES, "all relations", int(layer), entry.neutral,
-                   comparison=("the state from relation B's own prompt (same_relation)", entry.same_relation))
+                   comparison=("the state from relation B's own prompt (same_relation)", entry.same_relation,
+                               entry.neutral_minus_same))
              for layer, entry in sorted(layers.items(), key=lambda kv: int(kv[0]))
              if common is None or common == int(layer)]
     where = (f"layer {common}, the one most of its relations' LRE decoders chose on validation" if common is not None
@@ -344,7 +368,7 @@ def capacity_line(report: dict) -> dict:
     of the capacity sweep's cells for the same kind of map and step cap (``CAPACITY_SWEEP``), two-sided."""
     line = {"claim": CAPACITY, "measure": "bits per trainable parameter at d* of the trainable control", "relation":
             None, "layer": None, "metric": None, "null_name": None, "null": None, "missing_nulls": [],
-            "difference": None, "min_effect": None, "p_holm": None, "p_zero_holm": None, "verdict": "not measured",
+            "difference": None, "min_effect": None, "p_holm": None, "p_zero_holm": None, "power": None, "verdict": "not measured",
             "counts": {}, "comparison": None, "note": ""}
     at_star = _at_dstar(report)
     threshold, table = (at_star or {}).get("threshold") or {}, (at_star or {}).get("matched_to") or {}
@@ -419,7 +443,9 @@ def claims_block(report: dict) -> dict:
     for key in ("p", "p_zero"):
         for test, adjusted in zip(family, holm([t[key] for t in family])):
             test[key + "_holm"] = adjusted
-    for test in tests:
+    for test in tests:                   # power at Holm's strictest step: alpha over the family's size
+        if test["difference"] is not None:
+            test["power"] = power(test["difference"], test["min_effect"], ALPHA / max(len(family), 1))
         test["grade"] = _grade(test)
     lines = [_line(DECODABLE, f"superposition readout accuracy (cross-fitted) of each relation, {where}", readouts),
              _line(CAUSAL, "LRE causality (reference edit W^+ (o_t - o_s)) of each relation at its causality layer "
