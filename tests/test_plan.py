@@ -256,3 +256,14 @@ def test_every_constant_of_the_cost_model_has_its_provenance_and_is_the_one_plan
     assert points == {mode: {int(d): n for d, n in steps.items()}
                       for mode, steps in data["CONTROL_POINT_STEPS"]["value"].items()}
     assert all(type(d) is int and type(n) is int for steps in points.values() for d, n in steps.items())
+
+
+def test_the_plan_says_when_this_cpu_is_busy(tiny, monkeypatch):
+    """The plan assumes idle cores; under load it says so, with the load and the cores it read."""
+    planned = plan(tiny, rate=REFERENCE_RATE)
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert "busy" not in format_plan(planned)
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.0 * cores, 0.0, 0.0))
+    line = format_plan(planned).splitlines()[-1]
+    assert f"load {3.0 * cores:.1f} over the last minute on {cores} cores" in line and "~4.0x" in line

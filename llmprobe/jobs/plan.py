@@ -532,4 +532,21 @@ def format_plan(plans: dict | list[dict]) -> str:
     lines.append("  wall = load + known facts and analyses each over their processes"
                  + (f" (this CPU: {cpu[0]})" if cpu else "") + ": known facts + max(analyses, the longer control mode "
                  "(one worker each), all of it over the cores)")
+    if cpu:
+        lines += busy_note()
     return "\n".join(lines)
+
+
+def busy_note() -> list[str]:
+    """A line when this CPU is busy now (load average over the last minute above half its cores): the plan
+    assumes idle cores; [] when it is idle or the load cannot be read."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return []
+    cores = len(os.sched_getaffinity(0))
+    if load <= cores / 2:
+        return []
+    return [f"  this CPU is busy now: load {load:.1f} over the last minute on {cores} cores; the plan assumes idle "
+            f"cores, so expect up to ~{1 + load / cores:.1f}x its times (other processes take their share, and the "
+            "analyses wait longer for the cores the controls' workers hold)"]
