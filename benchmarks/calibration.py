@@ -8,7 +8,7 @@ subjects' token embeddings) and where it fails (the superposition of a shuffled 
 alone), each measured by ``superposition_readout`` (5 folds, the 20-group jackknife) over ``--replicates`` draws
 and graded by the report's verdict rule with Bonferroni over ``--family`` tests (the SmolLM2 report's Holm family
 size), against the nulls the line had before the lexical null and with it
-(``llmprobe.report.calibration``). Printed per world: R^2, its gains over random_attributes and lexical, and
+(``llmprobe.jobs.calibration``). Printed per world: R^2, its gains over random_attributes and lexical, and
 the fraction graded supported and supported-or-weak under each null set (power where the claim holds,
 false-positive rate where it fails).
 
@@ -29,8 +29,8 @@ from llmprobe.analyses.settings import settings_from  # noqa: E402
 from llmprobe.analyses.superposition import attribute_vectors, lexical_states, superposition_table  # noqa: E402
 from llmprobe.datasets import load_relations  # noqa: E402
 from llmprobe.io import write_json  # noqa: E402
+from llmprobe.jobs.calibration import calibrate, format_rows, superposition_worlds  # noqa: E402
 from llmprobe.model.loading import load_model  # noqa: E402
-from llmprobe.report.calibration import calibrate, format_rows, superposition_worlds  # noqa: E402
 
 
 def main(argv=None) -> list[dict]:

@@ -128,6 +128,34 @@ def build_construction(task: FactTask, b: int, codes: str = "sphere", variant: s
     return model
 
 
+def build_subject_memory(task: FactTask, seed: int = 0) -> FactRecallModel:
+    """A one-layer key-value memory whose MLP reads only the subject (no selector): one ReLU unit per subject (its
+    key a subject dimension) writes every attribute of the subject at once; the relation embedding lifts the
+    queried relation's attribute set in the unembedding. Answers every fact when each relation has attributes of
+    its own (e.g. :func:`synthetic.tasks.random_functions`); no gate depends on the relation. (uniform attention,
+    d = N + R + n_outputs, d_mlp = N.)"""
+    N, R, n_out = task.n_subjects, task.n_relations, task.n_outputs
+    d = N + R + n_out
+    model = FactRecallModel(ModelConfig(N, R, n_out, d_model=d, d_mlp=N, pos_embed=False, seed=seed))
+    E, E_rel = torch.zeros(N, d), torch.zeros(R, d)
+    E[range(N), range(N)] = 2.0                        # the answer position holds e_s / 2 + 3 e_r / 2
+    E_rel[range(R), [N + r for r in range(R)]] = 1.0
+    W_in, W_out, U = torch.zeros(d, N), torch.zeros(N, d), torch.zeros(n_out, d)
+    W_in[range(N), range(N)] = 2.0
+    for s in range(N):
+        known = task.table[s][task.table[s] >= 0]
+        W_out[s, N + R + known] = 1.0
+    for r in range(R):
+        for a in task.relation_attributes(r).tolist():
+            U[a, N + R + a], U[a, N + r] = 1.0, 1.0
+    with torch.no_grad():
+        for param, value in ((model.subject_embed, E), (model.relation_embed, E_rel), (model.W_in, W_in),
+                             (model.b_in, -torch.ones(N)), (model.W_out, W_out), (model.b_out, torch.zeros(d)),
+                             (model.unembed_weight, U)):
+            param.copy_(value)
+    return model
+
+
 def quantize_(model: torch.nn.Module, bits: int) -> torch.nn.Module:
     """Round every parameter in place to ``bits``-bit symmetric levels, per row of 2-D tensors (per tensor for 1-D)."""
     levels = 2 ** (bits - 1) - 1

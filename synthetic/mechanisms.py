@@ -337,6 +337,78 @@ def gate_transplant(model: FactRecallModel, task: FactTask, seed: int = 0) -> di
     return out
 
 
+def transplant_items(task: FactTask, n_items: int | None = None, seed: int = 0,
+                     model: FactRecallModel | None = None) -> dict[str, torch.Tensor]:
+    """Items of the gate-transplant test as the pretrained run draws them (``llmprobe.analyses.selector``,
+    ``_transplant_items``), in a seeded random order, at most ``n_items`` (None: every fact that has them): facts
+    (s, r) -- with ``model``, only those it answers (the run's known facts) -- each with a donor s' != s of the
+    same relation whose answer differs and a random other relation r' of s. {"s", "r", "s_same", "r_other",
+    "answer"}: LongTensor [n]."""
+    gen = torch.Generator().manual_seed(seed + 47)
+    s, r, a = task.facts()
+    if model is not None:
+        ok = accuracy_mask(model, task)
+        s, r, a = s[ok], r[ok], a[ok]
+    R = task.n_relations
+    rows = {k: [] for k in ("s", "r", "s_same", "r_other", "answer")}
+    for k in torch.randperm(s.numel(), generator=gen).tolist():
+        i, q = int(s[k]), int(r[k])
+        donors = torch.nonzero((task.table[:, q] >= 0) & (task.table[:, q] != a[k])).flatten()
+        others = [p for p in range(R) if p != q and int(task.table[i, p]) >= 0]
+        if donors.numel() == 0 or not others:
+            continue
+        for key, value in (("s", i), ("r", q), ("answer", int(a[k])),
+                           ("s_same", int(donors[torch.randint(donors.numel(), (1,), generator=gen)])),
+                           ("r_other", others[int(torch.randint(len(others), (1,), generator=gen))])):
+            rows[key].append(value)
+        if n_items is not None and len(rows["s"]) == n_items:
+            break
+    return {k: torch.tensor(v, dtype=torch.long) for k, v in rows.items()}
+
+
+@torch.no_grad()
+def accuracy_mask(model: FactRecallModel, task: FactTask) -> torch.Tensor:
+    """Whether the model answers each fact of ``task.facts()`` (BoolTensor [F])."""
+    ids, _, _, a = _one_hop(task)
+    return _logits_last(model, ids) == a
+
+
+@torch.no_grad()
+def redirection_items(task: FactTask, n_items: int | None = None, seed: int = 0,
+                      shuffled: bool = False) -> dict[str, torch.Tensor]:
+    """Items of the redirection test, in a seeded random order, at most ``n_items`` (None: every fact that has
+    them): facts (s, r) with another relation r' whose fact of s has another answer (``new`` = a_{r'}(s)) and a
+    donor s'' != s with a fact under r' of yet another answer (``cross`` = its prompt (s'', r')). ``shuffled``:
+    score against a table whose rows are permuted within each relation (the new answer a_{r'}(pi(s)): facts that
+    are not the model's, a planted negative). {"s", "r", "r_new", "s_cross", "old", "new"}: LongTensor [n]."""
+    gen = torch.Generator().manual_seed(seed + 41)
+    table = task.table
+    if shuffled:
+        table = torch.stack([col[torch.randperm(col.numel(), generator=gen)] for col in table.T], 1)
+        table = torch.where(task.table >= 0, table, task.table)
+    s, r, a = task.facts()
+    order = torch.randperm(s.numel(), generator=gen).tolist()
+    N, R = task.n_subjects, task.n_relations
+    rows = {k: [] for k in ("s", "r", "r_new", "s_cross", "old", "new")}
+    for k in order:
+        i, q = int(s[k]), int(r[k])
+        rels = [p for p in range(R) if p != q and int(table[i, p]) >= 0 and int(table[i, p]) != int(a[k])]
+        if not rels:
+            continue
+        p = rels[int(torch.randint(len(rels), (1,), generator=gen))]
+        donors = torch.nonzero((task.table[:, p] >= 0) & (task.table[:, p] != table[i, p])
+                               & (torch.arange(N) != i)).flatten()
+        if donors.numel() == 0:
+            continue
+        for key, value in (("s", i), ("r", q), ("r_new", p), ("old", int(a[k])), ("new", int(table[i, p])),
+                           ("s_cross", int(donors[torch.randint(donors.numel(), (1,), generator=gen)]))):
+            rows[key].append(value)
+        if n_items is not None and len(rows["s"]) == n_items:
+            break
+    return {k: torch.tensor(v, dtype=torch.long) for k, v in rows.items()}
+
+
+@torch.no_grad()
 @torch.no_grad()
 def relation_patch(model: FactRecallModel, task: FactTask, seed: int = 0) -> dict:
     """Move the query from relation r to r2 for the same subject by a *subject-independent* edit.

@@ -1,4 +1,4 @@
-"""The superposition line's measure on planted answers (``llmprobe.report.calibration``; the table at the real
+"""The superposition line's measure on planted answers (``llmprobe.jobs.calibration``; the table at the real
 run's n: ``benchmarks/calibration.py``, docs/measures.md, Calibration). Quick shapes: 120 subjects, d = 48, a
 one-to-one relation, one of 60 attributes, one of 8, and one lexical relation (its attribute is the subject's own
 token, as a country's demonym nearly is). The gain over random_attributes is what the true u vectors add to
@@ -10,11 +10,28 @@ sizes the exact superposition gains ~0.3; with 4, 12 and 30 attributes it gained
 * the superposition of a shuffled table is not shown;
 * the lexical world (states = the subjects' token embeddings) reads a large R^2 gain over random_attributes, and
   the nulls before the lexical one grade it supported or weak: that is the artefact; with the lexical null it is
-  not shown. Grading it without the lexical null (``WITH_LEXICAL`` = ``BEFORE``) makes this test fail."""
+  not shown. Grading it without the lexical null (``WITH_LEXICAL`` = ``BEFORE``) makes this test fail.
+
+The selector line's measure on planted one-layer models (``calibrate_selector``) at the real run's 64 test facts:
+the construction and a trained geometric model supported, the key-value memories neither supported nor weak.
+Breaking the matched switch-off (``matched_switch_off`` returning all ones: no unit moved) makes the first
+selector test fail (the null keeps every answer, so the trained model's keep no longer beats it).""" 
+import math
+
 import pytest
 import torch
 
-from llmprobe.report.calibration import BEFORE, WITH_LEXICAL, calibrate, grade, measure_world, superposition_worlds
+from llmprobe.analyses.selector import matched_switch_off
+from llmprobe.jobs.calibration import (
+    BEFORE,
+    WITH_LEXICAL,
+    calibrate,
+    calibrate_selector,
+    grade,
+    measure_world,
+    selector_worlds,
+    superposition_worlds,
+)
 
 N, D, SIZES = 120, 48, (120, 60, 8)
 
@@ -48,3 +65,43 @@ def test_the_lexical_null_removes_the_lexical_artefact_and_keeps_the_power(shape
     r2, margins = measure_world(positive, *clean, seed=0, folds=4, jackknife_groups=10)
     assert r2["value"] > 0.4 and margins["random_attributes"]["value"] > 0.2 and margins["lexical"]["value"] > 0.3
     assert grade(r2, margins, WITH_LEXICAL, 20) == "supported" and set(BEFORE) < set(WITH_LEXICAL)
+
+
+# --------------------------------------------------------------------------------------------------- selector
+@pytest.fixture(scope="module")
+def selector_rows():
+    """The selector line's worlds (N = 64, R = 4; trained d = 16 for 300 steps), 2 replicates each at the real
+    run's 64 test facts, graded with Bonferroni over the SmolLM2 report's 20 tests."""
+    worlds = {w.name: w for w in selector_worlds(64, 4, 16, 300)}
+    return {r["world"]: r for r in calibrate_selector(list(worlds.values())[:5], 64, replicates=2, family=20,
+                                                        n_boot=300)}
+
+
+def test_the_selector_keep_test_passes_the_selectors_and_fails_the_memories(selector_rows):
+    """The construction and a trained geometric model are graded supported on every replicate, both key-value
+    memories never supported or weak; the break test it replaced shows none of them (the construction included:
+    a random switch-off of another relation's size breaks as much as another relation's gates)."""
+    holds = [r for r in selector_rows.values() if r["claim_holds"]]
+    fails = [r for r in selector_rows.values() if r["claim_holds"] is False]
+    assert len(holds) == 3 and len(fails) == 2 and all(r["n"] == 64 for r in selector_rows.values())
+    construction, trained = holds[0], holds[1]
+    assert construction["same_relation"] == 1.0 and construction["other_relation"] < 0.05
+    assert construction["keep_supported"] == trained["keep_supported"] == 1.0
+    assert trained["same_relation"] > 0.6 and trained["random_units_matched"] < 0.2
+    assert all(r["keep_supported_or_weak"] == 0.0 for r in fails)
+    assert max(r["same_relation"] for r in fails) < 0.4
+    assert construction["break_supported_or_weak"] == 0.0                  # the old test had no power
+
+
+def test_the_matched_switch_off_matches_count_and_norm():
+    own = torch.tensor([[0.9, 0.5, 0.1, 0.0, 2.0], [1.0, 1.0, 0.0, 0.0, 0.0]])
+    new = torch.tensor([[0.0, 0.5, 0.1, 0.7, 0.0], [1.0, 1.0, 0.0, 0.0, 0.0]])
+    scale = matched_switch_off(own, new, own > 0, new > 0, torch.Generator().manual_seed(0))
+    moved = scale[0] != 1
+    assert int(moved.sum()) == 3 and bool((own[0][moved] > 0).all())            # 3 units moved: 3 open ones
+    assert math.isclose(float((own[0] * (scale[0] - 1)).norm()), float((new[0] - own[0]).norm()), rel_tol=1e-5)
+    assert bool((scale[1] == 1).all())                                             # nothing moved: no edit
+    relu = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    off = matched_switch_off(relu, torch.tensor([[0.0, 1.0, 1.0, 1.0]]), relu > 0, torch.tensor([[0, 1, 1, 1]]) > 0,
+                             torch.Generator().manual_seed(1))
+    assert sorted(off[0].tolist()) == [0.0, 0.0, 1.0, 1.0]                         # 0/1 gates: switched off

@@ -243,7 +243,7 @@ def test_the_plan_prices_each_width_as_the_run_plan_does():
 
     shape = PRESETS["smollm2-135m"]
     work = {"forward": [], "edits": [], "jacobian": [], "lre_layers": [], "head_rows": 0, "states": [], "known": [],
-            "lre_fits": 0, "ridge_fits": 0, "readouts": 0, "n_subjects": 193, "n_facts_table": 1158,
+            "lre_fits": 0, "ridge_fits": 0, "readouts": 0, "readout_subjects": 0, "n_subjects": 193, "n_facts_table": 1158,
             "at_model_width": True, "n_seeds": 3}
     for mode in ("trainable", "frozen"):
         one, scale = {**work, "matched_modes": (mode,)}, 1.7

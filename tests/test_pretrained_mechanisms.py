@@ -138,6 +138,26 @@ def test_key_value_memory_fails_the_selector_test(key_value, task):
     assert metrics["same_minus_other"]["ci"][1] < -0.4 and metrics["same_relation"]["ci"][1] < 0.6
 
 
+def test_the_calibrated_selector_test_passes_the_construction_and_fails_the_memory(construction, key_value, task):
+    """The selector line's test (``selector_keep``: the same-relation keep rate against the other-relation gates
+    and a switch-off matched in count and norm), by the pretrained run's code on both planted models."""
+    from llmprobe.report.claims import ALPHA, selector_test
+    got = {}
+    for name, model in (("construction", construction), ("memory", key_value)):
+        own, same, other, answers = _sets(task)
+        hits = gate_transplant(model, own, same, other, answers, [0], torch.Generator().manual_seed(0),
+                               matched_gen=torch.Generator().manual_seed(1))
+        metrics = transplant_metrics(hits, n_boot=200)
+        assert set(metrics["selector_keep"]["nulls"]) == {"other_relation_gate", "random_units_matched"}
+        got[name] = (metrics, selector_test(metrics))
+    metrics, test = got["construction"]
+    assert metrics["random_units_matched"]["value"] < 0.3 and metrics["same_minus_random"]["value"] > 0.7
+    assert test["measure"] == "keep" and test["p"] < ALPHA                   # supported even alone
+    metrics, test = got["memory"]
+    assert metrics["random_units_matched"]["value"] == 1.0       # its relation gates move no unit: nothing switched off
+    assert test["p_zero"] > 0.5 and test["difference"]["value"] < -0.5
+
+
 def test_a_transplant_of_the_whole_activation_would_fail_the_construction(construction, task, monkeypatch):
     """The mutation that keeps test_construction_is_a_perfect_selector honest: copy the donor's activation (values
     and gate) instead of its gate, and the construction no longer keeps its answers."""
@@ -302,6 +322,7 @@ def test_every_family_runs_every_new_analysis(taught, monkeypatch):
     transplant = sel["gate_transplant"]
     assert transplant["error"] is None and transplant["block"] in [[0], [1], [2]] and transplant["n_items"] > 0
     assert transplant["clean"]["value"] > 0.5
+    assert transplant["selector_keep"]["n"] == transplant["random_units_matched"]["n"] == transplant["n_items"]
     parts = transplant["by_relation"]        # the same test facts split by their own relation
     assert set(parts) <= {r.name for r in relations} and sum(p["n_items"] for p in parts.values()) == \
         transplant["n_items"]

@@ -322,6 +322,51 @@ def test_the_selector_line_is_measured_on_the_model_against_random_units(same, o
     assert line["comparison"]["metric"]["value"] == 1.0 and "the matched control" in line["comparison"]["name"]
 
 
+def _calibrated_selector_report(same: int, other: int, matched: int, n=64, controls: dict | None = None) -> dict:
+    """A pretrained report whose gate transplant has the calibrated keep test (``selector_keep``): ``same``,
+    ``other``, ``matched`` of ``n`` test facts kept under the same-relation gates, the other-relation gates and
+    the switch-off matched in count and norm (paired: the first hits of each list), ``random_units`` as matched."""
+    import torch
+
+    from llmprobe.analyses.selector import transplant_metrics
+    hits = {"clean": torch.ones(n, dtype=torch.bool),
+            **{k: torch.tensor(_hits(v, n)).bool() for k, v in (("same_relation", same), ("other_relation", other),
+                                                                 ("random_units", matched),
+                                                                 ("random_units_matched", matched))}}
+    report = _claims_report(controls=controls)
+    report["analyses"]["selector"] = {"relations": ["capital"], "gate_transplant": {
+        "block": [3, 4, 5], "n_items": n, **transplant_metrics(hits, 1000, 0)}}
+    return report
+
+
+@pytest.mark.parametrize("same, other, matched, expected", [
+    (64, 0, 0, "supported"),        # the construction: kept by every other subject's gates, broken by the rest
+    (63, 18, 20, "supported"),      # SmolLM2's sizes (same 0.98, other 0.28, random units 0.31)
+    (50, 60, 1, "inconclusive (low power)"),   # subject-keyed gates: r' of s keeps more than r of s'
+    (5, 3, 2, "not shown"),         # a key-value memory: another subject's gates break the answer
+    (14, 4, 3, "weak"),             # above both nulls, not shown to be by +0.10
+])
+def test_the_calibrated_selector_line_keeps_against_both_nulls(same, other, matched, expected):
+    line = _line(_calibrated_selector_report(same, other, matched, controls=MATCHED_SELECTOR), SELECTOR)
+    assert line["verdict"] == expected and line["min_effect"] == 0.10 and line["missing_nulls"] == []
+    assert line["metric"]["value"] == pytest.approx(same / 64)                # the same-relation keep rate
+    assert line["null_name"] in ("other_relation_gate", "random_units_matched")
+    assert "kept with another subject's MLP gates of the same relation" in line["measure"]
+    assert f"the subject's own gates of another relation keep {other / 64:.2f}" in line["measure"]
+    assert line["comparison"]["metric"]["value"] == 1.0                       # the control's same-relation keep
+
+
+def test_a_perfect_selectors_widened_paired_interval_gives_way_to_mover():
+    """Every item kept by the same-relation gates and lost by the other-relation ones: the paired bootstrap has
+    no spread and is widened to [-1, 1]; the difference then comes from the two Wilson intervals (MOVER)."""
+    report = _calibrated_selector_report(64, 0, 0)
+    transplant = report["analyses"]["selector"]["gate_transplant"]
+    assert transplant["same_minus_other"]["ci"] == [-1.0, 1.0]
+    line = _line(report, SELECTOR)
+    assert line["difference"]["interval"] == "MOVER (unpaired)" and line["difference"]["ci"][0] > 0.85
+    assert line["verdict"] == "supported"
+
+
 def test_the_gate_transplant_is_shown_per_relation_beside_the_pooled_line(tmp_path):
     """The selector line pools the transplant's test facts; the report also shows each relation's share (the
     same metrics on its own facts, from analyses.selector.gate_transplant.by_relation), one with too few facts

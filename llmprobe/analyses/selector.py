@@ -188,6 +188,53 @@ def random_units(own_open: torch.Tensor, other_open: torch.Tensor, gen: torch.Ge
     return (~((rank < count) & own_open)).float()
 
 
+def matched_switch_off(own_gate: torch.Tensor, new_gate: torch.Tensor, own_open: torch.Tensor, new_open: torch.Tensor,
+                       gen: torch.Generator) -> torch.Tensor:
+    """Gate multipliers [n, d_mlp] of a random switch-off matched in count AND norm to the transplant own -> new
+    (gates [n, d_mlp], open masks bool [n, d_mlp]): per row as many units as the transplant moves (open in one,
+    closed in the other), drawn at random among the row's open units, each multiplied by 1 - c, with c set so that
+    the gate change has the transplant's L2 norm ||new - own|| (c = 1: switched off; c > 1: reversed, where the
+    chosen units' gates are smaller than the change). For 0/1 gates (ReLU) c = 1: :func:`random_units`' edit."""
+    count = (own_open != new_open).sum(1, keepdim=True)
+    score = torch.rand(own_open.shape, generator=gen) + own_open.float()       # open units first, in random order
+    rank = torch.argsort(torch.argsort(score, dim=1, descending=True), dim=1)
+    chosen = ((rank < count) & own_open).float()
+    target = (new_gate.float() - own_gate.float()).norm(dim=1, keepdim=True)
+    have = (own_gate.float() * chosen).norm(dim=1, keepdim=True)
+    c = torch.where(have > 0, target / torch.where(have > 0, have, torch.ones_like(have)), torch.zeros_like(have))
+    return 1.0 - c * chosen
+
+
+def redirect_transplant(model, own: PromptSet, cross: PromptSet, block: list[int], gen: torch.Generator,
+                        batch_size: int = 32) -> dict[str, torch.Tensor]:
+    """Redirection: the greedy next token [n] after each item (s, r) (``own``) with the gates at the last token
+    replaced, at the layers ``block``, by those of another subject's prompt of another relation (s'', r')
+    (``cross``; ``redirect``), and with a random switch-off matched in count and norm to that transplant
+    (:func:`matched_switch_off`; ``random_units``). A selector answers a_{r'}(s): the gates pick the relation,
+    the item's own values carry the subject. {"redirect", "random_units"}: LongTensor [n]."""
+    own_g, own_open = last_gates(model, own, block, batch_size)
+    cross_g, cross_open = last_gates(model, cross, block, batch_size)
+    scale = {l: matched_switch_off(own_g[l], cross_g[l], own_open[l], cross_open[l], gen) for l in block}
+    return {"redirect": edited_predictions(model, own, gates=cross_g, batch_size=batch_size),
+            "random_units": edited_predictions(model, own, scale=scale, batch_size=batch_size)}
+
+
+def redirect_metrics(preds: dict[str, torch.Tensor], new_answers: torch.Tensor, old_answers: torch.Tensor,
+                     n_boot: int = 1000, seed: int = 0) -> dict:
+    """Typed metrics (JSON form) of :func:`redirect_transplant`: ``redirect`` (the fraction answering a_{r'}(s),
+    the answer of the gates' relation for the values' subject) with its null ``random_units`` (the same fraction
+    under the matched switch-off), their paired difference ``redirect_minus_random`` (the selector line's test),
+    and the fractions still answering a_r(s) (``redirect_keeps_old``, with ``random_units`` beside it)."""
+    new = {k: (v == new_answers).double().tolist() for k, v in preds.items()}
+    old = {k: (v == old_answers).double().tolist() for k, v in preds.items()}
+    return {"redirect": proportion(new["redirect"]).with_nulls(
+                {"random_units": proportion(new["random_units"])}).to_dict(),
+            "redirect_minus_random": paired_difference(new["redirect"], new["random_units"], n_boot=n_boot,
+                                                       seed=seed).to_dict(),
+            "redirect_keeps_old": proportion(old["redirect"]).with_nulls(
+                {"random_units": proportion(old["random_units"])}).to_dict()}
+
+
 def transplant_hits(model, own: PromptSet, answers: torch.Tensor, same_gates: dict[int, torch.Tensor],
                     other_gates: dict[int, torch.Tensor], keep: dict[int, torch.Tensor] | None = None,
                     batch_size: int = 32) -> dict[str, torch.Tensor]:
@@ -204,23 +251,30 @@ def transplant_hits(model, own: PromptSet, answers: torch.Tensor, same_gates: di
 
 def gate_transplant(model, own: PromptSet, same_relation: PromptSet, other_relation: PromptSet,
                     answers: torch.Tensor, block: list[int], gen: torch.Generator,
-                    batch_size: int = 32) -> dict[str, torch.Tensor]:
+                    batch_size: int = 32, matched_gen: torch.Generator | None = None) -> dict[str, torch.Tensor]:
     """:func:`transplant_hits` at the layers ``block`` with the gates of the prompts ``same_relation`` (s', r)
     and ``other_relation`` (s, r'), one row per item, and the random-units control of the other-relation
-    transplant's size; ``clean``: the unedited prompts. {"clean", "same_relation", "other_relation",
-    "random_units"}: BoolTensor [n], the answer given."""
-    _, own_open = last_gates(model, own, block, batch_size)
+    transplant's size; ``clean``: the unedited prompts. With ``matched_gen`` also ``random_units_matched``: a
+    random switch-off matched in count AND norm to the other-relation transplant (:func:`matched_switch_off`,
+    its own generator, so ``random_units`` is drawn as without it). {"clean", "same_relation", "other_relation",
+    "random_units"[, "random_units_matched"]}: BoolTensor [n], the answer given."""
+    own_g, own_open = last_gates(model, own, block, batch_size)
     same_g, _ = last_gates(model, same_relation, block, batch_size)
     other_g, other_open = last_gates(model, other_relation, block, batch_size)
     keep = {l: random_units(own_open[l], other_open[l], gen) for l in block}
     hits = transplant_hits(model, own, answers, same_g, other_g, keep, batch_size)
+    if matched_gen is not None:
+        scale = {l: matched_switch_off(own_g[l], other_g[l], own_open[l], other_open[l], matched_gen) for l in block}
+        hits["random_units_matched"] = edited_predictions(model, own, scale=scale, batch_size=batch_size) == answers
     return {"clean": edited_predictions(model, own, batch_size=batch_size) == answers, **hits}
 
 
 def transplant_metrics(hits: dict[str, torch.Tensor], n_boot: int = 1000, seed: int = 0) -> dict:
     """Typed metrics (JSON form) of :func:`gate_transplant`: ``clean`` (no edit), ``same_relation`` with its controls
     ``other_relation_gate`` (the selector's null) and ``random_units``, each also on its own, and the paired
-    differences ``same_minus_other`` and ``random_minus_other``."""
+    differences ``same_minus_other`` and ``random_minus_other``; with ``random_units_matched`` in ``hits`` also
+    :func:`_matched_metrics` (``selector_keep``, ``random_units_matched``, ``same_minus_random``,
+    ``matched_minus_other``)."""
     as_list = {k: v.double().tolist() for k, v in hits.items()}
     other, rand = proportion(as_list["other_relation"]), proportion(as_list["random_units"])
     return {"clean": proportion(as_list["clean"]).to_dict(),
@@ -232,7 +286,23 @@ def transplant_metrics(hits: dict[str, torch.Tensor], n_boot: int = 1000, seed: 
             "same_minus_other": paired_difference(as_list["same_relation"], as_list["other_relation"],
                                                   n_boot=n_boot, seed=seed).to_dict(),
             "random_minus_other": paired_difference(as_list["random_units"], as_list["other_relation"],
-                                                    n_boot=n_boot, seed=seed).to_dict()}
+                                                    n_boot=n_boot, seed=seed).to_dict(),
+            **(_matched_metrics(as_list, n_boot, seed) if "random_units_matched" in as_list else {})}
+
+
+def _matched_metrics(as_list: dict[str, list], n_boot: int, seed: int) -> dict:
+    """The selector line's test (docs/measures.md, Verdicts): ``selector_keep`` = the same-relation keep rate with
+    its two nulls, ``other_relation_gate`` (the subject's own gates of another relation; paired:
+    ``same_minus_other``) and ``random_units_matched`` (a random switch-off matched in count and norm to that
+    transplant; paired: ``same_minus_random``), the matched switch-off's keep rate on its own, and the old test
+    with the matched null (``matched_minus_other``)."""
+    same, other, matched = as_list["same_relation"], as_list["other_relation"], as_list["random_units_matched"]
+    pair = lambda a, b: paired_difference(a, b, n_boot=n_boot, seed=seed).to_dict()  # noqa: E731
+    return {"random_units_matched": proportion(matched).to_dict(),
+            "selector_keep": proportion(same).with_nulls({"other_relation_gate": proportion(other),
+                                                          "random_units_matched": proportion(matched)}).to_dict(),
+            "same_minus_random": pair(same, matched),
+            "matched_minus_other": pair(matched, other)}
 
 
 def _shares(x: np.ndarray, n_relations: int) -> tuple[float, float]:
@@ -439,7 +509,8 @@ def _transplant(lm, grid: FactGrid, cfg: AnalysisSettings, log: Log) -> dict:
     log(f"selector: gate transplant at layers {best[0]}-{best[-1]} (chosen on {len(val['answers'])} validation "
         f"facts), {len(test['answers'])} test facts")
     hits = gate_transplant(lm.model, *_prompt_sets(lm.tokenizer, test), best,
-                           generator(cfg, "selector", "random units"), cfg.batch_size)
+                           generator(cfg, "selector", "random units"), cfg.batch_size,
+                           matched_gen=generator(cfg, "selector", "matched units"))
     by_relation = {}
     for name in dict.fromkeys(test["relation"]):
         rows = torch.tensor([k for k, r in enumerate(test["relation"]) if r == name])
@@ -578,7 +649,8 @@ def selector_workload(tok, relations: list, known: dict, layers: list[int], n_la
     """The passes of ``llmprobe.analyses.selector.selector``: the gates of the gating grid's prompts up to the
     last probed layer (the model and its random twin), the donors' gates at every layer, two edited full passes
     per block of layers on the validation items, and on the test items the gates at the chosen block (its
-    deepest layer assumed: the last block) and four full passes (transplants, random units, clean)."""
+    deepest layer assumed: the last block) and five full passes (transplants, random units, the switch-off matched
+    in count and norm, clean)."""
     work = empty_passes()
     try:
         grid = fact_grid(tok, relations, known, cfg)
@@ -599,7 +671,7 @@ def selector_workload(tok, relations: list, known: dict, layers: list[int], n_la
     work["forward"] += [(of(val, "same"), n_layers, False), (of(val, "other"), n_layers, False)]
     work["forward"] += [(of(val, "own"), n_layers, True)] * (2 * len(blocks_of(n_layers)))
     work["forward"] += [(of(test, key), n_layers, False) for key in ("own", "same", "other")]
-    work["forward"] += [(of(test, "own"), n_layers, True)] * 4
+    work["forward"] += [(of(test, "own"), n_layers, True)] * 5
     return work
 
 

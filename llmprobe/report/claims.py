@@ -19,10 +19,15 @@ NULLS = {DECODABLE: ("shuffled", "random_init", "lexical"),           # every on
          CAUSAL: ("random_direction", "random_operator"),
          SUPERPOSITION: ("shuffled", "random_init", "random_attributes", "lexical"),
          SERVES: ("random_subject", "random_vector"),
-         SELECTOR: ("random_units",),
+         SELECTOR: ("other_relation_gate", "random_units_matched"),
          MULTIHOP: ("direct",)}
 MIN_EFFECT = {DECODABLE: 0.10, CAUSAL: 0.10, SUPERPOSITION: 0.05, SERVES: 0.10, SELECTOR: 0.10,
               MULTIHOP: 0.10}                                  # accuracy / R^2 / success rate over the null
+# the selector line of reports without the calibrated test (no ``gate_transplant.selector_keep``): the share of
+# answers another relation's gates break against a count-matched random switch-off (docs/measures.md, Calibration)
+SELECTOR_BREAK = "MLP a relation-conditioned selector (gate-transplant break)"
+NULLS[SELECTOR_BREAK] = ("random_units",)
+MIN_EFFECT[SELECTOR_BREAK] = MIN_EFFECT[SELECTOR]
 REFERENCES = {"scaled_patch": "a same-norm step toward h_t (scaled_patch)",     # LRE causality's comparison
               "full_patch": "the full patch h_s -> h_t (full_patch, a reference)"}
 ALPHA = 0.025                   # one-sided familywise level (Holm): the one-sided level of the 95% intervals shown
@@ -40,8 +45,10 @@ VERDICT_RULE = (
     "decodable: shuffled, random_init, lexical; LRE causal: random_direction, random_operator; superposition: "
     "shuffled, random_init, random_attributes, lexical (the subjects' static token embeddings in place of their "
     "states); one state serves every relation: the crosspatch's random_subject and "
-    "random_vector patches; selector: switching off as many random units as another relation's gates switch "
-    "(random_units); chain-of-thought: the direct answer to the same chains) on the difference measure - null with "
+    "random_vector patches; selector: the keep rate under another subject's gates of the same relation against "
+    "the subject's own gates of another relation (other_relation_gate) and a random switch-off matched in count "
+    "and norm to that transplant (random_units_matched; older reports: the share another relation's gates break "
+    "against switching off as many random units, random_units); chain-of-thought: the direct answer to the same chains) on the difference measure - null with "
     "its 95% interval (paired bootstrap where the report has it, else MOVER from the two intervals). supported: "
     f"the difference exceeds the minimal effect (+{MIN_EFFECT[DECODABLE]:g} accuracy, +{MIN_EFFECT[SUPERPOSITION]:g} "
     "R^2) against every null, Holm-adjusted over all tests of the report (claims x relations) at one-sided "
@@ -316,30 +323,70 @@ def _broken(m: dict | None) -> dict | None:
     return {"value": 1.0 - m["value"], "ci": [1.0 - hi, 1.0 - lo], "n": m.get("n"), "interval": m.get("interval")}
 
 
+def _informative(paired: dict | None) -> dict | None:
+    """A paired bootstrap margin, or None where its interval was widened to the bounds [-1, 1] because every item
+    gave the same difference (a perfect selector: every keep 1, every other 0): the difference then falls back to
+    MOVER from the two Wilson intervals, which still know n."""
+    if paired and paired.get("interval") == "bootstrap (widened)" and list(paired.get("ci") or [])[:2] == [-1.0, 1.0]:
+        return None
+    return paired
+
+
+def selector_test(transplant: dict, comparison: tuple | None = None) -> dict | None:
+    """The selector's test on one gate transplant (``selector.gate_transplant`` as JSON, or the same keys from
+    :func:`llmprobe.analyses.selector.transplant_metrics`): with ``selector_keep`` (the calibrated test,
+    docs/measures.md, Calibration) the keep rate under another subject's gates of the same relation against the
+    subject's own gates of another relation (``other_relation_gate``, paired: ``same_minus_other``) and a random
+    switch-off matched in count and norm to that transplant (``random_units_matched``, paired:
+    ``same_minus_random``); without it (older reports) the share another relation's gates break (1 -
+    ``other_relation``) against the share a count-matched random switch-off breaks (1 - ``random_units``, paired:
+    ``random_minus_other``). The test's ``claim`` is :data:`SELECTOR` either way; ``measure`` names which. A
+    paired margin widened to [-1, 1] (every item the same difference) gives way to MOVER (:func:`_informative`)."""
+    keep = transplant.get("selector_keep")
+    if _compact(keep):
+        test = _test(SELECTOR, "all relations", None, keep, margins={
+            "other_relation_gate": _informative(transplant.get("same_minus_other")),
+            "random_units_matched": _informative(transplant.get("same_minus_random"))}, comparison=comparison)
+        if test:
+            test["measure"] = "keep"
+        return test
+    if _compact(transplant.get("other_relation")) is None:
+        return None
+    test = _test(SELECTOR_BREAK, "all relations", None, _broken(transplant.get("other_relation")),
+                 {"random_units": _broken(transplant.get("random_units"))},
+                 {"random_units": transplant.get("random_minus_other")}, comparison)
+    if test:
+        test.update(claim=SELECTOR, measure="break")
+    return test
+
+
 def _selector_tests(report: dict) -> tuple[list[dict], str]:
     """(tests, where) of the selector on the pretrained model's gate transplant (at the block chosen on validation
-    facts): the fraction of test facts another relation's gates break (1 - other_relation) against the fraction a
-    switch-off of as many random units breaks (1 - random_units; paired: random_minus_other), beside the same
-    fraction in the trainable matched control at d* (1 - same_subject, Wilson, n = the table's facts)."""
+    facts, :func:`selector_test`): the calibrated keep test where the report has it, beside the trainable matched
+    control's same-relation keep rate at the model's width (else at d*; Wilson, n = the table's facts); older
+    reports: the share another relation's gates break against a count-matched random switch-off, beside the
+    control's other-relation break at d* (1 - its same_subject keep rate)."""
     transplant = analyses_of(report).selector.gate_transplant
-    if transplant.error or _compact(transplant.other_relation) is None:
+    as_json = transplant.to_dict()
+    calibrated = _compact(as_json.get("selector_keep")) is not None
+    if transplant.error or not (calibrated or _compact(transplant.other_relation)):
         return [], ""
-    at_star = _at_dstar(report)
-    control = analyses_of(at_star or {}).selector.gate_transplant
-    n_facts = ((at_star or {}).get("matched_to") or {}).get("n_facts")
+    source = (_same_width_control(report) or _at_dstar(report)) if calibrated else _at_dstar(report)
+    control = analyses_of(source or {}).selector.gate_transplant
+    n_facts = ((source or {}).get("matched_to") or {}).get("n_facts")
     comparison = None
-    if control.same_subject is not None and n_facts:
-        kept = Metric(control.same_subject, wilson(control.same_subject, n_facts), n_facts, "wilson").to_dict()
-        comparison = (f"the matched control ({source_name(at_star)}; same-relation gate keeps "
+    if control.same_subject is not None and isinstance(control.same_relation, (int, float)) and n_facts:
+        value = control.same_relation if calibrated else control.same_subject
+        kept = Metric(value, wilson(value, n_facts), n_facts, "wilson").to_dict()
+        comparison = (f"the matched control ({source_name(source)}; same-relation gate keeps "
                       f"{control.same_relation:.2f}, other-relation gate {control.same_subject:.2f})",
-                      _broken(kept))
-    test = _test(SELECTOR, "all relations", None, _broken(transplant.other_relation),
-                 {"random_units": _broken(transplant.random_units)},
-                 {"random_units": transplant.random_minus_other}, comparison)
+                      kept if calibrated else _broken(kept))
+    test = selector_test(as_json, comparison)
     block = transplant.block
-    same = _compact(transplant.same_relation)
+    shown = _compact(transplant.other_relation if calibrated else transplant.same_relation)
     where = (f"at layers {block[0]}-{block[-1]} (the block chosen on validation facts)" if block else "") + (
-        f"; another subject's gates of the same relation keep {same['value']:.2f}" if same else "")
+        (f"; the subject's own gates of another relation keep {shown['value']:.2f}" if calibrated else
+         f"; another subject's gates of the same relation keep {shown['value']:.2f}") if shown else "")
     return [t for t in [test] if t], where
 
 
@@ -456,8 +503,10 @@ def claims_block(report: dict) -> dict:
              _line(SERVES, "crosspatch: fraction of items whose answer to relation B's prompt of s' becomes B's "
                            "answer for s when s's state from a relation-free prompt is patched in (pooled over "
                            f"relation pairs), at {serves_where}", serves),
-             _line(SELECTOR, "gate transplant: fraction of known test facts that the same subject's MLP gates of "
-                             f"another relation break, {selector_where}", selector),
+             _line(SELECTOR, ("gate transplant: fraction of known test facts kept with another subject's MLP gates "
+                              "of the same relation" if any(t.get("measure") == "keep" for t in selector) else
+                              "gate transplant: fraction of known test facts that the same subject's MLP gates of "
+                              "another relation break") + f", {selector_where}", selector),
              _line(MULTIHOP, "chain-of-thought accuracy on the k-hop chains whose every hop is known (pooled over "
                              "compositions), per k", multihop),
              capacity_line(report)]
