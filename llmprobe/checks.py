@@ -11,6 +11,8 @@ import argparse
 import dataclasses
 import json
 import os
+import socket
+import stat
 import sys
 import tempfile
 import types
@@ -187,6 +189,53 @@ def argparse_type(check):
     return convert
 
 
+# ------------------------------------------------------------------------------ input files
+SPECIAL_FILES = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+                 (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def special_file(path: str | os.PathLike) -> str | None:
+    """What ``path`` is when it is a FIFO, a device or a socket (after symbolic links), else None (a plain file,
+    a folder, or nothing there). Such a file is never opened: reading a FIFO or a device can block for ever."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+    return next((name for test, name in SPECIAL_FILES if test(mode)), None)
+
+
+def check_not_special(path: str | os.PathLike, what: str = "", error: type[Exception] = UsageError) -> None:
+    """``error`` naming ``path`` (and ``what`` it was given as) when it is a FIFO, a device or a socket: such
+    files are refused before they are opened (a read could wait for ever)."""
+    kind = special_file(path)
+    if kind:
+        raise error(f"{what + ' ' if what else ''}{str(path)!r} is {kind}, not a regular file; refused (reading it "
+                    f"could wait for ever): give a regular file")
+
+
+def tcp_address(address: str, what: str = "--address", hint: str = "", timeout: float = 3.0) -> None:
+    """Check that ``address`` (``HOST:PORT`` or ``SCHEME://HOST:PORT``) accepts a TCP connection within
+    ``timeout`` seconds; UsageError naming ``what`` (and ending with ``hint``: what would work) otherwise. Only
+    that address is contacted; other forms (``auto``, ``local``, a host without a port) are left to the program
+    they are for."""
+    text = str(address).strip()
+    rest = text.split("://", 1)[1] if "://" in text else text
+    host, colon, port = rest.rstrip("/").rpartition(":")
+    if not colon or not host:
+        return
+    host = host.strip("[]")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"{what} {text!r}: the port must be a number from 1 to 65535 (HOST:PORT, e.g. "
+                         f"127.0.0.1:6379)")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as error:
+        reason = "no answer within {:g} s".format(timeout) if isinstance(error, TimeoutError) else \
+            (error.strerror or str(error) or type(error).__name__)
+        raise UsageError(f"{what} {text!r}: cannot connect to {host}:{port} ({reason})"
+                         + (f"; {hint}" if hint else "")) from None
+
+
 # ------------------------------------------------------------------------------ JSON input files
 def parse_json(text: str | bytes, source: str, error: type[Exception] = UsageError, too_deep: str = "",
                encoding: str | None = None):
@@ -211,7 +260,9 @@ def parse_json(text: str | bytes, source: str, error: type[Exception] = UsageErr
 
 def read_json(path: str | os.PathLike, error: type[Exception] = UsageError, too_deep: str = "",
               encoding: str | None = None):
-    """The JSON value in file ``path`` (:func:`parse_json`, the file named in its errors)."""
+    """The JSON value in file ``path`` (:func:`parse_json`, the file named in its errors); a FIFO, device or
+    socket is refused unopened."""
+    check_not_special(path, error=error)
     return parse_json(Path(path).read_bytes(), str(path), error, too_deep, encoding)
 
 

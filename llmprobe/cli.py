@@ -141,7 +141,8 @@ def _add_model_args(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--resume", action="store_true",
                         help="take finished stages from --out when model and settings match, instead of recomputing")
     parser.add_argument("--overwrite", action="store_true",
-                        help="clear another run's files from --out (its manifest.json names them) instead of refusing")
+                        help="replace the result --out holds (only the files llmprobe wrote there, as its manifest.json "
+                             "names them) instead of refusing; --resume continues it instead")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub (off)")
     parser.add_argument("--allow-pickle", action="store_true",
                         help="allow pickle weights (pytorch_model.bin, loaded with weights_only=True); default: "

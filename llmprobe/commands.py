@@ -22,12 +22,14 @@ from llmprobe.checks import (
     UsageError,
     is_out_of_memory,
     output_folder,
+    tcp_address,
 )
-from llmprobe.io import file_lock, reuse_freed_memory
+from llmprobe.io import folder_lock, reuse_freed_memory
 from llmprobe.jobs.main import run
 from llmprobe.jobs.plan import format_plan, plan, plan_devices
 from llmprobe.jobs.probe import probe, summary_table
 from llmprobe.jobs.rerun import rerun
+from llmprobe.jobs.stages import check_folder
 from llmprobe.model.batching import OutOfMemoryAtOne
 from llmprobe.model.families import embedded, families, models_text
 from llmprobe.model.loading import DEFAULT_MODEL, ModelLoadError, check_hub_reachable
@@ -133,19 +135,34 @@ def _run_one(args) -> str:
     return args.out
 
 
-def _run_models(args, models: list) -> int:
-    """``llmprobe run A B ... [--executor ray]``: one report per model in OUT/<model>, run here one after the other
-    or as Ray tasks (synthetic.executors.ray_map), then their compare page in OUT/compare."""
-    jobs, names = [], []
+COMPARE = "compare"    # the folder of ``llmprobe run A B ...``'s compare page, beside one folder per model
+
+
+def model_folders(out: str, models: list) -> list[str]:
+    """The folder of each model of ``llmprobe run A B ... --out OUT``: OUT/<its name> (a local folder or file: its
+    base name), unique, and never OUT/compare (the compare page's)."""
+    names: list[str] = []
     for model in models:
         text = str(model or "embedded").rstrip("/\\")
         text = os.path.basename(text) if os.path.exists(text) else text      # a local folder or file: its name
-        name = re.sub(r"[^A-Za-z0-9_.-]+", "--", text).strip("-.") or "model"
-        name = name if name not in names else f"{name}-{len(names)}"
+        base = re.sub(r"[^A-Za-z0-9_.-]+", "--", text).strip("-.") or "model"
+        name, number = base, 0
+        while name in names or name == COMPARE:
+            number += 1
+            name = f"{base}-{number}"
         names.append(name)
-        jobs.append(argparse.Namespace(**{**vars(args), MODEL: model, "executor": "process",
-                                          "out": os.path.join(args.out, name)}))
+    return [os.path.join(out, name) for name in names]
+
+
+def _run_models(args, models: list) -> int:
+    """``llmprobe run A B ... [--executor ray]``: one report per model in OUT/<model>, run here one after the other
+    or as Ray tasks (synthetic.executors.ray_map), then their compare page in OUT/compare."""
+    jobs = [argparse.Namespace(**{**vars(args), MODEL: model, "executor": "process", "out": folder})
+            for model, folder in zip(models, model_folders(args.out, models), strict=True)]
     if args.executor == "ray":
+        if args.address:
+            tcp_address(args.address, "--address", "start the Ray cluster there first (ray start --head), or leave "
+                                                    "--address out for a local one")
         try:
             ray_map(_run_one, jobs, address=args.address)
         except Exception as error:
@@ -161,7 +178,7 @@ def _run_models(args, models: list) -> int:
     else:
         for job in jobs:
             _run_one(job)
-    for path in compare([job.out for job in jobs], os.path.join(args.out, "compare")):
+    for path in compare([job.out for job in jobs], os.path.join(args.out, COMPARE)):
         print(path)
     return 0
 
@@ -241,24 +258,33 @@ def check_outputs(args) -> None:
                          f"report.md and metrics.csv would be overwritten; give another folder")
 
 
-LOCK = os.path.join(".locks", "llmprobe.lock")   # held in an output folder by the command writing into it
-LOCKING = ("probe", "run", "rerun", "compare", "report", "synth train", "synth construct")
+def check_results(args) -> None:
+    """``probe`` and ``run``: refuse (UsageError) an output folder holding another result (any command's, finished
+    or partial) unless --overwrite or --resume, before the model loads (``llmprobe.jobs.stages.check_folder``;
+    ``claim_folder`` checks the weights once it is loaded). Called holding the folder's lock, so that a command
+    still writing there is named as such."""
+    if getattr(args, "command", None) in ("probe", "run"):
+        models = getattr(args, MODEL)
+        many = isinstance(models, list) and (len(models) > 1 or getattr(args, "executor", "process") == "ray")
+        for folder in model_folders(args.out, models or [None]) if many else [args.out]:
+            check_folder(folder, args.resume, args.overwrite)
+
+
+LOCKING = ("probe", "run", "compare", "report", "synth train", "synth construct")   # rerun locks its own folder
 
 
 @contextmanager
 def output_lock(args):
     """Hold the lock of the folder the command writes into (``--out``; ``report``'s DIR without it) for the
     command's duration: a second command into the same folder is refused (UsageError) instead of mixing its files
-    with the first one's. ``synth sweep`` (and the other synth commands) share their folders by design."""
+    with the first one's. ``synth sweep`` (and the other synth commands) share their folders by design; ``rerun``
+    locks the folder it writes (``--out`` or DIR-rerun) itself."""
     command = " ".join(filter(None, (getattr(args, "command", None), getattr(args, "synth_command", None))))
     folder = getattr(args, "out", None) or (args.dir if command == "report" else None)
     if command not in LOCKING or folder is None:
         yield
         return
-    with file_lock(os.path.join(folder, LOCK), block=False) as held:
-        if not held:
-            raise UsageError(f"--out {folder} is in use by another llmprobe command (it holds "
-                             f"{os.path.join(folder, LOCK)}); wait for it to finish, or choose another folder")
+    with folder_lock(folder):
         yield
 
 
@@ -311,6 +337,7 @@ def run_command(args) -> int:
                 torch.set_num_threads(args.threads)
             reuse_freed_memory()
             with output_lock(args):
+                check_results(args)
                 status = args.func(args)
         return status if isinstance(status, int) and not isinstance(status, bool) else EXIT_OK
     except KeyboardInterrupt as error:
@@ -325,6 +352,11 @@ def run_command(args) -> int:
         print(f"llmprobe: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as error:
+        if error.errno == errno.ENAMETOOLONG:
+            print(f"llmprobe: error: a file or folder name is too long ({error.strerror}): "
+                  f"{error.filename if error.filename is not None else 'a path given'}; give a shorter one",
+                  file=sys.stderr)
+            return EXIT_USAGE
         if error.errno not in FULL:
             raise
         print(f"llmprobe: error: {error.strerror}: cannot write {error.filename}; results already written are kept"
@@ -341,7 +373,8 @@ def run_command(args) -> int:
         if isinstance(error, OutOfMemoryAtOne):   # the batches already went down to one item: its message says why
             print(f"llmprobe: error: {error} Results already written are kept.", file=sys.stderr)
             return EXIT_OUT_OF_MEMORY
-        print(f"llmprobe: error: out of memory ({str(error).splitlines()[0][:300]}). Try a smaller --batch-size, "
+        why = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]   # a bare MemoryError has no text
+        print(f"llmprobe: error: out of memory ({why}). Try a smaller --batch-size, "
               f"--max-prompt-tokens, --dtype bfloat16, fewer --layers, or --device cpu. Results already written "
               f"are kept.", file=sys.stderr)
         return EXIT_OUT_OF_MEMORY

@@ -20,7 +20,7 @@ Malformed input raises :class:`DatasetError`, whose message names the file and t
 from __future__ import annotations
 
 import csv
-import io
+import itertools
 import json
 import os
 import re
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from llmprobe.checks import parse_json
+from llmprobe.checks import parse_json, special_file
 from llmprobe.io import write_text
 
 __all__ = ["DatasetError", "Fact", "Relation", "FactTable", "load_relations", "list_bundled", "save_relation",
@@ -41,6 +41,8 @@ CARDINALITIES = ("one-to-one", "many-to-one", "one-to-many", "many-to-many")
 DEFAULT_NEUTRAL = ["{}"]
 TOO_DEEP = "a relation is at most a list of objects holding lists of facts: a few levels deep"
 _PACKAGE = "prompts"
+MAX_JSON_BYTES = 256 << 20      # a .json relation file is read whole: at most this size (rows files stream)
+NULL_TEXTS = ("", "none", "null", "nan")       # a missing value written as text: never a relation name
 LRE_CATEGORIES = ("factual", "linguistic", "commonsense", "bias")     # the folders of prompts/lre/
 
 
@@ -138,8 +140,32 @@ def _err(source: str, fld: str, problem: str) -> DatasetError:
 
 def _string(value, source: str, fld: str) -> str:
     if not isinstance(value, str) or not value.strip():
-        raise _err(source, fld, f"must be a non-empty string, got {value!r}")
+        raise _err(source, fld, f"must be a non-empty string, got {value!r}"[:300])
+    _encodable(value, source, fld)
     return value.strip()
+
+
+def _encodable(value: str, source: str, fld: str) -> None:
+    """A DatasetError naming the field when ``value`` holds a lone surrogate (a JSON ``\\ud800`` escape without
+    its pair), which no tokenizer can encode."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise _err(source, fld, f"holds a lone surrogate {value[error.start]!r} at character {error.start} (a "
+                                f"\\uD800-\\uDFFF escape without its pair), which is no character: fix the "
+                                f"text in {value!r}"[:400]) from None
+
+
+def _relation_name(value, source: str, fld: str) -> str:
+    """A relation column's value as a relation name: a non-empty string (or a whole number), not a missing
+    value written as text (``None``, ``nan``) nor a list; DatasetError naming the file and row otherwise."""
+    text = str(value).strip() if type(value) is int else value.strip() if isinstance(value, str) else None
+    if text is None or text.lower() in NULL_TEXTS or text[:1] + text[-1:] in ("[]", "{}", "()"):
+        raise _err(source, fld, f"must name the row's relation (a non-empty string), got {value!r}"[:200] +
+                   "; give every row a relation name, or drop the relation column to name the relation after the "
+                   "file")
+    _encodable(text, source, fld)
+    return text
 
 
 def _templates(value, source: str, fld: str, required: bool) -> list[str]:
@@ -151,6 +177,7 @@ def _templates(value, source: str, fld: str, required: bool) -> list[str]:
     for i, t in enumerate(value):
         if not isinstance(t, str) or t.count(SLOT) != 1:
             raise _err(source, f"{fld}[{i}]", f"must be a string with exactly one '{{}}' subject slot, got {t!r}")
+        _encodable(t, source, f"{fld}[{i}]")
         if t not in out:
             out.append(t)
     return out
@@ -267,8 +294,10 @@ def _get(row: dict, column: str):
 
 def _from_rows(rows, source: str, name: str, columns: list[str], *, subject_column: str, object_column: str,
                template_column: str | None, relation_column: str | None, templates: list[str] | None,
-               neutral_templates: list[str] | None) -> list[Relation]:
-    """Relations from table rows (CSV, JSON lines, Hugging Face datasets); one per value of ``relation_column``."""
+               neutral_templates: list[str] | None, max_facts: int | None = None) -> list[Relation]:
+    """Relations from table rows (CSV, JSON lines, Hugging Face datasets; any iterable, read once); one per value
+    of ``relation_column``. ``max_facts``: each relation keeps its first that many distinct facts, and without a
+    relation column the rows are read only until it has them."""
 
     def has(col):
         return col in columns or ("." in col and col.split(".")[0] in columns)
@@ -281,12 +310,17 @@ def _from_rows(rows, source: str, name: str, columns: list[str], *, subject_colu
     groups: dict[str, dict] = {}
     for i, row in enumerate(rows):
         where = f"rows[{i}]"
-        rel = str(_get(row, use_relation)).strip() if use_relation else name
-        g = groups.setdefault(rel, {"facts": [], "templates": []})
+        rel = _relation_name(_get(row, use_relation), source, f"{where}.{use_relation}") if use_relation else name
+        g = groups.setdefault(rel, {"facts": [], "templates": [], "seen": set()})
+        if max_facts is not None and len(g["seen"]) >= max_facts:
+            if not use_relation:
+                break                   # the one relation has its facts: the rest of the file is not read
+            continue
         s = _get(row, subject_column)
         o = _get(row, object_column)
-        g["facts"].append(Fact(_string(s, source, f"{where}.{subject_column}"),
-                               _string(o, source, f"{where}.{object_column}")))
+        fact = Fact(_string(s, source, f"{where}.{subject_column}"), _string(o, source, f"{where}.{object_column}"))
+        g["facts"].append(fact)
+        g["seen"].add(fact)
         if use_template and templates is None:
             t = _get(row, use_template)
             if t is not None and str(t).strip():
@@ -323,24 +357,43 @@ def _read_text(path: Path) -> str:
                            f"must be UTF-8: re-save it as UTF-8 (it may be Latin-1 or Windows-1252)") from None
 
 
+def _lines(path: Path):
+    """The file's lines as UTF-8 text (line endings kept, a leading byte-order mark dropped), read one at a time
+    (a rows file is never held whole); a DatasetError naming the file and line for bytes that are not UTF-8."""
+    with open(path, "rb") as handle:
+        for n, raw in enumerate(handle, 1):
+            try:
+                yield raw.decode("utf-8-sig" if n == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise DatasetError(f"{path}: not UTF-8 text (byte 0x{raw[e.start]:02x} on line {n}); relation files "
+                                   f"must be UTF-8: re-save it as UTF-8 (it may be Latin-1 or Windows-1252)") from None
+
+
 def _read_csv(path: Path, **kw) -> list[Relation]:
-    reader = csv.DictReader(io.StringIO(_read_text(path), newline=""))
-    rows = list(reader)
+    reader = csv.DictReader(_lines(path))
     columns = [c.strip() for c in (reader.fieldnames or [])]
-    rows = [{(k or "").strip(): v for k, v in r.items()} for r in rows]
+    rows = ({(k or "").strip(): v for k, v in r.items()} for r in reader)
     return _from_rows(rows, str(path), path.stem, columns, **kw)
 
 
 def _read_jsonl(path: Path, **kw) -> list[Relation]:
-    rows = []
-    for n, line in enumerate(_read_text(path).split("\n"), 1):
-        if line.strip():
-            rows.append(parse_json(line, f"{path}: line {n}", DatasetError, f" ({TOO_DEEP})"))
-    bad = [i for i, r in enumerate(rows) if not isinstance(r, dict)]
-    if bad:
-        raise _err(str(path), f"rows[{bad[0]}]", "must be a JSON object")
-    columns = sorted({k for r in rows for k in r})
-    return _from_rows(rows, str(path), path.stem, columns, **kw)
+    """JSON lines, parsed as they are read (up to ``max_facts``: :func:`_from_rows`); the columns are the first
+    row's keys."""
+    def parsed():
+        i = 0
+        for n, line in enumerate(_lines(path), 1):
+            if line.strip():
+                row = parse_json(line, f"{path}: line {n}", DatasetError, f" ({TOO_DEEP})")
+                if not isinstance(row, dict):
+                    raise _err(str(path), f"rows[{i}]", f"must be a JSON object (line {n})")
+                i += 1
+                yield row
+
+    rows = parsed()
+    first = next(rows, None)
+    if first is None:
+        raise _err(str(path), "rows", "is empty: a relation needs at least one fact")
+    return _from_rows(itertools.chain([first], rows), str(path), path.stem, sorted(first), **kw)
 
 
 def _read_hf(spec: str, hf_kwargs: dict | None, **kw) -> list[Relation]:
@@ -391,8 +444,19 @@ def _read_json_text(text: str, source: str) -> list[Relation]:
 
 
 def _read_path(path: Path, row_kw: dict) -> list[Relation]:
+    """One relation file; a FIFO, device or socket is refused unopened, a .json file over ``MAX_JSON_BYTES``
+    unread."""
+    kind = special_file(path)
+    if kind:
+        raise DatasetError(f"{path} is {kind}, not a relation file; refused (reading it could wait for ever): give "
+                           f"a regular .json, .jsonl or .csv file")
     suffix = path.suffix.lower()
     if suffix == ".json":
+        size = path.stat().st_size
+        if size > MAX_JSON_BYTES:
+            raise DatasetError(f"{path}: {size:,} bytes ({size / 2 ** 20:.0f} MiB); a .json relation file is read "
+                               f"whole, so it may hold at most {MAX_JSON_BYTES >> 20} MiB: write the facts as JSON "
+                               f"lines (.jsonl) or CSV, which are read row by row and only up to --max-facts")
         return _read_json_text(_read_text(path), str(path))
     if suffix == ".csv":
         return _read_csv(path, **row_kw)
@@ -461,7 +525,8 @@ def lre_as_read(relation: Relation) -> Relation:
 def load_relations(names_or_paths: list[str] | str | None = None, *, templates: list[str] | None = None,
                    neutral_templates: list[str] | None = None, subject_column: str = "subject",
                    object_column: str = "object", template_column: str = "template",
-                   relation_column: str = "relation", hf_kwargs: dict | None = None) -> list[Relation]:
+                   relation_column: str = "relation", hf_kwargs: dict | None = None,
+                   max_facts: int | None = None) -> list[Relation]:
     """Load relations; None = every bundled relation.
 
     Each item is a bundled relation name (``"country_capital"``), a JSON file in our schema or the LRE format
@@ -472,17 +537,26 @@ def load_relations(names_or_paths: list[str] | str | None = None, *, templates: 
     templates from
     ``templates`` or else the distinct values of ``template_column``, and are split into one relation per value
     of ``relation_column`` when that column exists (otherwise the relation is named after the file/dataset).
+    ``max_facts``: each relation keeps its first that many distinct facts; .jsonl and .csv files are read row by
+    row, and only up to there when they have no relation column (a .json file is read whole, and refused above
+    ``MAX_JSON_BYTES``). A FIFO, device or socket is refused unopened.
     """
     bundled = _bundled_files()
     if names_or_paths is None:
         names_or_paths = sorted(bundled)
     elif isinstance(names_or_paths, (str, os.PathLike)):
         names_or_paths = [names_or_paths]
+    if max_facts is not None and (type(max_facts) is not int or max_facts < 1):
+        raise DatasetError(f"max_facts must be a whole number of at least 1 or None, got {max_facts!r}")
     row_kw = dict(subject_column=subject_column, object_column=object_column, template_column=template_column,
-                  relation_column=relation_column, templates=templates, neutral_templates=neutral_templates)
+                  relation_column=relation_column, templates=templates, neutral_templates=neutral_templates,
+                  max_facts=max_facts)
     out: list[Relation] = []
     for item in names_or_paths:
         item_s = os.fspath(item)
+        if special_file(item_s):
+            raise DatasetError(f"{item_s!r} is {special_file(item_s)}, not a relation file or folder; refused "
+                               f"(reading it could wait for ever): give a regular .json, .jsonl or .csv file")
         if item_s.startswith("hf:"):
             out.extend(_read_hf(item_s, hf_kwargs, **row_kw))
         elif item_s.startswith("lre:"):
@@ -501,6 +575,8 @@ def load_relations(names_or_paths: list[str] | str | None = None, *, templates: 
         else:
             raise DatasetError(f"{item_s!r} is not a bundled relation, file, directory or hf:NAME; "
                                f"bundled relations: {', '.join(sorted(bundled))}")
+    if max_facts is not None:
+        out = [rel.with_facts(rel.facts[:max_facts]) if len(rel.facts) > max_facts else rel for rel in out]
     seen: dict[str, str] = {}
     for rel in out:
         if rel.name in seen:

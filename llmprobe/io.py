@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import errno
 import glob
 import io
 import json
@@ -165,10 +166,21 @@ def read_jsonl(path: str | Path) -> list[dict]:
 def file_lock(path: str | Path, block: bool = True):
     """Hold an exclusive ``fcntl`` lock on ``path`` (created if missing) for the ``with`` block; yields True, or
     False without waiting when ``block`` is false and another process holds it. Locks are released when the
-    holder exits, killed or not. Without ``fcntl`` (Windows) every lock is granted."""
+    holder exits, killed or not. Without ``fcntl`` (Windows) every lock is granted. A lock file that is a
+    symbolic link is never followed (UsageError naming it): a link could make llmprobe create files anywhere."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+b") as handle:
+    try:
+        if path.is_symlink():
+            raise OSError(errno.ELOOP, "a symbolic link", str(path))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0),
+                     0o666)
+    except OSError as error:
+        if error.errno != errno.ELOOP:
+            raise
+        raise UsageError(f"{path} is a symbolic link: llmprobe never follows a link to a lock file; remove "
+                         f"it") from None
+    with os.fdopen(fd, "r+b") as handle:
         if fcntl is None:
             yield True
             return
@@ -181,3 +193,53 @@ def file_lock(path: str | Path, block: bool = True):
             yield True
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+LOCK = os.path.join(".locks", "llmprobe.lock")   # held in an output folder by the command writing into it
+
+
+@contextlib.contextmanager
+def folder_lock(folder: str | Path, what: str = "--out"):
+    """Hold the lock of the output folder ``folder`` (``LOCK`` in it) for the ``with`` block: a second command
+    writing into the same folder is refused (UsageError saying another run holds the lock) instead of mixing its
+    files with the first one's. Neither the lock file nor its ``.locks`` folder may be a symbolic link."""
+    lock = Path(folder) / LOCK
+    if lock.parent.is_symlink():
+        raise UsageError(f"{lock.parent} is a symbolic link: llmprobe never follows a link to a lock file; remove "
+                         f"it")
+    with file_lock(lock, block=False) as held:
+        if not held:
+            raise UsageError(f"{what} {folder} is in use by another llmprobe command: another run holds its lock "
+                             f"({lock}); wait for it to finish, or choose another folder")
+        yield
+
+
+MANIFEST = "manifest.json"      # in an output folder: which files llmprobe wrote there (and for which weights)
+
+
+def read_manifest(folder: str | Path) -> dict | None:
+    """The manifest.json llmprobe wrote in ``folder`` (a JSON object with ``format`` 1 and a ``files`` list of
+    names); {} when there is none; None when there is a manifest.json llmprobe did not write (or cannot be read):
+    such a file is never replaced."""
+    path = Path(folder) / MANIFEST
+    if not path.exists() and not path.is_symlink():
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    if (not isinstance(value, dict) or value.get("format") != 1 or not isinstance(value.get("files"), list)
+            or not all(isinstance(name, str) for name in value["files"]) or path.is_symlink()):
+        return None
+    return value
+
+
+def note_written(folder: str | Path, paths: list[str | Path], **fields) -> None:
+    """Add the names of ``paths`` (written into ``folder``) to its manifest.json, or start one with ``fields``
+    where there is none (none without ``fields``); a manifest.json llmprobe did not write is left alone."""
+    manifest = read_manifest(folder)
+    if manifest is None or not (manifest or fields):
+        return
+    manifest = manifest or {"format": 1, **fields, "files": []}
+    write_json(Path(folder) / MANIFEST, {**manifest, "files": sorted({*manifest["files"],
+                                                                      *(Path(p).name for p in paths)})})

@@ -38,7 +38,16 @@ from pathlib import Path
 import tomllib
 
 from llmprobe.analyses.settings import AnalysisSettings, settings_from
-from llmprobe.checks import DEVICE_MAPS, DTYPES, QUANTIZE, UsageError, analysis_names, layer_spec, parse_max_memory
+from llmprobe.checks import (
+    DEVICE_MAPS,
+    DTYPES,
+    QUANTIZE,
+    UsageError,
+    analysis_names,
+    check_not_special,
+    layer_spec,
+    parse_max_memory,
+)
 from llmprobe.names import ANALYSES, MATCHED_MODES, MATCHED_RECIPES
 
 
@@ -240,8 +249,20 @@ def _known_key(section: str, key: str, where: str):
     return hints[key]
 
 
+MAX_TOML_BYTES = 1 << 20     # a settings file's size bound (every setting written out is about 5 kB)
+
+
 def read_toml(path: str | Path) -> dict:
-    """A TOML settings file as a dict; UsageError naming the file (and the line of a syntax error)."""
+    """A TOML settings file as a dict; UsageError naming the file (and the line of a syntax error). A FIFO,
+    device or socket is refused unopened (reading one can wait for ever), as is a file over ``MAX_TOML_BYTES``."""
+    check_not_special(path, "--config")
+    try:
+        size = os.stat(path).st_size
+    except OSError:
+        size = 0        # reading it says why
+    if size > MAX_TOML_BYTES:
+        raise UsageError(f"--config {str(path)!r}: {size:,} bytes; a settings file is at most {MAX_TOML_BYTES:,} "
+                         f"bytes (`llmprobe config` prints every setting in a few kB)")
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
@@ -379,33 +400,95 @@ RANGES = {
     "analysis.n_boot": (1, None, False), "analysis.jackknife_groups": (0, None, False),
     "analysis.batch_size": (1, None, False), "analysis.jacobian_batch_size": (1, None, False),
     "analysis.jacobian_chunk": (1, None, False), "analysis.jacobian_oversample": (0, None, False),
+    "analysis.jacobian_rank": (1, None, False),     # its number K ("auto" and "full" are checked by the analyses)
     "matched.n_seeds": (1, None, False), "matched.past_fit": (0, None, False),
     "matched.max_steps": (1, None, False), "matched.d_max": (1, None, False), "matched.n_boot": (1, None, False),
 }
 
+WIDTH_MAX = 2 ** 20        # ranks, widths and token counts: more than any model's width or context
+LAYER_MAX = 10_000         # a layer index (negative from the last layer): more than any model's depth
+MAX_ITEMS = 1000           # values in one list setting
+# The stated bound of every number that RANGES leaves open: key -> (lowest, highest). A count far beyond any use
+# costs hours before the model is reached (the plan counts the work it stands for), so each has a cap; a list
+# setting holds at most MAX_ITEMS values. ``llmprobe config`` (docs/config.md) shows each setting's whole range.
+CAPS = {
+    "run.batch_size": (None, 65536), "run.max_facts": (None, 10 ** 9), "run.max_prompt_tokens": (None, WIDTH_MAX),
+    "analysis.n_splits": (None, 100), "analysis.max_subjects": (None, 100_000),
+    "analysis.min_known": (None, 100_000), "analysis.n_jacobian": (None, 1000),
+    "analysis.selection_folds": (None, 100), "analysis.betas": (None, 10 ** 6),
+    "analysis.ranks": (None, WIDTH_MAX), "analysis.edit_ranks": (None, WIDTH_MAX),
+    "analysis.max_val_pairs": (None, 10_000), "analysis.max_test_pairs": (None, 100_000),
+    "analysis.ridge_alphas": (None, 10 ** 12), "analysis.n_icl": (None, 100),
+    "analysis.lre_betas": (None, 10 ** 6), "analysis.lre_edit_ranks": (None, WIDTH_MAX),
+    "analysis.lre_layers": (-LAYER_MAX, LAYER_MAX), "analysis.max_lre_layers": (None, LAYER_MAX),
+    "analysis.causality_layers": (-LAYER_MAX, LAYER_MAX), "analysis.max_superposition_subjects": (None, 10 ** 6),
+    "analysis.folds": (None, 100), "analysis.swap_layers": (-LAYER_MAX, LAYER_MAX),
+    "analysis.max_swap_subjects": (None, 10_000), "analysis.swap_scales": (None, 10 ** 6),
+    "analysis.n_boot": (None, 100_000), "analysis.jackknife_groups": (None, 10_000),
+    "analysis.batch_size": (None, 65536), "analysis.jacobian_batch_size": (None, 65536),
+    "analysis.jacobian_chunk": (None, WIDTH_MAX), "analysis.jacobian_oversample": (None, WIDTH_MAX),
+    "analysis.jacobian_rank": (None, WIDTH_MAX),
+    "matched.n_seeds": (None, 100), "matched.past_fit": (None, 10 ** 6),
+    "matched.max_steps": (None, 10 ** 7), "matched.d_max": (None, WIDTH_MAX), "matched.n_boot": (None, 100_000),
+}
+
+
+def full_range(key: str) -> tuple:
+    """(lowest, highest, bounds excluded) of setting ``key``: RANGES with CAPS filling its open bounds."""
+    low, high, excluded = RANGES[key]
+    cap_low, cap_high = CAPS.get(key, (None, None))
+    return (cap_low if low is None else low), (cap_high if high is None else high), excluded
+
+
+def _bounds_text(bounds: tuple) -> str:
+    """``(1, 100, False)`` -> '1 to 100'; ``(0, 1, True)`` -> 'above 0 and below 1'."""
+    low, high, excluded = (*(f"{x:_}" if isinstance(x, int) else repr(x) for x in bounds[:2]), bounds[2])
+    return f"above {low} and below {high}" if excluded else f"{low} to {high}"
+
+
+def range_text(key: str) -> str:
+    """The range of setting ``key`` (``"analysis.n_splits"``) in words, '' for a setting without one."""
+    if key not in RANGES:
+        return ""
+    hint = field_types(key.split(".")[0])[key.split(".")[1]]
+    is_list = any(typing.get_origin(option) is tuple for option in _options(hint))
+    words = _bounds_text(full_range(key))
+    return f"each {words}, 1 to {MAX_ITEMS:_} values" if is_list else words
+
 
 def _check_range(key: str, value, bounds: tuple) -> None:
-    """UsageError naming ``key`` and its allowed range (``RANGES``) when ``value`` (a number, a list of numbers,
-    or None) lies outside it; floats must also be finite."""
+    """UsageError naming ``key`` and its allowed range (``RANGES``; its cap, ``CAPS``, where that is what the value
+    passes) when ``value`` (a number, a list of numbers, or None) lies outside it; floats must also be finite."""
     low, high, excluded = bounds
     if value is None:
         return
     if isinstance(value, tuple) and not value:
         raise UsageError(f"{key} must list at least one value, got []")
+    if isinstance(value, tuple) and len(value) > MAX_ITEMS:
+        raise UsageError(f"{key} must list at most {MAX_ITEMS} values, got {len(value)}")
+    cap_low, cap_high = CAPS.get(key, (None, None))
     for item in value if isinstance(value, tuple) else (value,):
         if item is None or isinstance(item, str):         # ranks' none; jacobian_rank's text is checked elsewhere
             continue
+        finite = not isinstance(item, float) or math.isfinite(item)
         inside = ((low is None or (item > low if excluded else item >= low))
-                  and (high is None or (item < high if excluded else item <= high))
-                  and (not isinstance(item, float) or math.isfinite(item)))
-        if not inside:
+                  and (high is None or (item < high if excluded else item <= high)) and finite)
+        capped = ((cap_low is None or item >= cap_low) and (cap_high is None or item <= cap_high))
+        if not inside or not capped:
+            shown_low, shown_high = low, high
+            if inside:                                    # past a cap: the whole range is said
+                shown_low, shown_high = (cap_low if low is None else low), (cap_high if high is None else high)
             where = f"each value of {key}" if isinstance(value, tuple) else key
             if excluded:
-                parts = [f"above {low}" if low is not None else "", f"below {high}" if high is not None else ""]
+                parts = [f"above {shown_low}" if shown_low is not None else "",
+                         f"below {shown_high}" if shown_high is not None else ""]
             else:
-                parts = [f"at least {low}" if low is not None else "", f"at most {high}" if high is not None else ""]
+                parts = [f"at least {shown_low}" if shown_low is not None else "",
+                         f"at most {shown_high}" if shown_high is not None else ""]
             kind = "a finite number " if isinstance(item, float) or excluded else ""
-            raise UsageError(f"{where} must be {kind}{' and '.join(p for p in parts if p)}, got {item!r}"[:300])
+            shown = repr(item) if len(repr(item)) <= 40 else f"{repr(item)[:40]}... ({len(repr(item))} characters)"
+            raise UsageError(f"{where} must be {kind}{' and '.join(p for p in parts if p)}, got {shown}; "
+                             f"docs/config.md gives every setting's range")
 
 
 def check(settings: Settings) -> Settings:
@@ -494,7 +577,8 @@ def settings_toml(settings: Settings | None = None) -> str:
         comments = _comments(cls)
         lines += ["" if lines else None, f"[{section}]"]
         for key, value in settings.section(section).items():
-            note = comments.get(key)
+            bounds = range_text(f"{section}.{key}")
+            note = " ".join(filter(None, (comments.get(key), f"(range: {bounds})" if bounds else "")))
             lines.append(f"{key} = {_toml_value(value)}" + (f"  # {note}" if note else ""))
     return "\n".join(line for line in lines if line is not None) + "\n"
 

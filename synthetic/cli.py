@@ -9,7 +9,7 @@ import shutil
 import sys
 
 from llmprobe import io as llmio
-from llmprobe.checks import UsageError, argparse_type, int_list, positive_int
+from llmprobe.checks import UsageError, argparse_type, int_list, positive_int, tcp_address
 from synthetic.analyze import ANALYSIS, DEFAULT_TRAIN, NULLS, analyze
 from synthetic.bounds import summary
 from synthetic.construction import smallest_construction
@@ -336,6 +336,9 @@ def cmd_sweep(args) -> dict:
                       per_round=args.per_round, extrapolate=args.extrapolate, train=_train_config(args, progress=False))
     if args.address and args.executor != "ray":
         raise UsageError("--address is for --executor ray")
+    if args.address and not args.report_only:      # Ray's own failure is minutes of warnings
+        tcp_address(args.address, "--address", "start the Ray cluster there first (ray start --head) and give the "
+                    "address it prints, or leave --address out to start Ray on this machine")
     if args.report_only:
         summary = summarize(args.out, cfg)
         sweep_figures(load_results(args.out), summary, args.out)

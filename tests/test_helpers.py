@@ -210,6 +210,44 @@ def test_the_core_gate_lets_a_part_in_when_no_worker_is_left_however_many_thread
     assert CoreGate(4, 2, [_Worker(), alive]).capacity() == 1 and CoreGate(4, 2, [done, done]).capacity() == 2
 
 
+def test_a_part_that_waited_its_patience_goes_in_one_at_a_time_whatever_the_workers_do():
+    """On a busy machine the controls take far longer than planned: a part that has waited ``patience_s`` goes in
+    while both workers still hold the cores, but never beside another part; without patience it waits on (the
+    default: the workers first)."""
+    workers = [_Worker(), _Worker()]
+    gate = CoreGate(2, 1, workers, patience_s=0.2)
+    gate.POLL_S = 0.01
+    inside, peak = [], []
+
+    def part():
+        with gate.slot():
+            inside.append(1)
+            peak.append(len(inside))
+            time.sleep(0.3)
+            inside.pop()
+    threads = [threading.Thread(target=part, daemon=True) for _ in range(3)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert not any(t.is_alive() for t in threads) and max(peak) == 1 and gate.overdue == 3
+    assert time.perf_counter() - start >= 0.2 + 3 * 0.3 - 0.05 and not any(w.ready() for w in workers)
+    patient = CoreGate(2, 1, [_Worker(), _Worker()])
+    patient.POLL_S = 0.01
+    entered = threading.Event()
+
+    def wait_in():
+        with patient.slot():
+            entered.set()
+    waiting = threading.Thread(target=wait_in, daemon=True)
+    waiting.start()
+    assert not entered.wait(0.4) and patient.running == 0        # the default waits for the workers
+    patient.workers[0].done.set()
+    waiting.join(5)
+    assert entered.is_set() and patient.overdue == 0
+
+
 def test_the_core_gate_says_once_that_a_part_waits_and_not_when_it_goes_in_at_once():
     """``CoreGate.slot(on_wait)``: called once when the part must wait (both workers alive on 2 cores), never when
     a core is free; outside the gate's lock (another thread can take it meanwhile: the callback redraws a bar,

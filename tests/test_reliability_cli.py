@@ -196,7 +196,7 @@ def test_out_of_memory_at_a_batch_of_one_does_not_advise_a_smaller_batch(models,
 # ------------------------------------------------------------------------- row 4: interrupts and resume
 WRAPPER = """
 import dataclasses, functools, os, sys, time
-import llmprobe.analyses.run, llmprobe.model.known
+import llmprobe.analyses.decoders, llmprobe.analyses.run, llmprobe.model.known
 from test_analyses import FAST
 
 real_known, real_analyses = llmprobe.model.known.known_facts, llmprobe.analyses.run.run_analyses
@@ -209,14 +209,15 @@ def forced_known(lm, relation, **kw):      # a random model knows nothing; the c
 def analyses(*args, **kw):
     if os.environ.get("SLOW_ANALYSES"):    # hold the run inside the probe until the test's signal arrives
         time.sleep(120)
-    hold, checkpoint = int(os.environ.get("HOLD_AFTER_RELATIONS", "0")), kw.get("on_progress")
+    runner = kw.get("runner")
+    hold, checkpoint = int(os.environ.get("HOLD_AFTER_RELATIONS", "0")), runner and runner.on_progress
     if hold and checkpoint is not None:    # hold it inside the analyses, once that many relations are written
 
         def on_progress(result):
             checkpoint(result)
             if len(result["relations"]) >= hold:
                 time.sleep(120)
-        kw["on_progress"] = on_progress
+        runner.on_progress = on_progress
     return real_analyses(*args, progress=False, **{**FAST, **kw})
 
 
@@ -227,9 +228,9 @@ def logged_decoders(lm, relation, *args, **kw):    # which relations' decoders t
     return real_decoders(lm, relation, *args, **kw)
 
 
-real_decoders = llmprobe.analyses.run.decoders_for_relation
+real_decoders = llmprobe.analyses.decoders.decoders_for_relation
 llmprobe.model.known.known_facts, llmprobe.analyses.run.run_analyses = forced_known, analyses
-llmprobe.analyses.run.decoders_for_relation = logged_decoders
+llmprobe.analyses.decoders.decoders_for_relation = logged_decoders
 if __name__ == "__main__":
     from llmprobe.cli import main
 
@@ -612,7 +613,7 @@ def test_two_commands_into_one_folder_the_second_is_refused(models, capital, tmp
         for proc in (first, trainer):
             proc.kill()
             proc.communicate(timeout=30)
-    done = cli("probe", models["qwen2"], "--relations", capital, "--device", "cpu", "--out", out)
+    done = cli("probe", models["qwen2"], "--relations", capital, "--device", "cpu", "--out", out, "--overwrite")
     assert done.returncode == 0, done.stderr[-2000:]                      # the lock went with its holder
 
 

@@ -556,8 +556,8 @@ def test_a_folder_of_another_models_run_is_refused_cleared_when_asked_and_decode
     """Row 2: a gpt2 probe into a folder that held a qwen2 run left qwen2's decoders, report.html, report.md and
     metrics.csv beside gpt2's report.json, and load_decoder served qwen2's W. Now manifest.json records what a run
     wrote and for which weights: another model's files are refused (exit 2) unless ``overwrite=True`` clears
-    them, a repeat of the same model clears its earlier files first, and load_decoder checks that decoders.json
-    and report.json name the same weights."""
+    them, a repeat of the same model too (its earlier files, the export's included, are cleared with
+    ``overwrite``), and load_decoder checks that decoders.json and report.json name the same weights."""
     qwen2, relation, out = str(save_tiny("qwen2", tmp_path / "qwen2")), _ten_facts(tmp_path), tmp_path / "out"
     probe_args = ["--relations", relation, "--layers", "0", "--device", "cpu", "--out", str(out)]
     assert main(["probe", qwen2, "--analyses", "lre", *probe_args]) == 0
@@ -575,7 +575,9 @@ def test_a_folder_of_another_models_run_is_refused_cleared_when_asked_and_decode
     assert f"--out {out} holds the files of another run" in err and qwen2_weights in err and "decoders.json" in err
     assert json.loads((out / "report.json").read_text())["model"]["weights_hash"] == qwen2_weights
 
-    probe(qwen2, relations=[relation], layers="0", device="cpu", out=out, analyses=[])   # the same model again
+    with pytest.raises(UsageError, match=f"--out {out} holds the files of another run .*--overwrite replaces"):
+        probe(qwen2, relations=[relation], layers="0", device="cpu", out=out, analyses=[])   # the same model again
+    probe(qwen2, relations=[relation], layers="0", device="cpu", out=out, analyses=[], overwrite=True)
     assert {p.name for p in out.iterdir() if not p.name.startswith(".")} == {"report.json", "known_facts.json",
                                                                              "manifest.json"}
     report = probe(str(tiny_gpt2), relations=[relation], layers="0", device="cpu", out=out, overwrite=True)

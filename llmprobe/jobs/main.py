@@ -179,10 +179,11 @@ class MatchedStage:
             self.threads_before = torch.get_num_threads()
             threads, report["timings"]["analyses_processes"] = analyses_budget(self.threads_before, len(self.workers))
             torch.set_num_threads(threads)
-            self.gate = CoreGate(self.threads_before, threads, self.workers)
+            self.gate = CoreGate(self.threads_before, threads, self.workers, patience_s(planned))
             now = self.gate.capacity()
             say(f"analyses: each part starts on the cores the controls' workers leave ({now} "
-                f"part{'s' if now != 1 else ''} at a time now, more as they finish)")
+                f"part{'s' if now != 1 else ''} at a time now, more as they finish; one at a time after "
+                f"{self.gate.patience_s:.0f} s of waiting, whatever the controls do)")
         report["timings"]["analyses_threads"] = torch.get_num_threads()
 
     def finish(self, report: dict, out: Path) -> None:
@@ -269,6 +270,17 @@ def matched_table(lm, relations: list, known: dict, report: dict, like_for_like:
         table = superposition_table(lm.tokenizer, relations, known, settings_from(**analysis_options))
         return table.fact_table(), []
     return known_table(report["relations"], known)
+
+
+PATIENCE_S = 600.0      # how long an analysis part waits for the controls' cores when their plan is unknown
+
+
+def patience_s(planned: dict) -> float:
+    """How long an analysis part waits for the cores the controls' workers hold before it goes in anyway
+    (``CoreGate.patience_s``): the plan's seconds of the longer mode (its threshold search and curve) x 1.25, at
+    least 60 s; ``PATIENCE_S`` without a plan."""
+    modes = [plan["search"] + plan["curve"] for plan in planned.values()]
+    return max(60.0, 1.25 * max(modes)) if modes else PATIENCE_S
 
 
 def planned_matched(table, d_model: int, modes: tuple, arguments: dict) -> dict:

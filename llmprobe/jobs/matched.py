@@ -140,14 +140,19 @@ class CoreGate:
     each): a part starts only when the cores the alive workers leave hold its threads beside the parts already
     running (at least one part once every worker is done), so the workers train first, never crowded, and each
     core a finished worker frees goes to the analyses. A part that started runs to its end (the capacity only
-    grows). ``waited_s``: the seconds parts waited for a core, summed over the processes. Thread-safe."""
+    grows). ``patience_s``: a part that has waited this long goes in when no other part is running, workers or
+    not (``llmprobe run``: the plan's seconds of the longer controls mode, x 1.25), so that on a busy machine, where
+    the controls take far longer than planned, the analyses still make progress, one part at a time (where each
+    part runs never changes its numbers). ``waited_s``: the seconds parts waited for a core, summed over the
+    processes; ``overdue``: the parts that went in on patience. Thread-safe."""
 
     POLL_S = 0.5        # how often a waiting part looks at the workers again
 
-    def __init__(self, cores: int, threads: int, workers: list):
-        self.cores, self.threads, self.workers = cores, threads, workers
+    def __init__(self, cores: int, threads: int, workers: list, patience_s: float = float("inf")):
+        self.cores, self.threads, self.workers, self.patience_s = cores, threads, workers, patience_s
         self.running = 0
         self.waited_s = 0.0
+        self.overdue = 0
         self.changed = threading.Condition()
 
     def capacity(self) -> int:
@@ -166,6 +171,9 @@ class CoreGate:
             on_wait()
         with self.changed:
             while self.running >= self.capacity():
+                if self.running == 0 and time.perf_counter() - t >= self.patience_s:
+                    self.overdue += 1
+                    break
                 self.changed.wait(self.POLL_S)
             self.running += 1
             self.waited_s += time.perf_counter() - t

@@ -52,7 +52,7 @@ from llmprobe.model.loading import (
     DEFAULT_MODEL,
     ModelLoadError,
     default_gguf,
-    embedded_folder,
+    trusted_embedded_folder,
 )
 from llmprobe.names import ANALYSES
 from llmprobe.settings import Settings
@@ -269,8 +269,8 @@ def smollm2_tokenizer():
         gguf = default_gguf()
     except ModelLoadError as error:
         raise UsageError(f"the plan counts prompts with the embedded SmolLM2 tokenizer: {error}") from None
-    folder = embedded_folder(gguf)
-    if (folder / "tokenizer.json").is_file():
+    folder = trusted_embedded_folder(gguf)
+    if folder is not None and (folder / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(str(folder))
     return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 

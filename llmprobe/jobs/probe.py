@@ -125,7 +125,7 @@ def model_identity(info: dict) -> dict:
 def run_relations(run: RunSettings) -> list[Relation]:
     """The relations a run reads: ``run.relations`` (None: the bundled ones), each cut to its first
     ``run.max_facts`` facts when that is set."""
-    relations = load_relations(None if run.relations is None else list(run.relations))
+    relations = load_relations(None if run.relations is None else list(run.relations), max_facts=run.max_facts)
     return [r.with_facts(r.facts[:run.max_facts]) for r in relations] if run.max_facts else relations
 
 
@@ -174,9 +174,10 @@ def probe(model=None, *, settings: Settings | None = None, out: str | Path | Non
 
     The decoders of each relation are written (decoders.safetensors, decoders.json) with its checkpoint, and
     ``resume`` computes again a relation taken over whose decoders are missing (``stages.analyses.refit_relations``,
-    and a line in ``errors``). ``out`` must not hold another model's files (``manifest.json``; UsageError listing
-    them) unless ``overwrite``, which clears them; an earlier run of the same model's files are cleared unless
-    ``resume`` (``llmprobe.jobs.stages.claim_folder``).
+    and a line in ``errors``). ``out`` must not hold another result, of any command or model (UsageError listing
+    its files), unless ``overwrite``, which replaces the files llmprobe wrote there (its manifest names them; no
+    other file is deleted), or ``resume``, which continues the same model's run (``llmprobe.jobs.stages.
+    claim_folder``).
     """
     job = ProbeJob("probe", job_settings("probe", model, settings, options), out, resume, overwrite)
     job.load(model, tokenizer, lm, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)

@@ -5,8 +5,10 @@ import re
 from pathlib import Path
 
 from llmprobe.checks import UsageError, output_folder, read_json
+from llmprobe.io import folder_lock
 from llmprobe.jobs.main import run
 from llmprobe.jobs.probe import load_options, probe
+from llmprobe.jobs.stages import check_folder
 from llmprobe.model.loading import load_model
 from llmprobe.report.schema import upgrade
 from llmprobe.settings import from_record
@@ -59,8 +61,10 @@ def compare_numbers(old: dict, new: dict, tolerance: float = 1e-6) -> dict:
 def rerun(folder: str | Path, out: str | Path | None = None, allow_different_weights: bool = False,
           trust_remote_code: bool = False, allow_pickle: bool = False) -> dict:
     """Repeat the ``probe`` or ``run`` that wrote ``folder/report.json`` with its recorded settings into ``out``
-    (default: ``<folder>-rerun``), and compare the numbers. The model is loaded first; a weights hash that differs
-    from the recorded one raises UsageError unless ``allow_different_weights``. A recorded ``offload_folder``
+    (default: ``<folder>-rerun``), and compare the numbers. ``out`` is locked while the rerun writes it (a second
+    rerun into it raises UsageError) and must not hold another result (UsageError naming its files). The model is
+    loaded first; a weights hash that differs from the recorded one raises UsageError unless
+    ``allow_different_weights``. A recorded ``offload_folder``
     becomes ``out/offload`` (a report's path could point anywhere). Returns {"command", "out", "weights": "same" |
     "different" | "not recorded", "offload_folder" (None without offloading), "report", "comparison"
     (:func:`compare_numbers`)}."""
@@ -79,20 +83,22 @@ def rerun(folder: str | Path, out: str | Path | None = None, allow_different_wei
     if out.resolve() == folder.resolve():
         raise UsageError(f"rerun: --out {str(out)!r} is the report's own folder; give another one")
     output_folder(out)
-    if settings.run.offload_folder is not None:     # the recorded path may be anywhere: offload inside out
-        settings.run.offload_folder = str(out.resolve() / "offload")
-    lm = load_model(settings.run.model, **load_options(settings.run), trust_remote_code=trust_remote_code,
-                    allow_pickle=allow_pickle)
-    recorded, loaded = (old.get("model") or {}).get("weights_hash"), lm.info.get("weights_hash")
-    weights = "not recorded" if recorded is None else "same" if recorded == loaded else "different"
-    if weights == "different" and not allow_different_weights:
-        raise UsageError(f"rerun: the weights of {settings.run.model or lm.info['name']!r} differ from the "
-                         f"report's ({loaded} now, {recorded} recorded); pass --allow-different-weights to rerun "
-                         f"anyway")
-    report = (probe if command == "probe" else run)(settings=settings, out=out, lm=lm)
+    with folder_lock(out):          # a second rerun into the same folder is refused while this one writes there
+        check_folder(out, resume=False, overwrite=False, how="A rerun never replaces a result: remove them, or give "
+                     "another --out")
+        if settings.run.offload_folder is not None:     # the recorded path may be anywhere: offload inside out
+            settings.run.offload_folder = str(out.resolve() / "offload")
+        lm = load_model(settings.run.model, **load_options(settings.run), trust_remote_code=trust_remote_code,
+                        allow_pickle=allow_pickle)
+        recorded, loaded = (old.get("model") or {}).get("weights_hash"), lm.info.get("weights_hash")
+        weights = "not recorded" if recorded is None else "same" if recorded == loaded else "different"
+        if weights == "different" and not allow_different_weights:
+            raise UsageError(f"rerun: the weights of {settings.run.model or lm.info['name']!r} differ from the "
+                             f"report's ({loaded} now, {recorded} recorded); pass --allow-different-weights to "
+                             f"rerun anyway")
+        report = (probe if command == "probe" else run)(settings=settings, out=out, lm=lm)
     return {"command": command, "out": str(out), "weights": weights, "offload_folder": settings.run.offload_folder,
             "report": report,
             "comparison": compare_numbers(old, read_json(out / "report.json"))}
-
 
 __all__ = ["rerun", "compare_numbers", "numbers"]

@@ -8,7 +8,9 @@ recomputed. Checkpoints (:func:`checkpoint`) rewrite report.json as stages finis
 (KeyboardInterrupt) :func:`mark_interrupted` says which stages are unfinished before the last checkpoint.
 
 The folder is the run's own (:func:`claim_folder`): ``manifest.json`` names the weights a run measured and the
-files it writes, so that no file of another run is left beside them (nor taken over by ``resume``).
+files it writes, so that no file of another run is left beside them (nor taken over by ``resume``); a folder
+holding another result is refused unless ``overwrite`` (replace it) or ``resume`` (continue it) is given, and a
+file llmprobe does not write is never deleted.
 """
 from __future__ import annotations
 
@@ -19,11 +21,10 @@ from pathlib import Path
 
 from llmprobe.analyses.saved import DECODERS_JSON, weights_id
 from llmprobe.checks import UsageError
-from llmprobe.io import write_json
+from llmprobe.io import MANIFEST, read_manifest, write_json
 from llmprobe.report.schema import read_report
 
 INTERRUPTED = "interrupted during"   # how the interrupt's entry in report["errors"] begins
-MANIFEST = "manifest.json"           # what the run in a folder wrote, and for which weights
 OUTPUTS = ("report.json", "known_facts.json", "decoders.json", "decoders.safetensors", "report.html", "report.md",
            "metrics.csv", "metrics.json")    # the files a probe or run (or an export of its report) writes
 
@@ -48,35 +49,89 @@ def previous_report(out: str | Path | None) -> dict:
     return report
 
 
+def results_in(out: Path) -> list[str]:
+    """The files of a result in ``out`` (any command's, finished or partial): the names of ``OUTPUTS`` there."""
+    return sorted(name for name in OUTPUTS if (out / name).is_file())
+
+
+def _manifest(out: Path) -> dict:
+    """``out``'s manifest.json ({} when there is none); UsageError when llmprobe did not write it (it is never
+    replaced)."""
+    manifest = read_manifest(out)
+    if manifest is None:
+        raise UsageError(f"--out {out}: {out / MANIFEST} was not written by llmprobe (not a manifest of the files "
+                         f"llmprobe wrote there), and llmprobe would replace it; give another --out")
+    return manifest
+
+
+def refusal(out: Path, found: list[str], manifest: dict, how: str, other: str | None = None) -> UsageError:
+    """The error of a folder holding the result ``found`` that this command may not touch: it names the folder,
+    what wrote it (``manifest``), the weights it measured, its files, and the ways on (``how``); ``other``: why
+    --resume cannot go on."""
+    weights = ", ".join(sorted(map(str, _earlier_weights(out, manifest)))) or "not recorded"
+    wrote = ", ".join(filter(None, (" ".join(filter(None, (manifest.get("command"), f"of {manifest['model']}"
+                                                            if manifest.get("model") else None))),
+                                    f"weights {weights}")))
+    return UsageError(f"--out {out} holds the files of another run ({wrote}{f'; {other}' if other else ''}): "
+                      f"{', '.join(found)}. {how}"[:1500])
+
+
+def _earlier_weights(out: Path, manifest: dict) -> set:
+    """The weights the result in ``out`` measured, as its manifest, report.json and decoders.json name them."""
+    report, decoders = _read_json(out / "report.json"), _read_json(out / DECODERS_JSON)
+    return {weights for weights in (manifest.get("weights"),
+                                    weights_id(report["model"]) if isinstance(report.get("model"), dict) else None,
+                                    (decoders.get("model") or {}).get("weights")
+                                    if isinstance(decoders.get("model"), dict) else None) if weights}
+
+
+WAYS_ON = ("--overwrite replaces them, --resume continues that run (the same model's); or give another --out "
+           "(Python: overwrite=True, resume=True)")
+
+
+def check_folder(out: str | Path, resume: bool, overwrite: bool, how: str = WAYS_ON) -> None:
+    """Before a probe or run loads its model: refuse (UsageError, the ways on ``how``) an ``out`` holding another
+    result (any command's, finished or partial) unless ``resume`` or ``overwrite``, and one whose manifest.json
+    llmprobe did not write. :func:`claim_folder` checks the weights once the model is loaded."""
+    out = Path(out)
+    manifest = _manifest(out)
+    found = results_in(out)
+    if found and not (resume or overwrite):
+        raise refusal(out, found, manifest, how)
+
+
 def claim_folder(out: Path, command: str, info: dict, files: list[str], resume: bool, overwrite: bool) -> None:
     """Make ``out`` the folder of this run (``command`` of the model ``info``, which writes ``files``), then write
-    its manifest.json. The files of an earlier run found there (those its manifest lists, and ``OUTPUTS``) are
+    its manifest.json. A result already there (the files of ``OUTPUTS`` found: any command's, any model's,
+    finished or partial) is refused (UsageError naming the folder and the ways on) unless
 
-    * another model's (the weights its manifest, report.json or decoders.json name differ, or none names any):
-      refused (UsageError listing them) unless ``overwrite``, which removes them;
-    * the same model's: removed unless ``resume`` takes their finished stages over, so that none is left beside
-      this run's files (decoders of analyses not run again, an earlier export)."""
-    manifest = _read_json(out / MANIFEST)
-    listed = manifest.get("files") if isinstance(manifest.get("files"), list) else []
-    found = sorted({name for name in [*OUTPUTS, *listed] if isinstance(name, str) and Path(name).name == name
-                    and not name.startswith(".") and (out / name).is_file()})
-    report, decoders = _read_json(out / "report.json"), _read_json(out / DECODERS_JSON)
-    earlier = {weights for weights in (manifest.get("weights"),
-                                       weights_id(report["model"]) if isinstance(report.get("model"), dict) else None,
-                                       (decoders.get("model") or {}).get("weights")
-                                       if isinstance(decoders.get("model"), dict) else None) if weights}
+    * ``resume``, for the same model (the weights its manifest, report.json or decoders.json name are this
+      model's): its files are kept, and its finished stages taken over where their keys match;
+    * ``overwrite``: the earlier run's files are removed, and only those its manifest.json names *and* that
+      llmprobe writes (``OUTPUTS``): a file llmprobe did not write is never deleted, whatever a manifest lists.
+
+    A manifest.json that llmprobe did not write is refused and never replaced."""
+    manifest = _manifest(out)
+    listed = {name for name in manifest.get("files", []) if name in OUTPUTS}
+    found = results_in(out)
     weights = weights_id(info)
-    if found and earlier != {weights} and not overwrite:
-        raise UsageError(f"--out {out} holds the files of another run (weights "
-                         f"{', '.join(sorted(map(str, earlier))) or 'not recorded'}; this model's are {weights}): "
-                         f"{', '.join(found)}. Give another --out, or --overwrite (Python: overwrite=True) to clear "
-                         f"them)"[:1000])
-    if found and (earlier != {weights} or not resume):
-        for name in found:
+    same = _earlier_weights(out, manifest) == {weights}
+    if found and not overwrite:
+        if not resume:
+            raise refusal(out, found, manifest, WAYS_ON)
+        if not same:
+            raise refusal(out, found, manifest, "--overwrite (Python: overwrite=True) replaces them, or give "
+                          "another --out", f"this model's are {weights}: --resume continues only a run of the "
+                          f"same model")
+    kept = set()
+    if found and resume and same:
+        kept = listed
+    else:
+        for name in sorted(listed & set(found)):
             (out / name).unlink()
     write_json(out / MANIFEST, {"format": 1, "command": command, "model": info.get("name"), "weights": weights,
                                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                                "files": sorted(set(files))})
+                                "files": sorted(set(files) | {name for name in kept if (out / name).is_file()})})
 
 
 def _read_json(path: Path) -> dict:
@@ -126,5 +181,5 @@ def mark_interrupted(report: dict) -> None:
                                 f"report; rerun with --resume to finish the rest")
 
 
-__all__ = ["stage_key", "previous_report", "claim_folder", "start_stage", "earlier_stage", "checkpoint",
+__all__ = ["stage_key", "previous_report", "results_in", "check_folder", "claim_folder", "refusal", "start_stage", "earlier_stage", "checkpoint",
            "unfinished", "mark_interrupted"]

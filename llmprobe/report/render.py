@@ -12,7 +12,8 @@ import io
 import json
 from pathlib import Path
 
-from llmprobe.io import write_json, write_text
+from llmprobe.checks import UsageError
+from llmprobe.io import note_written, write_json, write_text
 from llmprobe.metric import iter_metrics
 from llmprobe.report.claims import (
     CAPACITY,
@@ -77,7 +78,19 @@ def write_csv(rows: list[dict], path: str | Path) -> Path:
     writer = csv.DictWriter(buffer, fieldnames=ROW_FIELDS + CLAIM_FIELDS, restval="")
     writer.writeheader()
     writer.writerows({k: csv_safe(v) for k, v in row.items()} for row in rows)
-    return write_text(path, buffer.getvalue())
+    return write_text(path, visible(buffer.getvalue()))
+
+
+# control characters (C0 but tab, line feed and carriage return; DEL; C1) and the bidirectional controls that
+# reorder what a reader sees (a right-to-left override makes "cap<RLO>txt.exe" read "capexe.txt"): each is written
+# as its escape (\x00, \u202e), so a user string (a model or relation name) shows what it holds
+HIDDEN = {code: f"\\x{code:02x}" for code in (*range(0x20), *range(0x7f, 0xa0)) if chr(code) not in "\t\n\r"} | {
+    code: f"\\u{code:04x}" for code in (0x061c, 0x200e, 0x200f, *range(0x202a, 0x202f), *range(0x2066, 0x206a))}
+
+
+def visible(text: str) -> str:
+    """``text`` with the characters of ``HIDDEN`` written as their escapes; any other text is returned as it is."""
+    return text.translate(HIDDEN)
 
 
 def csv_safe(value):
@@ -373,6 +386,8 @@ LABEL_CHARS = 40          # a measure without a label in MEASURE_LABELS: its nam
 def measure_label(claim: str, measure: str) -> str:
     """The short name of a claim's measure: ``MEASURE_LABELS``, else the measure's text up to its first ':',
     ' (' or ',' (cut to ``LABEL_CHARS``)."""
+    if claim == SELECTOR and "kept with another subject's" in measure:      # the calibrated keep test
+        return "facts kept with another subject's gates"
     if claim in MEASURE_LABELS:
         return MEASURE_LABELS[claim]
     name = min((measure.split(mark, 1)[0] for mark in (":", " (", ",")), key=len)
@@ -622,10 +637,28 @@ def render_markdown(reports: list[dict], title: str) -> str:
 
 def export(report_dir: str | Path, formats: tuple[str, ...] = ("html", "md", "csv"), out: str | Path | None = None,
            extra_images: list[tuple[str, str]] = ()) -> list[Path]:
-    """Write report.html / report.md / metrics.csv for the report in ``report_dir`` (into ``out`` or beside it)."""
+    """Write report.html / report.md / metrics.csv for the report in ``report_dir`` (into ``out`` or beside it).
+    An ``out`` holding another run (its report.json) is refused (UsageError); the files written are added to
+    ``out``'s manifest.json (``llmprobe.io.note_written``)."""
     report = read_report(report_dir)
-    return write_all(with_matched([report]), Path(out or report_dir), f"llmprobe report: {source_name(report)}",
-                     formats, extra_images)
+    folder = Path(out or report_dir)
+    own = _check_no_other_run(folder, [report])
+    written = write_all(with_matched([report]), folder, f"llmprobe report: {source_name(report)}", formats,
+                        extra_images)
+    note_written(folder, written, **({} if own else {"command": "report", "sources": [str(report_dir)]}))
+    return written
+
+
+def _check_no_other_run(out: Path, reports: list[dict]) -> bool:
+    """True when ``out`` is the folder of one of ``reports``; UsageError when it holds another run's report.json
+    (its report.html, report.md and metrics.csv would be replaced beside it), else False."""
+    held = out / "report.json"
+    if not held.is_file():
+        return False
+    if any(held.resolve() == (Path(r["_path"]) / "report.json").resolve() for r in reports if r.get("_path")):
+        return True
+    raise UsageError(f"--out {out} holds another run ({held}): its report.html, report.md and metrics.csv would be "
+                     f"replaced beside it; give another --out (llmprobe report {out} exports that run)")
 
 
 def with_matched(reports: list[dict]) -> list[dict]:
@@ -673,7 +706,11 @@ def compare(report_dirs: list[str | Path], out: str | Path, formats: tuple[str, 
     title = f"llmprobe comparison: {' vs '.join(pretrained) or 'synthetic sources'}" + (
         f" (and {n_controls} matched synthetic control{'s' if n_controls > 1 else ''})" if n_controls and pretrained
         else "")
-    return write_all(reports, Path(out), title, formats)
+    out = Path(out)
+    _check_no_other_run(out, [])
+    written = write_all(reports, out, title, formats)
+    note_written(out, written, command="compare", sources=[str(d) for d in report_dirs])
+    return written
 
 
 def write_all(reports: list[dict], out: Path, title: str, formats: tuple[str, ...],
@@ -685,9 +722,9 @@ def write_all(reports: list[dict], out: Path, title: str, formats: tuple[str, ..
     claims = [row for report in reports for row in claim_rows(report)]
     written = []
     if "html" in formats:
-        written.append(write_text(out / "report.html", render_html(reports, title, extra_images)))
+        written.append(write_text(out / "report.html", visible(render_html(reports, title, extra_images))))
     if "md" in formats:
-        written.append(write_text(out / "report.md", render_markdown(reports, title)))
+        written.append(write_text(out / "report.md", visible(render_markdown(reports, title))))
     if "csv" in formats:
         written.append(write_csv(rows + claims, out / "metrics.csv"))
     if "json" in formats:
