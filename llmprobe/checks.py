@@ -53,13 +53,18 @@ def output_folder(path: str | os.PathLike, what: str = "--out") -> Path:
     if folder.exists() and not folder.is_dir():
         raise UsageError(f"{what} {str(folder)!r} is a file, not a folder")
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".llmprobe-write-check.", suffix=".tmp")
-        os.close(fd)
-        os.unlink(probe)
+        make_writable_folder(folder)
     except OSError as error:
         raise UsageError(f"{what} {str(folder)!r} is not a writable folder ({error.strerror or error})") from None
     return folder
+
+
+def make_writable_folder(folder: Path) -> None:
+    """Create ``folder`` (and its parents) and write and remove a file in it: OSError when it cannot be."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, probe = tempfile.mkstemp(dir=folder, prefix=".llmprobe-write-check.", suffix=".tmp")
+    os.close(fd)
+    os.unlink(probe)
 
 
 def positive_int(value, what: str, allow_none: bool = False, minimum: int = 1) -> int | None:

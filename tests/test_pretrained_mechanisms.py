@@ -42,9 +42,8 @@ from llmprobe.model.capture import adapter_for, capture
 from llmprobe.model.known import known_facts, object_split
 from llmprobe.model.loading import load_model
 from llmprobe.model.random_init import random_init
-from synthetic.construction import build_construction, construction_accuracy
+from synthetic.construction import build_construction, build_subject_memory, construction_accuracy
 from synthetic.mechanisms import gate_transplant as synthetic_gate_transplant
-from synthetic.model import FactRecallModel, ModelConfig
 from synthetic.tasks import random_functions
 
 N, R, N_ATTR = 12, 3, 4
@@ -68,27 +67,11 @@ def construction(task):
 
 @pytest.fixture(scope="module")
 def key_value(task):
-    """A one-layer model whose MLP is a key-value memory reading only the subject: one ReLU unit per subject
-    (its key a subject dimension) writes all of the subject's attributes; the relation embedding lifts the
-    queried relation's attribute set. Answers every fact, and no gate depends on the relation."""
-    n_out = task.n_outputs
-    d = N + R + n_out
-    model = FactRecallModel(ModelConfig(N, R, n_out, d_model=d, d_mlp=N, pos_embed=False))
-    E, E_rel = torch.zeros(N, d), torch.zeros(R, d)
-    E[range(N), range(N)] = 2.0                        # the answer position holds e_s / 2 + 3 e_r / 2
-    E_rel[range(R), [N + r for r in range(R)]] = 1.0
-    W_in, W_out, U = torch.zeros(d, N), torch.zeros(N, d), torch.zeros(n_out, d)
-    W_in[range(N), range(N)] = 2.0
-    for s in range(N):
-        W_out[s, N + R + task.table[s]] = 1.0
-    for r in range(R):
-        for a in task.relation_attributes(r).tolist():
-            U[a, N + R + a], U[a, N + r] = 1.0, 1.0
-    with torch.no_grad():
-        for param, value in ((model.subject_embed, E), (model.relation_embed, E_rel), (model.W_in, W_in),
-                             (model.b_in, -torch.ones(N)), (model.W_out, W_out), (model.b_out, torch.zeros(d)),
-                             (model.unembed_weight, U)):
-            param.copy_(value)
+    """A one-layer model whose MLP is a key-value memory reading only the subject
+    (``synthetic.construction.build_subject_memory``: one ReLU unit per subject writes all of the subject's
+    attributes; the relation embedding lifts the queried relation's attribute set). Answers every fact, and no
+    gate depends on the relation."""
+    model = build_subject_memory(task)
     assert construction_accuracy(model, task) == 1.0
     return model
 

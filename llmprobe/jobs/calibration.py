@@ -112,13 +112,21 @@ def calibrate(worlds: list[World], A: torch.Tensor, U: list, E: torch.Tensor, re
         row = {"world": world.name, "claim_holds": world.holds, "n": int(A.shape[0]), "relations": int(A.shape[1]),
                "replicates": replicates, "family": family, "r2": sum(r2s) / replicates,
                "gain_random_attributes": sum(gains) / replicates, "gain_lexical": sum(lexical) / replicates}
-        for key, graded in grades.items():
-            row[f"{key}_supported"] = sum(g == "supported" for g in graded) / replicates
-            row[f"{key}_supported_or_weak"] = sum(g != "not shown" for g in graded) / replicates
+        row.update(graded_fractions(grades, replicates))
         rows.append(row)
         if on_row is not None:
             on_row(row)
     return rows
+
+
+def graded_fractions(grades: dict[str, list[str]], replicates: int) -> dict[str, float]:
+    """Per test (``grades``: test -> its grade in each replicate): the fraction graded supported and the fraction
+    supported or weak (power where the claim holds, false-positive rate where it fails)."""
+    out = {}
+    for key, graded in grades.items():
+        out[f"{key}_supported"] = sum(g == "supported" for g in graded) / replicates
+        out[f"{key}_supported_or_weak"] = sum(g != "not shown" for g in graded) / replicates
+    return out
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -247,9 +255,7 @@ def calibrate_selector(worlds: list[SelectorWorld], n_items: int, replicates: in
                 grades[key].append(grade_test(got[f"{key}_test"], family))
         row = {"world": world.name, "claim_holds": world.holds, "n": min(n_seen), "replicates": replicates,
                "family": family, **{k: round(v, 4) for k, v in sums.items()}}
-        for key, graded in grades.items():
-            row[f"{key}_supported"] = sum(g == "supported" for g in graded) / replicates
-            row[f"{key}_supported_or_weak"] = sum(g != "not shown" for g in graded) / replicates
+        row.update(graded_fractions(grades, replicates))
         rows.append(row)
         if on_row is not None:
             on_row(row)

@@ -34,6 +34,7 @@ from llmprobe.checks import (
     check_fields,
     check_not_special,
     is_out_of_memory,
+    make_writable_folder,
     parse_json,
     parse_max_memory,
     special_file,
@@ -662,10 +663,7 @@ def _check_cache_writable(folder: Path) -> None:
     """A ModelLoadError naming ``folder`` (where the embedded copy goes) when it cannot be created or written:
     said before the conversion's half a minute, with how to point the cache elsewhere."""
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".llmprobe-write-check.", suffix=".tmp")
-        os.close(fd)
-        os.unlink(probe)
+        make_writable_folder(folder)
     except OSError as error:
         why = ("it is read-only" if error.errno in (errno.EROFS, errno.EACCES, errno.EPERM) else
                "a file stands in its path" if error.errno in (errno.EEXIST, errno.ENOTDIR) else
