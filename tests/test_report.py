@@ -606,7 +606,7 @@ def test_a_partial_report_says_at_the_top_which_stages_are_missing(tmp_path):
     banner = page[page.index("class='partial'"):page.index("Summary: the paper")]
     items = banner.split("<li>")[1:]
     assert len(items) == 2
-    assert items[0].startswith("analyses not finished: decoders of 1 of 3 relations (capital); superposition "
+    assert items[0].startswith("analyses not finished: decoders done for 1 of 3 relations (done: capital); superposition "
                                "readouts missing")
     assert items[1].startswith("matched controls not finished: no matched synthetic models")
     text = (folder / "report.md").read_text()
@@ -724,3 +724,13 @@ def test_the_controls_table_shows_training_over_every_seed_not_seed_0():
                                              "steps": [186, 2000]}
     row = matched_rows(source)[0]
     assert row[3] == "0.969 (min 0.916); 2/3 seeds fit" and row[4] == "186-2000"
+
+
+def test_the_errors_section_counts_its_messages_in_words():
+    """One message is "1 message", two are "2 messages" (a newcomer read "1 messages")."""
+    from llmprobe.report.render import render_html
+    report = _claims_report()
+    report["errors"] = ["capital: one fact skipped"]
+    assert "<summary>1 message</summary>" in render_html([report], "t")
+    report["errors"].append("continent: another")
+    assert "<summary>2 messages</summary>" in render_html([report], "t")

@@ -599,7 +599,7 @@ def render_html(reports: list[dict], title: str, extra_images: list[tuple[str, s
     errors = [e for report in reports for e in report.get("errors", [])]
     if errors:
         items = "".join(f"<li class='err'>{html.escape(str(e))}</li>" for e in errors)
-        parts.append(f"<h2>Errors and skipped facts</h2><details><summary>{len(errors)} messages</summary>"
+        parts.append(f"<h2>Errors and skipped facts</h2><details><summary>{len(errors)} message{'s' if len(errors) != 1 else ''}</summary>"
                      f"<ul>{items}</ul></details>")
     parts.append("</body></html>")
     return "".join(parts)

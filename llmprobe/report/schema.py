@@ -182,8 +182,8 @@ def _what_is_missing(report: dict, stage: str, requested: list[str]) -> str:
         done = [r for r in relations if r in analyses.relations]
         parts = []
         if {"lre", "ridge"} & set(requested):
-            parts.append(f"decoders of {len(done)} of {len(relations)} relations"
-                         + (f" ({', '.join(done)})" if done else ""))
+            parts.append(f"decoders done for {len(done)} of {len(relations)} relations"
+                         + (f" (done: {', '.join(done)})" if done else ""))
         if "superposition" in requested:
             parts.append("superposition readouts " + ("done" if analyses.superposition else "missing"))
         return "; ".join(parts) + "; claims on the missing parts are not measured or rest on the relations done"
