@@ -580,6 +580,20 @@ def test_kill_9_after_a_relation_keeps_its_decoders_and_a_missing_decoder_is_ref
     assert report["stages"]["analyses"]["refit_relations"] == ["continent"]
     assert any("continent" in e and "decoders" in e and "computed again" in e for e in report["errors"])
     assert [load_decoder(out, name).info["relation"] for name in RELATIONS] == list(RELATIONS)
+    index = json.loads((out / "decoders.json").read_text())     # a tampered layer, out of the 3-layer model
+    for entry in index["decoders"]:
+        if entry["relation"] == "language":
+            entry["layer"] = 999
+    (out / "decoders.json").write_text(json.dumps(index))
+    logs.append(tmp_path / "log3")
+    done = subprocess.run(args + ["--resume"], env={**ENV, "DECODERS_LOG": str(logs[3])}, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert _logged(logs[3]) == ["language"]
+    report = json.loads((out / "report.json").read_text())
+    assert report["stages"]["analyses"]["refit_relations"] == ["language"]
+    assert any("language" in e and "layer 999 of a 3-layer model" in e for e in report["errors"])
+    assert load_decoder(out, "language").info["layer"] in range(3)
 
 
 @pytest.mark.skipif(not POSIX_PROC, reason="signals a subprocess")

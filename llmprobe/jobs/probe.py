@@ -335,12 +335,15 @@ class ProbeJob:
         earlier = self.previous.get("analyses") if before is not None else None
         earlier = earlier if isinstance(earlier, dict) else None
         if earlier is not None and self.out is not None:   # the decoders of the relations taken over
-            self.fitted.update(read_fits(self.out))
+            saved = read_fits(self.out)
+            misfit = unfit_decoders(saved, self.lm.adapter.n_layers, report["model"].get("d_model"))
+            self.fitted.update({name: kinds for name, kinds in saved.items() if name not in misfit})
             self.saved = {(name, kind) for name, kinds in self.fitted.items() for kind in kinds}
             stage["refit_relations"] = missing_decoders(earlier, self.fitted, analyses)
             for name in stage["refit_relations"]:
-                report["errors"].append(f"{name}: its decoders were missing from {self.out / DECODERS_JSON}, so "
-                                        f"its analyses were computed again (--resume)")
+                why = (f"did not fit this model ({misfit[name]})" if name in misfit else "were missing")
+                report["errors"].append(f"{name}: its decoders in {self.out / DECODERS_JSON} {why}, so its "
+                                        f"analyses were computed again (--resume)")
             relations = {k: v for k, v in (earlier.get("relations") or {}).items()
                          if k not in stage["refit_relations"]}
             earlier = {**earlier, "relations": relations} if stage["refit_relations"] else earlier
@@ -472,6 +475,22 @@ def _previous_known(out: Path) -> dict:
         return {name: [FactResult(**r) for r in rows] for name, rows in data.items()}
     except (OSError, ValueError, TypeError, AttributeError):
         return {}
+
+
+def unfit_decoders(fitted: dict, n_layers: int, d_model: int | None) -> dict[str, str]:
+    """Relation -> why its saved decoders (``read_fits``: {relation: {kind: fit}}) cannot be this model's: a layer
+    outside its ``n_layers`` blocks, or a W or b not of its width ``d_model``; --resume computes those again."""
+    out = {}
+    for name, kinds in fitted.items():
+        for kind, fit in kinds.items():
+            layer, W, b = fit.get("layer"), fit.get("W"), fit.get("b")
+            if not isinstance(layer, int) or not 0 <= layer < n_layers:
+                out[name] = f"{kind} at layer {layer!r} of a {n_layers}-layer model"
+            elif d_model and (W is None or tuple(W.shape) != (d_model, d_model) or b is None
+                              or tuple(b.shape) != (d_model,)):
+                shape = None if W is None else tuple(W.shape)
+                out[name] = f"{kind} W of shape {shape} for d_model {d_model}"
+    return out
 
 
 def missing_decoders(earlier: dict, fitted: dict, analyses: tuple[str, ...]) -> list[str]:
