@@ -106,7 +106,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = sub.add_parser("sweep", help="capacity sweep: threshold d* per (N, R) by bisection",
                        description="Bisection on d for every (N, R, seed, trainable/frozen); resumable.")
     p.add_argument("--subjects", default="256,512", type=_int_text("--subjects"),
-                   help="comma-separated N values (default: a small grid, ~4 min of CPU; the README's full grid is "
+                   help="comma-separated N values (default: a small grid, ~4 min of CPU; docs/runs.md's full grid is "
                         "256,512,1024 x 2,4,8,16 x seeds 0,1, over 38 min on 2 cores with --workers 2: docs/synthetic.md)")
     p.add_argument("--relations", default="2,4,8", type=_int_text("--relations"), help="comma-separated R values")
     p.add_argument("--seeds", default="0", type=_int_text("--seeds", minimum=0), help="comma-separated seeds")

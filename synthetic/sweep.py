@@ -57,7 +57,7 @@ RESULTS = "results.jsonl"
 @dataclass
 class SweepConfig:
     subjects: list[int] = field(default_factory=lambda: [256, 512])    # a small grid (~4 min of CPU); the
-    relations: list[int] = field(default_factory=lambda: [2, 4, 8])     # README's full grid is 256-1024 x 2-16
+    relations: list[int] = field(default_factory=lambda: [2, 4, 8])     # docs/runs.md's full grid is 256-1024 x 2-16
     seeds: list[int] = field(default_factory=lambda: [0])
     modes: list[str] = field(default_factory=lambda: ["trainable", "frozen"])
     mlp_ratio: float = 8.0               # d_mlp = round(mlp_ratio * d) (ignored when d_mlp is set)
