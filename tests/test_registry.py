@@ -4,7 +4,7 @@ module, tests/toy_analysis.py, and one ``register`` line) runs, is planned and i
 import pytest
 from test_analyses import _relations
 from tiny_models import save_tiny
-from toy_analysis import TOY
+from toy_analysis import TOY, TOY_CLAIM
 
 from llmprobe.analyses import registry
 from llmprobe.analyses.record import Analysis
@@ -14,7 +14,8 @@ from llmprobe.jobs.plan import CPU_FITS, part_seconds, predict_on, priced_by_pas
 from llmprobe.jobs.workload import run_workload, shape_from_config
 from llmprobe.model.loading import load_model
 from llmprobe.names import ANALYSES
-from llmprobe.report.claims import CAPACITY, CLAIMS
+from llmprobe.report import claims
+from llmprobe.report.claims import CAPACITY, CLAIMS, claims_block
 from llmprobe.report.render import render_html, render_markdown
 
 SUBJECTS = ["Kalomi", "Neruta", "Vozika", "Lomine", "Rutavo", "Zikalo", "Minevo", "Tavozi", "Kaneru", "Lovota"]
@@ -29,10 +30,12 @@ def tiny(tmp_path_factory):
 def toy_registered():
     """TOY registered for one test (the registry is the same list every module reads)."""
     registry.register(TOY)
+    claims.register_line(TOY_CLAIM)
     try:
         yield TOY
     finally:
         registry.REGISTRY.remove(TOY)
+        claims.unregister_line(TOY_CLAIM)
 
 
 def test_every_registered_analysis_has_every_part_and_the_vocabulary_is_the_registrys():
@@ -43,8 +46,9 @@ def test_every_registered_analysis_has_every_part_and_the_vocabulary_is_the_regi
     for analysis in registry.REGISTRY:
         assert callable(analysis.compute) and callable(analysis.workload) and analysis.stage
         assert analysis.result is not None and analysis.result.from_dict({}).to_dict() == {}
-        assert set(analysis.claims) <= set(CLAIMS), analysis
+        assert set(analysis.claims) <= {line.claim for line in claims.CLAIM_LINES}, analysis
         fed |= set(analysis.claims)
+    assert [line.claim for line in claims.CLAIM_LINES] == list(CLAIMS)   # the paper's claims, in the block's order
     assert fed == set(CLAIMS) - {CAPACITY}             # every claim line but the controls' is fed by an analysis
     assert list(stages()) == ["load", "known_facts", "jacobians", "decoders_other", "superposition", "crosspatch",
                               "selector", "multihop", "matched"]
@@ -64,6 +68,12 @@ def test_a_record_missing_a_part_or_clashing_is_refused():
         registry.register(Analysis("lre2", ("lre",), TOY.compute, TOY.workload, "x"))
     with pytest.raises(ValueError, match="unknown analyses"):
         registry.selected(("toy",))
+    with pytest.raises(ValueError, match="already registered"):
+        claims.register_line(claims.CLAIM_LINES[0])
+    with pytest.raises(ValueError, match="nulls and minimal effect"):
+        claims.ClaimLine("untested", TOY_CLAIM.tests)
+    with pytest.raises(ValueError, match="one of them"):
+        claims.ClaimLine("both", TOY_CLAIM.tests, line=lambda report: {}, nulls=("x",), min_effect=0.1)
 
 
 def test_a_toy_analysis_runs_is_planned_and_is_rendered(tiny, toy_registered):
@@ -98,3 +108,13 @@ def test_a_toy_analysis_runs_is_planned_and_is_rendered(tiny, toy_registered):
     value = f"{agreement['value']:.3f}"
     for page in (render_markdown([report], "toy"), render_html([report], "toy")):
         assert "Analysis toy: its metrics" in page and "agreement" in page and value in page
+
+    # its claim line: graded in the report's Holm family, after the paper's claims
+    block = claims_block(report)
+    line = block["lines"][-1]
+    assert [entry["claim"] for entry in block["lines"]] == [*CLAIMS, TOY_CLAIM.claim]
+    assert line["metric"]["value"] == agreement["value"] and line["null_name"] == "mlp_zeroed"
+    assert line["verdict"] != "not measured" and block["n_tests"] == 1 and line["p_holm"] is not None
+    for page in (render_markdown([report], "toy"), render_html([report], "toy")):
+        assert TOY_CLAIM.claim in page
+    assert claims_block({**report, "analyses": {}})["lines"][-1]["verdict"] == "not measured"

@@ -1,7 +1,7 @@
 """A toy analysis, written as a user adds one (docs/CONTRACTS.md, "How to add an analysis"): this module and one
 ``register`` line. It measures, per relation, the fraction of known facts whose next token after the relation's
 prompt is the object's first token, pooled over relations, beside the same model with its MLPs' outputs zeroed at
-every probed layer as its null."""
+every probed layer as its null, and feeds a claim line of its own (one ``register_line``)."""
 from __future__ import annotations
 
 import torch
@@ -12,6 +12,7 @@ from llmprobe.metric import proportion
 from llmprobe.model.capture import hooks
 from llmprobe.model.engine import next_token_predictions
 from llmprobe.model.scoring import first_token_targets
+from llmprobe.report.claims import ClaimLine, claim_test
 
 
 def known_items(relations, known: dict) -> list[tuple[str, str, str]]:
@@ -43,4 +44,12 @@ def workload(tok, relations, known, layers, n_layers, cfg, analyses) -> dict:
     return work
 
 
-TOY = Analysis("toy", ("toy",), compute, workload, "toy agreement")
+def claim_tests(report: dict) -> tuple[list[dict], str]:
+    """Its claim line's one test: the agreement against the MLP-zeroed model (none when the report has no entry)."""
+    agreement = ((report.get("analyses") or {}).get("toy") or {}).get("agreement")
+    tests = [claim_test(TOY_CLAIM.claim, "all relations", None, agreement)] if agreement else []
+    return tests, "next-token agreement with the object over the known facts, all relations pooled"
+
+
+TOY_CLAIM = ClaimLine("the MLPs carry the known facts (toy)", claim_tests, nulls=("mlp_zeroed",), min_effect=0.1)
+TOY = Analysis("toy", ("toy",), compute, workload, "toy agreement", claims=(TOY_CLAIM.claim,))

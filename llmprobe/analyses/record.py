@@ -26,7 +26,7 @@ class Analysis:
     ``known`` says are known; ``stage``: the plan's label of it; ``priced``: "passes" (priced by the analyses'
     pass fit, a stage of its own), or the dedicated pricing of "decoders" (Jacobians, fits, edits) or
     "superposition" (states, readouts, swap edits); ``claims``: the summary's claim lines its numbers feed
-    (``llmprobe.report.claims.CLAIMS``); ``result``: the typed form of its entry (``llmprobe.analyses.results``:
+    (``llmprobe.report.claims.CLAIM_LINES``); ``result``: the typed form of its entry (``llmprobe.analyses.results``:
     ``from_dict`` / ``to_dict``), which the report layer reads; None: the report reads its metrics only (a table
     of them, ``llmprobe.report.render.other_analysis_rows``)."""
 

@@ -5,6 +5,8 @@ never as its null. Decides what a line says; draws and renders nothing."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from statistics import NormalDist
 
 from llmprobe.analyses.results import SuperpositionLayer
@@ -132,7 +134,7 @@ def _word(diff: dict) -> str:
     return "more than" if lo > 0 else "less than" if hi < 0 else "as much as"
 
 
-def _test(claim: str, relation: str, layer: int | None, metric: dict | None, nulls: dict | None = None,
+def claim_test(claim: str, relation: str, layer: int | None, metric: dict | None, nulls: dict | None = None,
           margins: dict | None = None, comparison: tuple | None = None) -> dict | None:
     """One test of ``claim`` on ``relation`` at ``layer``: the measure (typed metric, JSON form) against each null
     of the claim (``nulls``: {name: metric}, default the metric's controls; ``margins``: paired differences by
@@ -260,10 +262,10 @@ def _superposition_tests(report: dict) -> tuple[list[dict], list[dict], str]:
     for layer, entry in sorted(layers.items(), key=lambda kv: int(kv[0])):
         for relation, metric in entry.readout.items():
             if common is None or chosen.get(relation, common) == int(layer):
-                readouts.append(_test(DECODABLE, relation, int(layer), metric, margins=_margins(metric),
+                readouts.append(claim_test(DECODABLE, relation, int(layer), metric, margins=_margins(metric),
                                       comparison=(name, control.readout.get(relation))))
         if common is None or common == int(layer):
-            r2s.append(_test(SUPERPOSITION, "all relations", int(layer), entry.r2, margins=_margins(entry.r2),
+            r2s.append(claim_test(SUPERPOSITION, "all relations", int(layer), entry.r2, margins=_margins(entry.r2),
                              comparison=(name, control.r2)))
     where = (f"at the layer its LRE decoder chose on validation (else layer {common}, the one most relations' "
              "decoders chose)" if common is not None else "at every measured layer (no decoder chose one), all in "
@@ -292,7 +294,7 @@ def _causality_tests(report: dict) -> list[dict]:
         metric = entry.at(layer).lre.causality
         controls = _nulls(metric)
         reference = next((n for n in REFERENCES if _compact(controls.get(n))), None)
-        tests.append(_test(CAUSAL, relation, int(layer), metric,
+        tests.append(claim_test(CAUSAL, relation, int(layer), metric,
                            comparison=(REFERENCES[reference], controls[reference]) if reference else None))
     return [t for t in tests if t]
 
@@ -305,7 +307,7 @@ def _crosspatch_tests(report: dict) -> tuple[list[dict], str]:
     crosspatch = analyses_of(report).crosspatch
     layers = crosspatch.layers
     _, common = decoder_layers(report, {int(layer) for layer in layers}, crosspatch.relations)
-    tests = [_test(SERVES, "all relations", int(layer), entry.neutral,
+    tests = [claim_test(SERVES, "all relations", int(layer), entry.neutral,
                    comparison=("the state from relation B's own prompt (same_relation)", entry.same_relation,
                                entry.neutral_minus_same))
              for layer, entry in sorted(layers.items(), key=lambda kv: int(kv[0]))
@@ -344,7 +346,7 @@ def selector_test(transplant: dict, comparison: tuple | None = None) -> dict | N
     paired margin widened to [-1, 1] (every item the same difference) gives way to MOVER (:func:`_informative`)."""
     keep = transplant.get("selector_keep")
     if _compact(keep):
-        test = _test(SELECTOR, "all relations", None, keep, margins={
+        test = claim_test(SELECTOR, "all relations", None, keep, margins={
             "other_relation_gate": _informative(transplant.get("same_minus_other")),
             "random_units_matched": _informative(transplant.get("same_minus_random"))}, comparison=comparison)
         if test:
@@ -352,7 +354,7 @@ def selector_test(transplant: dict, comparison: tuple | None = None) -> dict | N
         return test
     if _compact(transplant.get("other_relation")) is None:
         return None
-    test = _test(SELECTOR_BREAK, "all relations", None, _broken(transplant.get("other_relation")),
+    test = claim_test(SELECTOR_BREAK, "all relations", None, _broken(transplant.get("other_relation")),
                  {"random_units": _broken(transplant.get("random_units"))},
                  {"random_units": transplant.get("random_minus_other")}, comparison)
     if test:
@@ -395,7 +397,7 @@ def _multihop_tests(report: dict) -> list[dict]:
     knows (pooled over compositions) against the direct answer to the same chains (paired: cot_minus_direct),
     beside the ceiling (the chain-of-thought prompt with the true bridges)."""
     pooled = analyses_of(report).multihop.pooled
-    tests = [_test(MULTIHOP, key, None, entry.cot, {"direct": entry.direct}, {"direct": entry.cot_minus_direct},
+    tests = [claim_test(MULTIHOP, key, None, entry.cot, {"direct": entry.direct}, {"direct": entry.cot_minus_direct},
                    ("the ceiling (the true bridges given)", entry.ceiling))
              for key, entry in sorted(pooled.items(), key=lambda kv: kv[0])]
     return [t for t in tests if t]
@@ -475,17 +477,99 @@ def _every_seed_fits(report: dict) -> dict | None:
     return None
 
 
+def _decodable(report: dict) -> tuple[list[dict], str]:
+    readouts, _, where = _superposition_tests(report)
+    return readouts, f"superposition readout accuracy (cross-fitted) of each relation, {where}"
+
+
+def _causal(report: dict) -> tuple[list[dict], str]:
+    return _causality_tests(report), ("LRE causality (reference edit W^+ (o_t - o_s)) of each relation at its "
+                                      "causality layer chosen on validation")
+
+
+def _superposition(report: dict) -> tuple[list[dict], str]:
+    _, r2s, _ = _superposition_tests(report)
+    return r2s, "held-out R^2 of h_s ~ c + sum_r W_r u_a(s) at " + (
+        f"layer {r2s[0]['layer']}, the one most LRE decoders chose on validation" if len(r2s) == 1 else
+        "every measured layer, all in the Holm family")
+
+
+def _serves(report: dict) -> tuple[list[dict], str]:
+    serves, where = _crosspatch_tests(report)
+    return serves, ("crosspatch: fraction of items whose answer to relation B's prompt of s' becomes B's answer for "
+                    "s when s's state from a relation-free prompt is patched in (pooled over relation pairs), at "
+                    f"{where}")
+
+
+def _selector(report: dict) -> tuple[list[dict], str]:
+    selector, where = _selector_tests(report)
+    return selector, ("gate transplant: fraction of known test facts kept with another subject's MLP gates of the "
+                      "same relation" if any(t.get("measure") == "keep" for t in selector) else
+                      "gate transplant: fraction of known test facts that the same subject's MLP gates of another "
+                      "relation break") + f", {where}"
+
+
+def _multihop(report: dict) -> tuple[list[dict], str]:
+    return _multihop_tests(report), ("chain-of-thought accuracy on the k-hop chains whose every hop is known "
+                                     "(pooled over compositions), per k")
+
+
+@dataclass(frozen=True)
+class ClaimLine:
+    """One line of the claims block. ``tests(report)`` -> (its tests, each made by :func:`claim_test`, all in the
+    report's Holm family; the line's measure text); or ``line(report)`` -> the whole line, graded by a rule of
+    its own outside the family (capacity). ``nulls``: the nulls its measure must beat; ``min_effect``: by how
+    much. The analyses that feed it name it in their record (``llmprobe.analyses.record.Analysis.claims``)."""
+
+    claim: str
+    tests: Callable[[dict], tuple[list[dict], str]] | None = None
+    line: Callable[[dict], dict] | None = None
+    nulls: tuple[str, ...] = ()
+    min_effect: float | None = None
+
+    def __post_init__(self):
+        if (self.tests is None) == (self.line is None):
+            raise ValueError(f"claim line {self.claim!r}: give tests or line, one of them")
+        if self.tests is not None and (not self.nulls or self.min_effect is None):
+            raise ValueError(f"claim line {self.claim!r}: a tested line needs its nulls and minimal effect")
+
+
+CLAIM_LINES: list[ClaimLine] = [
+    ClaimLine(DECODABLE, _decodable, nulls=NULLS[DECODABLE], min_effect=MIN_EFFECT[DECODABLE]),
+    ClaimLine(CAUSAL, _causal, nulls=NULLS[CAUSAL], min_effect=MIN_EFFECT[CAUSAL]),
+    ClaimLine(SUPERPOSITION, _superposition, nulls=NULLS[SUPERPOSITION], min_effect=MIN_EFFECT[SUPERPOSITION]),
+    ClaimLine(SERVES, _serves, nulls=NULLS[SERVES], min_effect=MIN_EFFECT[SERVES]),
+    ClaimLine(SELECTOR, _selector, nulls=NULLS[SELECTOR], min_effect=MIN_EFFECT[SELECTOR]),
+    ClaimLine(MULTIHOP, _multihop, nulls=NULLS[MULTIHOP], min_effect=MIN_EFFECT[MULTIHOP]),
+    ClaimLine(CAPACITY, line=lambda report: capacity_line(report)),
+]   # the block's order
+
+
+def register_line(line: ClaimLine) -> ClaimLine:
+    """Add ``line`` at the end of the claims block (docs/CONTRACTS.md, "How to add an analysis"); ValueError if
+    its claim is taken. :func:`unregister_line` takes it out again."""
+    if any(other.claim == line.claim for other in CLAIM_LINES):
+        raise ValueError(f"claim line {line.claim!r} already registered")
+    CLAIM_LINES.append(line)
+    if line.tests is not None:
+        NULLS[line.claim], MIN_EFFECT[line.claim] = line.nulls, line.min_effect
+    return line
+
+
+def unregister_line(line: ClaimLine) -> None:
+    """Take a line added by :func:`register_line` out of the block."""
+    CLAIM_LINES.remove(line)
+    NULLS.pop(line.claim, None)
+    MIN_EFFECT.pop(line.claim, None)
+
+
 def claims_block(report: dict) -> dict:
     """The claims block of a pretrained report: ``rule`` (``VERDICT_RULE``), ``alpha``, ``n_tests`` (the Holm
-    family), ``lines`` (one per claim of ``CLAIMS``: measure, relation and layer shown, number, null, difference
-    with its interval, minimal effect, Holm-adjusted p, verdict, counts per grade, comparison, note) and ``tests``
-    (every test, graded). A claim whose data the report lacks says "not measured"."""
-    readouts, r2s, where = _superposition_tests(report)
-    causal = _causality_tests(report)
-    serves, serves_where = _crosspatch_tests(report)
-    selector, selector_where = _selector_tests(report)
-    multihop = _multihop_tests(report)
-    tests = readouts + causal + r2s + serves + selector + multihop
+    family), ``lines`` (one per line of ``CLAIM_LINES``: measure, relation and layer shown, number, null,
+    difference with its interval, minimal effect, Holm-adjusted p, verdict, counts per grade, comparison, note)
+    and ``tests`` (every test, graded). A claim whose data the report lacks says "not measured"."""
+    built = {line.claim: line.tests(report) for line in CLAIM_LINES if line.tests is not None}
+    tests = [test for line_tests, _ in built.values() for test in line_tests]
     family = [t for t in tests if not t["missing_nulls"]]
     for key in ("p", "p_zero"):
         for test, adjusted in zip(family, holm([t[key] for t in family])):
@@ -494,22 +578,8 @@ def claims_block(report: dict) -> dict:
         if test["difference"] is not None:
             test["power"] = power(test["difference"], test["min_effect"], ALPHA / max(len(family), 1))
         test["grade"] = _grade(test)
-    lines = [_line(DECODABLE, f"superposition readout accuracy (cross-fitted) of each relation, {where}", readouts),
-             _line(CAUSAL, "LRE causality (reference edit W^+ (o_t - o_s)) of each relation at its causality layer "
-                           "chosen on validation", causal),
-             _line(SUPERPOSITION, "held-out R^2 of h_s ~ c + sum_r W_r u_a(s) at " + (
-                 f"layer {r2s[0]['layer']}, the one most LRE decoders chose on validation" if len(r2s) == 1 else
-                 "every measured layer, all in the Holm family"), r2s),
-             _line(SERVES, "crosspatch: fraction of items whose answer to relation B's prompt of s' becomes B's "
-                           "answer for s when s's state from a relation-free prompt is patched in (pooled over "
-                           f"relation pairs), at {serves_where}", serves),
-             _line(SELECTOR, ("gate transplant: fraction of known test facts kept with another subject's MLP gates "
-                              "of the same relation" if any(t.get("measure") == "keep" for t in selector) else
-                              "gate transplant: fraction of known test facts that the same subject's MLP gates of "
-                              "another relation break") + f", {selector_where}", selector),
-             _line(MULTIHOP, "chain-of-thought accuracy on the k-hop chains whose every hop is known (pooled over "
-                             "compositions), per k", multihop),
-             capacity_line(report)]
+    lines = [_line(line.claim, built[line.claim][1], built[line.claim][0]) if line.tests is not None else
+             line.line(report) for line in CLAIM_LINES]
     return {"rule": VERDICT_RULE, "alpha": ALPHA, "n_tests": len(family), "lines": lines,
             "tests": tests}
 
