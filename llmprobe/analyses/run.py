@@ -24,7 +24,8 @@ from llmprobe.analyses.settings import (
     PREFIX_NOTE,
     AnalysisError,
     Log,
-    pick_layers,
+    layers_among,
+    planned_lre_layers,
     settings_from,
 )
 from llmprobe.metric import LEVEL
@@ -203,7 +204,7 @@ class Analyses:
         if not self.layers:
             raise ValueError("run_analyses needs at least one layer")
         self.lre_layers, self.causal_layers, self.swap_layers = _analysis_layers(
-            lm, self.layers, lm.adapter.n_layers, self.cfg, analyses)
+            self.layers, lm.adapter.n_layers, self.cfg, analyses)
         self.do_lre, self.do_ridge = "lre" in analyses, "ridge" in analyses
 
     def settings_record(self) -> dict:
@@ -225,15 +226,13 @@ class Analyses:
         return {"value": value, "seconds": round(time.perf_counter() - t, 1)}
 
 
-def _analysis_layers(lm, layers: list[int], n_layers: int, cfg, analyses: tuple) -> tuple[list, list, list]:
-    """(LRE layers, causality layers, swap-edit layers): the settings' choices (default: ``pick_layers`` for LRE,
-    the LRE layers for the others) among ``layers``; causality only at LRE layers when LRE runs."""
-    def chosen(spec, default):
-        picked = sorted({lm.adapter.layer_index(l) for l in spec}) if spec is not None else default
-        return [l for l in picked if l in layers]
-    lre_layers = chosen(cfg.lre_layers, pick_layers(layers, cfg.max_lre_layers, n_layers))
-    causal_layers = [l for l in chosen(cfg.causality_layers, lre_layers) if l in lre_layers or "lre" not in analyses]
-    swap_layers = chosen(cfg.swap_layers, lre_layers)
+def _analysis_layers(layers: list[int], n_layers: int, cfg, analyses: tuple) -> tuple[list, list, list]:
+    """(LRE layers, causality layers, swap-edit layers): the settings' choices (default: ``planned_lre_layers`` for
+    LRE, the LRE layers for the others) among ``layers``; causality only at LRE layers when LRE runs."""
+    lre_layers = planned_lre_layers(cfg, layers, n_layers)
+    causal = lre_layers if cfg.causality_layers is None else layers_among(cfg.causality_layers, layers, n_layers)
+    causal_layers = [l for l in causal if l in lre_layers or "lre" not in analyses]
+    swap_layers = lre_layers if cfg.swap_layers is None else layers_among(cfg.swap_layers, layers, n_layers)
     return lre_layers, causal_layers, swap_layers
 
 

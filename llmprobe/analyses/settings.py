@@ -85,11 +85,23 @@ def pick_layers(layers: list[int], k: int, n_layers: int) -> list[int]:
     return sorted(picks)
 
 
+def layers_among(spec, layers: list[int], n_layers: int) -> list[int]:
+    """The layers of ``spec`` (whole numbers, negative from the end) that are among ``layers``, sorted; ValueError
+    for one outside an ``n_layers``-deep model."""
+    resolved = set()
+    for layer in spec:
+        index = int(layer) + (n_layers if int(layer) < 0 else 0)
+        if not 0 <= index < n_layers:
+            raise ValueError(f"layer {layer} out of range: the model has {n_layers} layers")
+        resolved.add(index)
+    return sorted(resolved & set(layers))
+
+
 def planned_lre_layers(cfg: AnalysisSettings, layers: list[int], n_layers: int) -> list[int]:
-    """The LRE layers a run takes among ``layers`` of an ``n_layers``-deep model (``cfg.lre_layers``, else
-    ``pick_layers``), from the depth alone: the plan's (``llmprobe.analyses.run`` picks them on the model)."""
+    """The LRE layers a run takes among ``layers`` of an ``n_layers``-deep model: ``cfg.lre_layers`` there, else
+    ``pick_layers``. From the depth alone, so the plan and the run take the same."""
     if cfg.lre_layers is not None:
-        return sorted({l % n_layers for l in cfg.lre_layers} & set(layers))
+        return layers_among(cfg.lre_layers, layers, n_layers)
     return pick_layers(layers, cfg.max_lre_layers, n_layers)
 
 
