@@ -193,12 +193,14 @@ def build_parser(synth: bool = True) -> argparse.ArgumentParser:
                                description="Predict `llmprobe run` with the same options from the model's config "
                                            "(docs/scaling.md, 'A plan before it starts'). MODEL: as for run, or a "
                                            f"preset ({', '.join(PRESETS)}). --device cpu: this CPU only; h200 or cuda: "
-                                           "one H200 only; auto (default): both.")
+                                           "one H200 only; auto (default): both. A run's whole command line "
+                                           "is taken as it is: its --out, --executor and --address change nothing.")
     _add_model_args(plan, "run")
-    plan.add_argument("--out", dest="run_out", metavar="OUT", help="accepted as run takes it, not used (no file is "
-                                                                  "written)")
-    plan.add_argument("--executor", dest="run_executor", choices=["process", "ray"], help="accepted, not used")
-    plan.add_argument("--address", dest="run_address", metavar="ADDRESS", help="accepted, not used")
+    # run's flags that say where and how to run, taken so that a run's command line can be planned as it is;
+    # they change no prediction, so the help does not list them
+    plan.add_argument("--out", dest="run_out", help=argparse.SUPPRESS)
+    plan.add_argument("--executor", dest="run_executor", choices=["process", "ray"], help=argparse.SUPPRESS)
+    plan.add_argument("--address", dest="run_address", help=argparse.SUPPRESS)
     plan.set_defaults(func=handlers._plan)
     compare = commands.add_parser("compare", help="side-by-side page of several report folders")
     compare.add_argument("dirs", nargs="+", help="report folders (each with report.json)")

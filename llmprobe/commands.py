@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import signal
 import sys
 from contextlib import contextmanager
@@ -196,7 +197,8 @@ def _rerun(args) -> int:
 
 
 def _models(args) -> int:
-    print(json.dumps({"default": embedded(), "families": families()}, indent=1) if args.json else models_text())
+    width = max(60, shutil.get_terminal_size((100, 24)).columns)       # COLUMNS, else the terminal's, else 100
+    print(json.dumps({"default": embedded(), "families": families()}, indent=1) if args.json else models_text(width))
     return 0
 
 

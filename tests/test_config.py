@@ -438,9 +438,11 @@ def test_config_command_prints_resolved_settings_that_read_back(tmp_path, capsys
 
 
 # --------------------------------------------------------------------------------------------- models
-def test_models_lists_every_family_with_its_checks(capsys):
+def test_models_lists_every_family_with_its_checks(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
     assert main(["models"]) == 0
     text = capsys.readouterr().out
+    assert max(map(len, text.splitlines())) <= 80           # wrapped at the terminal's width
     for family in CONFIGS:
         assert re.search(rf"^{family} \(", text, re.M), family
     assert "SmolLM2-135M-Instruct" in text
@@ -450,6 +452,18 @@ def test_models_lists_every_family_with_its_checks(capsys):
     assert set(CONFIGS) <= set(rows) and listed["default"]["model_type"] == "llama"
     assert {t["check"] for t in rows["gpt2"]["tested"]} >= {"Jacobians equal central finite differences (float64)"}
     assert not any("finite differences" in t["check"] for t in rows["qwen2"]["tested"])
+
+
+def test_plan_help_lists_only_what_changes_the_plan(capsys):
+    """plan takes a run's whole command line (--out, --executor, --address) but its help lists only its own."""
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = capsys.readouterr().out
+    listed = re.findall(r"^\s+(--[a-z-]+)", text, re.M)
+    assert "not used" not in text and "--layers" in listed and "change nothing" in text
+    assert not {"--out", "--executor", "--address"} & set(listed)
+    assert main(["plan", "--layers", "0", "--out", "somewhere", "--executor", "ray", "--no-matched"]) == 0
+    assert "plan of llmprobe run" in capsys.readouterr().out
 
 
 def test_the_family_table_matches_the_tiny_models_and_the_tests():

@@ -4,6 +4,8 @@
 builds the families it claims."""
 from __future__ import annotations
 
+import textwrap
+
 from llmprobe.model.adapters import SUPPORTED_TYPES
 
 ALL = "every family"     # a check run on a tiny model of every family (tests parametrized over FAMILIES)
@@ -97,8 +99,8 @@ def embedded() -> dict:
     return {"name": name, "model_type": model_type, "tested": [{"check": c, "test": t} for c, t in tested]}
 
 
-def models_text() -> str:
-    """``llmprobe models`` as plain text."""
+def models_text(width: int = 100) -> str:
+    """``llmprobe models`` as plain text, each line wrapped at ``width`` columns (continuations indented)."""
     lines = [f"default model: {embedded()['name']} (embedded, {embedded()['model_type']}); tested: "
              + "; ".join(t["check"] for t in embedded()["tested"]), ""]
     for row in families():
@@ -112,7 +114,9 @@ def models_text() -> str:
     lines.append("")
     lines.append("Other causal LMs may load too (llmprobe/adapters.py finds the blocks by structure: one ModuleList "
                  "of num_hidden_layers blocks), untested.")
-    return "\n".join(lines)
+    indent = "    "
+    return "\n".join(textwrap.fill(line, width, subsequent_indent=indent, break_on_hyphens=False) if line else ""
+                     for line in lines)
 
 
 __all__ = ["FAMILIES", "TESTED", "families", "embedded", "models_text"]
