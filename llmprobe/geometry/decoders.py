@@ -76,7 +76,7 @@ def _as_2d(h: Any, name: str, d: int) -> tuple[torch.Tensor, bool]:
 
 
 # ------------------------------------------------------------------------------------------------------ operator
-@dataclass
+@dataclass(repr=False)
 class LinearRelationOperator:
     """A fitted affine map o = beta * W h + b.
 
@@ -93,6 +93,11 @@ class LinearRelationOperator:
         if self.W.dim() != 2 or self.b.dim() != 1 or self.b.shape[0] != self.W.shape[0]:
             raise ValueError(f"need W [d_out, d_in] and b [d_out], got W {tuple(self.W.shape)}, "
                              f"b {tuple(self.b.shape)}")
+
+    def __repr__(self) -> str:
+        """One line, no tensors: its sizes, beta, rank and dtype."""
+        return (f"LinearRelationOperator(d_in={self.d_in} -> d_out={self.d_out}, beta={self.beta:g}, "
+                f"rank={self.rank}, dtype={str(self.W.dtype).removeprefix('torch.')})")
 
     @property
     def d_in(self) -> int:
