@@ -79,6 +79,10 @@ SETTING_FLAGS = (
         "type": positive("--max-prompt-tokens"),
         "help": "skip (and list in errors) facts whose prompt is longer (default: the model's context)"}),
     ("--seed", "run.seed", ("probe", "run"), {"type": int}),
+    ("--chat-template", "run.chat_template", ("probe", "run"), {
+        "action": "store_const", "const": True,
+        "help": "wrap every prompt in the model's chat template: a user turn asking to complete the sentence, then "
+                "the prompt as the start of the assistant's answer (instruct models, prompted as they were trained)"}),
     ("--protocol", "analysis.protocol", ("probe", "run"), {
         "choices": PROTOCOLS,
         "help": "decoders: strict = zero-shot prompt, exact first token; lre = the LRE reference's protocol "

@@ -72,6 +72,8 @@ class RunSettings:
     max_facts: int | None = None            # keep the first N facts of each relation; none = all
     max_prompt_tokens: int | None = None    # skip facts with longer prompts; none = the model's context
     seed: int = 0                           # Python's and torch's RNGs, the analyses and the controls
+    chat_template: bool = False             # true: every prompt in the model's chat template, as the open assistant
+                                            # turn after a user turn "Complete the sentence." (llmprobe.model.chat)
 
 
 @dataclasses.dataclass

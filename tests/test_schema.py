@@ -32,6 +32,8 @@ NOT_PRODUCED = {
     # protocol lre only (the tiny report runs the strict protocol; tests/test_lre_protocol.py checks these)
     "analyses.relations.<relation>.selection", "analyses.relations.<relation>.selection_note",
     "analyses.relations.<relation>.trials[]",
+    # --chat-template only (tests/test_chat_template.py checks these against the doc)
+    "dataset.chat_template.instruction", "dataset.chat_template.prefix", "dataset.chat_template.example",
 }
 
 

@@ -45,6 +45,7 @@ from llmprobe.analyses.splits import (
 )
 from llmprobe.geometry import LinearRelationDecoder, RidgeDecoder, random_direction_like, random_spectrum_factors
 from llmprobe.metric import Metric, proportion
+from llmprobe.model.chat import chat_split
 from llmprobe.model.engine import (
     edited_predictions,
     layer_sequences,
@@ -499,11 +500,12 @@ def lre_protocol(lm, relation, results, lre_layers: list[int], causal_layers: li
     if n_icl < 1:
         raise AnalysisError(f"relation {relation.name}: protocol lre needs at least one training fact (n_icl)")
     draws = in_context_draws(results, "lre", n_icl, cfg.n_splits, cfg.seed, relation.name)
-    base, tok = relation.templates[0], lm.tokenizer
+    chat, base = chat_split(lm.tokenizer, relation.templates[0])   # a wrapped template: examples in the assistant turn
+    tok = lm.tokenizer
     rank = lre_jacobian_rank(cfg)
     grids = lre_grids(lm, cfg, rank)
     cfg = replace(cfg, lre_betas=grids["betas"], lre_edit_ranks=grids["edit_ranks"])
-    start = reference_start(tok)
+    start = reference_start(tok) + chat
     n_known = sum(r.known for r in results)
     out = {"template": icl_template(base, [results[i] for i in draws[0].context], start=start), "protocol": "lre",
            "context_subjects": [results[i].subject for i in draws[0].context], "test_subjects": None,

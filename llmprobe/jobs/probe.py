@@ -32,6 +32,7 @@ from llmprobe.jobs.stages import (
     stage_key,
     start_stage,
 )
+from llmprobe.model.chat import chat_record, chat_relations
 from llmprobe.model.interop import as_loaded_model
 from llmprobe.model.known import KNOWN_RULES, FactResult, KnownFactsJob
 from llmprobe.model.loading import LoadedModel
@@ -230,7 +231,11 @@ class ProbeJob:
         else:                                   # lm= without a model name
             recorded = self.lm.info.get("name")
         timings = {"load_s": round(time.perf_counter() - self.start, 1)}
+        if run.chat_template:       # every stage reads the wrapped templates (UsageError: the model has no template)
+            self.relations = chat_relations(self.lm.tokenizer, self.relations, self.lm.info.get("name"))
         self.report = new_report(self.command, self.settings, self.lm, self.relations, recorded, timings)
+        self.report["dataset"]["chat_template"] = chat_record(self.lm.tokenizer, self.relations, self.lm.info.get(
+            "name")) if run.chat_template else None
         if self.out is not None:
             claim_folder(self.out, self.command, self.lm.info, self.files, self.resume, self.overwrite)
         say(f"{self.lm.info.get('name')}: {self.lm.adapter.n_layers} layers, loaded in {timings['load_s']} s; "

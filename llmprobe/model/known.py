@@ -29,6 +29,7 @@ import torch
 
 from llmprobe.model.batching import run_batched
 from llmprobe.model.capture import NonFiniteStatesError, capture
+from llmprobe.model.chat import chat_split
 from llmprobe.model.engine import next_token_predictions
 from llmprobe.model.subjects import fill
 
@@ -255,10 +256,10 @@ def known_facts(lm, relation, template: str | None = None, max_new_tokens: int |
     """
     if protocol not in DEFAULT_N_ICL:
         raise ValueError(f"protocol must be one of {sorted(DEFAULT_N_ICL)}, got {protocol!r}")
-    template = template or relation.templates[0]
+    chat, template = chat_split(lm.tokenizer, template or relation.templates[0])   # examples: in the assistant turn
     facts = list(relation.facts)
     n_icl = resolve_n_icl(protocol, n_icl)
-    start = reference_start(lm.tokenizer) if protocol == "lre" else ""
+    start = (reference_start(lm.tokenizer) if protocol == "lre" else "") + chat
     zero_shot = _check(lm, protocol, [start + template] * len(facts), facts, batch_size, max_new_tokens)
     if n_icl == 0 or n_icl >= len(facts):       # zero-shot, or too few facts for the examples (none to check)
         return [FactResult(f.subject, f.object, p, t, k) for f, (p, t, k) in zip(facts, zero_shot)]

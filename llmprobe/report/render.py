@@ -291,6 +291,12 @@ def summary_tables(reports: list[dict], rows: list[dict]) -> list[tuple[str, lis
     if known:
         tables.append(("Known facts (greedy continuation starts with the object)",
                        ["source", "relation", "facts", "known rate"], known))
+    chat = [[source_name(r), wrapping["instruction"], json.dumps(wrapping["example"], ensure_ascii=False)]
+            for r in reports for wrapping in [(r.get("dataset") or {}).get("chat_template")] if wrapping]
+    if chat:
+        tables.append(("Prompts in the model's chat template (--chat-template): a user turn with the instruction, then "
+                       "the prompt as the start of the assistant's answer (line breaks as \\n)",
+                       ["source", "instruction", "first template as wrapped"], chat))
     selected = [row for report in reports for row in selected_rows(report)]
     if selected:
         tables.append(("Linear relation decoders at the layer chosen on validation (fixed test subjects; value "
@@ -463,6 +469,8 @@ def measured_differences(reports: list[dict]) -> list[str]:
     if all(s.get("matched") for s in settings):      # a report without matched controls: their line says so once
         matched_keys = sorted({k for s in settings for k in s["matched"]})
         sections += [(f"matched.{key}", [s["matched"].get(key) for s in settings]) for key in matched_keys]
+    sections.append(("prompts in the chat template", [bool((r.get("dataset") or {}).get("chat_template"))
+                                                      for r in pretrained]))
     sections.append(("matched controls", [_matched_text(r) for r in pretrained]))
     for what, values in sections:
         if len({json.dumps(v, sort_keys=True, default=str) for v in values}) > 1:
