@@ -18,9 +18,10 @@ from llmprobe.checks import (
     positive_int,
 )
 from llmprobe.commands import run_command
+from llmprobe.datasets import LRE_CATEGORIES, list_bundled
 from llmprobe.jobs.workload import PRESETS
 from llmprobe.names import ANALYSES, PROTOCOLS
-from llmprobe.settings import COMMAND_ANALYSES, Settings
+from llmprobe.settings import COMMAND_ANALYSES, Settings, json_object
 from synthetic.cli import add_parser as add_synth
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -64,7 +65,14 @@ SETTING_FLAGS = (
     ("--gguf-file", "run.gguf_file", ("probe", "run"), {"help": "GGUF file inside the MODEL folder or hub repo"}),
     ("--relations", "run.relations", ("probe", "run"), {
         "nargs": "+", "metavar": "NAME_OR_PATH",
-        "help": "bundled relation names, files (our JSON, LRE JSON, CSV), folders or hf:DATASET"}),
+        "help": f"bundled relation names ({', '.join(list_bundled())}), files (our JSON, LRE JSON, CSV, JSON lines), "
+                f"folders, hf:DATASET[:SPLIT] (see --hf-kwargs), or the bundled LRE dataset: lre:all, "
+                f"lre:{'|'.join(LRE_CATEGORIES)} or lre:NAME, NAME one of "
+                f"{', '.join(name[4:] for name in list_bundled(include_lre=True) if name.startswith('lre:'))}"}),
+    ("--hf-kwargs", "run.hf_kwargs", ("probe", "run"), {
+        "type": argparse_type(lambda text: json_object(text, "--hf-kwargs")), "metavar": "JSON",
+        "help": "keywords of datasets.load_dataset for the hf: relations, a JSON object, e.g. "
+                "'{\"data_files\": \"facts.csv\"}' with --relations hf:csv"}),
     ("--layers", "run.layers", ("probe", "run"), {"type": argparse_type(_layers),
                                                   "help": "all | every:K | comma list like 0,6,12 | -1"}),
     ("--analyses", "run.analyses", ("probe", "run"), {

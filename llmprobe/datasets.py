@@ -5,9 +5,13 @@ Formats read by :func:`load_relations` (see ``prompts/SCHEMA.md``):
 * our JSON schema (``{"name", "templates", "neutral_templates", "properties", "facts": [{"subject", "object"}]}``),
 * the LRE relations format (``{"name", "prompt_templates": ["... {} ..."], "samples": [{"subject", "object"}]}``),
 * CSV and JSON-lines files with subject/object columns (and an optional template column),
-* anything ``datasets.load_dataset`` reads, as ``hf:NAME[:split]``;
-* the bundled LRE dataset (``prompts/lre/``, 47 relations, MIT) as ``lre:factual``, ``lre:linguistic``,
-  ``lre:commonsense``, ``lre:bias``, ``lre:all`` or ``lre:NAME`` (a file's name, e.g. ``lre:adj_comparative``):
+* anything ``datasets.load_dataset`` reads, as ``hf:NAME[:split]``, and a ``datasets.Dataset`` or
+  ``pandas.DataFrame`` given as it is (the same column rules as a CSV file);
+* the bundled LRE dataset (``prompts/lre/``, 47 relations, MIT; ``prompts/lre/source.json`` says where from) as
+  ``lre:factual``, ``lre:linguistic``, ``lre:commonsense``, ``lre:bias``, ``lre:all`` or ``lre:NAME``, NAME a
+  relation's name in snake_case (``lre:univ_degree_gender``; also as the file writes it, ``lre:univ degree
+  gender``, or the file's name, ``lre:degree_gender``): the relation is named in snake_case (every LRE-format
+  relation is; the file's name is kept in ``properties.lre_name``), with
   every row as the file has it, duplicates kept (the LRE reference's protocol uses them; the strict protocol
   counts a repeated fact once), literal ``\\uXXXX`` escapes in subjects and objects read as the characters they
   name ("Bras\\u00edlia" is "Brasília") and spaces around them dropped. The reference keeps both: its
@@ -20,10 +24,15 @@ Malformed input raises :class:`DatasetError`, whose message names the file and t
 from __future__ import annotations
 
 import csv
+import difflib
+import functools
+import hashlib
 import itertools
 import json
+import numbers
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -34,7 +43,8 @@ from llmprobe.checks import parse_json, special_file
 from llmprobe.io import write_text
 
 __all__ = ["DatasetError", "Fact", "Relation", "FactTable", "load_relations", "list_bundled", "save_relation",
-           "relation_from_dict", "format_relation", "infer_cardinality", "SLOT", "CARDINALITIES"]
+           "relation_from_dict", "format_relation", "infer_cardinality", "snake_name", "lre_source", "SLOT",
+           "CARDINALITIES"]
 
 SLOT = "{}"
 CARDINALITIES = ("one-to-one", "many-to-one", "one-to-many", "many-to-many")
@@ -44,6 +54,7 @@ _PACKAGE = "prompts"
 MAX_JSON_BYTES = 256 << 20      # a .json relation file is read whole: at most this size (rows files stream)
 NULL_TEXTS = ("", "none", "null", "nan")       # a missing value written as text: never a relation name
 LRE_CATEGORIES = ("factual", "linguistic", "commonsense", "bias")     # the folders of prompts/lre/
+LRE_SOURCE = "source.json"      # prompts/lre/'s metadata: upstream URL, commit (or why none), licence
 
 
 class DatasetError(ValueError):
@@ -84,6 +95,10 @@ class Relation:
     def with_facts(self, facts: list[Fact]) -> Relation:
         """This relation with other facts (templates, properties and source shared, not copied)."""
         return Relation(self.name, self.templates, self.neutral_templates, list(facts), self.properties, self.source)
+
+    def __repr__(self) -> str:
+        return (f"Relation({self.name!r}, {len(self.facts)} facts, {len(self.templates)} templates, "
+                f"{self.properties.get('cardinality', 'cardinality not given')})")
 
 
 @dataclass
@@ -254,9 +269,20 @@ _LRE_FN_TYPES = {"ONE_TO_ONE": "one-to-one", "MANY_TO_ONE": "many-to-one", "ONE_
                  "MANY_TO_MANY": "many-to-many"}
 
 
+def snake_name(text: str) -> str:
+    """An LRE relation's name as llmprobe names relations: lower case, each run of other characters one ``_``
+    (``"univ degree gender"`` -> ``"univ_degree_gender"``, ``"company CEO"`` -> ``"company_ceo"``); quotes around
+    it are dropped."""
+    return re.sub(r"[\W_]+", "_", text.strip().strip("\"'").lower()).strip("_")
+
+
 def _from_lre(data: dict, source: str) -> Relation:
-    """The LRE (Hernandez et al. 2023) relation format; ``prompt_templates_zs`` are appended to the templates."""
-    name = _string(data.get("name"), source, "name")
+    """The LRE (Hernandez et al. 2023) relation format; ``prompt_templates_zs`` are appended to the templates. The
+    name is written in snake_case (:func:`snake_name`), the file's kept in ``properties.lre_name``."""
+    lre_name = _string(data.get("name"), source, "name")
+    name = snake_name(lre_name)
+    if not name:
+        raise _err(source, "name", f"must hold a letter or digit, got {lre_name!r}")
     templates = _templates(data.get("prompt_templates"), source, "prompt_templates", required=True)
     if data.get("prompt_templates_zs") is not None:
         for t in _templates(data["prompt_templates_zs"], source, "prompt_templates_zs", required=True):
@@ -265,7 +291,7 @@ def _from_lre(data: dict, source: str) -> Relation:
     lre_props = data.get("properties") or {}
     if not isinstance(lre_props, dict):
         raise _err(source, "properties", f"must be an object, got {lre_props!r}")
-    props = {"format": "lre", **lre_props}
+    props = {"format": "lre", "lre_name": lre_name, **lre_props}
     fn_type = lre_props.get("fn_type")
     if fn_type in _LRE_FN_TYPES:
         props["cardinality"] = _LRE_FN_TYPES[fn_type]
@@ -292,21 +318,33 @@ def _get(row: dict, column: str):
     return value
 
 
-def _from_rows(rows, source: str, name: str, columns: list[str], *, subject_column: str, object_column: str,
+def _whole_number_as_text(value):
+    """A whole number (a year in a numeric column of a data frame or dataset) as the text a CSV file gives;
+    any other value as it is."""
+    return str(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
+
+
+def _from_rows(rows, source: str, name: str | None, columns: list[str], *, subject_column: str, object_column: str,
                template_column: str | None, relation_column: str | None, templates: list[str] | None,
                neutral_templates: list[str] | None, max_facts: int | None = None) -> list[Relation]:
     """Relations from table rows (CSV, JSON lines, Hugging Face datasets; any iterable, read once); one per value
-    of ``relation_column``. ``max_facts``: each relation keeps its first that many distinct facts, and without a
-    relation column the rows are read only until it has them."""
+    of ``relation_column``, or else one named ``name`` (None: a DatasetError asking for one). ``max_facts``: each
+    relation keeps its first that many distinct facts, and without a relation column the rows are read only until
+    it has them."""
 
     def has(col):
         return col in columns or ("." in col and col.split(".")[0] in columns)
 
-    for col in (subject_column, object_column):
+    for col, keyword in ((subject_column, "subject_column"), (object_column, "object_column")):
         if not has(col):
-            raise _err(source, col, f"is not a column (columns: {columns})")
+            raise _err(source, col, f"is not a column (columns: {columns}); name the column that holds the "
+                                    f"{keyword.split('_')[0]}s with {keyword}=")
     use_template = template_column if (template_column and has(template_column)) else None
     use_relation = relation_column if (relation_column and has(relation_column)) else None
+    if not use_relation and not name:
+        raise DatasetError(f"{source}: no relation column {relation_column!r} (columns: {columns}) and no name for "
+                           f"its one relation: give relation='NAME' (or relation_column= naming the column that "
+                           f"holds each row's relation)")
     groups: dict[str, dict] = {}
     for i, row in enumerate(rows):
         where = f"rows[{i}]"
@@ -316,8 +354,8 @@ def _from_rows(rows, source: str, name: str, columns: list[str], *, subject_colu
             if not use_relation:
                 break                   # the one relation has its facts: the rest of the file is not read
             continue
-        s = _get(row, subject_column)
-        o = _get(row, object_column)
+        s = _whole_number_as_text(_get(row, subject_column))
+        o = _whole_number_as_text(_get(row, object_column))
         fact = Fact(_string(s, source, f"{where}.{subject_column}"), _string(o, source, f"{where}.{object_column}"))
         g["facts"].append(fact)
         g["seen"].add(fact)
@@ -369,14 +407,14 @@ def _lines(path: Path):
                                    f"must be UTF-8: re-save it as UTF-8 (it may be Latin-1 or Windows-1252)") from None
 
 
-def _read_csv(path: Path, **kw) -> list[Relation]:
+def _read_csv(path: Path, relation: str | None, **kw) -> list[Relation]:
     reader = csv.DictReader(_lines(path))
     columns = [c.strip() for c in (reader.fieldnames or [])]
     rows = ({(k or "").strip(): v for k, v in r.items()} for r in reader)
-    return _from_rows(rows, str(path), path.stem, columns, **kw)
+    return _from_rows(rows, str(path), relation or path.stem, columns, **kw)
 
 
-def _read_jsonl(path: Path, **kw) -> list[Relation]:
+def _read_jsonl(path: Path, relation: str | None, **kw) -> list[Relation]:
     """JSON lines, parsed as they are read (up to ``max_facts``: :func:`_from_rows`); the columns are the first
     row's keys."""
     def parsed():
@@ -393,10 +431,13 @@ def _read_jsonl(path: Path, **kw) -> list[Relation]:
     first = next(rows, None)
     if first is None:
         raise _err(str(path), "rows", "is empty: a relation needs at least one fact")
-    return _from_rows(itertools.chain([first], rows), str(path), path.stem, sorted(first), **kw)
+    return _from_rows(itertools.chain([first], rows), str(path), relation or path.stem, sorted(first), **kw)
 
 
-def _read_hf(spec: str, hf_kwargs: dict | None, **kw) -> list[Relation]:
+PACKAGED_BUILDERS = ("json", "csv", "parquet", "arrow", "text")   # datasets' loaders of local files: no name
+
+
+def _read_hf(spec: str, hf_kwargs: dict | None, relation: str | None, **kw) -> list[Relation]:
     """``hf:NAME[:split]`` through ``datasets.load_dataset(NAME, split=..., **hf_kwargs)``."""
     rest = spec[3:]
     name, _, split = rest.rpartition(":") if ":" in rest else (rest, "", "")
@@ -417,9 +458,38 @@ def _read_hf(spec: str, hf_kwargs: dict | None, **kw) -> list[Relation]:
             raise DatasetError(f"{spec}: several splits {list(ds)}; name one as hf:{name}:SPLIT")
     base = os.path.basename(name.rstrip("/")) or name
     files = (hf_kwargs or {}).get("data_files")
-    if isinstance(files, (str, os.PathLike)) and base in ("json", "csv", "parquet", "arrow", "text"):
+    if isinstance(files, (str, os.PathLike)) and base in PACKAGED_BUILDERS:
         base = Path(files).stem  # a packaged builder: name the relation after its file
-    return _from_rows(ds, spec, base, list(ds.column_names), **kw)
+    return _from_rows(ds, spec, relation or base, list(ds.column_names), **kw)
+
+
+def _table_kind(item) -> str | None:
+    """``"datasets.Dataset"``, ``"datasets.DatasetDict"`` or ``"pandas.DataFrame"`` for a table given as an
+    object, else None (a table's library is imported when it is one: only loaded libraries are asked)."""
+    hf, pandas = sys.modules.get("datasets"), sys.modules.get("pandas")
+    if hf is not None and isinstance(item, hf.DatasetDict):
+        return "datasets.DatasetDict"
+    if hf is not None and isinstance(item, hf.Dataset):
+        return "datasets.Dataset"
+    if pandas is not None and isinstance(item, pandas.DataFrame):
+        return "pandas.DataFrame"
+    return None
+
+
+def _read_table(item, kind: str, index: int, relation: str | None, **kw) -> list[Relation]:
+    """The relations of a ``datasets.Dataset`` or ``pandas.DataFrame`` (``kind``), the ``index``-th item of
+    ``load_relations``: its rows read as a CSV file's; the relation is named ``relation``, or a Dataset's hub name
+    (``info.dataset_name``, not a packaged builder's), when there is no relation column."""
+    source = f"{kind} (item {index} of load_relations)"
+    if kind == "datasets.DatasetDict":
+        raise DatasetError(f"{source}: a DatasetDict holds several splits {list(item)}; pass one split, e.g. "
+                           f"dataset[{next(iter(item), 'train')!r}]")
+    if kind == "datasets.Dataset":
+        hub_name = item.info.dataset_name if item.info.dataset_name not in PACKAGED_BUILDERS else None
+        return _from_rows(item, source, relation or hub_name, list(item.column_names), **kw)
+    columns = [str(column) for column in item.columns]
+    rows = (dict(zip(columns, values)) for values in item.itertuples(index=False, name=None))
+    return _from_rows(rows, source, relation, columns, **kw)
 
 
 # ------------------------------------------------------------------------------------------------ loading
@@ -429,9 +499,24 @@ def _bundled_files() -> dict[str, object]:
     return {p.name[:-5]: p for p in root.iterdir() if p.name.endswith(".json") and p.is_file()}
 
 
-def list_bundled() -> list[str]:
-    """Names of the relations shipped in ``prompts/``."""
-    return sorted(_bundled_files())
+def list_bundled(include_lre: bool = False) -> list[str]:
+    """Names of the relations shipped in ``prompts/`` (what ``load_relations(None)`` loads); ``include_lre``:
+    then the 47 of the bundled LRE dataset as ``lre:NAME`` (also loaded whole as ``lre:all`` or by category,
+    ``lre:factual``, ...)."""
+    return sorted(_bundled_files()) + (sorted(f"lre:{name}" for name in _lre_catalogue()[1]) if include_lre else [])
+
+
+def _close_names(text: str) -> list[str]:
+    """Up to three bundled or ``lre:`` relation names like ``text`` (difflib's ratio at least 0.6), best first."""
+    key = snake_name(text[len("lre:"):] if text.startswith("lre:") else text)
+    candidates = [(name, name) for name in _bundled_files()] + [(name, f"lre:{name}") for name in _lre_catalogue()[1]]
+    scored = sorted((-difflib.SequenceMatcher(None, key, name).ratio(), shown) for name, shown in candidates)
+    return [shown for score, shown in scored[:3] if -score >= 0.6]
+
+
+def _did_you_mean(text: str) -> str:
+    close = _close_names(text)
+    return f" (did you mean {', '.join(close)}?)" if close else ""
 
 
 def _read_json_text(text: str, source: str) -> list[Relation]:
@@ -443,7 +528,7 @@ def _read_json_text(text: str, source: str) -> list[Relation]:
     return [relation_from_dict(data, source)]
 
 
-def _read_path(path: Path, row_kw: dict) -> list[Relation]:
+def _read_path(path: Path, row_kw: dict, relation: str | None) -> list[Relation]:
     """One relation file; a FIFO, device or socket is refused unopened, a .json file over ``MAX_JSON_BYTES``
     unread."""
     kind = special_file(path)
@@ -459,26 +544,59 @@ def _read_path(path: Path, row_kw: dict) -> list[Relation]:
                                f"lines (.jsonl) or CSV, which are read row by row and only up to --max-facts")
         return _read_json_text(_read_text(path), str(path))
     if suffix == ".csv":
-        return _read_csv(path, **row_kw)
+        return _read_csv(path, relation, **row_kw)
     if suffix == ".jsonl":
-        return _read_jsonl(path, **row_kw)
+        return _read_jsonl(path, relation, **row_kw)
     raise DatasetError(f"{path}: unknown file type {suffix!r} (expected .json, .jsonl or .csv)")
 
 
-def _lre_files(spec: str) -> list:
-    """The bundled LRE files an ``lre:`` name stands for (module doc), in category and file order."""
+@functools.lru_cache(maxsize=1)
+def _lre_catalogue() -> tuple[dict, dict, dict]:
+    """The bundled LRE files, read once: (category -> its files in name order, relation name in snake_case ->
+    file, file name without .json -> file)."""
     root = resources.files(_PACKAGE) / "lre"
-    files = {c: sorted((p for p in (root / c).iterdir() if p.name.endswith(".json")), key=lambda p: p.name)
-             for c in LRE_CATEGORIES}
-    key = spec[len("lre:"):]
+    by_category = {c: sorted((p for p in (root / c).iterdir() if p.name.endswith(".json")), key=lambda p: p.name)
+                   for c in LRE_CATEGORIES}
+    by_name, by_file = {}, {}
+    for res in itertools.chain.from_iterable(by_category.values()):
+        data = parse_json(res.read_text(encoding="utf-8"), str(res), DatasetError, f" ({TOO_DEEP})")
+        by_name[snake_name(_string(data.get("name") if isinstance(data, dict) else None, str(res), "name"))] = res
+        by_file[res.name[:-5]] = res
+    return by_category, by_name, by_file
+
+
+@functools.lru_cache(maxsize=1)
+def lre_source() -> dict:
+    """``prompts/lre/source.json``: where the bundled LRE files come from (``url``, ``path``, ``commit`` or why
+    it is not known, the date ``copied``), their ``licence`` and ``copyright``, and the ``sha256`` of the files
+    (:func:`lre_files_sha256`)."""
+    res = resources.files(_PACKAGE) / "lre" / LRE_SOURCE
+    return parse_json(res.read_text(encoding="utf-8"), str(res), DatasetError)
+
+
+def lre_files_sha256() -> str:
+    """sha256 of the bundled LRE files: each file's ``CATEGORY/NAME.json``, a NUL byte and its bytes, in category
+    and name order (``source.json`` records it, so a changed copy shows)."""
+    digest = hashlib.sha256()
+    for category, files in _lre_catalogue()[0].items():
+        for res in files:
+            digest.update(f"{category}/{res.name}".encode() + b"\0" + res.read_bytes())
+    return digest.hexdigest()
+
+
+def _lre_files(spec: str) -> list:
+    """The bundled LRE files an ``lre:`` name stands for (module doc), in category and file order: ``all``, a
+    category, a relation's name in snake_case or as the file writes it (quotes around it dropped), or a file's
+    name."""
+    by_category, by_name, by_file = _lre_catalogue()
+    key = snake_name(spec[len("lre:"):])
     if key == "all":
-        return [p for c in LRE_CATEGORIES for p in files[c]]
-    if key in files:
-        return files[key]
-    by_name = {p.name[:-5]: p for c in LRE_CATEGORIES for p in files[c]}
-    if key in by_name:
-        return [by_name[key]]
-    raise DatasetError(f"{spec!r} is not an LRE category or relation: lre:all, "
+        return list(itertools.chain.from_iterable(by_category.values()))
+    if key in by_category:
+        return by_category[key]
+    if key in by_name or key in by_file:
+        return [by_name.get(key) or by_file[key]]
+    raise DatasetError(f"{spec!r} is not an LRE category or relation{_did_you_mean(spec)}: lre:all, "
                        f"{', '.join('lre:' + c for c in LRE_CATEGORIES)}, or lre:NAME with NAME one of "
                        f"{', '.join(sorted(by_name))}")
 
@@ -497,6 +615,9 @@ def _read_lre(spec: str) -> list[Relation]:
     ``json.load`` gives it: module doc); ``properties.rows`` / ``duplicate_rows`` count them, ``as_read`` maps
     each read text that differs from the file's to the file's (:func:`lre_as_read`)."""
     literal = spec.endswith(LITERAL)
+    meta = lre_source()
+    commit = f"commit {meta['commit']}" if meta.get("commit") else f"copied {meta['copied']}, upstream commit not " \
+                                                                      f"recorded"
     out = []
     for res in _lre_files(spec[:-len(LITERAL)] if literal else spec):
         text = res.read_text(encoding="utf-8")
@@ -504,7 +625,10 @@ def _read_lre(spec: str) -> list[Relation]:
         rows = [(row["subject"], row["object"]) for row in json.loads(text)["samples"]]
         as_read = {_unescape(t.strip()): t for row in rows for t in row if _unescape(t.strip()) != t}
         facts = [Fact(*row) if literal else Fact(*(_unescape(t.strip()) for t in row)) for row in rows]
-        properties = {**relation.properties, "rows": len(facts), "duplicate_rows": len(facts) - len(set(facts))}
+        category = next(c for c, files in _lre_catalogue()[0].items() if res in files)
+        properties = {**relation.properties, "rows": len(facts), "duplicate_rows": len(facts) - len(set(facts)),
+                      "source": f"{meta['url']}, {meta['path']}{category}/{res.name} ({commit})",
+                      "licence": f"{meta['licence']}, {meta['copyright']} (prompts/lre/LICENSE)"}
         if as_read and not literal:
             properties["as_read"] = as_read
         out.append(Relation(relation.name, relation.templates, relation.neutral_templates, facts, properties,
@@ -522,43 +646,54 @@ def lre_as_read(relation: Relation) -> Relation:
                                 for f in relation.facts])
 
 
-def load_relations(names_or_paths: list[str] | str | None = None, *, templates: list[str] | None = None,
+def load_relations(names_or_paths: list | str | None = None, *, templates: list[str] | None = None,
                    neutral_templates: list[str] | None = None, subject_column: str = "subject",
                    object_column: str = "object", template_column: str = "template",
-                   relation_column: str = "relation", hf_kwargs: dict | None = None,
+                   relation_column: str = "relation", relation: str | None = None, hf_kwargs: dict | None = None,
                    max_facts: int | None = None) -> list[Relation]:
     """Load relations; None = every bundled relation.
 
     Each item is a bundled relation name (``"country_capital"``), a JSON file in our schema or the LRE format
     (auto-detected), a .csv / .jsonl file of rows, a directory of such files, ``hf:NAME[:split]`` for
-    ``datasets.load_dataset(NAME, split=split, **hf_kwargs)``, or ``lre:CATEGORY`` / ``lre:all`` / ``lre:NAME`` for
-    the bundled LRE dataset (``...:literal``: its rows' text as the reference reads it; module doc). Row sources
-    take their columns from ``subject_column``/``object_column`` (dotted names reach into nested records), their
-    templates from
-    ``templates`` or else the distinct values of ``template_column``, and are split into one relation per value
-    of ``relation_column`` when that column exists (otherwise the relation is named after the file/dataset).
-    ``max_facts``: each relation keeps its first that many distinct facts; .jsonl and .csv files are read row by
-    row, and only up to there when they have no relation column (a .json file is read whole, and refused above
-    ``MAX_JSON_BYTES``). A FIFO, device or socket is refused unopened.
+    ``datasets.load_dataset(NAME, split=split, **hf_kwargs)``, a ``datasets.Dataset`` or ``pandas.DataFrame`` (its
+    rows read as a CSV file's; a ``DatasetDict`` is refused: pass one split), or ``lre:CATEGORY`` / ``lre:all`` /
+    ``lre:NAME`` for the bundled LRE dataset (``...:literal``: its rows' text as the reference reads it; module
+    doc; ``list_bundled(include_lre=True)`` lists the names). Row sources take their columns from
+    ``subject_column``/``object_column`` (dotted names reach into nested records; whole numbers are read as their
+    text), their templates from ``templates`` or else the distinct values of ``template_column``, and are split
+    into one relation per value of ``relation_column`` when that column exists; otherwise the relation is named
+    ``relation``, or else after the file or dataset (a DataFrame, or a Dataset without a hub name, needs
+    ``relation``). ``max_facts``: each relation keeps its first that many distinct facts; .jsonl and .csv files
+    are read row by row, and only up to there when they have no relation column (a .json file is read whole, and
+    refused above ``MAX_JSON_BYTES``). A FIFO, device or socket is refused unopened.
     """
     bundled = _bundled_files()
     if names_or_paths is None:
         names_or_paths = sorted(bundled)
-    elif isinstance(names_or_paths, (str, os.PathLike)):
+    elif isinstance(names_or_paths, (str, os.PathLike)) or _table_kind(names_or_paths):
         names_or_paths = [names_or_paths]
     if max_facts is not None and (type(max_facts) is not int or max_facts < 1):
         raise DatasetError(f"max_facts must be a whole number of at least 1 or None, got {max_facts!r}")
+    if hf_kwargs is not None and not isinstance(hf_kwargs, dict):
+        raise DatasetError(f"hf_kwargs must be a dict of datasets.load_dataset keywords, got {hf_kwargs!r}"[:300])
     row_kw = dict(subject_column=subject_column, object_column=object_column, template_column=template_column,
                   relation_column=relation_column, templates=templates, neutral_templates=neutral_templates,
                   max_facts=max_facts)
     out: list[Relation] = []
-    for item in names_or_paths:
+    for index, item in enumerate(names_or_paths):
+        kind = _table_kind(item)
+        if kind:
+            out.extend(_read_table(item, kind, index, relation, **row_kw))
+            continue
+        if not isinstance(item, (str, os.PathLike)):
+            raise DatasetError(f"item {index} of load_relations is a {type(item).__name__}: give a relation name, a "
+                               f"path, hf:NAME, lre:NAME, a datasets.Dataset or a pandas.DataFrame")
         item_s = os.fspath(item)
         if special_file(item_s):
             raise DatasetError(f"{item_s!r} is {special_file(item_s)}, not a relation file or folder; refused "
                                f"(reading it could wait for ever): give a regular .json, .jsonl or .csv file")
         if item_s.startswith("hf:"):
-            out.extend(_read_hf(item_s, hf_kwargs, **row_kw))
+            out.extend(_read_hf(item_s, hf_kwargs, relation, **row_kw))
         elif item_s.startswith("lre:"):
             out.extend(_read_lre(item_s))
         elif item_s in bundled:
@@ -569,18 +704,21 @@ def load_relations(names_or_paths: list[str] | str | None = None, *, templates: 
             if not files:
                 raise DatasetError(f"{item_s}: directory has no .json, .jsonl or .csv relation files")
             for p in files:
-                out.extend(_read_path(p, row_kw))
+                out.extend(_read_path(p, row_kw, relation))
         elif os.path.isfile(item_s):
-            out.extend(_read_path(Path(item_s), row_kw))
+            out.extend(_read_path(Path(item_s), row_kw, relation))
         else:
-            raise DatasetError(f"{item_s!r} is not a bundled relation, file, directory or hf:NAME; "
-                               f"bundled relations: {', '.join(sorted(bundled))}")
+            raise DatasetError(f"{item_s!r} is not a bundled relation, file, directory, hf:NAME or lre:NAME"
+                               f"{_did_you_mean(item_s)}; bundled relations: {', '.join(sorted(bundled))}; the LRE "
+                               f"dataset: lre:all, {', '.join('lre:' + c for c in LRE_CATEGORIES)} or lre:NAME "
+                               f"(llmprobe.datasets.list_bundled(include_lre=True) lists its 47 names)")
     if max_facts is not None:
         out = [rel.with_facts(rel.facts[:max_facts]) if len(rel.facts) > max_facts else rel for rel in out]
     seen: dict[str, str] = {}
     for rel in out:
         if rel.name in seen:
-            raise DatasetError(f"{rel.source}: field 'name' repeats relation {rel.name!r} (also in {seen[rel.name]})")
+            raise DatasetError(f"{rel.source}: field 'name' repeats relation {rel.name!r} (also in {seen[rel.name]})"
+                               f"; relations loaded together need distinct names")
         seen[rel.name] = rel.source
     return out
 

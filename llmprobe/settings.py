@@ -57,7 +57,10 @@ class RunSettings:
 
     model: str | None = None                # hub name, local folder or .gguf file; none = embedded SmolLM2-135M
     gguf_file: str | None = None            # GGUF file inside the model folder or hub repo
-    relations: tuple[str, ...] | None = None    # bundled names, files, folders or hf:DATASET; none = all bundled
+    relations: tuple[str, ...] | None = None    # bundled names, files, folders, hf:DATASET or lre:NAME; none = all
+                                                # bundled
+    hf_kwargs: dict = dataclasses.field(default_factory=dict)   # keywords of datasets.load_dataset for the hf:
+                                            # relations, e.g. {data_files = "facts.csv"} (--hf-kwargs: JSON)
     layers: str = "every:3"                 # all | every:K | comma list like "0,6,12" | "-1"
     analyses: tuple[str, ...] | None = None     # of lre, ridge, superposition; none = the command's default
                                                 # (probe: lre, ridge, superposition; run: all; [] = none)
@@ -177,6 +180,8 @@ class Settings:
             run["offload_folder"] = str(Path(run["offload_folder"]).expanduser().resolve())
         if run["relations"] is not None:
             run["relations"] = [_absolute(r) for r in run["relations"]]
+        run["hf_kwargs"] = {key: _absolute_paths(value) if key in HF_KWARGS_PATHS else value
+                            for key, value in run["hf_kwargs"].items()}
         analysis = {**self.section("analysis"), **self.analysis_options()}
         matched = self.section("matched") if command == "run" else None
         return {"command": command,
@@ -208,7 +213,8 @@ def type_name(hint) -> str:
             item = type_name(typing.get_args(option)[0])
             names.append(f"list of {'(' + item + ')' if ' or ' in item else item}")
         else:
-            names.append({bool: "true/false", str: "text"}.get(option, getattr(option, "__name__", str(option))))
+            names.append({bool: "true/false", str: "text", dict: "table (a JSON object)"}.get(
+                option, getattr(option, "__name__", str(option))))
     return " or ".join(names)
 
 
@@ -231,9 +237,44 @@ def coerce(key: str, value, hint):
         if typing.get_origin(option) is tuple and isinstance(value, (list, tuple)):
             item = typing.get_args(option)[0]
             return tuple(coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value))
+        if option is dict and isinstance(value, dict):
+            return _json_value(key, value)
     shown = json.dumps(value, default=str)
     shown = shown if len(shown) <= 200 else f"{shown[:200]}... ({len(shown)} characters)"
     raise UsageError(f"{key}: expected {type_name(hint)}, got {shown}")
+
+
+def _json_value(key: str, value):
+    """A copy of ``value``, a table setting or a value in it, as JSON holds it (tuples as lists); UsageError naming
+    ``key`` for a key that is not text, a null (TOML has none: leave the key out), a number that is not finite, or
+    a value of another type."""
+    if isinstance(value, dict):
+        for name in value:
+            if not isinstance(name, str):
+                raise UsageError(f"{key}: keys must be text, got {name!r}")
+        return {name: _json_value(f"{key}.{name}", item) for name, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_value(f"{key}[{i}]", item) for i, item in enumerate(value)]
+    if value is None:
+        raise UsageError(f"{key}: a null value cannot be written in TOML; leave the key out")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise UsageError(f"{key}: must be a finite number, got {value!r}")
+    if not isinstance(value, (str, bool, int, float)):
+        raise UsageError(f"{key}: expected text, a number, true/false, a list or a table, got "
+                         f"{type(value).__name__} {str(value)[:100]!r}")
+    return value
+
+
+def json_object(text: str, where: str) -> dict:
+    """``text`` (a command-line value, e.g. of --hf-kwargs) read as a JSON object; UsageError naming ``where``."""
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise UsageError(f"{where}: not JSON ({error}); give a JSON object, e.g. '{{\"data_files\": "
+                         f"\"facts.csv\"}}'") from None
+    if not isinstance(value, dict):
+        raise UsageError(f"{where}: expected a JSON object ({{...}}), got {json.dumps(value)[:200]}")
+    return _json_value(where, value)
 
 
 def _known_key(section: str, key: str, where: str):
@@ -407,6 +448,10 @@ RANGES = {
     "matched.max_steps": (1, None, False), "matched.d_max": (1, None, False), "matched.n_boot": (1, None, False),
 }
 
+# keys of run.hf_kwargs refused, and why
+HF_KWARGS_REFUSED = {"split": "name the split in the relation, hf:NAME:SPLIT",
+                     "trust_remote_code": "llmprobe runs no code that comes with a dataset"}
+
 WIDTH_MAX = 2 ** 20        # ranks, widths and token counts: more than any model's width or context
 LAYER_MAX = 10_000         # a layer index (negative from the last layer): more than any model's depth
 MAX_ITEMS = 1000           # values in one list setting
@@ -506,6 +551,9 @@ def check(settings: Settings) -> Settings:
     except ValueError as error:
         raise UsageError(f"run.max_memory: {error}") from None
     layer_spec(run.layers)
+    for key, why in HF_KWARGS_REFUSED.items():
+        if key in run.hf_kwargs:
+            raise UsageError(f"run.hf_kwargs: {key} is not taken: {why}")
     if run.analyses is not None:
         analysis_names(run.analyses, ANALYSES)
     for key, bounds in RANGES.items():
@@ -533,6 +581,20 @@ def _absolute(name: str | None) -> str | None:
     return str(path.resolve()) if path.exists() else name
 
 
+HF_KWARGS_PATHS = ("data_files", "data_dir")     # keys of run.hf_kwargs that may name local files
+
+
+def _absolute_paths(value):
+    """The local paths in ``value`` (a text, or a list or table of them: ``data_files``) absolute (:func:`_absolute`)."""
+    if isinstance(value, str):
+        return _absolute(value)
+    if isinstance(value, list):
+        return [_absolute_paths(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _absolute_paths(item) for key, item in value.items()}
+    return value
+
+
 def from_record(block: dict, where: str = "report.json settings") -> tuple[str, Settings]:
     """(command, settings) from a report's ``settings`` block, checked like a settings file."""
     if not isinstance(block, dict) or block.get("command") not in COMMAND_ANALYSES:
@@ -550,6 +612,8 @@ def _toml_value(value) -> str:
         return "true" if value else "false"
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
     if isinstance(value, float) and not math.isfinite(value):
         return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
     return json.dumps(value) if isinstance(value, str) else repr(value)
@@ -586,4 +650,4 @@ def settings_toml(settings: Settings | None = None) -> str:
 
 
 __all__ = ["Settings", "RunSettings", "MatchedSettings", "SECTIONS", "resolve", "from_options", "check",
-           "parse_set", "read_toml", "coerce", "from_record", "settings_toml"]
+           "parse_set", "read_toml", "coerce", "json_object", "from_record", "settings_toml"]

@@ -194,6 +194,8 @@ def collect():
 
 def build(rows):
     src = f"pycountry {version('pycountry')} + countryinfo {version('countryinfo')} (prompts/build_countries.py)"
+    licence = (f"Apache-2.0 (llmprobe); drawn from the data of pycountry {version('pycountry')} (LGPL-2.1-only) and "
+               f"countryinfo {version('countryinfo')} (MIT)")
     out = {}
     for rel, spec in RELATIONS.items():
         facts, others = [], {}
@@ -210,6 +212,7 @@ def build(rows):
             "subject_type": "country",
             "object_type": spec["object_type"],
             "source": src,
+            "licence": licence,
             "order": "population, most populous first (countryinfo figures)",
             "population": {r["name"]: r["population"] for r in rows if r["name"] in {f["subject"] for f in facts}},
         }

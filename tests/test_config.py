@@ -350,7 +350,7 @@ API_RUN = {"model": "some/model", "gguf_file": "m.gguf", "relations": ["capital"
            "layers": [0, -1], "analyses": "ridge, lre", "device": "cpu", "dtype": "float32", "device_map": "auto",
            "max_memory": {"cpu": "1GiB", 0: "2GiB"}, "offload_folder": Path("/no/such/offload"), "quantize": "8bit",
            "batch_size": 4, "max_facts": 3, "max_prompt_tokens": 40, "seed": 7,
-           "chat_template": True}
+           "chat_template": True, "hf_kwargs": {"data_files": ["a.csv", "b.csv"], "sep": ";"}}
 AS_SETTINGS = {**API_RUN, "relations": ("capital", "/no/such/rel.json"), "layers": "0,-1", "analyses": ("ridge", "lre"),
                "max_memory": ("cpu=1GiB", "0=2GiB"), "offload_folder": "/no/such/offload"}
 

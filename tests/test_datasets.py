@@ -220,7 +220,7 @@ def test_lre_format(tmp_path):
     p = tmp_path / "country_capital_city.json"
     p.write_text(json.dumps(lre))
     (rel,) = load_relations([str(p)])
-    assert rel.name == "country capital city"
+    assert rel.name == "country_capital_city" and rel.properties["lre_name"] == "country capital city"
     assert rel.templates == ["The capital city of {} is", "{}'s capital is", "The capital of {} is"]
     assert rel.neutral_templates == ["{}"]
     assert rel.facts == [Fact("France", "Paris"), Fact("Japan", "Tokyo")]
@@ -293,8 +293,8 @@ def test_bundled_lre_dataset_by_category_name_and_all():
                                                                                   "commonsense", "bias")}
     assert counts == {"factual": 26, "linguistic": 6, "commonsense": 8, "bias": 7}
     linguistic = load_relations("lre:linguistic")
-    assert [r.name for r in linguistic] == ["adjective antonym", "adjective comparative", "adjective superlative",
-                                            "verb past tense", "word first letter", "word last letter"]
+    assert [r.name for r in linguistic] == ["adjective_antonym", "adjective_comparative", "adjective_superlative",
+                                            "verb_past_tense", "word_first_letter", "word_last_letter"]
     assert all(r.properties["relation_type"] == "linguistic" and r.properties["format"] == "lre" for r in linguistic)
     everything = load_relations("lre:all")
     assert len(everything) == 47 and len({r.name for r in everything}) == 47
@@ -306,7 +306,7 @@ def test_bundled_lre_dataset_by_category_name_and_all():
     assert "MIT License" in (root / "LICENSE").read_text(encoding="utf-8")
     pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text(encoding="utf-8")
     assert '"lre/*/*.json"' in pyproject and '"lre/LICENSE"' in pyproject
-    with pytest.raises(DatasetError, match="lre:linguistic.*adj_comparative"):
+    with pytest.raises(DatasetError, match="lre:linguistic.*adjective_comparative"):
         load_relations("lre:adjective")
 
 

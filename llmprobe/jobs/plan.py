@@ -286,10 +286,10 @@ def settings_workload(settings: Settings, n_layers: int) -> tuple[dict, Analysis
     cfg = settings_from(seed=run.seed, **settings.analysis_options())
     analyses = settings.analyses("run")
     modes = tuple(settings.matched.modes) if settings.matched.enabled else ()
-    key = json.dumps([run.relations, run.max_facts, run.layers, n_layers, asdict(cfg), analyses, modes,
+    key = json.dumps([run.relations, run.hf_kwargs, run.max_facts, run.layers, n_layers, asdict(cfg), analyses, modes,
                       settings.matched.at_model_width, settings.matched.n_seeds], default=str)
     if key not in _WORKLOADS:
-        every = load_relations(None if run.relations is None else list(run.relations))
+        every = load_relations(None if run.relations is None else list(run.relations), hf_kwargs=run.hf_kwargs)
         relations = [r.with_facts(r.facts[:run.max_facts]) for r in every] if run.max_facts else every
         known = {}
         for full, rel in zip(every, relations):

@@ -126,7 +126,8 @@ def model_identity(info: dict) -> dict:
 def run_relations(run: RunSettings) -> list[Relation]:
     """The relations a run reads: ``run.relations`` (None: the bundled ones), each cut to its first
     ``run.max_facts`` facts when that is set."""
-    relations = load_relations(None if run.relations is None else list(run.relations), max_facts=run.max_facts)
+    relations = load_relations(None if run.relations is None else list(run.relations), max_facts=run.max_facts,
+                               hf_kwargs=run.hf_kwargs)
     return [r.with_facts(r.facts[:run.max_facts]) for r in relations] if run.max_facts else relations
 
 
