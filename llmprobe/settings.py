@@ -72,6 +72,9 @@ class RunSettings:
     max_facts: int | None = None            # keep the first N facts of each relation; none = all
     max_prompt_tokens: int | None = None    # skip facts with longer prompts; none = the model's context
     seed: int = 0                           # Python's and torch's RNGs, the analyses and the controls
+    assume_known: bool | tuple[str, ...] = False    # true, or a list of relation names: their facts are taken as
+                                            # known whatever the known-fact check finds (curated facts, smoke
+                                            # tests); the report says so
 
 
 @dataclasses.dataclass
