@@ -62,7 +62,8 @@ class _StderrLines(logging.Handler):
 
 if not any(isinstance(handler, _StderrLines) for handler in LOGGER.handlers):
     LOGGER.addHandler(_StderrLines())
-LOGGER.setLevel(logging.INFO)
+if LOGGER.level == logging.NOTSET:                 # a level the user set before stays
+    LOGGER.setLevel(logging.INFO)
 LOGGER.propagate = False
 
 

@@ -32,6 +32,7 @@ NOT_PRODUCED = {
     # protocol lre only (the tiny report runs the strict protocol; tests/test_lre_protocol.py checks these)
     "analyses.relations.<relation>.selection", "analyses.relations.<relation>.selection_note",
     "analyses.relations.<relation>.trials[]",
+    "relations.<relation>.assumed_known",      # only with run.assume_known (tests/test_api.py checks it)
 }
 
 
