@@ -1,12 +1,17 @@
-"""The ``llmprobe`` command line: the parser (layer 6; the handlers are ``llmprobe.commands``)."""
+"""The ``llmprobe`` command line: the parser (layer 6; the handlers are ``llmprobe.commands``).
+
+Parsing and ``--help`` load no torch, scikit-learn or transformers: the handlers (``llmprobe.commands``), the
+``synth`` group (``synthetic.cli``) and the plan's presets (``llmprobe.jobs.workload``) are imported by module name
+(``importlib``, as ``llmprobe/__init__.py`` does) only when the command needs them.
+"""
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 
 from llmprobe import __version__
-from llmprobe import commands as handlers
 from llmprobe.checks import (
     DEVICE_MAPS,
     DTYPES,
@@ -17,14 +22,24 @@ from llmprobe.checks import (
     parse_max_memory,
     positive_int,
 )
-from llmprobe.commands import run_command
 from llmprobe.datasets import LRE_CATEGORIES, list_bundled
-from llmprobe.jobs.workload import PRESETS
 from llmprobe.names import ANALYSES, PROTOCOLS
 from llmprobe.settings import COMMAND_ANALYSES, Settings, json_object
-from synthetic.cli import add_parser as add_synth
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+MODEL = "run.model"   # the dest of the MODEL argument (every setting's flag has its settings key as dest)
+COMMANDS = "llmprobe.commands"        # the handlers and run_command: the jobs, torch (seconds to import)
+SYNTH = "synthetic.cli"               # the synth group's parser: its experiments, torch, scikit-learn
+WORKLOAD = "llmprobe.jobs.workload"   # the plan's presets (PRESETS): the analyses, torch
+
+
+def handler(name: str):
+    """A subcommand's ``func``: the handler ``name`` of ``llmprobe.commands``, imported when the command runs."""
+    def run(args):
+        return getattr(importlib.import_module(COMMANDS), name)(args)
+    run.__name__ = run.__qualname__ = name
+    return run
 
 
 def positive(name: str):
@@ -146,7 +161,7 @@ def _add_setting_flags(parser: argparse.ArgumentParser, command: str) -> None:
 def _add_model_args(parser: argparse.ArgumentParser, command: str) -> None:
     """MODEL (several for ``run``), the setting flags and the flags that are not settings."""
     many = command == "run"
-    parser.add_argument(handlers.MODEL, metavar="MODEL", nargs="*" if many else "?", default=None,
+    parser.add_argument(MODEL, metavar="MODEL", nargs="*" if many else "?", default=None,
                         help="hub name, local folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)"
                              + ("; several: one report each and their compare page" if many else ""))
     parser.add_argument("--threads", type=positive("--threads"), help="torch CPU threads")
@@ -180,10 +195,12 @@ def _formats(text: str) -> tuple[str, ...]:
     return formats
 
 
-def build_parser(synth: bool = True) -> argparse.ArgumentParser:
+def build_parser(synth: bool = True, presets: bool = True) -> argparse.ArgumentParser:
     """The whole command line. ``synth=False`` puts a stub in place of the ``synth`` group, whose modules take
     seconds to import (torch, scikit-learn): main() builds the group only for ``llmprobe synth ...``, so the
-    other commands check their options and output folder at once. The handlers are ``llmprobe.commands``'."""
+    other commands check their options and output folder at once. ``presets=False`` leaves the presets' names out
+    of the plan's description (``llmprobe plan --help``), for the same reason. The handlers are
+    ``llmprobe.commands``', imported when a command runs (:func:`handler`)."""
     parser = argparse.ArgumentParser(prog="llmprobe", description="Measure how language models store facts.")
     parser.add_argument("--version", action="version", version=f"llmprobe {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -191,7 +208,7 @@ def build_parser(synth: bool = True) -> argparse.ArgumentParser:
                                               "report.html, report.json (no matched controls: see run)")
     _add_model_args(probe, "probe")
     probe.add_argument("--out", default="runs/probe", help="output folder (default runs/probe)")
-    probe.set_defaults(func=handlers._probe)
+    probe.set_defaults(func=handler("_probe"))
     run = commands.add_parser("run", help="the main job: probe + matched synthetic controls -> one report")
     _add_model_args(run, "run")
     run.add_argument("--out", default="runs/main", help="output folder (default runs/main; with several models: one "
@@ -199,33 +216,34 @@ def build_parser(synth: bool = True) -> argparse.ArgumentParser:
     run.add_argument("--executor", choices=["process", "ray"], default="process",
                      help="several models: one after the other here (default) or one Ray task each")
     run.add_argument("--address", help="with --executor ray: the Ray cluster to join (default: Ray on this machine)")
-    run.set_defaults(func=handlers._run)
+    run.set_defaults(func=handler("_run"))
     plan = commands.add_parser("plan", help="the predicted time and peak memory of each stage of run, on this CPU and "
                                             "one H200, from the model's config (no weights read)",
                                description="Predict `llmprobe run` with the same options from the model's config "
                                            "(docs/scaling.md, 'A plan before it starts'). MODEL: as for run, or a "
-                                           f"preset ({', '.join(PRESETS)}). --device cpu: this CPU only; h200 or cuda: "
-                                           "one H200 only; auto (default): both. A run's whole command line "
-                                           "is taken as it is: its --out, --executor and --address change nothing.")
+                                           f"preset ({preset_names() if presets else 'llmprobe plan --help names them'})"
+                                           ". --device cpu: this CPU only; h200 or cuda: one H200 only; auto (default): "
+                                           "both. A run's whole command line is taken as it is: its --out, --executor "
+                                           "and --address change nothing.")
     _add_model_args(plan, "run")
     # run's flags that say where and how to run, taken so that a run's command line can be planned as it is;
     # they change no prediction, so the help does not list them
     plan.add_argument("--out", dest="run_out", help=argparse.SUPPRESS)
     plan.add_argument("--executor", dest="run_executor", choices=["process", "ray"], help=argparse.SUPPRESS)
     plan.add_argument("--address", dest="run_address", help=argparse.SUPPRESS)
-    plan.set_defaults(func=handlers._plan)
+    plan.set_defaults(func=handler("_plan"))
     compare = commands.add_parser("compare", help="side-by-side page of several report folders")
     compare.add_argument("dirs", nargs="+", help="report folders (each with report.json)")
     compare.add_argument("--out", required=True, help="output folder")
     compare.add_argument("--format", default="html,md,csv", type=argparse_type(_formats),
                          help="comma list of html, md, json, csv (default html,md,csv)")
-    compare.set_defaults(func=handlers._compare)
+    compare.set_defaults(func=handler("_compare"))
     report = commands.add_parser("report", help="export a report folder as html, md, json or csv")
     report.add_argument("dir", help="report folder (with report.json)")
     report.add_argument("--format", default="html,md,csv", type=argparse_type(_formats),
                         help="comma list of html, md, json, csv (default html,md,csv)")
     report.add_argument("--out", help="output folder (default: the report folder)")
-    report.set_defaults(func=handlers._report)
+    report.set_defaults(func=handler("_report"))
     rerun = commands.add_parser("rerun", help="repeat the probe or run of a report folder with its recorded settings "
                                               "and say whether the numbers match (exit 1 when they differ)")
     rerun.add_argument("dir", help="report folder (with report.json)")
@@ -234,30 +252,36 @@ def build_parser(synth: bool = True) -> argparse.ArgumentParser:
                        help="rerun even when the model's weights hash differs from the recorded one")
     rerun.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub (off)")
     rerun.add_argument("--allow-pickle", action="store_true", help="allow pickle weights (off)")
-    rerun.set_defaults(func=handlers._rerun)
+    rerun.set_defaults(func=handler("_rerun"))
     models = commands.add_parser("models", help="supported model families, their hook places and what the tests "
                                                 "check for each")
     models.add_argument("--json", action="store_true", help="JSON instead of text")
-    models.set_defaults(func=handlers._models)
+    models.set_defaults(func=handler("_models"))
     config = commands.add_parser("config", help="print the settings probe and run would use (defaults <- --config "
                                                 "<- --set) as a TOML file")
     _add_settings_args(config, flags=False)
-    config.set_defaults(func=handlers._config)
+    config.set_defaults(func=handler("_config"))
 
     if not synth:
         commands.add_parser("synth", help="synthetic factual recall: train, sweep, construct, bounds, analyze, "
                                           "multihop")
         return parser
 
-    add_synth(commands)
+    importlib.import_module(SYNTH).add_parser(commands)
     return parser
+
+
+def preset_names() -> str:
+    """The plan's presets (``llmprobe.jobs.workload.PRESETS``), comma separated."""
+    return ", ".join(importlib.import_module(WORKLOAD).PRESETS)
 
 
 def main(argv: list[str] | None = None) -> int:
     """``llmprobe ...``: returns the exit status (argparse exits 2 itself on a bad option)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(synth=bool(argv) and argv[0] == "synth").parse_args(argv)
-    return run_command(args)
+    command = argv[0] if argv else None
+    args = build_parser(synth=command == "synth", presets=command == "plan").parse_args(argv)
+    return importlib.import_module(COMMANDS).run_command(args)
 
 
 if __name__ == "__main__":

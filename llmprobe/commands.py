@@ -25,6 +25,7 @@ from llmprobe.checks import (
     output_folder,
     tcp_address,
 )
+from llmprobe.cli import MODEL
 from llmprobe.io import folder_lock, reuse_freed_memory
 from llmprobe.jobs.main import run
 from llmprobe.jobs.plan import format_plan, plan, plan_devices
@@ -40,8 +41,6 @@ from llmprobe.report.schema import train_over_seeds
 from llmprobe.settings import Settings, resolve, settings_toml
 from synthetic.executors import RayFailed, ray_map
 
-MODEL = "run.model"   # the dest of the MODEL argument (every setting's flag has its settings key as dest)
-
 
 def settings_of(args) -> Settings:
     """The resolved settings: defaults <- --config <- --set <- the setting flags given (their argparse dest is
@@ -53,8 +52,7 @@ def settings_of(args) -> Settings:
 
 def _probe(args) -> int:
     report = probe(settings=settings_of(args), out=args.out, trust_remote_code=args.trust_remote_code,
-                   allow_pickle=args.allow_pickle, resume=args.resume, overwrite=args.overwrite)
-    export(args.out)
+                   allow_pickle=args.allow_pickle, resume=args.resume, overwrite=args.overwrite)   # + its exports
     print_summary(report, args.out)
     return finished(report)
 

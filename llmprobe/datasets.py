@@ -36,11 +36,13 @@ import sys
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from llmprobe.checks import parse_json, special_file
 from llmprobe.io import write_text
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["DatasetError", "Fact", "Relation", "FactTable", "load_relations", "list_bundled", "save_relation",
            "relation_from_dict", "format_relation", "infer_cardinality", "snake_name", "lre_source", "SLOT",
@@ -131,6 +133,8 @@ class FactTable:
             for s in first:
                 count[s] = count.get(s, 0) + 1
         subjects = [s for s, c in count.items() if c >= min_relations]
+        import torch  # lazy: relations are read without torch (llmprobe --help names them)
+
         table = torch.full((len(subjects), len(relations)), -1, dtype=torch.long)
         attributes: list[list[str]] = []
         for r, first in enumerate(per_rel):

@@ -77,6 +77,9 @@ class RunSettings:
     seed: int = 0                           # Python's and torch's RNGs, the analyses and the controls
     chat_template: bool = False             # true: every prompt in the model's chat template, as the open assistant
                                             # turn after a user turn "Complete the sentence." (llmprobe.model.chat)
+    assume_known: bool | tuple[str, ...] = False    # true, or a list of relation names: their facts are taken as
+                                            # known whatever the known-fact check finds (curated facts, smoke
+                                            # tests); the report says so
 
 
 @dataclasses.dataclass

@@ -35,8 +35,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
-from tqdm.auto import tqdm
 
+from llmprobe import console
 from llmprobe.checks import UsageError, check_fields, parse_json, read_json
 from llmprobe.io import write_bytes, write_json
 from synthetic.model import FactRecallModel, ModelConfig
@@ -434,7 +434,7 @@ def load_run(out_dir: str, device: str = "cpu") -> tuple[FactRecallModel, FactTa
 def _progress(cfg: TrainConfig, start: int):
     if not cfg.progress:
         return None
-    return tqdm(total=cfg.max_steps, initial=start, desc="train", unit="step", leave=False, mininterval=0.5)
+    return console.bar(total=cfg.max_steps, initial=start, desc="train", unit="step", leave=False, mininterval=0.5)
 
 
 def _save_task(task, out_dir: str) -> None:

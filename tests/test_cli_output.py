@@ -10,6 +10,7 @@ import re
 import pytest
 from tiny_models import save_tiny
 
+from llmprobe import console
 from llmprobe.analyses.settings import Log
 from llmprobe.cli import main
 from llmprobe.datasets import Fact, FactTable, Relation
@@ -231,7 +232,8 @@ def test_the_end_of_a_run_prints_every_claim_with_its_verdict_and_the_report_pat
     assert printed[-1].startswith(f"report: {out / 'report.html'} ") and (out / "report.html").is_file()
 
 
-def test_probe_model_runs_the_analyses_and_writes_the_html_report(tiny, relation, tmp_path, capsys):
+def test_probe_model_runs_the_analyses_and_writes_the_html_report(tiny, relation, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(console, "stderr_is_terminal", lambda: True)     # bars are drawn on a terminal only
     out = tmp_path / "probe"
     assert main(["probe", tiny, "--relations", relation, "--layers", "-1", "--device", "cpu",
                  "--out", str(out)]) == 0

@@ -350,9 +350,10 @@ API_RUN = {"model": "some/model", "gguf_file": "m.gguf", "relations": ["capital"
            "layers": [0, -1], "analyses": "ridge, lre", "device": "cpu", "dtype": "float32", "device_map": "auto",
            "max_memory": {"cpu": "1GiB", 0: "2GiB"}, "offload_folder": Path("/no/such/offload"), "quantize": "8bit",
            "batch_size": 4, "max_facts": 3, "max_prompt_tokens": 40, "seed": 7,
-           "chat_template": True, "hf_kwargs": {"data_files": ["a.csv", "b.csv"], "sep": ";"}}
+           "chat_template": True, "hf_kwargs": {"data_files": ["a.csv", "b.csv"], "sep": ";"}, "assume_known": ["capital"]}
 AS_SETTINGS = {**API_RUN, "relations": ("capital", "/no/such/rel.json"), "layers": "0,-1", "analyses": ("ridge", "lre"),
-               "max_memory": ("cpu=1GiB", "0=2GiB"), "offload_folder": "/no/such/offload"}
+               "max_memory": ("cpu=1GiB", "0=2GiB"), "offload_folder": "/no/such/offload",
+               "assume_known": ("capital",)}
 
 
 def test_the_python_api_takes_every_setting_by_name_and_names_an_unknown_keyword(tmp_path):

@@ -577,9 +577,9 @@ def test_a_folder_of_another_models_run_is_refused_cleared_when_asked_and_decode
 
     with pytest.raises(UsageError, match=f"--out {out} holds the files of another run .*--overwrite replaces"):
         probe(qwen2, relations=[relation], layers="0", device="cpu", out=out, analyses=[])   # the same model again
-    probe(qwen2, relations=[relation], layers="0", device="cpu", out=out, analyses=[], overwrite=True)
+    probe(qwen2, relations=[relation], layers="0", device="cpu", out=out, analyses=[], overwrite=True, formats=())
     assert {p.name for p in out.iterdir() if not p.name.startswith(".")} == {"report.json", "known_facts.json",
-                                                                             "manifest.json"}
+                                                                             "manifest.json"}   # no export asked
     report = probe(str(tiny_gpt2), relations=[relation], layers="0", device="cpu", out=out, overwrite=True)
     assert json.loads((out / "manifest.json").read_text())["weights"] == report["model"]["weights_hash"]
     for name, data in saved.items():                          # qwen2's decoders put back beside gpt2's report

@@ -34,6 +34,7 @@ NOT_PRODUCED = {
     "analyses.relations.<relation>.trials[]",
     # --chat-template only (tests/test_chat_template.py checks these against the doc)
     "dataset.chat_template.instruction", "dataset.chat_template.prefix", "dataset.chat_template.example",
+    "relations.<relation>.assumed_known",      # only with run.assume_known (tests/test_api.py checks it)
 }
 
 

@@ -563,7 +563,7 @@ def model_card(card: dict) -> str:
              f"maps the subject's state h to the state o the model's final norm and LM head read the object from. "
              f"Tensors: `{DECODER_TENSORS}` (float64, safetensors); card: `{DECODER_JSON}`.", "",
              "| field | value |", "|---|---|", *(f"| {name} | {value} |" for name, value in rows), "",
-             "```python", "from llmprobe.analyses.saved import SavedDecoder", "",
+             "```python", "from llmprobe import SavedDecoder", "",
              "decoder = SavedDecoder.from_pretrained(\"THIS_REPO_OR_FOLDER\")",
              "ids = decoder.predict(lm, [\"France\", \"Japan\"])   # lm: llmprobe.load_model() of the model above",
              "```", ""]

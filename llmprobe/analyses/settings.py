@@ -1,13 +1,13 @@
 """Settings of the analyses, the places they read, and small shared helpers (no model code)."""
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
+from llmprobe import console
 from llmprobe.names import FIRST_TOKEN, LRE_SELECTIONS, PROTOCOLS, SCORING_MODES
 
 O_PLACE = ("o = output of the last block (blocks.{L-1}.resid_post, before the final norm) at the prompt's last "
@@ -135,8 +135,9 @@ class Log:
     ("estimating..." until one was computed); divided by ``processes`` when helper processes share the items
     (:meth:`elsewhere`: an item another process computed). While the current item waits for a core the controls'
     workers hold (:meth:`waiting`, until :meth:`started`), the bar and the lines say so and its time left stands
-    still. ``write``: where a line goes (default: above the bars on stderr; a helper process sends its lines to
-    the main one)."""
+    still. ``write``: where a line goes (default: the ``"llmprobe"`` logger, above the bars on stderr:
+    ``llmprobe.console.say``; a helper process sends its lines to the main one). The bars and lines follow the
+    process's switch too (``llmprobe.console.showing``: no bar unless stderr is a terminal, by default)."""
 
     def __init__(self, enabled: bool, write=None):
         self.enabled, self.start, self.write = enabled, time.perf_counter(), write
@@ -159,9 +160,9 @@ class Log:
         self.begun = time.perf_counter()
         style = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"    # postfix: ", ~10:24 left"
         try:
-            with tqdm(total=len(items), desc=what, unit=unit, file=sys.stderr, disable=not self.enabled,
-                      bar_format=style, postfix=self.left() or "estimating...") as bar:
-                self.live = bar
+            with console.bar(total=len(items), enabled=self.enabled, desc=what, unit=unit, bar_format=style,
+                     postfix=self.left() or "estimating...") as live:
+                self.live = live
                 for item in items:
                     self.skipped, self.begun = False, time.perf_counter()
                     yield item
@@ -170,8 +171,8 @@ class Log:
                         self.seconds += time.perf_counter() - self.begun
                         self.planned_computed += self.planned[self.done] if self.planned else 0.0
                     self.done, self.begun = self.done + 1, time.perf_counter()
-                    bar.set_postfix_str(self.left() or "done", refresh=False)
-                    bar.update()
+                    live.set_postfix_str(self.left() or "done", refresh=False)
+                    live.update()
         finally:
             self.total, self.planned, self.live, self.held = 0, None, None, False
 
@@ -235,4 +236,4 @@ class Log:
         if self.write is not None:
             self.write(message)
         elif self.enabled:
-            tqdm.write(f"[analyses {time.perf_counter() - self.start:6.0f}s{self.where()}] {message}", file=sys.stderr)
+            console.say(message, prefix=f"[analyses {time.perf_counter() - self.start:6.0f}s{self.where()}]")

@@ -21,24 +21,34 @@ import torch
 
 from llmprobe.analyses.settings import settings_from
 from llmprobe.analyses.superposition import superposition_table
-from llmprobe.checks import UsageError
 from llmprobe.jobs.matched import CoreGate, MatchedWorker
 from llmprobe.jobs.plan import REFERENCE_RATE, analyses_budget, matched_planned, matmul_rate, measured_rate
-from llmprobe.jobs.probe import ProbeJob, job_settings, library_versions, say
+from llmprobe.jobs.probe import (
+    EXPORTS,
+    FORMATS,
+    ProbeJob,
+    ProbeReport,
+    check_formats,
+    job_settings,
+    library_versions,
+    say,
+    shown,
+)
 from llmprobe.jobs.stages import checkpoint, earlier_stage, mark_interrupted, stage_key, start_stage, unfinished
 from llmprobe.report.claims import claims_block
 from llmprobe.report.render import with_matched, write_all
 from llmprobe.settings import TRAINING, Settings
 from synthetic.matched import known_table, merge_matched
 
-FORMATS = {"html": "report.html", "md": "report.md", "json": "metrics.json", "csv": "metrics.csv"}   # -> file
-
 
 def run(model=None, *, settings: Settings | None = None, out: str | Path = "runs/main", tokenizer=None, lm=None,
-        formats=("html", "md", "csv"), trust_remote_code: bool = False, allow_pickle: bool = False,
-        resume: bool = False, overwrite: bool = False, **options) -> dict:
-    """The main job; writes ``out/report.json`` (+ html/md/csv) and returns the report. ``model``/``tokenizer``/
-    ``lm``: as in ``probe`` (a name or folder, or a model object; the controls' worker gets only the fact table).
+        formats=EXPORTS, trust_remote_code: bool = False, allow_pickle: bool = False,
+        resume: bool = False, overwrite: bool = False, progress: bool | None = None, verbose: bool | None = None,
+        **options) -> ProbeReport:
+    """The main job; writes ``out/report.json`` and ``formats`` beside it (as in ``probe``: default html, md and
+    csv; ``()`` none) and returns the report (a plain dict: ``llmprobe.jobs.probe.ProbeReport`` lists its keys, and
+    ``matched`` the controls). ``model``/``tokenizer``/``lm``, ``progress``, ``verbose`` and ``assume_known``: as
+    in ``probe`` (a name or folder, or a model object; the controls' worker gets only the fact table).
     ``options``: those of ``probe`` (every run setting by its name, ``analysis_options``), ``controls`` and
     ``at_model_width`` (``controls.enabled``, ``controls.at_model_width``) and ``control_options`` (more
     settings of the controls: ``max_steps``, ``d_max``, ``n_boot``, ``modes``), over ``settings``.
@@ -76,10 +86,16 @@ def run(model=None, *, settings: Settings | None = None, out: str | Path = "runs
     ``--resume`` trains them). The folder, decoders and ``overwrite``: as in ``probe``; ``report["claims"]`` is
     the summary's claims and verdicts, the controls merged.
     """
+    formats = check_formats(formats)
+    with shown(progress, verbose):
+        return _run(model, settings, out, tokenizer, lm, formats, trust_remote_code, allow_pickle, resume, overwrite,
+                    options)
+
+
+def _run(model, settings, out, tokenizer, lm, formats, trust_remote_code, allow_pickle, resume, overwrite,
+         options) -> ProbeReport:
+    """``run``'s work, its arguments checked, under its output switch."""
     start = time.perf_counter()
-    unknown = sorted(set(formats) - set(FORMATS))
-    if unknown:
-        raise UsageError(f"unknown report format(s) {unknown}; choose from {', '.join(FORMATS)}")
     job = ProbeJob("run", job_settings("run", model, settings, options), Path(out), resume, overwrite,
                    tuple(FORMATS[f] for f in formats))
     job.load(model, tokenizer, lm, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)

@@ -8,17 +8,21 @@ import json
 import os
 import platform
 import random
-import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
+from typing import TypedDict
 
 import torch
-from tqdm.auto import tqdm
+from transformers.utils import logging as transformers_logging
 
 from llmprobe.analyses import run as analyses_run
 from llmprobe.analyses.saved import DECODERS_JSON, DECODERS_TENSORS, read_fits, save_decoders, weights_id
 from llmprobe.analyses.settings import settings_from
-from llmprobe.checks import output_folder, parse_layers
+from llmprobe.checks import UsageError, output_folder, parse_layers
+from llmprobe.console import bar, bars_shown, say, showing
 from llmprobe.datasets import DatasetError, Relation, load_relations
 from llmprobe.jobs.helpers import AnalysisHelper
 from llmprobe.jobs.plan import part_seconds
@@ -34,10 +38,11 @@ from llmprobe.jobs.stages import (
 )
 from llmprobe.model.chat import chat_record, chat_relations
 from llmprobe.model.interop import as_loaded_model
-from llmprobe.model.known import KNOWN_RULES, FactResult, KnownFactsJob
+from llmprobe.model.known import KNOWN, KNOWN_RULES, UNKNOWN, FactResult, KnownFactsJob
 from llmprobe.model.loading import LoadedModel
 from llmprobe.model.subjects import fill, locate_errors
 from llmprobe.report.claims import claims_block
+from llmprobe.report.render import export
 from llmprobe.report.schema import REPORT_SCHEMA_VERSION
 from llmprobe.settings import RunSettings, Settings, from_options
 
@@ -146,24 +151,93 @@ def job_settings(command: str, model, settings: Settings | None, options: dict) 
     return from_options(command, settings, options)
 
 
+FORMATS = {"html": "report.html", "md": "report.md", "json": "metrics.json", "csv": "metrics.csv"}   # -> file
+EXPORTS = ("html", "md", "csv")     # the formats the command line writes beside report.json (probe and run)
+
+
+class ProbeReport(TypedDict, total=False):
+    """What :func:`probe` and ``llmprobe.run`` return: report.json's content, a plain ``dict`` with these keys
+    (``llmprobe.load_report(out)`` opens the written report in the notebook viewer, ``llmprobe.Report``)."""
+
+    schema_version: int     # llmprobe.report.schema.REPORT_SCHEMA_VERSION
+    kind: str               # "pretrained"
+    created: str            # when the report was started (ISO 8601, UTC)
+    model: dict             # the model as loaded: name, architecture, model_type, n_layers, d_model, dtype, device,
+    #                         weights_hash (LoadedModel.info)
+    dataset: dict           # hash of the relations' content, relation names, max_facts, max_prompt_tokens
+    scoring: str            # the known-fact rule of the protocol
+    relations: dict         # relation -> n_facts, n_known, known_rate (what the known-fact check found), templates,
+    #                         template_used, neutral_templates, properties, source; assumed_known (run.assume_known)
+    layers: list            # the layers probed (indices)
+    versions: dict          # library -> installed version
+    seed: int
+    settings: dict          # every setting (Settings.record): command, run, analysis, matched; llmprobe rerun reads it
+    timings: dict           # seconds per stage, processes and threads used
+    errors: list            # skipped facts, relations and analyses, and notes a reader must see, one line each
+    partial: bool           # a stage did not finish (interrupted, or the matched controls failed)
+    stages: dict            # stage -> key, done, resumed (llmprobe.jobs.stages)
+    wall_seconds: float
+    analyses: dict          # with analyses: their results (llmprobe.analyses.results), per relation and analysis
+    claims: dict            # with analyses: the summary's claims and verdicts (llmprobe.report.claims.claims_block)
+    matched: dict           # run only: the matched synthetic controls (synthetic.matched)
+
+
+def check_formats(formats) -> tuple[str, ...]:
+    """``formats`` as a tuple of :data:`FORMATS` names; UsageError naming any other."""
+    formats = (formats,) if isinstance(formats, str) else tuple(formats)
+    unknown = sorted(set(formats) - set(FORMATS))
+    if unknown:
+        raise UsageError(f"unknown report format(s) {unknown}; choose from {', '.join(FORMATS)}")
+    return formats
+
+
+@contextmanager
+def shown(progress: bool | None, verbose: bool | None) -> Iterator[None]:
+    """The output switch of one ``probe`` or ``run`` call (``llmprobe.console.showing``), transformers' and the
+    hub's own bars (loading the weights) following it: off when the call draws no bar, on again after."""
+    with showing(progress, verbose):
+        hide = not bars_shown() and transformers_logging.is_progress_bar_enabled()
+        if hide:
+            transformers_logging.disable_progress_bar()
+        try:
+            yield
+        finally:
+            if hide:
+                transformers_logging.enable_progress_bar()
+
+
 def probe(model=None, *, settings: Settings | None = None, out: str | Path | None = None, tokenizer=None,
           lm: LoadedModel | None = None, trust_remote_code: bool = False, allow_pickle: bool = False,
-          resume: bool = False, on_known=None, overwrite: bool = False, **options) -> dict:
+          resume: bool = False, on_known=None, overwrite: bool = False, formats=EXPORTS,
+          progress: bool | None = None, verbose: bool | None = None, **options) -> ProbeReport:
     """Probe ``model`` (None = ``settings.run.model``, default the embedded model) on the relations; returns the
-    report.
+    report: report.json's content as a plain dict (:class:`ProbeReport` lists its keys).
 
     ``model``: a name or folder, or a model object with ``tokenizer`` (a transformers model, a TransformerBridge,
     an nnsight TransformersModel or LanguageModel: ``llmprobe.model.interop.as_loaded_model``); ``lm``: an already loaded model
     (``model`` is then only recorded). ``options``: every run setting by its name (``relations``, ``layers``,
-    ``analyses``, ``device``, ``max_facts``, ``seed``, ...: ``llmprobe.settings.RunSettings``) and
+    ``analyses``, ``device``, ``max_facts``, ``seed``, ``assume_known``, ...: ``llmprobe.settings.RunSettings``) and
     ``analysis_options`` (fields of ``llmprobe.analyses.AnalysisSettings``, e.g. ``{"protocol": "lre"}``), over
     ``settings`` (a ``llmprobe.settings.Settings``; default: the defaults). An unknown keyword raises UsageError.
+
+    ``assume_known``: True (every relation) or a list of relation names whose facts are taken as known: the
+    analyses use every such fact that fits the context and whose subject is located, whatever the known-fact check
+    finds (curated facts, smoke tests on a model that knows nothing). The check still runs: known_facts.json and
+    ``report["relations"][name]``'s ``n_known`` and ``known_rate`` say what it found, ``assumed_known`` is true
+    there, and a line of ``errors`` says it. A name that is no relation of the run raises UsageError.
+
+    Output: ``progress`` draws the progress bars on stderr (default: only when stderr is a terminal; transformers'
+    weight-loading bar follows it); ``verbose`` writes the message lines on stderr (default: yes). The lines are
+    records of the ``logging`` logger "llmprobe" either way (``llmprobe.console``).
 
     Every setting, the relations and the output folder are checked before the model is loaded (UsageError,
     DatasetError). Writes ``out/report.json`` and ``out/known_facts.json`` when ``out`` is given: after the
     known facts, at the end, and on an interrupt (KeyboardInterrupt; the report then says ``"partial": true``
     and which ``stages`` are done); during the analyses report.json is rewritten after each relation's decoders
     and after the superposition analysis, so an interrupt keeps the finished ones (``analyses.partial`` true).
+    At the end ``formats`` are exported beside it as ``llmprobe probe`` does (``llmprobe.report.render.export``,
+    the same files: html report.html, md report.md, csv metrics.csv, json metrics.json; default html, md and csv;
+    ``formats=()`` exports nothing).
     ``resume`` takes the finished stages (and the known facts of finished relations, and the finished relations
     and superposition analysis of an interrupted analyses stage) from ``out`` when their key (model hash and
     settings) matches, instead of recomputing them; ``stages.analyses`` says what was taken over
@@ -181,9 +255,15 @@ def probe(model=None, *, settings: Settings | None = None, out: str | Path | Non
     other file is deleted), or ``resume``, which continues the same model's run (``llmprobe.jobs.stages.
     claim_folder``).
     """
-    job = ProbeJob("probe", job_settings("probe", model, settings, options), out, resume, overwrite)
-    job.load(model, tokenizer, lm, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
-    return job.run(on_known)
+    formats = check_formats(formats)
+    with shown(progress, verbose):
+        job = ProbeJob("probe", job_settings("probe", model, settings, options), out, resume, overwrite,
+                       tuple(FORMATS[f] for f in formats))
+        job.load(model, tokenizer, lm, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+        report = job.run(on_known)
+        if job.out is not None and formats:
+            export(job.out, formats)
+    return report
 
 
 class ProbeJob:
@@ -202,7 +282,9 @@ class ProbeJob:
         self.lm: LoadedModel | None = None
         self.relations: list[Relation] = []
         self.report: dict = {}
-        self.known: dict = {}      # relation -> [FactResult] of its located facts
+        self.known: dict = {}      # relation -> [FactResult] of its located facts, as the analyses take them
+        self.checked: dict = {}    # relation -> [FactResult] as the known-fact check found them (known_facts.json)
+        self.assumed: set = set()  # the relations whose facts are taken as known (run.assume_known)
         self.analysed: list = []   # the relations without the facts that do not fit the context (the analyses' input)
         self.fitted: dict = {}     # relation -> decoder -> the fit at its chosen layer (decoders.safetensors)
         self.saved: set = set()    # the (relation, decoder) pairs of self.fitted that the decoder files hold
@@ -218,6 +300,7 @@ class ProbeJob:
         random.seed(run.seed)
         torch.manual_seed(run.seed)
         self.relations = run_relations(run)
+        self.assumed = assumed_relations(run.assume_known, self.relations)
         named = model is None or isinstance(model, (str, os.PathLike))
         if lm is None and named:
             say(f"loading {run.model or 'the embedded default model'} ...")
@@ -269,7 +352,7 @@ class ProbeJob:
     def save(self, known: bool = True) -> None:
         """Write report.json (and known_facts.json unless only the analyses moved on since the last save)."""
         self.report["wall_seconds"] = round(time.perf_counter() - self.start, 1)
-        files = {"known_facts.json": {name: [r.to_dict() for r in results] for name, results in self.known.items()}}
+        files = {"known_facts.json": {name: [r.to_dict() for r in results] for name, results in self.checked.items()}}
         checkpoint(self.out, self.report, files if known else None)
 
     def check_known(self) -> None:
@@ -282,7 +365,8 @@ class ProbeJob:
         a = self.settings.analysis     # the protocol's known-fact rule and in-context examples
         key = stage_key(model_identity(self.lm.info), report["dataset"]["hash"], run.max_facts,
                         run.max_prompt_tokens, run.batch_size, run.seed, a.protocol, a.n_icl,
-                        a.n_splits if a.protocol == "lre" else None)
+                        a.n_splits if a.protocol == "lre" else None,
+                        *([sorted(self.assumed)] if self.assumed else []))    # the keys of earlier runs kept
         stage = start_stage(report, "known_facts", key)
         taken = _previous_known(self.out) if earlier_stage(self.previous, "known_facts", key) else {}
         checked: dict = {}          # relation name -> the relation with its located facts, or its results taken
@@ -311,14 +395,17 @@ class ProbeJob:
             torch.set_num_threads(threads)
         by_helpers, by_name = [], {r.name: r for r in self.relations}
         try:
-            for name in tqdm(checked, desc="known facts", unit="relation"):
+            for name in bar(checked, desc="known facts", unit="relation"):
                 results = checked[name]
                 if name in todo:
                     outcome, here = parts.outcome(("known", name), job.compute)
                     results = outcome["value"]
                     by_helpers += [] if here else [name]
-                self.known[name] = results
-                report["relations"][name] = relation_entry(by_name[name], results)
+                self.checked[name] = results
+                self.known[name] = taken_as_known(results) if name in self.assumed else results
+                report["relations"][name] = relation_entry(by_name[name], results, name in self.assumed)
+                if name in self.assumed:
+                    report["errors"].append(assumed_line(name, results))
         finally:
             parts.close()
             torch.set_num_threads(before)
@@ -465,13 +552,42 @@ def new_report(command: str, settings: Settings, lm: LoadedModel, relations: lis
     }
 
 
-def relation_entry(relation: Relation, results: list[FactResult]) -> dict:
-    """``report["relations"][name]``: the known-fact counts and the relation's templates and properties."""
+def relation_entry(relation: Relation, results: list[FactResult], assumed: bool = False) -> dict:
+    """``report["relations"][name]``: the known-fact counts (what the check found) and the relation's templates
+    and properties; ``assumed_known``: true when its facts are taken as known (``run.assume_known``)."""
     n_known = sum(r.known for r in results)
     return {"n_facts": len(results), "n_known": n_known, "known_rate": n_known / len(results),
             "templates": relation.templates, "template_used": relation.templates[0],
             "neutral_templates": relation.neutral_templates, "properties": relation.properties,
-            "source": relation.source}
+            "source": relation.source, **({"assumed_known": True} if assumed else {})}
+
+
+def assumed_relations(assume_known: bool | tuple[str, ...], relations: list[Relation]) -> set[str]:
+    """The names of the relations whose facts are taken as known: all (``assume_known`` True), none (False), or
+    those named; UsageError naming a name that is no relation of the run."""
+    names = [r.name for r in relations]
+    if isinstance(assume_known, bool):
+        return set(names) if assume_known else set()
+    unknown = [name for name in assume_known if name not in names]
+    if unknown:
+        raise UsageError(f"run.assume_known: {', '.join(map(repr, unknown))} "
+                         f"{'is no relation' if len(unknown) == 1 else 'are no relations'} of this run; its "
+                         f"relations are {', '.join(names) or 'none'}")
+    return set(assume_known)
+
+
+def taken_as_known(results: list[FactResult]) -> list[FactResult]:
+    """``results`` with every fact known: zero-shot and in every in-context draw that checked it (its "unknown"
+    roles become "known"; in-context examples and excluded facts stay as they were)."""
+    return [replace(r, known=True, known_zero_shot=None if r.known_zero_shot is None else True,
+                    draws=[KNOWN if role == UNKNOWN else role for role in r.draws]) for r in results]
+
+
+def assumed_line(name: str, results: list[FactResult]) -> str:
+    """The line of ``errors`` saying a relation's facts are taken as known, and what the check found."""
+    return (f"{name}: all {len(results)} facts taken as known (run.assume_known), whatever the model knows: the "
+            f"known-fact check found {sum(r.known for r in results)} of {len(results)} known; the analyses use "
+            f"all {len(results)}")
 
 
 def _previous_known(out: Path) -> dict:
@@ -520,17 +636,13 @@ def taken_over(earlier: dict, relations: list[Relation], analyses: tuple[str, ..
                         and superposition == ("superposition" in analyses))}
 
 
-def say(message: str, prefix: str = "llmprobe:") -> None:
-    """One progress line on stderr, above any progress bar of this process (``tqdm.write``), never through it."""
-    tqdm.write(f"{prefix} {message}", file=sys.stderr)
-
-
 def summary_table(report: dict) -> str:
-    """Plain-text table of known-fact rates per relation."""
+    """Plain-text table of known-fact rates per relation (a relation taken as known says so after its rate)."""
     rows = [f"{'relation':<28} {'facts':>6} {'known':>6} {'rate':>6}"]
     for name, rel in report["relations"].items():
-        rows.append(f"{name:<28} {rel['n_facts']:>6} {rel['n_known']:>6} {rel['known_rate']:>6.2f}")
+        rows.append(f"{name:<28} {rel['n_facts']:>6} {rel['n_known']:>6} {rel['known_rate']:>6.2f}"
+                    + ("  (all taken as known: run.assume_known)" if rel.get("assumed_known") else ""))
     return "\n".join(rows)
 
 
-__all__ = ["probe", "ProbeJob", "library_versions", "summary_table", "DatasetError"]
+__all__ = ["probe", "ProbeJob", "ProbeReport", "FORMATS", "library_versions", "summary_table", "DatasetError"]

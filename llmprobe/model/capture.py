@@ -41,9 +41,11 @@ def check_finite(states: torch.Tensor, where: str) -> torch.Tensor:
 
 
 def adapter_for(model: nn.Module | ModelAdapter) -> ModelAdapter:
-    """The adapter of ``model`` (cached on the module)."""
+    """The adapter of ``model`` (cached on the module), or of a LoadedModel (its ``adapter``)."""
     if isinstance(model, ModelAdapter):
         return model
+    if not isinstance(model, nn.Module) and isinstance(getattr(model, "adapter", None), ModelAdapter):
+        return model.adapter
     adapter = getattr(model, "_llmprobe_adapter", None)
     if adapter is None:
         adapter = ModelAdapter(model)
@@ -127,24 +129,56 @@ def _forward_order(adapter: ModelAdapter, names: list[str]) -> list[str]:
     return sorted(names, key=lambda name: order[from_lens_name(name) if is_lens_name(name) else name])
 
 
+def tokenized(texts: str | list[str], tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """A text or a list of texts as one batch, tokenized as ``llmprobe.encode`` does (left padding, the tokenizer's
+    special tokens added): (input_ids [batch, seq], attention_mask [batch, seq]). Padding only for several texts,
+    so that one text needs no padding token."""
+    texts = [texts] if isinstance(texts, str) else list(texts)
+    if not texts or not all(isinstance(text, str) for text in texts):
+        raise ValueError("capture: give the text as a string or a non-empty list of strings (or token ids as a "
+                         "LongTensor [batch, seq])")
+    saved_side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    try:
+        batch = tokenizer(texts, return_tensors="pt", padding=len(texts) > 1)
+    finally:
+        tokenizer.padding_side = saved_side
+    return batch["input_ids"], batch["attention_mask"]
+
+
 def capture(
     model: nn.Module | ModelAdapter,
     names: list[str],
-    input_ids: torch.Tensor,
+    input_ids: torch.Tensor | str | list[str],
     attention_mask: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
     to_cpu: bool = True,
     stop_early: bool = True,
+    *,
+    tokenizer=None,
     **forward_kwargs,
 ) -> dict[str, torch.Tensor]:
     """Run ``model`` on ``input_ids`` [batch, seq] and keep the states at ``names``.
 
-    ``positions`` [batch, k] selects token positions (None keeps all). Returns ``{name: [batch, k, d]}``, on CPU
-    when ``to_cpu``. The name ``"logits"`` adds the output logits [batch, k, vocab] (and runs the whole model);
-    otherwise, with ``stop_early``, the forward pass ends after the last requested module. A kept state with a
-    NaN or infinite value raises :class:`NonFiniteStatesError` naming its place (the first in forward order).
+    ``model``: a LoadedModel (``llmprobe.load_model``), a module or its adapter. ``input_ids`` may instead be a
+    text or a list of texts: they are tokenized with the LoadedModel's tokenizer (or ``tokenizer``; a module
+    without one is a ValueError asking for it) as one left-padded batch with the tokenizer's special tokens, as
+    :func:`tokenized` does, and the attention mask is the tokenizer's (so ``attention_mask`` must be None);
+    ``positions`` then index that padded batch. ``positions`` [batch, k] selects token positions (None keeps
+    all). Returns ``{name: [batch, k, d]}``, on CPU when ``to_cpu``. The name ``"logits"`` adds the output logits
+    [batch, k, vocab] (and runs the whole model); otherwise, with ``stop_early``, the forward pass ends after the
+    last requested module. A kept state with a NaN or infinite value raises :class:`NonFiniteStatesError` naming
+    its place (the first in forward order).
     """
     adapter = adapter_for(model)
+    if not torch.is_tensor(input_ids):
+        tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+        if tokenizer is None:
+            raise ValueError(f"capture: text needs a tokenizer and this {type(model).__name__} has none: pass "
+                             f"tokenizer=, or a LoadedModel (llmprobe.load_model, llmprobe.as_loaded_model), or "
+                             f"token ids")
+        if attention_mask is not None:
+            raise ValueError("capture: with text, the attention mask is the tokenizer's; leave attention_mask out")
+        input_ids, attention_mask = tokenized(input_ids, tokenizer)
     want_logits = "logits" in names
     names = _forward_order(adapter, [n for n in dict.fromkeys(names) if n != "logits"])
     if not names and not want_logits:

@@ -65,6 +65,13 @@ class LoadedModel:
         """Where inputs go: the device of the token embedding (its execution device under ``device_map``)."""
         return module_device(self.adapter.embed)
 
+    def __repr__(self) -> str:
+        """One line: name, family, n_layers, d_model, device, dtype (not the module, its tokenizer or info)."""
+        dtype = self.info.get("dtype") or str(self.adapter.embed.weight.dtype).replace("torch.", "")
+        return (f"LoadedModel(name={self.info.get('name')!r}, family={self.adapter.model_type!r}, "
+                f"n_layers={self.adapter.n_layers}, d_model={self.adapter.d_model}, device={str(self.device)!r}, "
+                f"dtype={dtype!r})")
+
 
 def is_transformers_model(module: nn.Module) -> bool:
     """(Without importing transformers: a module can only be one of its models once it is imported.)"""
