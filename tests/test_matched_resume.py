@@ -236,6 +236,6 @@ def test_a_worker_stopped_by_sigterm_alone_leaves_the_stage_interrupted_not_fail
     assert stage.workers[0].interrupted == "SIGTERM" and not stage.workers[0].failed()
     assert report["stages"]["matched"]["done"] is False and "matched" not in report
     assert report["errors"] == [f"matched controls: the trainable controls were interrupted by SIGTERM (resume with "
-                                f"--resume: the widths they finished are kept in {stage.folder})"]
+                                f"--resume: what they finished is kept in {stage.folder})"]
     assert "the trainable controls were interrupted (resume with --resume" in err and "worker failed" not in err
     assert list((stage.folder / "trainable").glob("width-*.json"))

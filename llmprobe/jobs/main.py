@@ -239,7 +239,7 @@ class MatchedStage:
             if mode in self.said:
                 return
             self.said.add(mode)
-        kept = f": the widths it finished are kept in {self.folder}" if self.folder is not None else ""
+        kept = f": what it finished is kept in {self.folder}" if self.folder is not None else ""
         say(f"matched controls: the {mode} controls were interrupted (resume with --resume{kept})")
 
     def start_workers(self, args: tuple, arguments: dict, modes: tuple, planned: dict) -> None:
@@ -259,15 +259,16 @@ class MatchedStage:
         """A worker's result came, it was interrupted or it died (its reader thread). An interrupted worker's line
         says so; the others go on. A failure fails the whole stage, so the other workers are stopped at once and
         their cores go to the analyses (``--resume`` trains the units not finished)."""
-        if worker.interrupted and not self.stopping:
-            self.say_interrupted(mode)
+        if not worker.failed():             # its result came, or an interrupt stopped it
+            if worker.interrupted and not self.stopping:
+                self.say_interrupted(mode)
             return
         with self.lock:
-            if self.stopping or self.failed is not None or not worker.failed():
+            if self.stopping or self.failed is not None:
                 return
             self.failed = worker
         say(f"matched controls: the {mode} worker failed; the other workers are stopped (the report will be "
-            f"partial: --resume trains the controls it did not finish)")
+            f"partial: --resume trains what was not finished)")
         self.stop_others(worker)
 
     def stop_others(self, failed: MatchedWorker) -> None:
@@ -293,7 +294,7 @@ class MatchedStage:
             except WorkerInterrupted as stop:
                 interrupted.append(f"the {mode} controls were {stop}")
         if interrupted:
-            kept = f": the widths they finished are kept in {self.folder}" if self.folder is not None else ""
+            kept = f": what they finished is kept in {self.folder}" if self.folder is not None else ""
             raise WorkerInterrupted(f"{'; '.join(interrupted)} (resume with --resume{kept})")
         return merge_matched([block for block, _ in results]), max(seconds for _, seconds in results)
 
