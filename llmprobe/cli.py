@@ -237,12 +237,18 @@ def build_parser(synth: bool = True, presets: bool = True) -> argparse.ArgumentP
     compare.add_argument("--out", required=True, help="output folder")
     compare.add_argument("--format", default="html,md,csv", type=argparse_type(_formats),
                          help="comma list of html, md, json, csv (default html,md,csv)")
+    compare.add_argument("--overwrite", action="store_true",
+                         help="replace the run --out holds (only the files llmprobe wrote there, as its "
+                              "manifest.json names them) instead of refusing")
     compare.set_defaults(func=handler("_compare"))
     report = commands.add_parser("report", help="export a report folder as html, md, json or csv")
     report.add_argument("dir", help="report folder (with report.json)")
     report.add_argument("--format", default="html,md,csv", type=argparse_type(_formats),
                         help="comma list of html, md, json, csv (default html,md,csv)")
     report.add_argument("--out", help="output folder (default: the report folder)")
+    report.add_argument("--overwrite", action="store_true",
+                        help="replace the run --out holds (only the files llmprobe wrote there, as its manifest.json "
+                             "names them) instead of refusing")
     report.set_defaults(func=handler("_report"))
     rerun = commands.add_parser("rerun", help="repeat the probe or run of a report folder with its recorded settings "
                                               "and say whether the numbers match (exit 1 when they differ)")

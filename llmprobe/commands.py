@@ -98,8 +98,17 @@ def print_plan(settings: Settings, trust_remote_code: bool) -> None:
 
 
 def finished(report: dict) -> int:
-    """The exit status of a probe or run that returned: 0, or 1 when its report is partial (a stage failed, e.g.
-    the controls worker died), said on stderr."""
+    """The exit status of a probe or run that returned: 0; 2 when no fact could be measured (every relation was
+    skipped: no prompt fits, no subject located); 1 when its report is partial (a stage failed, e.g. the controls
+    worker died); said on stderr."""
+    if not report.get("relations"):
+        skipped = [e for e in report["errors"] if ") skipped: " in e] or [e for e in report["errors"]
+                                                                           if e.endswith("relation skipped")]
+        why = (f"{len(skipped)} fact{'s' if len(skipped) != 1 else ''} skipped, the first as {skipped[0]}"
+               if skipped else "no relation had a fact to check")
+        print(f"llmprobe: error: no fact could be measured: every relation was skipped ({why}); report.json's "
+              f"errors list each one", file=sys.stderr)
+        return EXIT_USAGE
     if not report.get("partial"):
         return EXIT_OK
     unfinished = [name for name, stage in report["stages"].items() if not stage["done"]]
@@ -206,13 +215,13 @@ def _config(args) -> int:
 
 
 def _compare(args) -> int:
-    for path in compare(args.dirs, args.out, args.format):
+    for path in compare(args.dirs, args.out, args.format, overwrite=args.overwrite):
         print(path)
     return 0
 
 
 def _report(args) -> int:
-    for path in export(args.dir, args.format, args.out):
+    for path in export(args.dir, args.format, args.out, overwrite=args.overwrite):
         print(path)
     return 0
 

@@ -215,6 +215,8 @@ def folder_lock(folder: str | Path, what: str = "--out"):
 
 
 MANIFEST = "manifest.json"      # in an output folder: which files llmprobe wrote there (and for which weights)
+OUTPUTS = ("report.json", "known_facts.json", "decoders.json", "decoders.safetensors", "report.html", "report.md",
+           "metrics.csv", "metrics.json")    # the files a probe or run (or an export of its report) writes
 
 
 def read_manifest(folder: str | Path) -> dict | None:
@@ -243,3 +245,14 @@ def note_written(folder: str | Path, paths: list[str | Path], **fields) -> None:
     manifest = manifest or {"format": 1, **fields, "files": []}
     write_json(Path(folder) / MANIFEST, {**manifest, "files": sorted({*manifest["files"],
                                                                       *(Path(p).name for p in paths)})})
+
+
+def remove_outputs(folder: str | Path, manifest: dict) -> list[str]:
+    """Delete the files of ``folder`` that its ``manifest`` (:func:`read_manifest`) names **and** that llmprobe
+    writes (``OUTPUTS``): a file llmprobe did not write is never deleted, whatever a manifest lists. Returns the
+    names deleted."""
+    folder = Path(folder)
+    names = sorted(name for name in set(manifest.get("files", [])) & set(OUTPUTS) if (folder / name).is_file())
+    for name in names:
+        (folder / name).unlink()
+    return names

@@ -24,6 +24,14 @@ readout code, as a curve over width, over seeds.
    :data:`BUDGETS` below ``past_fit`` (``r2_by_budget``) and at the end (``r2_final``), with intervals over seeds,
    and how far the embeddings moved from their init (``movement``).
 
+Nothing finished is lost (``checkpoints``): each finished unit, every training of the threshold search (one width,
+one initialisation) and every width of the curve (its seeds trained in one stack, measured), is written as soon as it
+finishes to ``checkpoints/<mode>/`` (:class:`Units`, one small JSON file each, atomically), keyed by everything its
+numbers depend on (the table, ``d_model``, the seed and every training setting, the mode, the width, its
+initialisation or d*); with ``resume`` a unit whose file holds its key is read back instead of trained again, so an
+interrupted run resumed gives the numbers of an uninterrupted one, and a unit whose key differs is trained again
+(said on ``progress``).
+
 Reproducible: everything runs on one torch thread (:func:`fixed_threads`). Another thread count sums floats in
 another order; the first step at 100% of a wide model jumps with that rounding (SmolLM2's table, d = 576, seed 0:
 step 63 on one thread, 41 on two; R^2 there 0.184 and 0.098), so the controls' numbers would be a function of the
@@ -57,14 +65,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import json
 import math
 import time
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from llmprobe.datasets import Fact, FactTable, Relation
 from llmprobe.geometry import superposition_readout
+from llmprobe.io import write_text
 from llmprobe.metric import LEVEL, Metric, nan_metric, pooled_readout, t_quantile
 from llmprobe.model.random_init import random_init
 from llmprobe.names import MATCHED_MODES
@@ -86,6 +98,7 @@ RECIPES = {"adam": {"lr": 0.1, "weight_decay": 0.0}, "weight_decay": {"lr": 0.03
 THREADS = 1               # torch threads of all the controls' training and measuring (reproducibility)
 N_BOOT = 500              # bootstrap resamples of the controls' R^2 intervals
 PLACE = "subject embeddings e_s (blocks.0.resid_pre at the subject token)"
+UNIT_FORMAT = "matched unit 1"      # the format of a unit's checkpoint, part of its key
 
 
 @contextlib.contextmanager
@@ -119,6 +132,57 @@ def known_table(report_relations: dict, known: dict, min_facts: int = 5) -> tupl
     return FactTable.from_relations(relations), dropped
 
 
+def table_digest(table: FactTable) -> str:
+    """sha256 of a fact table's content: its subjects, relations, attribute sets and index table."""
+    blob = json.dumps([table.subjects, table.relations, table.attributes, table.table.tolist()], ensure_ascii=False)
+    return "sha256:" + hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+class Units:
+    """The finished units of the matched controls in ``folder`` (None: nothing written or read): each training of
+    the threshold search and each width of the curve, one JSON file ``folder/<mode>/<name>.json`` written
+    atomically as soon as it finishes, holding its key (a digest of ``settings``, everything the controls'
+    numbers depend on, with its mode and ``unit``) and its value (NaN kept). With ``resume`` a file of the same
+    key is read back instead of training the unit again; one of another key, or that cannot be read, is trained
+    again and said on ``progress``. ``taken``: the units read back."""
+
+    def __init__(self, folder: str | Path | None, settings: dict, resume: bool = False, progress=print):
+        self.folder = None if folder is None else Path(folder)
+        self.settings, self.resume, self.progress = settings, resume, progress
+        self.taken = 0
+
+    def path(self, mode: str, name: str) -> Path:
+        return self.folder / mode / f"{name}.json"
+
+    def key(self, mode: str, unit: dict) -> str:
+        blob = json.dumps([UNIT_FORMAT, self.settings, mode, unit], sort_keys=True, ensure_ascii=False)
+        return "sha256:" + hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+    def get(self, mode: str, name: str, unit: dict) -> dict | None:
+        """The value of a finished unit (``resume`` only), or None: train it."""
+        if self.folder is None or not self.resume or not self.path(mode, name).is_file():
+            return None
+        path = self.path(mode, name)
+        try:
+            saved = json.loads(path.read_text(encoding="utf-8"))
+            key, value = saved["key"], saved["value"]
+        except (OSError, ValueError, TypeError, KeyError, RecursionError) as error:
+            self.progress(f"{mode} {name}: {path} cannot be read ({type(error).__name__}), so it is trained again")
+            return None
+        if key != self.key(mode, unit) or not isinstance(value, dict):
+            self.progress(f"{mode} {name}: {path} was written for other settings or another table (its key "
+                          f"differs), so it is trained again")
+            return None
+        self.taken += 1
+        return value
+
+    def put(self, mode: str, name: str, unit: dict, value: dict) -> None:
+        """Write a finished unit (atomically; nothing without a folder)."""
+        if self.folder is not None:
+            record = {"format": UNIT_FORMAT, "key": self.key(mode, unit), "mode": mode, "unit": unit, "value": value}
+            write_text(self.path(mode, name), json.dumps(record, ensure_ascii=False) + "\n")
+
+
 def train_at(task, mode: str, d: int, cfg: SweepConfig, seed: int = 0, init: int = 0):
     """Train one control of width d (:func:`synthetic.sweep.train_width`, model seed ``seed + init *
     INIT_OFFSET``): (model, RunResult as a dict)."""
@@ -128,22 +192,31 @@ def train_at(task, mode: str, d: int, cfg: SweepConfig, seed: int = 0, init: int
     return result.model, result.to_dict()
 
 
-def control_threshold(task, mode: str, cfg: SweepConfig, seed: int = 0) -> dict:
+def control_threshold(task, mode: str, cfg: SweepConfig, seed: int = 0, units: Units | None = None) -> dict:
     """Smallest d in [cfg.d_min, cfg.d_max] reaching 100% train accuracy on ``task``, by the sweep's public
-    bisection (:func:`synthetic.sweep.find_threshold`), started from the table's bits per subject.
+    bisection (:func:`synthetic.sweep.find_threshold`), started from the table's bits per subject. ``units``: each
+    training (width, initialisation) is written there as it finishes, and read back instead of trained when it
+    holds one of the same key (:class:`Units`).
 
     Returns {"d_star", "exact", "tried": [{"d", "init", "success", "accuracy", "steps", "wall_time_s"}] (by d,
-    then init), "models": {d: (model, result)}} (the successful, else the last, model of every width tried)."""
+    then init), "models": {d: (model, result)}} (the successful, else the last, model of every width trained
+    here: a training read back from ``units`` has no model)."""
     models: dict[int, tuple] = {}
     rows = []
 
     def train_fn(d, init):
-        model, result = train_at(task, mode, d, cfg, seed, init)
-        rows.append({"d": d, "init": init, "success": bool(result["success"]), "accuracy": result["accuracy"],
-                     "steps": result["steps"], "wall_time_s": result["wall_time_s"]})
-        if d not in models or result["success"]:
-            models[d] = (model, result)
-        return bool(result["success"])
+        name, unit = f"search-d{d}-init{init}", {"kind": "search", "d": d, "init": init}
+        row = units.get(mode, name, unit) if units is not None else None
+        if row is None:
+            model, result = train_at(task, mode, d, cfg, seed, init)
+            row = {"d": d, "init": init, "success": bool(result["success"]), "accuracy": result["accuracy"],
+                   "steps": result["steps"], "wall_time_s": result["wall_time_s"]}
+            if d not in models or result["success"]:
+                models[d] = (model, result)
+            if units is not None:
+                units.put(mode, name, unit, row)
+        rows.append(row)
+        return bool(row["success"])
 
     start = initial_guess(task.n_subjects, task.n_relations, mode, task.bits() / max(1, task.n_subjects))
     found = find_threshold(train_fn, cfg.d_min, cfg.d_max, start)
@@ -320,7 +393,8 @@ class TimeLeft:
 def train_matched(table: FactTable, d_model: int, seed: int = 0, at_model_width: bool = True,
                    max_steps: int = MAX_STEPS, d_max: int | None = None, n_boot: int = N_BOOT,
                    modes: tuple[str, ...] = MODES, progress=print, device: str = "cpu", n_seeds: int = N_SEEDS,
-                   past_fit: int = PAST_FIT, recipe: str = "adam", planned: dict | None = None) -> dict:
+                   past_fit: int = PAST_FIT, recipe: str = "adam", planned: dict | None = None,
+                   checkpoints: str | Path | None = None, resume: bool = False) -> dict:
     """Train and measure the matched controls on ``table`` (pass the very table of the pretrained superposition
     fit); returns the controls block of the module docstring, on :data:`THREADS` torch threads whatever the
     caller's. ``device``: where the controls train (a CUDA device pays at the pretrained model's width: d = 4096
@@ -331,7 +405,12 @@ def train_matched(table: FactTable, d_model: int, seed: int = 0, at_model_width:
     ``planned``: the plan's seconds of each mode (``llmprobe.jobs.plan.matched_planned``), mode -> {"search":
     seconds of the threshold search, "curve": seconds of the curve as planned (before d* is known), "width": the
     seconds of width d: a function of d (picklable) or a mapping d -> seconds}; with it the progress lines say
-    the mode's time left (:class:`TimeLeft`). It changes no number; None (default): no time left said."""
+    the mode's time left (:class:`TimeLeft`). It changes no number; None (default): no time left said.
+
+    ``checkpoints``: a folder where each finished unit (a training of the threshold search, a width of the curve)
+    is written as it finishes (:class:`Units`); with ``resume`` the units found there with the same key are read
+    back instead of trained again (the block is the one an uninterrupted call returns; only its seconds differ).
+    None (default): nothing written or read."""
     if recipe not in RECIPES:
         raise ValueError(f"unknown controls recipe {recipe!r}; choose from {', '.join(RECIPES)}")
     if n_seeds < 1 or past_fit < 0:
@@ -345,6 +424,10 @@ def train_matched(table: FactTable, d_model: int, seed: int = 0, at_model_width:
         curve = SweepConfig(d_max=cfg.d_max, train=dataclasses.replace(search, past_fit=past_fit))
         budgets = tuple(k for k in BUDGETS if k < past_fit)
         tasks = seed_tasks(task, seed, n_seeds)
+        units = Units(checkpoints, {"table": table_digest(table), "d_model": d_model, "seed": seed,
+                                    "max_steps": max_steps, "d_max": cfg.d_max, "n_boot": n_boot, "n_seeds": n_seeds,
+                                    "past_fit": past_fit, "recipe": recipe, "device": str(device),
+                                    "threads": THREADS}, resume, progress)
         info = {"n_subjects": len(table.subjects), "relations": list(table.relations),
                 "n_facts": int((task.table >= 0).sum()), "bits": round(task.bits(), 1)}
         block_modes = {}
@@ -356,7 +439,9 @@ def train_matched(table: FactTable, d_model: int, seed: int = 0, at_model_width:
                      if plan and "search" in plan and "curve" in plan else "")
             progress(f"{mode}{of_modes}, seed {seed}: searching d*, the smallest "
                      f"width in {cfg.d_min}..{cfg.d_max} reaching 100% train accuracy, by bisection" + ahead)
-            found = control_threshold(task, mode, cfg, seed=seed)
+            taken = units.taken
+            found = control_threshold(task, mode, cfg, seed=seed, units=units)
+            taken = units.taken - taken
             d_star = found["d_star"]
             threshold = {"d_star": d_star, "exact": found["exact"], "tried": found["tried"],
                          "search_seconds": round(time.perf_counter() - start, 1)}
@@ -369,11 +454,21 @@ def train_matched(table: FactTable, d_model: int, seed: int = 0, at_model_width:
                      + f", in {threshold['search_seconds']:.0f} s; trained " + ", ".join(
                          f"d={t['d']}" + (f" (initialisation {t['init'] + 1})" if t["init"] else "")
                          + (" 100%" if t["success"] else f" {t['accuracy']:.1%}") for t in found["tried"])
+                     + (f" ({taken} of them taken from {units.folder / mode}, --resume)" if taken else "")
                      + f"; next the widths {', '.join(map(str, widths))}" + left)
             points = []
             for k, d in enumerate(widths, 1):
                 start, cpu = time.perf_counter(), time.process_time()
-                progress(f"{mode} d={d} (width {k}/{len(widths)}): training "
+                label = f"{mode} d={d} (width {k}/{len(widths)})"
+                name, unit = f"width-d{d}", {"kind": "width", "d": d, "d_star": d_star}
+                point = units.get(mode, name, unit)
+                if point is not None:
+                    points.append(point)
+                    clock.add(float(point.get("wall_seconds") or 0.0))
+                    left = f"; {clock.left()}" if clock.left() else ""
+                    progress(f"{label}: taken from {units.path(mode, name)} (--resume)" + left)
+                    continue
+                progress(f"{label}: training "
                          + (f"seed {seed}" if len(tasks) == 1 else
                             f"{len(tasks)} seeds {seed}..{seed + len(tasks) - 1}")
                          + f", up to {curve.train.max_steps} steps")
@@ -395,9 +490,9 @@ def train_matched(table: FactTable, d_model: int, seed: int = 0, at_model_width:
                                "wall_seconds": round(time.perf_counter() - start, 1),
                                "cpu_seconds": round(time.process_time() - cpu, 1)})
                 p = points[-1]
+                units.put(mode, name, unit, p)
                 clock.add(time.perf_counter() - start)
                 left = f"; {clock.left()}" if clock.left() else ""
-                label = f"{mode} d={d} (width {k}/{len(widths)})"
                 plural = "s" if len(rows) > 1 else ""
                 if all(r["fit_step"] is None for r in rows):
                     progress(f"{label}: no seed reaches 100% train accuracy in {max_steps} steps (best "
@@ -444,5 +539,5 @@ def merge_matched(blocks: list[dict]) -> dict:
             "cpu_seconds": round(sum(b["cpu_seconds"] for b in blocks), 1)}
 
 
-__all__ = ["MODES", "RECIPES", "known_table", "train_at", "control_threshold", "curve_widths", "measure_control",
+__all__ = ["MODES", "RECIPES", "Units", "table_digest", "known_table", "train_at", "control_threshold", "curve_widths", "measure_control",
            "train_matched", "merge_matched", "compared_with", "fixed_threads", "over_seeds", "r2_value", "movement"]

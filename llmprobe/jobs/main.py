@@ -21,7 +21,7 @@ import torch
 
 from llmprobe.analyses.settings import settings_from
 from llmprobe.analyses.superposition import superposition_table
-from llmprobe.jobs.matched import CoreGate, MatchedWorker
+from llmprobe.jobs.matched import CoreGate, MatchedWorker, WorkerInterrupted
 from llmprobe.jobs.plan import REFERENCE_RATE, analyses_budget, matched_planned, matmul_rate, measured_rate
 from llmprobe.jobs.probe import (
     EXPORTS,
@@ -39,6 +39,8 @@ from llmprobe.report.claims import claims_block
 from llmprobe.report.render import with_matched, write_all
 from llmprobe.settings import TRAINING, Settings
 from synthetic.matched import known_table, merge_matched
+
+CHECKPOINTS = "matched"     # in a run's folder: the matched controls' finished units (synthetic.matched.Units)
 
 
 def run(model=None, *, settings: Settings | None = None, out: str | Path = "runs/main", tokenizer=None, lm=None,
@@ -131,7 +133,7 @@ def _run(model, settings, out, tokenizer, lm, formats, trust_remote_code, allow_
 
 def start_controls(controls: MatchedStage, job: ProbeJob, report: dict, known: dict, lm, relations: list) -> None:
     """``run``'s ``on_known``: start the controls' stage and share the cores its workers leave with the analyses."""
-    controls.start(report, known, lm, relations)
+    controls.start(report, known, lm, relations, job.out, job.resume)
     job.gate = controls.gate
 
 
@@ -139,12 +141,21 @@ class MatchedStage:
     """The controls stage of ``run``: started once the known facts are in (``start``, probe's ``on_known``),
     trained by a :class:`MatchedWorker` while the analyses run, collected by ``finish`` (or, after an interrupt,
     by ``collect_finished`` if the worker is done), taken over instead from the previous report when its stage
-    key matches."""
+    key matches. Each unit a worker finishes (a training of the threshold search, a width of the curve) is written
+    at once to ``OUT/matched/<mode>/`` (``synthetic.matched.Units``); with ``--resume`` the units of the same key
+    are read back from there instead of trained again, so an interrupted stage goes on where it stopped.
+
+    A worker stopped by SIGTERM (``timeout`` signals a whole process group), or by the run's own interrupt, was
+    interrupted, not failed: its line says so and that ``--resume`` goes on from its finished units; the report is
+    partial."""
 
     def __init__(self, settings: Settings, previous: dict):
         self.settings, self.previous = settings, previous
         self.started = False
         self.workers: list[MatchedWorker] = []      # one per control mode, each on one thread
+        self.modes: tuple[str, ...] = ()              # the mode of each worker
+        self.folder: Path | None = None               # where the workers write their finished units
+        self.said: set[str] = set()                   # the modes whose interruption was said
         self.threads_before: int | None = None       # this process's torch threads before the workers took theirs
         self.gate: CoreGate | None = None             # the cores shared with the analyses, when workers use the CPU
         self.failed: MatchedWorker | None = None      # the first worker that failed (the others were then stopped)
@@ -158,8 +169,10 @@ class MatchedStage:
             return None
         return analyses_budget(torch.get_num_threads(), len(self.settings.matched_arguments()["modes"]))
 
-    def start(self, report: dict, known: dict, lm, relations: list) -> None:
-        """Key the stage; record why nothing is trained, take the previous controls over, or start the worker."""
+    def start(self, report: dict, known: dict, lm, relations: list, out: Path | None = None,
+              resume: bool = False) -> None:
+        """Key the stage; record why nothing is trained, take the previous controls over, or start the workers
+        (writing their finished units into ``out/matched``, reading those of the same key back with ``resume``)."""
         self.started = True
         settings = self.settings
         like_for_like = "superposition" in settings.analyses("run")
@@ -184,7 +197,9 @@ class MatchedStage:
                 report["timings"]["matched_s"] = self.previous["timings"]["matched_s"]
             stage.update(done=True, resumed=True)
             return
-        arguments = {**settings.matched_arguments(), "device": str(lm.device) if lm.device.type == "cuda" else "cpu"}
+        self.folder = None if out is None else out / CHECKPOINTS
+        arguments = {**settings.matched_arguments(), "device": str(lm.device) if lm.device.type == "cuda" else "cpu",
+                     "checkpoints": self.folder, "resume": resume}
         modes = tuple(arguments.pop("modes"))
         say(f"matched controls: {len(table.subjects)} subjects x {len(table.relations)} relations, trained in "
             f"{len(modes)} worker process{'es' if len(modes) > 1 else ''} ({', '.join(modes)}) beside "
@@ -213,24 +228,41 @@ class MatchedStage:
         try:
             report["matched"], report["timings"]["matched_s"] = self.get()
             report["stages"]["matched"]["done"] = True
+        except WorkerInterrupted as error:       # the stage stays unfinished: the report is partial
+            report["errors"].append(f"matched controls: {error}")
         except Exception as error:  # noqa: BLE001 - the probe's numbers are kept and exported
             report["errors"].append(f"matched controls failed: {type(error).__name__}: {error}")
         report["timings"]["matched_wait_s"] = round(time.perf_counter() - t, 1)
         checkpoint(out, report)   # the probe's numbers are safe before export
 
     def collect_finished(self, report: dict) -> None:
-        """After an interrupt: the controls, if the worker has already sent them."""
+        """After an interrupt: the controls, if the workers have already sent them; else each unfinished mode's
+        line says it was interrupted."""
         stage = report["stages"].get("matched")
         if stage and not stage["done"] and self.workers and self.ready():
             try:
                 report["matched"], report["timings"]["matched_s"] = self.get()
                 stage["done"] = True
-            except RuntimeError:            # the worker failed: the stage stays unfinished
+            except RuntimeError:            # a worker failed or was interrupted: the stage stays unfinished
                 pass
+        if stage and not stage["done"]:
+            for mode, worker in zip(self.modes, self.workers):
+                if not worker.ready() or worker.interrupted:
+                    self.say_interrupted(mode)
+
+    def say_interrupted(self, mode: str) -> None:
+        """The line of a mode whose worker was interrupted (once per mode)."""
+        with self.lock:
+            if mode in self.said:
+                return
+            self.said.add(mode)
+        kept = f": what it finished is kept in {self.folder}" if self.folder is not None else ""
+        say(f"matched controls: the {mode} controls were interrupted (resume with --resume{kept})")
 
     def start_workers(self, args: tuple, arguments: dict, modes: tuple, planned: dict) -> None:
         """One :class:`MatchedWorker` per mode (``train_matched(*args, **arguments)`` with that mode); a worker
         that fails while the later ones are starting stops them once they are all in."""
+        self.modes = modes
         self.workers = [MatchedWorker(args, {**arguments, "modes": (mode,),
                                              "planned": {mode: planned[mode]} if mode in planned else None},
                                       on_progress=_matched_progress, on_done=partial(self.worker_done, mode))
@@ -241,14 +273,19 @@ class MatchedStage:
             self.stop_others(failed)
 
     def worker_done(self, mode: str, worker: MatchedWorker) -> None:
-        """A worker's result came or it died (its reader thread): a failure fails the whole stage (``--resume``
-        trains every mode again), so the other workers are stopped at once and their cores go to the analyses."""
+        """A worker's result came, it was interrupted or it died (its reader thread). An interrupted worker's line
+        says so; the others go on. A failure fails the whole stage, so the other workers are stopped at once and
+        their cores go to the analyses (``--resume`` trains the units not finished)."""
+        if not worker.failed():             # its result came, or an interrupt stopped it
+            if worker.interrupted and not self.stopping:
+                self.say_interrupted(mode)
+            return
         with self.lock:
-            if self.stopping or self.failed is not None or not worker.failed():
+            if self.stopping or self.failed is not None:
                 return
             self.failed = worker
         say(f"matched controls: the {mode} worker failed; the other workers are stopped (the report will be "
-            f"partial: --resume trains the controls)")
+            f"partial: --resume trains what was not finished)")
         self.stop_others(worker)
 
     def stop_others(self, failed: MatchedWorker) -> None:
@@ -263,10 +300,19 @@ class MatchedStage:
 
     def get(self) -> tuple[dict, float]:
         """Wait for every worker: (the merged controls block, the longest worker's seconds); RuntimeError when one
-        failed or died (the first to fail on its own: not a worker stopped because of it)."""
+        failed or died (the first to fail on its own: not a worker stopped because of it), else WorkerInterrupted
+        naming the modes interrupted."""
         if self.failed is not None:
             self.failed.get()
-        results = [worker.get() for worker in self.workers]
+        results, interrupted = [], []
+        for mode, worker in zip(self.modes, self.workers):
+            try:
+                results.append(worker.get())
+            except WorkerInterrupted as stop:
+                interrupted.append(f"the {mode} controls were {stop}")
+        if interrupted:
+            kept = f": what they finished is kept in {self.folder}" if self.folder is not None else ""
+            raise WorkerInterrupted(f"{'; '.join(interrupted)} (resume with --resume{kept})")
         return merge_matched([block for block, _ in results]), max(seconds for _, seconds in results)
 
     def stop(self) -> None:

@@ -18,6 +18,13 @@ from llmprobe.io import reuse_freed_memory
 from synthetic.matched import train_matched
 
 
+class WorkerInterrupted(RuntimeError):
+    """A worker stopped by SIGTERM (or SIGINT sent to it alone): not a failure; its finished units are on disk."""
+
+
+INTERRUPTS = (signal.SIGTERM, signal.SIGINT)     # a worker ended by one of these was interrupted, not failed
+
+
 class MatchedWorker:
     """``train_matched(*args, **kwargs)`` in one spawned process (one torch thread) whose result comes back
     through a pipe. A plain process, not a Pool: ``stop`` kills it outright, so an interrupt can never wait on a
@@ -26,13 +33,18 @@ class MatchedWorker:
     ``on_progress``: called in this process, from a reader thread, with each progress line the worker's
     ``train_matched`` reports (so the lines can be written above this process's progress bars, not through
     them); None leaves ``kwargs["progress"]`` to run in the worker. ``on_done``: called with this worker, from
-    the reader thread, once its result came or it died."""
+    the reader thread, once its result came or it died.
+
+    SIGTERM stops the worker as an interrupt, not a failure (``timeout`` and service managers send it to a whole
+    process group): it sends "interrupted" and exits; ``interrupted`` then names the signal and ``get`` raises
+    :class:`WorkerInterrupted`. A worker killed by SIGTERM before it could say so counts the same."""
 
     def __init__(self, args: tuple, kwargs: dict, on_progress: Callable[[str], None] | None = None,
                  on_done: Callable[[MatchedWorker], None] | None = None):
         context = multiprocessing.get_context("spawn")
         receive, send = context.Pipe(duplex=False)
         self._result: tuple | None = None        # (ok, value) once the worker has sent it
+        self.interrupted: str | None = None      # the signal that interrupted the worker ("SIGTERM"), if one did
         self._done = threading.Event()           # set when the result came or the pipe closed
         self.process = context.Process(target=_worker_main, args=(send, os.getpid(), args, kwargs,
                                                                   on_progress is not None),
@@ -52,12 +64,20 @@ class MatchedWorker:
                     if on_progress is not None:
                         on_progress(value)
                     continue
-                self._result = value
+                if kind == "interrupted":
+                    self.interrupted = value
+                else:
+                    self._result = value
                 break
         except (EOFError, OSError):
             pass
         finally:
             receive.close()
+            if self._result is None and self.interrupted is None:      # it died: by an interrupt's signal?
+                self.process.join(5)
+                code = self.process.exitcode
+                if code is not None and -code in INTERRUPTS:
+                    self.interrupted = signal.Signals(-code).name
             self._done.set()
             if on_done is not None:
                 on_done(self)
@@ -67,13 +87,16 @@ class MatchedWorker:
         return self._done.is_set()
 
     def failed(self) -> bool:
-        """Has the worker sent a failure, or died (been stopped)?"""
-        return self._done.is_set() and (self._result is None or not self._result[0])
+        """Has the worker sent a failure, or died (been stopped), other than by an interrupt?"""
+        return self._done.is_set() and self.interrupted is None and (self._result is None or not self._result[0])
 
     def get(self) -> tuple[dict, float]:
-        """Wait for (controls, seconds); RuntimeError naming the cause when the worker failed or died."""
+        """Wait for (controls, seconds); WorkerInterrupted when an interrupt stopped the worker, RuntimeError naming
+        the cause when it failed or died."""
         self._done.wait()
         self.process.join(5)
+        if self.interrupted is not None:
+            raise WorkerInterrupted(f"interrupted by {self.interrupted}")
         if self._result is None:
             raise RuntimeError(f"the controls worker died (exit code {self.process.exitcode})")
         ok, value = self._result
@@ -90,18 +113,43 @@ class MatchedWorker:
 
 def _worker_main(send, parent_pid: int, args: tuple, kwargs: dict, relay_progress: bool = False) -> None:
     """The worker process: set up, train and measure the controls, send ("result", (True, (controls, seconds)))
-    or ("result", (False, "Type: message")); with ``relay_progress`` every progress line first, as ("progress",
-    line)."""
+    or ("result", (False, "Type: message")), or ("interrupted", "SIGTERM") when SIGTERM stopped it (the units
+    ``train_matched`` finished are on disk); with ``relay_progress`` every progress line first, as ("progress",
+    line). SIGTERM is held while a message is sent, so that it never cuts one in half."""
     worker_setup(parent_pid)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     if relay_progress:
-        kwargs = {**kwargs, "progress": lambda message: send.send(("progress", message))}
+        kwargs = {**kwargs, "progress": lambda message: _send(send, ("progress", message))}
     start = time.perf_counter()
     try:
-        result = (True, (train_matched(*args, **kwargs), round(time.perf_counter() - start, 1)))
+        controls = train_matched(*args, **kwargs)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)           # trained: a SIGTERM now cuts nothing
+        message = ("result", (True, (controls, round(time.perf_counter() - start, 1))))
+    except KeyboardInterrupt as stop:                           # SIGTERM (its handler ignores a second one)
+        message = ("interrupted", str(stop.args[0]) if stop.args else "SIGTERM")
     except Exception as error:  # noqa: BLE001 - reported to the parent, which records it in the report's errors
-        result = (False, f"{type(error).__name__}: {error}")
-    send.send(("result", result))
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        message = ("result", (False, f"{type(error).__name__}: {error}"))
+    send.send(message)
     send.close()
+
+
+def _raise_interrupt(signum, frame):
+    """The worker's SIGTERM handler: one interrupt (a second SIGTERM is ignored while the first one stops it)."""
+    signal.signal(signum, signal.SIG_IGN)
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _send(connection, message) -> None:
+    """Send ``message`` whole: a SIGTERM that comes meanwhile is held, and raised once it is written (where the
+    system can hold a signal: ``pthread_sigmask``)."""
+    hold = getattr(signal, "pthread_sigmask", None)
+    held = hold(signal.SIG_BLOCK, {signal.SIGTERM}) if hold else None
+    try:
+        connection.send(message)
+    finally:
+        if hold:
+            hold(signal.SIG_SETMASK, held)
 
 
 def worker_setup(parent_pid: int | None = None, threads: int = 1) -> None:
@@ -185,4 +233,4 @@ class CoreGate:
                 self.changed.notify_all()
 
 
-__all__ = ["CoreGate", "MatchedWorker", "worker_setup"]
+__all__ = ["CoreGate", "MatchedWorker", "WorkerInterrupted", "worker_setup"]

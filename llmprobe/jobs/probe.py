@@ -28,8 +28,10 @@ from llmprobe.jobs.helpers import AnalysisHelper
 from llmprobe.jobs.plan import part_seconds
 from llmprobe.jobs.runner import Parts, SharedRunner
 from llmprobe.jobs.stages import (
+    check_folder,
     checkpoint,
     claim_folder,
+    digests,
     earlier_stage,
     mark_interrupted,
     previous_report,
@@ -275,6 +277,8 @@ class ProbeJob:
         self.start = time.perf_counter()
         self.command, self.settings = command, settings
         self.out = output_folder(out) if out is not None else None
+        if self.out is not None:            # a folder holding another result is refused before the model loads
+            check_folder(self.out, resume, overwrite)
         self.resume, self.overwrite = resume, overwrite
         self.files = ["report.json", "known_facts.json", *files] + (    # what this job writes (manifest.json)
             [DECODERS_JSON, DECODERS_TENSORS] if {"lre", "ridge"} & set(settings.analyses(command)) else [])
@@ -353,6 +357,8 @@ class ProbeJob:
         """Write report.json (and known_facts.json unless only the analyses moved on since the last save)."""
         self.report["wall_seconds"] = round(time.perf_counter() - self.start, 1)
         files = {"known_facts.json": {name: [r.to_dict() for r in results] for name, results in self.checked.items()}}
+        if "known_facts" in self.report["stages"]:      # what --resume checks known_facts.json against
+            self.report["stages"]["known_facts"]["digests"] = digests(files["known_facts.json"])
         checkpoint(self.out, self.report, files if known else None)
 
     def check_known(self) -> None:
@@ -368,7 +374,8 @@ class ProbeJob:
                         a.n_splits if a.protocol == "lre" else None,
                         *([sorted(self.assumed)] if self.assumed else []))    # the keys of earlier runs kept
         stage = start_stage(report, "known_facts", key)
-        taken = _previous_known(self.out) if earlier_stage(self.previous, "known_facts", key) else {}
+        before = earlier_stage(self.previous, "known_facts", key)
+        taken = self.unchanged_known(before) if before is not None else {}
         checked: dict = {}          # relation name -> the relation with its located facts, or its results taken
         for relation in self.relations:
             fit, errors = fitting(self.lm, relation, run.max_prompt_tokens)
@@ -414,6 +421,20 @@ class ProbeJob:
         report["timings"]["known_facts_helper_relations"] = by_helpers
         reused = len(checked) - len(todo)
         stage.update(done=True, resumed=bool(reused) and reused == len(self.known))
+
+    def unchanged_known(self, before: dict) -> dict:
+        """The previous known_facts.json's relations (relation -> [FactResult]) whose content is what the earlier
+        report recorded (its stage's ``digests``); another relation's facts (the file was changed, or its report
+        has no digest of it) are checked again, with an error line naming the file."""
+        taken, recorded = _previous_known(self.out), before.get("digests") or {}
+        changed = [name for name, results in taken.items()
+                   if digests({name: [r.to_dict() for r in results]})[name] != recorded.get(name)]
+        for name in changed:
+            del taken[name]
+            self.report["errors"].append(f"{name}: its known facts in {self.out / 'known_facts.json'} are not those "
+                                         f"report.json recorded (the file was changed since, or report.json holds "
+                                         f"no record of them), so they were checked again (--resume)")
+        return taken
 
     def analyse(self) -> None:
         """The analyses stage: taken over whole from the previous report when its key matches and it was done;

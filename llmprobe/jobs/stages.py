@@ -21,18 +21,23 @@ from pathlib import Path
 
 from llmprobe.analyses.saved import DECODERS_JSON, weights_id
 from llmprobe.checks import UsageError
-from llmprobe.io import MANIFEST, read_manifest, write_json
+from llmprobe.io import MANIFEST, OUTPUTS, read_manifest, remove_outputs, write_json
 from llmprobe.report.schema import read_report
 
 INTERRUPTED = "interrupted during"   # how the interrupt's entry in report["errors"] begins
-OUTPUTS = ("report.json", "known_facts.json", "decoders.json", "decoders.safetensors", "report.html", "report.md",
-           "metrics.csv", "metrics.json")    # the files a probe or run (or an export of its report) writes
 
 
 def stage_key(*parts) -> str:
     """sha256 of ``parts`` as JSON (sorted keys; other objects by their ``str``)."""
     blob = json.dumps(parts, sort_keys=True, default=str, ensure_ascii=False)
     return "sha256:" + hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def digests(parts: dict) -> dict[str, str]:
+    """Part name -> the digest (:func:`stage_key`) of its JSON content: recorded in a stage beside the file that
+    holds the parts (``known_facts.json``), so that ``resume`` takes over only the parts that file still holds
+    unchanged."""
+    return {name: stage_key(value) for name, value in parts.items()}
 
 
 def previous_report(out: str | Path | None) -> dict:
@@ -127,8 +132,7 @@ def claim_folder(out: Path, command: str, info: dict, files: list[str], resume: 
     if found and resume and same:
         kept = listed
     else:
-        for name in sorted(listed & set(found)):
-            (out / name).unlink()
+        remove_outputs(out, manifest)
     write_json(out / MANIFEST, {"format": 1, "command": command, "model": info.get("name"), "weights": weights,
                                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                                 "files": sorted(set(files) | {name for name in kept if (out / name).is_file()})})
@@ -181,5 +185,5 @@ def mark_interrupted(report: dict) -> None:
                                 f"report; rerun with --resume to finish the rest")
 
 
-__all__ = ["stage_key", "previous_report", "results_in", "check_folder", "claim_folder", "refusal", "start_stage", "earlier_stage", "checkpoint",
+__all__ = ["OUTPUTS", "stage_key", "digests", "previous_report", "results_in", "check_folder", "claim_folder", "refusal", "start_stage", "earlier_stage", "checkpoint",
            "unfinished", "mark_interrupted"]

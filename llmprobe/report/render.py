@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from llmprobe.checks import UsageError
-from llmprobe.io import note_written, write_json, write_text
+from llmprobe.io import MANIFEST, note_written, read_manifest, remove_outputs, write_json, write_text
 from llmprobe.metric import iter_metrics
 from llmprobe.report.claims import (
     CAPACITY,
@@ -644,29 +644,43 @@ def render_markdown(reports: list[dict], title: str) -> str:
 
 
 def export(report_dir: str | Path, formats: tuple[str, ...] = ("html", "md", "csv"), out: str | Path | None = None,
-           extra_images: list[tuple[str, str]] = ()) -> list[Path]:
+           extra_images: list[tuple[str, str]] = (), overwrite: bool = False) -> list[Path]:
     """Write report.html / report.md / metrics.csv for the report in ``report_dir`` (into ``out`` or beside it).
-    An ``out`` holding another run (its report.json) is refused (UsageError); the files written are added to
-    ``out``'s manifest.json (``llmprobe.io.note_written``)."""
+    An ``out`` holding another run (its report.json) is refused (UsageError) unless ``overwrite``, which first
+    deletes that run's files (:func:`_check_no_other_run`); the files written are added to ``out``'s manifest.json
+    (``llmprobe.io.note_written``)."""
     report = read_report(report_dir)
     folder = Path(out or report_dir)
-    own = _check_no_other_run(folder, [report])
+    own = _check_no_other_run(folder, [report], overwrite)
     written = write_all(with_matched([report]), folder, f"llmprobe report: {source_name(report)}", formats,
                         extra_images)
     note_written(folder, written, **({} if own else {"command": "report", "sources": [str(report_dir)]}))
     return written
 
 
-def _check_no_other_run(out: Path, reports: list[dict]) -> bool:
+def _check_no_other_run(out: Path, reports: list[dict], overwrite: bool = False) -> bool:
     """True when ``out`` is the folder of one of ``reports``; UsageError when it holds another run's report.json
-    (its report.html, report.md and metrics.csv would be replaced beside it), else False."""
+    (its report.html, report.md and metrics.csv would be replaced beside it), else False. With ``overwrite`` that
+    run is replaced instead: the files its manifest.json names and llmprobe writes are deleted
+    (``llmprobe.io.remove_outputs``; any other file stays) with the manifest, which the files written then start
+    again; a report.json the manifest does not name (or a manifest.json llmprobe did not write) is still refused."""
     held = out / "report.json"
     if not held.is_file():
         return False
     if any(held.resolve() == (Path(r["_path"]) / "report.json").resolve() for r in reports if r.get("_path")):
         return True
-    raise UsageError(f"--out {out} holds another run ({held}): its report.html, report.md and metrics.csv would be "
-                     f"replaced beside it; give another --out (llmprobe report {out} exports that run)")
+    if not overwrite:
+        raise UsageError(f"--out {out} holds another run ({held}): its report.html, report.md and metrics.csv would "
+                         f"be replaced beside it; give another --out (llmprobe report {out} exports that run), or "
+                         f"--overwrite to replace that run")
+    manifest = read_manifest(out)
+    if not manifest or "report.json" not in manifest["files"]:
+        raise UsageError(f"--out {out} holds another run ({held}) that its {MANIFEST} does not name as llmprobe's "
+                         f"(--overwrite replaces only the files llmprobe wrote there); remove it, or give another "
+                         f"--out")
+    remove_outputs(out, manifest)
+    (out / MANIFEST).unlink()
+    return False
 
 
 def with_matched(reports: list[dict]) -> list[dict]:
@@ -703,9 +717,10 @@ def _apart(reports: list[dict]) -> None:
 
 
 def compare(report_dirs: list[str | Path], out: str | Path, formats: tuple[str, ...] = ("html", "md", "csv"),
-            ) -> list[Path]:
+            overwrite: bool = False) -> list[Path]:
     """Side-by-side page of any number of reports, aligned on relations and normalised depth: the claims a column
-    per report, a warning per difference in what they measured; titled by the pretrained models' short names."""
+    per report, a warning per difference in what they measured; titled by the pretrained models' short names.
+    An ``out`` holding a run (its report.json) is refused unless ``overwrite`` (as :func:`export`)."""
     if len(report_dirs) < 1:
         raise ValueError("compare needs at least one report directory")
     reports = label_apart(with_matched([read_report(d) for d in report_dirs]))
@@ -715,7 +730,10 @@ def compare(report_dirs: list[str | Path], out: str | Path, formats: tuple[str, 
         f" (and {n_controls} matched synthetic control{'s' if n_controls > 1 else ''})" if n_controls and pretrained
         else "")
     out = Path(out)
-    _check_no_other_run(out, [])
+    if overwrite and any(out.resolve() == Path(d).resolve() for d in report_dirs):
+        raise UsageError(f"compare: --out {out} is one of the compared folders: --overwrite would delete the run it "
+                         f"compares; give another folder")
+    _check_no_other_run(out, [], overwrite)
     written = write_all(reports, out, title, formats)
     note_written(out, written, command="compare", sources=[str(d) for d in report_dirs])
     return written
