@@ -1,5 +1,8 @@
 """Typed results: each entry of report.json's ``analyses`` block (``docs/report_schema.md``) as a dataclass, the way
-the report layer reads it. ``AnalysesResult.from_dict(report["analyses"])`` reads the whole block.
+the report layer reads it. ``AnalysesResult.from_dict(report["analyses"])`` reads the whole block. The report's
+other blocks the report layer reads are typed the same way: ``model`` (:class:`ModelInfo`), ``dataset``,
+``relations.<relation>`` (the known facts), ``settings``, ``matched`` (:class:`MatchedBlock`) and a matched control
+as a source of the page (:class:`MatchedSource`: its model, fact table, threshold width, training).
 
 Every type reads with ``from_dict(d)`` and writes with ``to_dict()``:
 
@@ -21,10 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-__all__ = ["AnalysesResult", "CrosspatchLayer", "CrosspatchResult", "DecoderLayer", "GateTransplant",
-           "GatingResult", "LayerDecoders", "MetricJSON", "MultihopPooled", "MultihopResult", "RelationDecoders",
-           "RelationGating", "Result", "Selection", "SelectorResult", "SuperpositionLayer", "SuperpositionResult",
-           "Swap", "SwapScale", "TransplantPart"]
+__all__ = ["AnalysesResult", "CrosspatchLayer", "CrosspatchResult", "DatasetInfo", "DecoderLayer", "FactTable",
+           "GateTransplant", "GatingResult", "LayerDecoders", "MatchedBlock", "MatchedSource", "MatchedTraining",
+           "MetricJSON", "ModelInfo", "MultihopPooled", "MultihopResult", "RelationDecoders", "RelationFacts",
+           "RelationGating", "ReportSettings", "Result", "Selection", "SelectorResult", "SuperpositionLayer",
+           "SuperpositionResult", "Swap", "SwapScale", "Threshold", "Training", "TransplantPart",
+           "metric_nulls", "metric_value", "null_value"]
 
 MetricJSON = dict          # a typed metric in its JSON form: {value, ci, n, interval, spread, primary_null, nulls...}
 _NOT_READ = object()       # an entry built in code, not read from a non-object
@@ -469,3 +474,160 @@ class AnalysesResult(Result):
     crosspatch: CrosspatchResult = field(default_factory=CrosspatchResult)
     selector: SelectorResult = field(default_factory=SelectorResult)
     multihop: MultihopResult = field(default_factory=MultihopResult)
+
+
+# ------------------------------------------------------------------------------------- metrics (JSON form)
+def metric_value(m: MetricJSON | None):
+    """A metric's value; None for no metric (None or {})."""
+    return m.get("value") if m else None
+
+
+def metric_nulls(m: MetricJSON | None) -> dict:
+    """A metric's nulls by name, in its order; {} for none (or a null) or no metric."""
+    return (m.get("nulls") if m else None) or {}
+
+
+def null_value(m: MetricJSON | None, name: str):
+    """The value of a metric's null ``name``; None where the metric, the null or its value is missing or null."""
+    null = metric_nulls(m).get(name)
+    return null.get("value") if null else None
+
+
+# ------------------------------------------------------------------------------ the report's other blocks
+@dataclass(kw_only=True)
+class ModelInfo(Result):
+    """report.json's ``model`` block (the other keys, as the loader wrote them, in ``extra``); a matched source's
+    model in the per-source layout: its width, MLP width and whether its subject embeddings were frozen."""
+
+    name: str | None = None
+    architecture: str | None = None
+    n_layers: int | None = None
+    d_model: int | None = None
+    d_mlp: int | None = None
+    frozen_subjects: bool | None = None
+    weights_hash: str | None = None
+
+
+@dataclass(kw_only=True)
+class DatasetInfo(Result):
+    """report.json's ``dataset`` block: the relations asked for, the dataset's hash, the fact limits."""
+
+    hash: str | None = None
+    relations: list | None = None
+    max_facts: int | None = None
+    max_prompt_tokens: int | None = None
+    chat_template: dict | None = None     # --chat-template: the instruction, the prefix and one wrapped template
+
+
+@dataclass(kw_only=True)
+class RelationFacts(Result):
+    """The known facts of one relation (``relations.<relation>``)."""
+
+    n_facts: int | None = None
+    n_known: int | None = None
+    known_rate: float | None = None
+    templates: list | None = None
+    template_used: str | None = None
+    neutral_templates: list | None = None
+    properties: dict | None = None
+    source: str | None = None
+
+
+@dataclass(kw_only=True)
+class ReportSettings(Result):
+    """report.json's ``settings`` block: the command, and its sections as read (``run``, ``analysis``,
+    ``matched``: plain objects, a missing or null section reads as {})."""
+
+    NESTED: ClassVar = {"run": _Plain(dict), "analysis": _Plain(dict), "matched": _Plain(dict)}
+    command: str | None = None
+    run: dict = field(default_factory=dict)
+    analysis: dict = field(default_factory=dict)
+    matched: dict = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- matched synthetic controls
+@dataclass(kw_only=True)
+class FactTable(Result):
+    """The fact table the matched controls were trained on (``matched.table``; a source's ``matched_to``)."""
+
+    n_subjects: int | None = None
+    relations: list | None = None
+    n_facts: int | None = None
+    bits: float | None = None
+
+
+@dataclass(kw_only=True)
+class Threshold(Result):
+    """A matched mode's threshold width (``matched.modes.<mode>.threshold``; a source's ``threshold``): d*, whether
+    it is exact (else an upper bound), the widths tried."""
+
+    d_star: int | None = None
+    exact: bool | None = None
+    tried: list | None = None
+
+
+@dataclass(kw_only=True)
+class Training(Result):
+    """A matched control's training (``matched.modes.<mode>.points[].train``); a source's ``train`` adds
+    ``over_seeds``, its training over its seeds as ``llmprobe.report.schema.train_over_seeds`` computes it (``n``,
+    ``n_fit``, ``accuracy_min``, ``accuracy_mean``, ``steps``: always all of them), or None without per-seed rows."""
+
+    accuracy: float | None = None
+    success: bool | None = None
+    steps: int | None = None
+    fit_step: int | None = None
+    wall_time_s: float | None = None
+    n_params: int | None = None
+    n_trainable: int | None = None
+    bits_per_param: float | None = None
+    over_seeds: dict | None = None
+
+
+@dataclass(kw_only=True)
+class MatchedTraining(Result):
+    """How every matched control was trained (``matched.training``): the step cap, the recipe, the steps past the
+    first fit (the other settings in ``extra``)."""
+
+    max_steps: int | None = None
+    recipe: str | None = None
+    past_fit: int | None = None
+    lr: float | None = None
+    weight_decay: float | None = None
+
+
+@dataclass(kw_only=True)
+class MatchedBlock(Result):
+    """report.json's ``matched`` block (``run``): what the controls are compared with, where they are read, their
+    fact table and training; ``modes`` (each mode's threshold and curve points) as read."""
+
+    NESTED: ClassVar = {"table": _One(FactTable), "training": _One(MatchedTraining)}
+    compared_with: str | None = None
+    place: str | None = None
+    table: FactTable = field(default_factory=FactTable)
+    d_model: int | None = None
+    seed: int | None = None
+    seeds: list | None = None
+    training: MatchedTraining = field(default_factory=MatchedTraining)
+    modes: dict | None = None
+    wall_seconds: float | None = None
+    cpu_seconds: float | None = None
+
+
+@dataclass(kw_only=True)
+class MatchedSource(Result):
+    """A matched control as a source of the page (``llmprobe.report.schema.matched_sources``: one per trained point
+    of the block, in the per-source layout; an older report's list entries as they are): its model, the fact table
+    it was trained on, its mode's threshold width, its training, its analyses (superposition at ``"0"``, selector).
+    The keys the page adds (``_path``, ``_owner``, ``_label``) are in ``extra``."""
+
+    NESTED: ClassVar = {"model": _One(ModelInfo), "matched_to": _One(FactTable), "threshold": _One(Threshold),
+                        "train": _One(Training), "analyses": _One(AnalysesResult)}
+    schema_version: int | None = None
+    kind: str | None = None
+    label: str | None = None
+    model: ModelInfo = field(default_factory=ModelInfo)
+    matched_to: FactTable = field(default_factory=FactTable)
+    threshold: Threshold = field(default_factory=Threshold)
+    train: Training = field(default_factory=Training)
+    analyses: AnalysesResult = field(default_factory=AnalysesResult)
+    wall_seconds: float | None = None

@@ -9,9 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from statistics import NormalDist
 
-from llmprobe.analyses.results import SuperpositionLayer
+from llmprobe.analyses.results import FactTable, MatchedBlock, MatchedSource, SuperpositionLayer, metric_nulls
 from llmprobe.metric import LEVEL, Metric, wilson
-from llmprobe.report.schema import analyses_of, matched_sources, source_name
+from llmprobe.report.schema import analyses_of, matched_sources_of, model_of, source_name
 
 CLAIMS = ("attributes linearly decodable", "LRE edits causal", "subject states a superposition of attribute vectors",
           "one subject state serves every relation", "MLP a relation-conditioned selector",
@@ -142,13 +142,14 @@ def claim_test(claim: str, relation: str, layer: int | None, metric: dict | None
     the paired difference metric - it) set beside it, its word from the paired difference when given."""
     if _compact(metric) is None:
         return None
-    nulls = _nulls(metric) if nulls is None else nulls
+    nulls = metric_nulls(metric) if nulls is None else nulls
     present = {name: nulls[name] for name in NULLS[claim] if _compact(nulls.get(name))}
     test = {"claim": claim, "relation": relation, "layer": layer, "metric": _compact(metric),
             "missing_nulls": [n for n in NULLS[claim] if n not in present], "null_name": None, "null": None,
             "difference": None, "min_effect": MIN_EFFECT[claim], "p": None, "p_zero": None, "p_holm": None,
             "p_zero_holm": None, "power": None, "comparison": None}
-    against = {name: difference(metric, null, (margins or {}).get(name)) for name, null in present.items()}
+    against = {name: difference(metric, null, margins.get(name) if margins else None)
+               for name, null in present.items()}
     if against:
         hardest = max(against, key=lambda n: (p_above(against[n], MIN_EFFECT[claim]), p_above(against[n], 0.0)))
         test.update(null_name=hardest, null=_compact(present[hardest]), difference=against[hardest],
@@ -206,26 +207,21 @@ def _line(claim: str, measure: str, tests: list[dict]) -> dict:
     return line
 
 
-def _same_width_control(report: dict) -> dict | None:
-    """The trainable matched control at the pretrained model's width (a synthetic source), or None."""
-    d_model = (report.get("model") or {}).get("d_model")
-    return next((s for s in matched_sources(report.get("matched"), report.get("schema_version"))
-                 if not (s.get("model") or {}).get("frozen_subjects") and (s.get("model") or {}).get("d_model") ==
-                 d_model), None)
+def _same_width_control(report: dict) -> MatchedSource | None:
+    """The trainable matched control at the pretrained model's width, or None."""
+    d_model = model_of(report).d_model
+    return next((s for s in _trainable_controls(report) if s.model.d_model == d_model), None)
 
 
-def _trainable_controls(report: dict) -> list[dict]:
+def _trainable_controls(report: dict) -> list[MatchedSource]:
     """The report's trainable matched controls, one synthetic source per curve point, in the block's order."""
-    return [s for s in matched_sources(report.get("matched"), report.get("schema_version"))
-            if not (s.get("model") or {}).get("frozen_subjects")]
+    return [s for s in matched_sources_of(report) if not s.model.frozen_subjects]
 
 
-def _at_dstar(report: dict) -> dict | None:
-    """The trainable matched control at its threshold width d* (a synthetic source), or None."""
+def _at_dstar(report: dict) -> MatchedSource | None:
+    """The trainable matched control at its threshold width d*, or None."""
     trainable = _trainable_controls(report)
-    return next((s for s in trainable if (s.get("threshold") or {}).get("d_star") == (s.get("model") or {}).get(
-        "d_model")),
-                trainable[0] if trainable else None)
+    return next((s for s in trainable if s.threshold.d_star == s.model.d_model), trainable[0] if trainable else None)
 
 
 def decoder_layers(report: dict, measured: set[int], relations: list[str] | None) -> tuple[dict[str, int], int | None]:
@@ -256,7 +252,8 @@ def _superposition_tests(report: dict) -> tuple[list[dict], list[dict], str]:
     control at the same width."""
     layers = analyses_of(report).superposition.layers
     chosen, common = validation_layers(report)
-    control = analyses_of(_same_width_control(report) or {}).superposition.layers.get("0") or SuperpositionLayer()
+    control = (_same_width_control(report) or MatchedSource()).analyses.superposition.layers.get("0") or \
+        SuperpositionLayer()
     name = f"the paper's model (matched control, trainable) at this width (d={report.get('model', {}).get('d_model')})"
     readouts, r2s = [], []
     for layer, entry in sorted(layers.items(), key=lambda kv: int(kv[0])):
@@ -278,11 +275,6 @@ def _margins(m: dict | None) -> dict | None:
     return m.get("margins") if m else None
 
 
-def _nulls(m: dict | None) -> dict:
-    """A metric's nulls by name ({} for none or no metric)."""
-    return (m.get("nulls") if m else None) or {}
-
-
 def _causality_tests(report: dict) -> list[dict]:
     """One test per relation: LRE causality at the causality layer the decoders chose on validation, beside the
     same-norm step toward h_t (``scaled_patch``; else the ``full_patch`` reference)."""
@@ -292,7 +284,7 @@ def _causality_tests(report: dict) -> list[dict]:
         if layer is None:
             continue
         metric = entry.at(layer).lre.causality
-        controls = _nulls(metric)
+        controls = metric_nulls(metric)
         reference = next((n for n in REFERENCES if _compact(controls.get(n))), None)
         tests.append(claim_test(CAUSAL, relation, int(layer), metric,
                            comparison=(REFERENCES[reference], controls[reference]) if reference else None))
@@ -373,14 +365,14 @@ def _selector_tests(report: dict) -> tuple[list[dict], str]:
     calibrated = _compact(as_json.get("selector_keep")) is not None
     if transplant.error or not (calibrated or _compact(transplant.other_relation)):
         return [], ""
-    source = (_same_width_control(report) or _at_dstar(report)) if calibrated else _at_dstar(report)
-    control = analyses_of(source or {}).selector.gate_transplant
-    n_facts = ((source or {}).get("matched_to") or {}).get("n_facts")
+    source = ((_same_width_control(report) or _at_dstar(report)) if calibrated else _at_dstar(report)) or \
+        MatchedSource()
+    control, n_facts = source.analyses.selector.gate_transplant, source.matched_to.n_facts
     comparison = None
     if control.same_subject is not None and isinstance(control.same_relation, (int, float)) and n_facts:
         value = control.same_relation if calibrated else control.same_subject
         kept = Metric(value, wilson(value, n_facts), n_facts, "wilson").to_dict()
-        comparison = (f"the matched control ({source_name(source)}; same-relation gate keeps "
+        comparison = (f"the matched control ({source_name(source.to_dict())}; same-relation gate keeps "
                       f"{control.same_relation:.2f}, other-relation gate {control.same_subject:.2f})",
                       kept if calibrated else _broken(kept))
     test = selector_test(as_json, comparison)
@@ -403,13 +395,13 @@ def _multihop_tests(report: dict) -> list[dict]:
     return [t for t in tests if t]
 
 
-def table_kind(table: dict) -> str:
+def table_kind(table: FactTable) -> str:
     """"bijections" when every relation is a bijection of the subjects (n_facts = N R and bits = R log2 N!), else
     "general maps"."""
-    n, r = table.get("n_subjects") or 0, len(table.get("relations") or [])
+    n, r = table.n_subjects or 0, len(table.relations or [])
     bijection_bits = r * math.lgamma(n + 1) / math.log(2)
-    return "bijections" if n and table.get("n_facts") == n * r and abs((table.get("bits") or 0) - bijection_bits) \
-        < 0.5 else "general maps"
+    return "bijections" if n and table.n_facts == n * r and abs((table.bits or 0) - bijection_bits) < 0.5 \
+        else "general maps"
 
 
 def capacity_line(report: dict) -> dict:
@@ -419,18 +411,16 @@ def capacity_line(report: dict) -> dict:
             None, "layer": None, "metric": None, "null_name": None, "null": None, "missing_nulls": [],
             "difference": None, "min_effect": None, "p_holm": None, "p_zero_holm": None, "power": None, "verdict": "not measured",
             "counts": {}, "comparison": None, "note": ""}
-    at_star = _at_dstar(report)
-    threshold, table = (at_star or {}).get("threshold") or {}, (at_star or {}).get("matched_to") or {}
-    bits_per_param = ((at_star or {}).get("train") or {}).get("bits_per_param")
-    if not threshold.get("d_star") or not table.get("bits") or bits_per_param is None:
+    at_star = _at_dstar(report) or MatchedSource()
+    threshold, table, bits_per_param = at_star.threshold, at_star.matched_to, at_star.train.bits_per_param
+    if not threshold.d_star or not table.bits or bits_per_param is None:
         return line
     kind = table_kind(table)
-    block = report.get("matched") if isinstance(report.get("matched"), dict) else {}
-    steps = (block.get("training") or {}).get("max_steps")
-    exact = bool(threshold.get("exact"))
-    line.update(measure=f"{line['measure']}: table bits {table['bits']:g} ({kind}, {table.get('n_subjects')} "
-                        f"subjects x {len(table.get('relations') or [])} relations) / trainable parameters at d* = "
-                        f"{threshold['d_star']}{'' if exact else ' (an upper bound)'}, {steps}-step cap",
+    steps = MatchedBlock.from_dict(report.get("matched")).training.max_steps
+    exact = bool(threshold.exact)
+    line.update(measure=f"{line['measure']}: table bits {table.bits:g} ({kind}, {table.n_subjects} "
+                        f"subjects x {len(table.relations or [])} relations) / trainable parameters at d* = "
+                        f"{threshold.d_star}{'' if exact else ' (an upper bound)'}, {steps}-step cap",
                 metric={"value": bits_per_param, "ci": None, "n": None, "interval": None})
     cells = CAPACITY_SWEEP.get((kind, steps))
     if cells is None:
@@ -454,7 +444,7 @@ def capacity_line(report: dict) -> dict:
         line["verdict"] = "not shown" if side == "above" else "inconclusive"
     line["note"] = f"{side} the sweep's range" + ("" if exact else " (a lower bound: d* is an upper bound)")
     sturdy = _every_seed_fits(report)
-    if sturdy is not None and sturdy["d"] != threshold["d_star"]:
+    if sturdy is not None and sturdy["d"] != threshold.d_star:
         line["sturdy"] = sturdy
         moved = side_of(sturdy["bits_per_param"])
         line["note"] += (f"; at d = {sturdy['d']}, the smallest curve width where every seed fits "
@@ -469,10 +459,10 @@ def _every_seed_fits(report: dict) -> dict | None:
     """{"d", "bits_per_param", "seeds"} of the trainable control's narrowest curve width at which every seed
     reached 100% train accuracy (``train.over_seeds``), or None when the report has no such point. d* itself is
     the sweep's rule (one initialisation of two fitting suffices), the rule of the cells it is compared with."""
-    for source in sorted(_trainable_controls(report), key=lambda s: s["model"]["d_model"]):
-        seeds, train = (source.get("train") or {}).get("over_seeds"), source.get("train") or {}
-        if seeds and seeds["n_fit"] == seeds["n"] and train.get("bits_per_param") is not None:
-            return {"d": source["model"]["d_model"], "bits_per_param": train["bits_per_param"],
+    for source in sorted(_trainable_controls(report), key=lambda s: s.model.d_model):
+        seeds, train = source.train.over_seeds, source.train
+        if seeds and seeds["n_fit"] == seeds["n"] and train.bits_per_param is not None:
+            return {"d": source.model.d_model, "bits_per_param": train.bits_per_param,
                     "seeds": f"{seeds['n_fit']} of {seeds['n']}"}
     return None
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import base64
 import colorsys
 
-from llmprobe.analyses.results import SelectorResult, SuperpositionLayer
+from llmprobe.analyses.results import MatchedBlock, SelectorResult, SuperpositionLayer, Threshold, null_value
 from llmprobe.io import figure_png, subplots
 from llmprobe.metric import pooled_readout
-from llmprobe.report.schema import ALL_RELATIONS, analyses_of, metric_rows, source_name
+from llmprobe.report.schema import ALL_RELATIONS, analyses_of, metric_rows, model_of, source_name
 
 # tab10 and tab20's light half, without their greys (greys are for what is not one relation)
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf",
@@ -76,7 +76,7 @@ def _band(label: str):
 
 
 def _mode(source: dict) -> str:
-    return "frozen" if (source.get("model") or {}).get("frozen_subjects") else "trainable"
+    return "frozen" if model_of(source).frozen_subjects else "trainable"
 
 
 def owner_groups(reports: list[dict]) -> list[tuple[dict | None, list[dict]]]:
@@ -165,8 +165,7 @@ def _draw_widths(axis, matched: list[tuple[dict, list[dict]]], colors: dict, mod
     for source, rows in matched:
         for row in rows:
             if row["null"] is None and row["value"] is not None:
-                series.setdefault((_mode(source), row["relation"]), []).append(((source.get("model") or {}).get(
-                    "d_model"), row))
+                series.setdefault((_mode(source), row["relation"]), []).append((model_of(source).d_model, row))
     for (mode, relation), points in sorted(series.items()):
         points = sorted((d, row) for d, row in points if d is not None)
         marker, _, style = MODES[mode]
@@ -225,9 +224,9 @@ def comparison_plot(reports: list[dict], colors: dict | None = None):
     colors = colors or relation_colors(reports)
     shown = []
     for owner, matched in owner_groups(reports):
-        widest = max(((c.get("model") or {}).get("d_model") or 0 for c in matched), default=0)
+        widest = max((model_of(c).d_model or 0 for c in matched), default=0)
         shown += ([owner] if owner else []) + [c for c in matched if str(c.get("label", "")).endswith("(d*)")
-                                               or (c.get("model") or {}).get("d_model") == widest]
+                                               or model_of(c).d_model == widest]
     sources = [s for s in (_superposition_at(r) for r in shown) if s]
     if not sources:
         return None
@@ -261,7 +260,7 @@ def _bar(axis, y: float, m: dict | None, height: float, color: str) -> None:
     lo, hi = (m.get("ci") or [None, None])[:2]
     error = [[max(0.0, m["value"] - lo)], [max(0.0, hi - m["value"])]] if None not in (lo, hi) else None
     axis.barh([y], [m["value"]], height=height * 0.95, xerr=error, capsize=2, color=color, error_kw={"lw": 0.8})
-    shuffled = ((m.get("nulls") or {}).get("shuffled") or {}).get("value")
+    shuffled = null_value(m, "shuffled")
     if shuffled is not None:
         axis.scatter([shuffled], [y], marker="|", s=60, color="black", zorder=3)
 
@@ -279,7 +278,7 @@ def controls_caption(reports: list[dict]) -> str:
         return "Capacity of the matched controls"
     parts = []
     for report, block in blocks:
-        ref = pretrained_reference(report, (block.get("table") or {}).get("relations") or [])
+        ref = pretrained_reference(report, MatchedBlock.from_dict(block).table.relations or [])
         parts.append(block.get("compared_with", "") + (
             f" Pretrained line and band: layer {ref[0]} of {source_name(report)}, the layer with the highest "
             f"cross-fitted R^2 (chosen on the numbers shown, which favours the pretrained model), and its 95% interval."
@@ -302,7 +301,7 @@ def capacity_plot(reports: list[dict]):
                             layout="constrained")
     handles = {}
     for (report, block), row_axes in zip(blocks, axes):
-        ref = pretrained_reference(report, (block.get("table") or {}).get("relations") or [])
+        ref = pretrained_reference(report, MatchedBlock.from_dict(block).table.relations or [])
         for axis, key, label in ((row_axes[0], "r2", "held-out R^2 of the superposition fit"),
                                  (row_axes[1], "readout_mean", "readout accuracy (pooled over relations)")):
             for mode, entry in block["modes"].items():
@@ -315,13 +314,13 @@ def capacity_plot(reports: list[dict]):
                 ds, values = [d for d, _ in metrics], [m["value"] for _, m in metrics]
                 lo = [max(0.0, v - (m["ci"][0] if m["ci"][0] is not None else v)) for v, (_, m) in zip(values, metrics)]
                 hi = [max(0.0, (m["ci"][1] if m["ci"][1] is not None else v) - v) for v, (_, m) in zip(values, metrics)]
-                d_star = (entry.get("threshold") or {}).get("d_star")
+                d_star = Threshold.from_dict(entry.get("threshold")).d_star
                 axis.errorbar(ds, values, yerr=[lo, hi], marker=marker, ms=4, capsize=2, color=color,
                               mfc="white" if mode == "frozen" else None)
                 handles.setdefault(mode, _line(f"{mode} controls (d* = {d_star})" if len(blocks) == 1 else
                                                f"{mode} controls", color, marker=marker, lw=1,
                                                mfc="white" if mode == "frozen" else None))
-                shuffled = [((m.get("nulls") or {}).get("shuffled") or {}).get("value") for _, m in metrics]
+                shuffled = [null_value(m, "shuffled") for _, m in metrics]
                 if all(v is not None for v in shuffled):
                     axis.plot(ds, shuffled, ls=":", lw=1, color=color)
                     handles.setdefault("shuffled", _line("dotted: shuffled-table control", lw=1, ls=":"))
@@ -352,10 +351,10 @@ def _bisection_plot(reports: list[dict]):
     """Reports written before the matched block: the controls' train accuracy against width d, d* marked."""
     curves = {}
     for report in reports:
-        threshold = report.get("threshold") or {}
-        if report.get("kind") == "synthetic" and threshold.get("tried"):
-            points = [t for t in threshold["tried"] if isinstance(t, dict)]
-            curves[_mode(report)] = (sorted((t["d"], t["accuracy"]) for t in points), threshold.get("d_star"))
+        threshold = Threshold.from_dict(report.get("threshold"))
+        if report.get("kind") == "synthetic" and threshold.tried:
+            points = [t for t in threshold.tried if isinstance(t, dict)]
+            curves[_mode(report)] = (sorted((t["d"], t["accuracy"]) for t in points), threshold.d_star)
     if not curves:
         return None
     figure, axis = subplots(figsize=(6, 3.6), layout="constrained")

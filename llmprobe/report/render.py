@@ -12,6 +12,15 @@ import io
 import json
 from pathlib import Path
 
+from llmprobe.analyses.results import (
+    DatasetInfo,
+    MatchedBlock,
+    MatchedSource,
+    RelationFacts,
+    Training,
+    metric_nulls,
+    metric_value,
+)
 from llmprobe.checks import UsageError
 from llmprobe.io import MANIFEST, note_written, read_manifest, remove_outputs, write_json, write_text
 from llmprobe.metric import iter_metrics
@@ -34,6 +43,7 @@ from llmprobe.report.schema import (
     metric_rows,
     missing_stages,
     read_report,
+    settings_of,
     source_name,
 )
 
@@ -67,7 +77,7 @@ def claim_rows(report: dict) -> list[dict]:
             line["verdict"], line["null_name"], null.get("value"), diff.get("value"), d_lo, d_hi,
             diff.get("interval"), line["min_effect"], line["p_holm"], block["n_tests"],
             " ".join(filter(None, [comparison.get("word"), comparison.get("name")])) or None,
-            (comparison.get("metric") or {}).get("value"), line["note"] or None), strict=True)))
+            metric_value(comparison.get("metric")), line["note"] or None), strict=True)))
     return rows
 
 
@@ -155,7 +165,7 @@ def _control_text(m: dict | None, *names: str) -> str:
 
 def _null_names(m: dict | None) -> list[str]:
     """The names of a metric's nulls, in its order ([] for none or no metric)."""
-    return list(m.get("nulls") or {}) if m else []
+    return list(metric_nulls(m))
 
 
 def selected_rows(report: dict) -> list[list]:
@@ -175,7 +185,7 @@ def selected_rows(report: dict) -> list[list]:
 
 def _null_value(m: dict, name: str):
     """The value of a metric's null ``name``; None when it has no such null."""
-    return (m.get("nulls") or {}).get(name, {}).get("value")
+    return metric_nulls(m).get(name, {}).get("value")
 
 
 def superposition_rows(report: dict) -> list[list]:
@@ -200,12 +210,12 @@ def superposition_rows(report: dict) -> list[list]:
     return rows
 
 
-def _train_cells(train: dict) -> list:
+def _train_cells(train: Training) -> list:
     """The controls table's "train acc" and "steps" cells: over the point's seeds (mean, min, how many reached
     100%; fewest-most steps) where the report has them, else the one training's."""
-    seeds = train.get("over_seeds")
+    seeds = train.over_seeds
     if not seeds:
-        return [train.get("accuracy"), train.get("steps")]
+        return [train.accuracy, train.steps]
     low, high = seeds["steps"]
     accuracy = (f"{seeds['accuracy_mean']:.3f} (min {seeds['accuracy_min']:.3f})"
                 if seeds["accuracy_min"] < seeds["accuracy_mean"] else f"{seeds['accuracy_mean']:.3f}")
@@ -216,15 +226,14 @@ def matched_rows(report: dict) -> list[list]:
     """One row per synthetic report (a matched control): width, training, readouts, selector numbers."""
     if report.get("kind") != "synthetic":
         return []
-    train = report.get("train") or {}
-    analyses = analyses_of(report)
-    layer = analyses.superposition.at(0)
+    source = MatchedSource.from_dict(report)
+    train = source.train
+    layer = source.analyses.superposition.at(0)
     readout = [m["value"] for m in layer.readout.values() if m.get("value") is not None]
-    selector = analyses.selector
+    selector = source.analyses.selector
     transplant = selector.gate_transplant
-    return [[source_name(report), report.get("model", {}).get("d_model"),
-             (report.get("threshold") or {}).get("d_star"), *_train_cells(train),
-             f"{train['bits_per_param']:.3g}" if isinstance(train.get("bits_per_param"), (int, float)) else None,
+    return [[source_name(report), report.get("model", {}).get("d_model"), source.threshold.d_star, *_train_cells(train),
+             f"{train.bits_per_param:.3g}" if isinstance(train.bits_per_param, (int, float)) else None,
              _with_ci(layer.r2),
              _control_text(layer.r2, "shuffled", "random_init"),
              _mean(readout),
@@ -271,7 +280,7 @@ def other_analysis_rows(report: dict) -> dict[str, list[list]]:
         for path, m in iter_metrics(entry):
             null = m.get("primary_null")
             rows.append([source_name(report), ".".join(path), _with_ci(m), m.get("n"),
-                         f"{null} {_with_ci((m.get('nulls') or {}).get(null))}" if null else ""])
+                         f"{null} {_with_ci(metric_nulls(m).get(null))}" if null else ""])
         if rows or entry.get("error"):
             out[name] = rows or [[source_name(report), "error", str(entry["error"]), None, ""]]
     return out
@@ -292,7 +301,7 @@ def summary_tables(reports: list[dict], rows: list[dict]) -> list[tuple[str, lis
         tables.append(("Known facts (greedy continuation starts with the object)",
                        ["source", "relation", "facts", "known rate"], known))
     chat = [[source_name(r), wrapping["instruction"], json.dumps(wrapping["example"], ensure_ascii=False)]
-            for r in reports for wrapping in [(r.get("dataset") or {}).get("chat_template")] if wrapping]
+            for r in reports for wrapping in [DatasetInfo.from_dict(r.get("dataset")).chat_template] if wrapping]
     if chat:
         tables.append(("Prompts in the model's chat template (--chat-template): a user turn with the instruction, then "
                        "the prompt as the start of the assistant's answer (line breaks as \\n)",
@@ -457,19 +466,19 @@ def measured_differences(reports: list[dict]) -> list[str]:
         lines.append("relations differ: " + "; ".join(
             [f"in all: {', '.join(shared) or 'none'}"] + [f"only in {name}: {', '.join(n for n in rs if n not in shared)}"
                                                          for name, rs in zip(names, relations) if set(rs) != set(shared)]))
-    counts = {n: [(r["relations"][n] or {}).get("n_facts") for r in pretrained] for n in shared}
+    counts = {n: [RelationFacts.from_dict(r["relations"][n]).n_facts for r in pretrained] for n in shared}
     if any(len(set(c)) > 1 for c in counts.values()):
         lines.append("facts differ: " + "; ".join(f"{n} has {' vs '.join(map(str, c))} facts" for n, c in counts.items()
                                                   if len(set(c)) > 1) + f" ({' vs '.join(names)})")
-    settings = [r.get("settings") or {} for r in pretrained]
-    sections = [("analyses run", [(s.get("run") or {}).get("analyses") for s in settings])]
-    sections += [(f"run.{key}", [(s.get("run") or {}).get(key) for s in settings]) for key in RUN_SETTINGS]
-    analysis_keys = sorted({k for s in settings for k in (s.get("analysis") or {})})
-    sections += [(f"analysis.{key}", [(s.get("analysis") or {}).get(key) for s in settings]) for key in analysis_keys]
-    if all(s.get("matched") for s in settings):      # a report without matched controls: their line says so once
-        matched_keys = sorted({k for s in settings for k in s["matched"]})
-        sections += [(f"matched.{key}", [s["matched"].get(key) for s in settings]) for key in matched_keys]
-    sections.append(("prompts in the chat template", [bool((r.get("dataset") or {}).get("chat_template"))
+    settings = [settings_of(r) for r in pretrained]
+    sections = [("analyses run", [s.run.get("analyses") for s in settings])]
+    sections += [(f"run.{key}", [s.run.get(key) for s in settings]) for key in RUN_SETTINGS]
+    analysis_keys = sorted({k for s in settings for k in s.analysis})
+    sections += [(f"analysis.{key}", [s.analysis.get(key) for s in settings]) for key in analysis_keys]
+    if all(s.matched for s in settings):      # a report without matched controls: their line says so once
+        matched_keys = sorted({k for s in settings for k in s.matched})
+        sections += [(f"matched.{key}", [s.matched.get(key) for s in settings]) for key in matched_keys]
+    sections.append(("prompts in the chat template", [bool(DatasetInfo.from_dict(r.get("dataset")).chat_template)
                                                       for r in pretrained]))
     sections.append(("matched controls", [_matched_text(r) for r in pretrained]))
     for what, values in sections:
@@ -486,11 +495,11 @@ def _matched_text(report: dict) -> str:
         return "none"
     if not isinstance(block, dict):
         return f"{len(block)} controls (an older report)"
-    table = block.get("table") or {}
+    table = MatchedBlock.from_dict(block).table
     modes = "; ".join(f"{mode} d = {', '.join(str(p['d']) for p in entry.get('points') or [])}"
                       for mode, entry in (block.get("modes") or {}).items())
-    return (f"{modes} on {table.get('n_subjects')} subjects x {len(table.get('relations') or [])} relations "
-            f"({table.get('n_facts')} facts)")
+    return (f"{modes} on {table.n_subjects} subjects x {len(table.relations or [])} relations "
+            f"({table.n_facts} facts)")
 
 
 def side_by_side_rows(reports: list[dict]) -> tuple[list[str], list[list]]:

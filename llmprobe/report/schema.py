@@ -1,13 +1,20 @@
 """The report.json schema: its version, the one reader that checks a report before anything uses it (and reads
 the version before it in today's words), a report's name, the stages a partial report lacks, its matched block
-expanded into sources in the per-source layout, its analyses block typed (:func:`analyses_of`), and every measured
-number flattened into tidy *metric rows* (what claims, figures and tables read)."""
+expanded into sources in the per-source layout, its blocks typed (:func:`analyses_of`, :func:`model_of`,
+:func:`settings_of`, :func:`matched_sources_of`; :mod:`llmprobe.analyses.results`), and every measured number
+flattened into tidy *metric rows* (what claims, figures and tables read)."""
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from llmprobe.analyses.results import AnalysesResult
+from llmprobe.analyses.results import (
+    AnalysesResult,
+    DatasetInfo,
+    MatchedSource,
+    ModelInfo,
+    ReportSettings,
+)
 from llmprobe.checks import read_json
 from llmprobe.metric import is_metric, iter_metrics
 
@@ -112,6 +119,21 @@ def analyses_of(report: dict) -> AnalysesResult:
     return AnalysesResult.from_dict(report.get("analyses"))
 
 
+def model_of(report: dict) -> ModelInfo:
+    """The report's (or a matched source's) ``model`` block typed; empty where it has none (or a null)."""
+    return ModelInfo.from_dict(report.get("model"))
+
+
+def settings_of(report: dict) -> ReportSettings:
+    """The report's ``settings`` block typed; empty where it has none (or a null)."""
+    return ReportSettings.from_dict(report.get("settings"))
+
+
+def matched_sources_of(report: dict) -> list[MatchedSource]:
+    """The report's matched controls, one typed source per trained point (:func:`matched_sources`)."""
+    return [MatchedSource.from_dict(s) for s in matched_sources(report.get("matched"), report.get("schema_version"))]
+
+
 def _at(report: dict, path: str) -> list[tuple[str, object]]:
     """(dotted path, value) of every value at ``path`` in ``report`` ("*": every key of an object)."""
     found = [("", report)]
@@ -155,11 +177,10 @@ def missing_stages(report: dict) -> list[str]:
     stages = report.get("stages") or {}
     if not report.get("partial") and all(stage.get("done") for stage in stages.values()):
         return []
-    settings = report.get("settings") or {}
-    requested = (settings.get("run") or {}).get("analyses") or []
+    settings = settings_of(report)
+    requested = settings.run.get("analyses") or []
     expected = ["known_facts"] + (["analyses"] if requested else []) + (
-        ["matched"] if settings.get("command") == "run" and (settings.get("matched") or {}).get("enabled", True)
-        else [])
+        ["matched"] if settings.command == "run" and settings.matched.get("enabled", True) else [])
     lines = []
     for name in expected + [n for n in stages if n not in expected]:
         stage = stages.get(name)
@@ -173,7 +194,7 @@ def missing_stages(report: dict) -> list[str]:
 def _what_is_missing(report: dict, stage: str, requested: list[str]) -> str:
     """What an unfinished ``stage`` of ``report`` leaves out (one sentence)."""
     relations = list(report.get("relations") or {})
-    wanted = list((report.get("dataset") or {}).get("relations") or relations)
+    wanted = list(DatasetInfo.from_dict(report.get("dataset")).relations or relations)
     if stage == "known_facts":
         return (f"{len(relations)} of {len(wanted)} relations checked; no analysis or matched control ran, so every "
                 f"claim is not measured")
