@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+from test_matched import _numbers
 from tiny_models import save_tiny
 
 import llmprobe.jobs.main
@@ -26,15 +27,6 @@ from llmprobe.settings import Settings
 from synthetic.matched import known_table, merge_matched, train_matched
 
 POSIX = sys.platform.startswith("linux")
-
-
-def _numbers(tree):
-    """The block without its timings (seconds), for a comparison digit for digit."""
-    if isinstance(tree, dict):
-        return {k: _numbers(v) for k, v in tree.items() if "seconds" not in k and "time" not in k}
-    if isinstance(tree, list):
-        return [_numbers(v) for v in tree]
-    return tree
 
 
 def _as_written(block: dict, tmp_path) -> dict:

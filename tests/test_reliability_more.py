@@ -12,15 +12,14 @@
 Each test calls the real command line or API on tiny random-init models and asserts the exit status, the message and
 the files left; each failed on the code before its fix.
 """
-import hashlib
 import json
 from pathlib import Path
 
 import pytest
+from test_output_folders import _cli, _digests
 from tiny_models import save_tiny
 
 from llmprobe.checks import UsageError
-from llmprobe.cli import main
 from llmprobe.jobs.main import run
 from llmprobe.jobs.probe import probe
 from llmprobe.report.schema import REPORT_SCHEMA_VERSION
@@ -39,17 +38,6 @@ def relation(tmp_path_factory):
                                           enumerate(["Kalomi", "Neruta", "Vozika", "Mitalo", "Rukane", "Tazimo",
                                                      "Lavoni", "Suketa", "Pamiro", "Zunela"])]}))
     return str(path)
-
-
-def _cli(capsys, *args) -> tuple[int, str]:
-    """(exit status, stderr) of ``llmprobe ARGS``."""
-    capsys.readouterr()
-    status = main([str(a) for a in args])
-    return status, capsys.readouterr().err
-
-
-def _digests(folder: Path) -> dict:
-    return {p.name: hashlib.md5(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
 def _run_folder(folder: Path, name: str, listed: bool = True) -> Path:
