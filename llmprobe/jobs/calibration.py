@@ -33,7 +33,7 @@ from llmprobe.report.claims import (
     SELECTOR_BREAK,
     SUPERPOSITION,
     _informative,
-    _test,
+    claim_test,
     difference,
     p_above,
     selector_test,
@@ -201,7 +201,7 @@ def selector_worlds(n_subjects: int = 64, n_relations: int = 4, d_model: int = 1
 
 
 def grade_test(test: dict | None, family: int) -> str:
-    """The verdict rule on one test of ``llmprobe.report.claims`` (``_test``'s p and p_zero), Bonferroni over
+    """The verdict rule on one test of ``llmprobe.report.claims`` (``claim_test``'s p and p_zero), Bonferroni over
     ``family`` tests (Holm's strictest step, as :func:`grade`): supported / weak / not shown."""
     if test is None or test["missing_nulls"] or test["p"] is None:
         return "not shown"
@@ -222,7 +222,7 @@ def measure_selector_world(world: SelectorWorld, seed: int, n_items: int, n_boot
     old = {k: v for k, v in metrics.items() if k != "selector_keep"}
     redirect_test = None
     if redirect.get("redirect"):
-        redirect_test = _test(SELECTOR_BREAK, "all relations", None, redirect["redirect"],
+        redirect_test = claim_test(SELECTOR_BREAK, "all relations", None, redirect["redirect"],
                               {"random_units": redirect["redirect"]["nulls"]["random_units"]},
                               {"random_units": _informative(redirect["redirect_minus_random"])})
     return {"transplant": metrics, "redirection": redirect, "keep_test": selector_test(metrics),
