@@ -85,9 +85,17 @@ def write_text(path: str | Path, text: str) -> Path:
     return write_bytes(path, text.encode("utf-8"))
 
 
+# the bidirectional controls that reorder what a reader sees (a right-to-left override makes "cap<RLO>txt.exe" read
+# "capexe.txt"), as their escapes: JSON files write them so (the same strings read back), and the report's md, html
+# and csv too (llmprobe.report.render.HIDDEN)
+BIDI_ESCAPES = {code: f"\\u{code:04x}" for code in (0x061c, 0x200e, 0x200f, *range(0x202a, 0x202f),
+                                                    *range(0x2066, 0x206a))}
+
+
 def write_json(path: str | Path, obj) -> Path:
-    """JSON with sorted-free, indented output; NaN/inf become null so the file stays valid JSON."""
-    return write_text(path, json.dumps(_finite(obj), indent=2, ensure_ascii=False) + "\n")
+    """JSON with sorted-free, indented output; NaN/inf become null so the file stays valid JSON; bidirectional
+    controls in strings written as escapes (``BIDI_ESCAPES``: the same strings read back)."""
+    return write_text(path, json.dumps(_finite(obj), indent=2, ensure_ascii=False).translate(BIDI_ESCAPES) + "\n")
 
 
 def _finite(obj):
@@ -130,7 +138,7 @@ def append_jsonl(path: str | Path, record: dict) -> None:
     lock keeps lines whole when several worker processes append to the same file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    line = (json.dumps(_finite(record), ensure_ascii=False) + "\n").encode("utf-8")
+    line = (json.dumps(_finite(record), ensure_ascii=False).translate(BIDI_ESCAPES) + "\n").encode("utf-8")
     with open(path, "a+b") as handle:
         if fcntl is not None:
             fcntl.flock(handle, fcntl.LOCK_EX)

@@ -200,16 +200,19 @@ def test_a_name_too_long_is_exit_2_naming_the_path(where, tmp_path, capsys):
 
 def test_nul_and_bidi_controls_are_shown_escaped_in_md_html_and_csv(tmp_path, capsys):
     """NUL and right-to-left override characters of user strings (model and relation names) were copied raw into
-    report.md, report.html and metrics.csv; they are written visibly escaped now. A report without them is written
+    report.md, report.html, metrics.csv and metrics.json; they are written visibly escaped now (JSON's escapes read
+    back as the same strings). A report without them is written
     byte for byte as rendered."""
     hostile = _plain_report(tmp_path / "hostile", name="model\x00\u202etxt.exe", relation="cap\u202eital\x1b")
     plain = _plain_report(tmp_path / "plain")
     for folder in (hostile, plain):
-        assert _cli(capsys, "report", folder)[0] == 0
-    for name in ("report.md", "report.html", "metrics.csv"):
+        assert _cli(capsys, "report", folder, "--format", "html,md,csv,json")[0] == 0
+    for name in ("report.md", "report.html", "metrics.csv", "metrics.json"):
         text = (hostile / name).read_text(encoding="utf-8")
         assert not {"\x00", "\u202e", "\x1b"} & set(text), name
-        assert "\\u202e" in text and "\\x00" in text and "\\x1b" in text, name
+        assert "\\u202e" in text and ("\\x00" in text or "\\u0000" in text), name
+    rows = json.loads((hostile / "metrics.json").read_text(encoding="utf-8"))   # JSON escapes: the same strings
+    assert any(row.get("relation") == "cap\u202eital\x1b" for row in rows)
     reports = with_matched([read_report(plain)])
     title = "llmprobe report: m"
     assert (plain / "report.html").read_text(encoding="utf-8") == render_html(reports, title)

@@ -22,7 +22,7 @@ from llmprobe.analyses.results import (
     metric_value,
 )
 from llmprobe.checks import UsageError
-from llmprobe.io import MANIFEST, note_written, read_manifest, remove_outputs, write_json, write_text
+from llmprobe.io import BIDI_ESCAPES, MANIFEST, note_written, read_manifest, remove_outputs, write_json, write_text
 from llmprobe.metric import iter_metrics
 from llmprobe.report.claims import (
     CAPACITY,
@@ -94,8 +94,8 @@ def write_csv(rows: list[dict], path: str | Path) -> Path:
 # control characters (C0 but tab, line feed and carriage return; DEL; C1) and the bidirectional controls that
 # reorder what a reader sees (a right-to-left override makes "cap<RLO>txt.exe" read "capexe.txt"): each is written
 # as its escape (\x00, \u202e), so a user string (a model or relation name) shows what it holds
-HIDDEN = {code: f"\\x{code:02x}" for code in (*range(0x20), *range(0x7f, 0xa0)) if chr(code) not in "\t\n\r"} | {
-    code: f"\\u{code:04x}" for code in (0x061c, 0x200e, 0x200f, *range(0x202a, 0x202f), *range(0x2066, 0x206a))}
+HIDDEN = {code: f"\\x{code:02x}" for code in (*range(0x20), *range(0x7f, 0xa0)) if chr(code) not in "\t\n\r"} | \
+    BIDI_ESCAPES
 
 
 def visible(text: str) -> str:
