@@ -10,6 +10,7 @@ same-relation transplant breaks, its relation share drops to 0), the relation sh
 (0), rows shuffled across subjects instead of relations within a subject (the shuffled control stays at 1), the
 random-units control drawn among closed units (5 units off instead of 3), the same-relation transplant left out
 (the key-value memory keeps 1.0)."""
+import dataclasses
 import math
 import random
 from types import SimpleNamespace
@@ -27,7 +28,9 @@ from llmprobe.analyses.run import Runner, run_analyses
 from llmprobe.analyses.selector import (
     PromptSet,
     blocks_of,
+    crosspatch_items,
     edited_predictions,
+    fact_grid,
     gate_transplant,
     gating_index,
     last_gates,
@@ -283,6 +286,23 @@ def taught(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def taught_llama(tmp_path_factory):
     return _taught("llama", tmp_path_factory)
+
+
+def test_crosspatch_goes_on_when_a_relation_has_no_item_as_the_receiving_one(taught_llama):
+    """A relation whose known facts all share one answer gives states (A) but can receive none (B: no recipient of
+    another answer); crosspatch failed on it ("torch.cat(): expected a non-empty list of Tensors"), as
+    country_subregion did in a SmolLM2 run at --max-facts 60. Now it measures the other relations."""
+    lm, relations, known = taught_llama
+    one = next(f.object for f in known["capital"] if f.known)         # every known capital answered alike
+    few = {**known, "capital": [dataclasses.replace(f, object=one) for f in known["capital"]]}
+    grid = fact_grid(lm.tokenizer, relations, few, settings_from())
+    assert "capital" in grid.names and not any(
+        grid.names[b] == "capital" for _, b, *_ in crosspatch_items(lm.tokenizer, grid, settings_from())[1])
+    res = run_analyses(lm, relations, few, [0, 1, 2], analyses=("crosspatch",), progress=False, n_boot=50)
+    cross = res["crosspatch"]
+    assert res["errors"] == [] and cross["n_items"] > 0
+    pairs = cross["layers"]["0"]["pairs"]
+    assert pairs and all(pair["target"] != "capital" for pair in pairs)
 
 
 def test_every_family_runs_every_new_analysis(taught, monkeypatch):

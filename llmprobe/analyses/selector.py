@@ -579,6 +579,8 @@ def crosspatch(lm, relations, known: dict, layers: list[int], cfg: AnalysisSetti
     states, answered = {}, {}
     for b in range(R):
         subjects = sorted({i for x in items if x[1] == b for i in (x[2], x[3])})
+        if not subjects:                         # no item answers B (too few known facts of other answers)
+            continue
         got = relation_states(lm, grid.relations[b].templates[0], [grid.subjects[i] for i in subjects],
                               patch_layers, batch_size=cfg.batch_size)
         pred = logits_fn(lm)(got.O).argmax(-1).tolist()
