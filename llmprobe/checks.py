@@ -19,6 +19,8 @@ import types
 import typing
 from pathlib import Path
 
+from llmprobe.names import REPORT_FILES
+
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_OUT_OF_MEMORY, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
@@ -100,6 +102,17 @@ def analysis_names(spec, valid) -> tuple[str, ...]:
         raise UsageError(f"unknown analysis name(s) {', '.join(map(repr, unknown))}; choose from "
                          f"{', '.join(valid)} (comma separated)")
     return names
+
+
+def report_formats(formats) -> tuple[str, ...]:
+    """``formats`` ("html,md" or a list of names) as a tuple of ``names.REPORT_FILES`` names, each once, in the
+    order given; UsageError naming any other."""
+    names = formats.split(",") if isinstance(formats, str) else list(formats)
+    formats = tuple(dict.fromkeys(name.strip() for name in names if name.strip()))
+    unknown = [name for name in formats if name not in REPORT_FILES]
+    if unknown:
+        raise UsageError(f"unknown report format(s) {unknown}; choose from {', '.join(REPORT_FILES)}")
+    return formats
 
 
 def layer_spec(spec) -> None:

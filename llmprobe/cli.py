@@ -21,6 +21,7 @@ from llmprobe.checks import (
     layer_spec,
     parse_max_memory,
     positive_int,
+    report_formats,
 )
 from llmprobe.datasets import LRE_CATEGORIES, list_bundled
 from llmprobe.names import ANALYSES, PROTOCOLS
@@ -187,14 +188,6 @@ def _add_settings_args(parser: argparse.ArgumentParser, flags: bool) -> None:
                              "(a TOML value; repeatable)" + ("; the setting flags override it" if flags else ""))
 
 
-def _formats(text: str) -> tuple[str, ...]:
-    formats = tuple(dict.fromkeys(f.strip() for f in text.split(",") if f.strip()))
-    unknown = [f for f in formats if f not in ("html", "md", "json", "csv")]
-    if unknown:
-        raise UsageError(f"unknown report format(s) {', '.join(map(repr, unknown))}; choose from html, md, json, csv")
-    return formats
-
-
 def build_parser(synth: bool = True, presets: bool = True) -> argparse.ArgumentParser:
     """The whole command line. ``synth=False`` puts a stub in place of the ``synth`` group, whose modules take
     seconds to import (torch, scikit-learn): main() builds the group only for ``llmprobe synth ...``, so the
@@ -235,7 +228,7 @@ def build_parser(synth: bool = True, presets: bool = True) -> argparse.ArgumentP
     compare = commands.add_parser("compare", help="side-by-side page of several report folders")
     compare.add_argument("dirs", nargs="+", help="report folders (each with report.json)")
     compare.add_argument("--out", required=True, help="output folder")
-    compare.add_argument("--format", default="html,md,csv", type=argparse_type(_formats),
+    compare.add_argument("--format", default="html,md,csv", type=argparse_type(report_formats),
                          help="comma list of html, md, json, csv (default html,md,csv)")
     compare.add_argument("--overwrite", action="store_true",
                          help="replace the run --out holds (only the files llmprobe wrote there, as its "
@@ -243,7 +236,7 @@ def build_parser(synth: bool = True, presets: bool = True) -> argparse.ArgumentP
     compare.set_defaults(func=handler("_compare"))
     report = commands.add_parser("report", help="export a report folder as html, md, json or csv")
     report.add_argument("dir", help="report folder (with report.json)")
-    report.add_argument("--format", default="html,md,csv", type=argparse_type(_formats),
+    report.add_argument("--format", default="html,md,csv", type=argparse_type(report_formats),
                         help="comma list of html, md, json, csv (default html,md,csv)")
     report.add_argument("--out", help="output folder (default: the report folder)")
     report.add_argument("--overwrite", action="store_true",

@@ -8,6 +8,9 @@ LRE_SELECTIONS = ("validation", "as-published")  # protocol lre: where beta, edi
 FIRST_TOKEN = "first_token"                      # an object scored by its first token
 SEQUENCE = "sequence"                            # ... or by the full-sequence log-probability
 SCORING_MODES = (FIRST_TOKEN, SEQUENCE)
+# what --format / formats= can name -> the file it writes beside report.json; the command line's default: EXPORTS
+REPORT_FILES = {"html": "report.html", "md": "report.md", "json": "metrics.json", "csv": "metrics.csv"}
+EXPORTS = ("html", "md", "csv")
 # what each embedding mode of the synthetic one-layer model freezes at its random init (ModelConfig flags)
 EMBEDDING_MODES = {
     "trainable": (),                                   # every parameter learns

@@ -21,20 +21,19 @@ import torch
 
 from llmprobe.analyses.settings import settings_from
 from llmprobe.analyses.superposition import superposition_table
+from llmprobe.checks import report_formats
 from llmprobe.jobs.matched import CoreGate, MatchedWorker, WorkerInterrupted
 from llmprobe.jobs.plan import REFERENCE_RATE, analyses_budget, matched_planned, matmul_rate, measured_rate
 from llmprobe.jobs.probe import (
-    EXPORTS,
-    FORMATS,
     ProbeJob,
     ProbeReport,
-    check_formats,
     job_settings,
     library_versions,
     say,
     shown,
 )
 from llmprobe.jobs.stages import checkpoint, earlier_stage, mark_interrupted, stage_key, start_stage, unfinished
+from llmprobe.names import EXPORTS, REPORT_FILES
 from llmprobe.report.claims import claims_block
 from llmprobe.report.render import with_matched, write_all
 from llmprobe.settings import TRAINING, Settings
@@ -88,7 +87,7 @@ def run(model=None, *, settings: Settings | None = None, out: str | Path = "runs
     ``--resume`` trains them). The folder, decoders and ``overwrite``: as in ``probe``; ``report["claims"]`` is
     the summary's claims and verdicts, the controls merged.
     """
-    formats = check_formats(formats)
+    formats = report_formats(formats)
     with shown(progress, verbose):
         return _run(model, settings, out, tokenizer, lm, formats, trust_remote_code, allow_pickle, resume, overwrite,
                     options)
@@ -99,7 +98,7 @@ def _run(model, settings, out, tokenizer, lm, formats, trust_remote_code, allow_
     """``run``'s work, its arguments checked, under its output switch."""
     start = time.perf_counter()
     job = ProbeJob("run", job_settings("run", model, settings, options), Path(out), resume, overwrite,
-                   tuple(FORMATS[f] for f in formats))
+                   tuple(REPORT_FILES[f] for f in formats))
     job.load(model, tokenizer, lm, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
     on_cpu = job.lm.device.type == "cpu"
     rate_start = measured_rate() if on_cpu else None    # the plan's measurement when the command line printed it

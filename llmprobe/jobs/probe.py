@@ -21,7 +21,7 @@ from transformers.utils import logging as transformers_logging
 from llmprobe.analyses import run as analyses_run
 from llmprobe.analyses.saved import DECODERS_JSON, DECODERS_TENSORS, read_fits, save_decoders, weights_id
 from llmprobe.analyses.settings import settings_from
-from llmprobe.checks import UsageError, output_folder, parse_layers
+from llmprobe.checks import UsageError, output_folder, parse_layers, report_formats
 from llmprobe.console import bar, bars_shown, say, showing
 from llmprobe.datasets import DatasetError, Relation, load_relations
 from llmprobe.jobs.helpers import AnalysisHelper
@@ -43,6 +43,7 @@ from llmprobe.model.interop import as_loaded_model
 from llmprobe.model.known import KNOWN, KNOWN_RULES, UNKNOWN, FactResult, KnownFactsJob
 from llmprobe.model.loading import LoadedModel
 from llmprobe.model.subjects import fill, locate_errors
+from llmprobe.names import EXPORTS, REPORT_FILES
 from llmprobe.report.claims import claims_block
 from llmprobe.report.render import export
 from llmprobe.report.schema import REPORT_SCHEMA_VERSION
@@ -153,8 +154,6 @@ def job_settings(command: str, model, settings: Settings | None, options: dict) 
     return from_options(command, settings, options)
 
 
-FORMATS = {"html": "report.html", "md": "report.md", "json": "metrics.json", "csv": "metrics.csv"}   # -> file
-EXPORTS = ("html", "md", "csv")     # the formats the command line writes beside report.json (probe and run)
 
 
 class ProbeReport(TypedDict, total=False):
@@ -182,15 +181,6 @@ class ProbeReport(TypedDict, total=False):
     analyses: dict          # with analyses: their results (llmprobe.analyses.results), per relation and analysis
     claims: dict            # with analyses: the summary's claims and verdicts (llmprobe.report.claims.claims_block)
     matched: dict           # run only: the matched synthetic controls (synthetic.matched)
-
-
-def check_formats(formats) -> tuple[str, ...]:
-    """``formats`` as a tuple of :data:`FORMATS` names; UsageError naming any other."""
-    formats = (formats,) if isinstance(formats, str) else tuple(formats)
-    unknown = sorted(set(formats) - set(FORMATS))
-    if unknown:
-        raise UsageError(f"unknown report format(s) {unknown}; choose from {', '.join(FORMATS)}")
-    return formats
 
 
 @contextmanager
@@ -257,10 +247,10 @@ def probe(model=None, *, settings: Settings | None = None, out: str | Path | Non
     other file is deleted), or ``resume``, which continues the same model's run (``llmprobe.jobs.stages.
     claim_folder``).
     """
-    formats = check_formats(formats)
+    formats = report_formats(formats)
     with shown(progress, verbose):
         job = ProbeJob("probe", job_settings("probe", model, settings, options), out, resume, overwrite,
-                       tuple(FORMATS[f] for f in formats))
+                       tuple(REPORT_FILES[f] for f in formats))
         job.load(model, tokenizer, lm, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
         report = job.run(on_known)
         if job.out is not None and formats:
@@ -666,4 +656,4 @@ def summary_table(report: dict) -> str:
     return "\n".join(rows)
 
 
-__all__ = ["probe", "ProbeJob", "ProbeReport", "FORMATS", "library_versions", "summary_table", "DatasetError"]
+__all__ = ["probe", "ProbeJob", "ProbeReport", "library_versions", "summary_table", "DatasetError"]

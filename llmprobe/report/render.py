@@ -21,9 +21,10 @@ from llmprobe.analyses.results import (
     metric_nulls,
     metric_value,
 )
-from llmprobe.checks import UsageError
+from llmprobe.checks import UsageError, report_formats
 from llmprobe.io import BIDI_ESCAPES, MANIFEST, note_written, read_manifest, remove_outputs, write_json, write_text
 from llmprobe.metric import iter_metrics
+from llmprobe.names import REPORT_FILES
 from llmprobe.report.claims import (
     CAPACITY,
     CAUSAL,
@@ -750,19 +751,17 @@ def compare(report_dirs: list[str | Path], out: str | Path, formats: tuple[str, 
 
 def write_all(reports: list[dict], out: Path, title: str, formats: tuple[str, ...],
               extra_images: list[tuple[str, str]] = ()) -> list[Path]:
-    unknown = set(formats) - {"html", "md", "json", "csv"}
-    if unknown:
-        raise ValueError(f"unknown report format(s) {sorted(unknown)}; choose from html, md, json, csv")
+    formats = report_formats(formats)         # UsageError (a ValueError) naming an unknown one
     rows = [row for report in reports for row in metric_rows(report)]
     claims = [row for report in reports for row in claim_rows(report)]
     written = []
     if "html" in formats:
-        written.append(write_text(out / "report.html", visible(render_html(reports, title, extra_images))))
+        written.append(write_text(out / REPORT_FILES["html"], visible(render_html(reports, title, extra_images))))
     if "md" in formats:
-        written.append(write_text(out / "report.md", visible(render_markdown(reports, title))))
+        written.append(write_text(out / REPORT_FILES["md"], visible(render_markdown(reports, title))))
     if "csv" in formats:
-        written.append(write_csv(rows + claims, out / "metrics.csv"))
+        written.append(write_csv(rows + claims, out / REPORT_FILES["csv"]))
     if "json" in formats:
-        written.append(write_json(out / "metrics.json", rows + claims))
+        written.append(write_json(out / REPORT_FILES["json"], rows + claims))
     return written
 
