@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import html
 import json
-import os
 import re
 import tempfile
 import warnings
@@ -30,6 +29,7 @@ from llmprobe.checks import read_json
 from llmprobe.geometry import LinearRelationOperator
 from llmprobe.io import write_bytes, write_json, write_text
 from llmprobe.model.engine import logits_fn, relation_states
+from llmprobe.model.loading import hub_offline
 
 DECODERS_JSON = "decoders.json"
 DECODERS_TENSORS = "decoders.safetensors"
@@ -217,7 +217,7 @@ class SavedDecoder:
         Offline (``HF_HUB_OFFLINE`` set) it fails at once."""
         if not HUB_REPO.fullmatch(str(repo_id)):
             raise ValueError(f"repo_id must be a hub repo id 'user/name', got {repo_id!r}")
-        if hub_offline():
+        if hub_offline() or hub_constants.is_offline_mode():
             raise ConnectionError(f"cannot push to hub repo {repo_id!r}: offline (HF_HUB_OFFLINE is set). Unset "
                                   f"it, or save(folder) now and upload that folder later "
                                   f"(`hf upload {repo_id} FOLDER`)")
@@ -495,18 +495,10 @@ def _check_template(template, what: str) -> None:
         raise ValueError(f"{what} must be a prompt with a {{}} subject slot, or null; got {template!r}"[:300])
 
 
-def hub_offline() -> bool:
-    """Whether the Hugging Face hub is off: huggingface_hub's setting, or HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE
-    set in the environment now (huggingface_hub reads them once, when it is imported)."""
-    now = (os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE")
-           for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
-    return hub_constants.is_offline_mode() or any(now)
-
-
 def _hub_snapshot(repo: str, revision: str | None, cache_dir: str | Path | None, token: str | None) -> Path:
     """The local folder of hub repo ``repo``'s decoder files (downloaded, or from the cache when offline or the hub
     is unreachable); FileNotFoundError naming the repo and how to fetch it when it cannot be had."""
-    offline = hub_offline()
+    offline = hub_offline() or hub_constants.is_offline_mode()
     try:
         return Path(snapshot_download(repo, revision=revision, cache_dir=cache_dir, token=token,
                                       local_files_only=offline,

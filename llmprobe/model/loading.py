@@ -729,6 +729,13 @@ def _embedded_safetensors() -> str:
     return str(target)
 
 
+def hub_offline() -> bool:
+    """Whether the Hugging Face hub is off: HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE set to a true value now (1, ON,
+    YES, TRUE: huggingface_hub's rule; it reads them once, when it is imported)."""
+    return any(os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE")
+               for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
 def check_hub_reachable(name: str, revision: str | None) -> None:
     """Fail at once, naming what was tried, when ``name`` is neither cached nor reachable."""
     from huggingface_hub import try_to_load_from_cache  # lazy: start-up time, with transformers
@@ -742,8 +749,7 @@ def check_hub_reachable(name: str, revision: str | None) -> None:
                              f"MODEL for the embedded default {DEFAULT_MODEL}.") from None
     if isinstance(cached, str):
         return
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false") or \
-        os.environ.get("TRANSFORMERS_OFFLINE", "0") not in ("0", "", "false")
+    offline = hub_offline()
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
     reason = "HF_HUB_OFFLINE is set" if offline else None
     if reason is None:
