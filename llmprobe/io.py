@@ -7,6 +7,7 @@ import ctypes
 import ctypes.util
 import errno
 import glob
+import hashlib
 import io
 import json
 import os
@@ -90,6 +91,13 @@ def write_text(path: str | Path, text: str) -> Path:
 # and csv too (llmprobe.report.render.HIDDEN)
 BIDI_ESCAPES = {code: f"\\u{code:04x}" for code in (0x061c, 0x200e, 0x200f, *range(0x202a, 0x202f),
                                                     *range(0x2066, 0x206a))}
+
+
+def json_digest(*parts) -> str:
+    """"sha256:..." of ``parts`` as JSON (sorted keys; other objects by their ``str``): the key of a checkpointed
+    stage or unit, equal whenever everything that sets its numbers is."""
+    blob = json.dumps(parts, sort_keys=True, default=str, ensure_ascii=False)
+    return "sha256:" + hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
 def write_json(path: str | Path, obj) -> Path:

@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import math
 import time
@@ -76,7 +75,7 @@ from tqdm.auto import tqdm
 
 from llmprobe.datasets import Fact, FactTable, Relation
 from llmprobe.geometry import superposition_readout
-from llmprobe.io import write_text
+from llmprobe.io import json_digest, write_text
 from llmprobe.metric import LEVEL, Metric, nan_metric, pooled_readout, t_quantile
 from llmprobe.model.random_init import random_init
 from llmprobe.names import MATCHED_MODES
@@ -134,8 +133,7 @@ def known_table(report_relations: dict, known: dict, min_facts: int = 5) -> tupl
 
 def table_digest(table: FactTable) -> str:
     """sha256 of a fact table's content: its subjects, relations, attribute sets and index table."""
-    blob = json.dumps([table.subjects, table.relations, table.attributes, table.table.tolist()], ensure_ascii=False)
-    return "sha256:" + hashlib.sha256(blob.encode("utf-8")).hexdigest()
+    return json_digest(table.subjects, table.relations, table.attributes, table.table.tolist())
 
 
 class Units:
@@ -155,8 +153,7 @@ class Units:
         return self.folder / mode / f"{name}.json"
 
     def key(self, mode: str, unit: dict) -> str:
-        blob = json.dumps([UNIT_FORMAT, self.settings, mode, unit], sort_keys=True, ensure_ascii=False)
-        return "sha256:" + hashlib.sha256(blob.encode("utf-8")).hexdigest()
+        return json_digest(UNIT_FORMAT, self.settings, mode, unit)
 
     def get(self, mode: str, name: str, unit: dict) -> dict | None:
         """The value of a finished unit (``resume`` only), or None: train it."""

@@ -6,8 +6,9 @@ from tiny_models import save_tiny, tiny_tokenizer
 
 from llmprobe.checks import parse_layers
 from llmprobe.cli import main
+from llmprobe.io import json_digest
 from llmprobe.jobs.probe import probe
-from llmprobe.jobs.stages import earlier_stage, mark_interrupted, stage_key, start_stage
+from llmprobe.jobs.stages import earlier_stage, mark_interrupted, start_stage
 from llmprobe.model import subjects as subjects_module
 from llmprobe.model.known import first_token_ids, is_known, object_token_sequences
 from llmprobe.model.subjects import SubjectNotFoundError
@@ -63,8 +64,8 @@ def test_unlocatable_subject_is_reported_and_the_run_goes_on(tiny_folder, relati
 def test_the_stage_protocol_keys_resumes_and_marks_an_interrupt():
     """A stage is taken over only under the same key; an interrupt marks the unfinished stages once, and a report
     whose stages are all done is not partial."""
-    key = stage_key({"weights": "sha256:1"}, [0, 2], ("lre",))
-    assert key == stage_key({"weights": "sha256:1"}, [0, 2], ["lre"]) != stage_key({"weights": "sha256:2"}, [0, 2])
+    key = json_digest({"weights": "sha256:1"}, [0, 2], ("lre",))
+    assert key == json_digest({"weights": "sha256:1"}, [0, 2], ["lre"]) != json_digest({"weights": "sha256:2"}, [0, 2])
     report = {"stages": {}, "errors": ["capital: fact skipped", "interrupted during known_facts: old"],
               "partial": True}
     stage = start_stage(report, "known_facts", key)

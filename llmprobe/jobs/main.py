@@ -22,6 +22,7 @@ import torch
 from llmprobe.analyses.settings import settings_from
 from llmprobe.analyses.superposition import superposition_table
 from llmprobe.checks import report_formats
+from llmprobe.io import json_digest
 from llmprobe.jobs.matched import CoreGate, MatchedWorker, WorkerInterrupted
 from llmprobe.jobs.plan import REFERENCE_RATE, analyses_budget, matched_planned, matmul_rate, measured_rate
 from llmprobe.jobs.probe import (
@@ -32,7 +33,7 @@ from llmprobe.jobs.probe import (
     say,
     shown,
 )
-from llmprobe.jobs.stages import checkpoint, earlier_stage, mark_interrupted, stage_key, start_stage, unfinished
+from llmprobe.jobs.stages import checkpoint, earlier_stage, mark_interrupted, start_stage, unfinished
 from llmprobe.names import EXPORTS, REPORT_FILES
 from llmprobe.report.claims import claims_block
 from llmprobe.report.render import with_matched, write_all
@@ -176,7 +177,7 @@ class MatchedStage:
         settings = self.settings
         like_for_like = "superposition" in settings.analyses("run")
         training = {k: v for k, v in settings.changed("matched").items() if k in TRAINING}
-        key = stage_key(report["stages"]["known_facts"]["key"], "controls 2", settings.matched.at_model_width,
+        key = json_digest(report["stages"]["known_facts"]["key"], "controls 2", settings.matched.at_model_width,
                         settings.run.seed, like_for_like, sorted(settings.changed("analysis").items()),
                         *([sorted(training.items())] if training else []))
         stage = start_stage(report, "matched", key)

@@ -24,6 +24,7 @@ from llmprobe.analyses.settings import settings_from
 from llmprobe.checks import UsageError, output_folder, parse_layers, report_formats
 from llmprobe.console import bar, bars_shown, say, showing
 from llmprobe.datasets import DatasetError, Relation, load_relations
+from llmprobe.io import json_digest
 from llmprobe.jobs.helpers import AnalysisHelper
 from llmprobe.jobs.plan import part_seconds
 from llmprobe.jobs.runner import Parts, SharedRunner
@@ -35,7 +36,6 @@ from llmprobe.jobs.stages import (
     earlier_stage,
     mark_interrupted,
     previous_report,
-    stage_key,
     start_stage,
 )
 from llmprobe.model.chat import chat_record, chat_relations
@@ -359,7 +359,7 @@ class ProbeJob:
         depend on the process (``KnownFactsJob``)."""
         run, report, t = self.settings.run, self.report, time.perf_counter()
         a = self.settings.analysis     # the protocol's known-fact rule and in-context examples
-        key = stage_key(model_identity(self.lm.info), report["dataset"]["hash"], run.max_facts,
+        key = json_digest(model_identity(self.lm.info), report["dataset"]["hash"], run.max_facts,
                         run.max_prompt_tokens, run.batch_size, run.seed, a.protocol, a.n_icl,
                         a.n_splits if a.protocol == "lre" else None,
                         *([sorted(self.assumed)] if self.assumed else []))    # the keys of earlier runs kept
@@ -430,7 +430,7 @@ class ProbeJob:
         """The analyses stage: taken over whole from the previous report when its key matches and it was done;
         otherwise ``run_analyses``, given the finished relations of an interrupted earlier stage of the same key."""
         report, analyses, t = self.report, self.settings.analyses(self.command), time.perf_counter()
-        key = stage_key(report["stages"]["known_facts"]["key"], report["layers"], analyses,
+        key = json_digest(report["stages"]["known_facts"]["key"], report["layers"], analyses,
                         sorted(self.settings.changed("analysis").items()))
         stage = start_stage(report, "analyses", key, resumed_relations=[], resumed_superposition=False,
                             refit_relations=[])

@@ -1,7 +1,7 @@
 """The stage protocol of ``probe`` and ``run``, written once.
 
 A report is computed in stages (``known_facts``, ``analyses``, ``matched``). Each has a record in
-``report["stages"]``: ``{"key", "done", "resumed", ...}``, where the key (:func:`stage_key`) is a digest of
+``report["stages"]``: ``{"key", "done", "resumed", ...}``, where the key (:func:`json_digest`) is a digest of
 everything its numbers depend on (model hash, data, settings). With ``resume``, a stage whose key matches the
 previous report's in the same folder (:func:`previous_report`, :func:`earlier_stage`) is taken over instead of
 recomputed. Checkpoints (:func:`checkpoint`) rewrite report.json as stages finish; on an interrupt
@@ -15,29 +15,22 @@ file llmprobe does not write is never deleted.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 from pathlib import Path
 
 from llmprobe.analyses.saved import DECODERS_JSON, weights_id
 from llmprobe.checks import UsageError
-from llmprobe.io import MANIFEST, OUTPUTS, read_manifest, remove_outputs, write_json
+from llmprobe.io import MANIFEST, OUTPUTS, json_digest, read_manifest, remove_outputs, write_json
 from llmprobe.report.schema import read_report
 
 INTERRUPTED = "interrupted during"   # how the interrupt's entry in report["errors"] begins
 
 
-def stage_key(*parts) -> str:
-    """sha256 of ``parts`` as JSON (sorted keys; other objects by their ``str``)."""
-    blob = json.dumps(parts, sort_keys=True, default=str, ensure_ascii=False)
-    return "sha256:" + hashlib.sha256(blob.encode("utf-8")).hexdigest()
-
-
 def digests(parts: dict) -> dict[str, str]:
-    """Part name -> the digest (:func:`stage_key`) of its JSON content: recorded in a stage beside the file that
+    """Part name -> the digest (:func:`json_digest`) of its JSON content: recorded in a stage beside the file that
     holds the parts (``known_facts.json``), so that ``resume`` takes over only the parts that file still holds
     unchanged."""
-    return {name: stage_key(value) for name, value in parts.items()}
+    return {name: json_digest(value) for name, value in parts.items()}
 
 
 def previous_report(out: str | Path | None) -> dict:
@@ -185,5 +178,5 @@ def mark_interrupted(report: dict) -> None:
                                 f"report; rerun with --resume to finish the rest")
 
 
-__all__ = ["OUTPUTS", "stage_key", "digests", "previous_report", "results_in", "check_folder", "claim_folder", "refusal", "start_stage", "earlier_stage", "checkpoint",
+__all__ = ["OUTPUTS", "json_digest", "digests", "previous_report", "results_in", "check_folder", "claim_folder", "refusal", "start_stage", "earlier_stage", "checkpoint",
            "unfinished", "mark_interrupted"]
