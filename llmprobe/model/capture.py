@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from llmprobe.model.adapters import ModelAdapter, from_lens_name, is_lens_name
+from llmprobe.model.subjects import tokenize
 
 
 class _StopForward(Exception):
@@ -137,11 +138,7 @@ def tokenized(texts: str | list[str], tokenizer) -> tuple[torch.Tensor, torch.Te
     if not texts or not all(isinstance(text, str) for text in texts):
         raise ValueError("capture: give the text as a string or a non-empty list of strings (or token ids as a "
                          "LongTensor [batch, seq])")
-    saved_side, tokenizer.padding_side = tokenizer.padding_side, "left"
-    try:
-        batch = tokenizer(texts, return_tensors="pt", padding=len(texts) > 1)
-    finally:
-        tokenizer.padding_side = saved_side
+    batch = tokenize(tokenizer, texts, "left", padding=len(texts) > 1)
     return batch["input_ids"], batch["attention_mask"]
 
 

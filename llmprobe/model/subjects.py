@@ -76,6 +76,16 @@ def locate(tokenizer, ids: list[int], offsets: list[tuple[int, int]], special: l
     raise SubjectNotFoundError(f"subject {subject!r} not found in the prompt tokens {tokenizer.decode(ids)!r}")
 
 
+def tokenize(tokenizer, texts: list[str], padding_side: str = "left", **options):
+    """``tokenizer(texts, return_tensors="pt", **options)`` padded on ``padding_side`` for this call only (the
+    tokenizer's own side is put back)."""
+    saved_side, tokenizer.padding_side = tokenizer.padding_side, padding_side
+    try:
+        return tokenizer(texts, return_tensors="pt", **options)
+    finally:
+        tokenizer.padding_side = saved_side
+
+
 def encode(tokenizer, templates: list[str] | str, subjects: list[str], padding_side: str = "left") -> EncodedPrompts:
     """Fill each template with its subject, tokenize as a padded batch and locate every subject.
 
@@ -88,13 +98,8 @@ def encode(tokenizer, templates: list[str] | str, subjects: list[str], padding_s
         raise ValueError(f"{len(templates)} templates for {len(subjects)} subjects")
     filled = [fill(t, s) for t, s in zip(templates, subjects)]
     prompts = [p for p, _ in filled]
-    saved_side = tokenizer.padding_side
-    tokenizer.padding_side = padding_side
-    try:
-        batch = tokenizer(prompts, padding=True, return_tensors="pt", return_offsets_mapping=True,
-                          return_special_tokens_mask=True)
-    finally:
-        tokenizer.padding_side = saved_side
+    batch = tokenize(tokenizer, prompts, padding_side, padding=True, return_offsets_mapping=True,
+                     return_special_tokens_mask=True)
     mask = batch["attention_mask"]
     first, last, prompt_last, how = [], [], [], []
     for row, (subject, (_, span)) in enumerate(zip(subjects, filled)):
