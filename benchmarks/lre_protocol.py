@@ -113,20 +113,35 @@ def reverted(steps: tuple[str, ...]):
 
 def measure(lm, relations: list, layers: list[int], n_icl: int = 5, n_splits: int = 3, seed: int = 0,
             options: dict | None = None, log=print, out_path: str | None = None, max_facts: int | None = None,
-            modes: tuple[str, ...] = MODES, literal: bool = True, revert: tuple[str, ...] = ()) -> dict:
+            modes: tuple[str, ...] = MODES, literal: bool = True, revert: tuple[str, ...] = (),
+            resume: bool = False) -> dict:
     """Known facts and the selection ``modes`` of every relation: {"relations": {name: {category, n_rows (checked),
     n_rows_file, n_known per trial, measured, jacobian_rank, modes: {mode: relation entry}}}, "seconds"};
     ``max_facts`` keeps the first rows of a longer relation; as published on the rows' text as the reference reads
     it (``literal``: ``lre_as_read``, its known facts checked apart where that text differs); ``revert``: steps put
     back to before (:data:`STEPS`); written to ``out_path`` (atomically) after every relation, so a long run that
-    is stopped keeps the relations it finished. Options default to exact Jacobians (``jacobian_rank="full"``;
+    is stopped keeps the relations it finished, and ``resume`` starts from them (ValueError when ``out_path``
+    holds a run of other settings: its rows would not pool). Options default to exact Jacobians (``jacobian_rank="full"``;
     ``revert`` "rank": 128)."""
     t0 = time.perf_counter()
     options = {"jacobian_rank": "full", **(options or {}), **({"jacobian_rank": 128} if "rank" in revert else {})}
     literal = literal and "escapes" not in revert
     out: dict = {"relations": {}, "layers": layers, "n_icl": n_icl, "n_splits": n_splits,
                  "jacobian_rank": options["jacobian_rank"], "literal": literal, "revert": list(revert)}
+    if resume and out_path and os.path.exists(out_path):
+        before = read_json(out_path)
+        differ = [k for k in ("layers", "n_icl", "n_splits", "jacobian_rank", "literal", "revert")
+                  if before.get(k) != out[k]]
+        if differ:
+            raise ValueError(f"{out_path} holds a run of other settings ({', '.join(differ)} differ); resume it "
+                             f"with its own settings or write to another --out")
+        out["relations"] = {name: entry for name, entry in before["relations"].items()
+                            if not entry["measured"] or set(modes) <= set(entry["modes"])}
+        t0 -= before.get("seconds") or 0
+        log(f"resuming {out_path}: {len(out['relations'])} relations done")
     for relation in relations:
+        if relation.name in out["relations"]:
+            continue
         n_file = len(relation.facts)
         if max_facts:
             relation = relation.with_facts(relation.facts[:max_facts])
@@ -286,6 +301,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default=None, help="write every relation's entries here (JSON, after each one)")
+    parser.add_argument("--resume", action="store_true",
+                        help="with --out: keep the relations that file holds (same settings) and measure the rest")
     parser.add_argument("--table", nargs="+", default=None,
                         help="print the table of saved --out files, pooled (measure nothing)")
     parser.add_argument("--markdown", action="store_true",
@@ -313,7 +330,7 @@ def main(argv=None) -> dict:
     rank = args.jacobian_rank if args.jacobian_rank == "full" else int(args.jacobian_rank)
     measured = measure(lm, relations, layers, args.n_icl, args.trials, options={"jacobian_rank": rank},
                        out_path=args.out, max_facts=args.max_facts, modes=tuple(args.modes),
-                       literal=not args.decoded_escapes, revert=tuple(args.revert))
+                       literal=not args.decoded_escapes, revert=tuple(args.revert), resume=args.resume)
     print(format_table(table(measured)))
     print(f"({measured['seconds']} s; layers {layers}; relations measured: "
           f"{sum(e['measured'] for e in measured['relations'].values())} of {len(measured['relations'])})")
