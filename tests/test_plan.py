@@ -226,6 +226,27 @@ def test_the_analyses_share_the_cores_the_workers_free_unless_a_model_copy_does_
     assert plan(TARGETS[0], rate=REFERENCE_RATE)["total"]["analyses_processes"] == 1
 
 
+def test_without_controls_one_process_runs_the_analyses_on_every_thread_and_the_plan_prices_its_threads(monkeypatch):
+    """With no control workers the analyses run in one process on all the cores' threads: its known facts and
+    analyses are priced Amdahl's speedup faster than one thread (1.68x on 2 threads, the quick command's measured
+    share), where before they were priced as one thread (1.7x over); beside the two workers on 2 cores each process
+    has one thread and the price is as it was."""
+    assert plan_module.thread_speedup(1) == 1.0
+    assert plan_module.thread_speedup(2) == pytest.approx(1.68, abs=0.01)
+    assert plan_module.thread_speedup(64) < 1 / (1 - plan_module.THREADS_PARALLEL_FRACTION)
+    bare = from_options("run", None, {"matched": False})
+    plans = {}
+    for cores in (1, 2):
+        monkeypatch.setattr(plan_module.os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        plans[cores] = plan(TARGETS[0], bare, rate=REFERENCE_RATE)
+    assert plans[2]["total"]["analyses_threads"] == 2 and plans[2]["total"]["analyses_processes"] == 1
+    load = plans[1]["stages"]["load"]["seconds"]
+    assert plans[2]["total"]["seconds"] - load == pytest.approx((plans[1]["total"]["seconds"] - load) / 1.68, rel=0.01)
+    monkeypatch.setattr(plan_module.os, "sched_getaffinity", lambda pid: {0, 1})
+    with_workers = plan(TARGETS[0], rate=REFERENCE_RATE)["total"]
+    assert with_workers["analyses_threads"] == 1 and with_workers["analyses_processes"] == 2
+
+
 def test_every_constant_of_the_cost_model_has_its_provenance_and_is_the_one_plan_and_workload_use():
     """llmprobe/jobs/cost_model.toml: each fitted, measured or assumed constant has its machine (or "assumed"),
     date, source and note beside its value; plan and workload hold the file's values, in their own types."""
@@ -237,7 +258,8 @@ def test_every_constant_of_the_cost_model_has_its_provenance_and_is_the_one_plan
     assert any(e["machine"] == "assumed" for e in data["H200"].values())
     assert set(data) == {"FITTED", "H200", "MATCHED_PARAMS", "REFERENCE_RATE", "PROCESS_BYTES", "SMOLLM2_KNOWN",
                          "SMOLLM2_KNOWN_FRACTION", "MATCHED_D_STAR", "CONTROL_STEPS", "CONTROL_POINT_STEPS",
-                         "MATCHED_SEARCH_S"}
+                         "MATCHED_SEARCH_S", "THREADS_PARALLEL_FRACTION"}
+    assert plan_module.THREADS_PARALLEL_FRACTION == data["THREADS_PARALLEL_FRACTION"]["value"]
     fitted = plan_module.FITTED
     assert fitted == {stage: tuple(e["value"]) for stage, e in data["FITTED"].items()}
     assert all(type(fit) is tuple and len(fit) == 2 for fit in fitted.values())

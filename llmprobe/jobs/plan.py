@@ -74,6 +74,14 @@ CPU_FITS["matched_params"] = constant("MATCHED_PARAMS")
 # now, ``measured_rate()``) scales every CPU fit
 REFERENCE_RATE = constant("REFERENCE_RATE")
 PROCESS_BYTES = constant("PROCESS_BYTES")   # Python, torch and the tokenizer: a process's RSS less its model
+THREADS_PARALLEL_FRACTION = constant("THREADS_PARALLEL_FRACTION")   # Amdahl's p of an analysis process
+
+
+def thread_speedup(threads: int) -> float:
+    """How much faster one analysis process runs on ``threads`` torch threads than on one: Amdahl's law with the
+    measured parallel fraction (``THREADS_PARALLEL_FRACTION``; the fits are one thread's seconds)."""
+    p = THREADS_PARALLEL_FRACTION
+    return 1.0 / ((1.0 - p) + p / max(1, threads))
 
 
 def h200_matched_step(flops: float) -> float:
@@ -145,8 +153,8 @@ def predict(shape: Shape, work: dict, model_cost, width_fits: dict, load_s: floa
     training steps by ``matched_step(FLOPs)`` (default: the CPU fit), their threshold searches ``search_s`` (both
     modes) and measurements at the CPU fit's speed, ``n_seeds`` trainings per point, one worker per mode.
     wall = load + known facts over the analyses' processes + max(analyses over their processes, the longer mode's
-    controls, all of that work over ``cores``) (the known facts' and analyses' seconds are one thread's, so on
-    several cores this is an upper bound; their processes ``analyses_processes``: cores // the threads the workers
+    controls, all of that work over ``cores``) (the known facts' and analyses' seconds are one thread's; a process
+    of several threads runs them ``thread_speedup`` faster; their processes ``analyses_processes``: cores // the threads the workers
     leave, as ``llmprobe run`` starts them (the known facts are shared by the same processes before the workers),
     1 when ``helpers_fit`` is false (the helpers' model copies would not fit in half the memory);
     ``cores`` None, on a GPU: one process and the last term left out, the GPU's small-batch passes leaving room for
@@ -190,10 +198,12 @@ def predict(shape: Shape, work: dict, model_cost, width_fits: dict, load_s: floa
     # beside the workers the analyses run on the threads left, in as many processes of that many threads as the
     # cores hold (llmprobe.jobs.helpers); the workers and the analyses share the cores: no faster than their work
     # spread over every core
-    out["analyses_processes"] = analyses_budget(cores, len(per_mode))[1] if cores and helpers_fit else 1
+    # (without workers: one process on every thread, ``thread_speedup`` faster than one thread)
+    each, processes = analyses_budget(cores, len(per_mode)) if cores else (1, 1)
+    out["analyses_processes"], out["analyses_threads"] = (processes if helpers_fit else 1), each
+    speed = out["analyses_processes"] * thread_speedup(each)
     shared = (out["analyses"] + out["matched_total"]) / cores if cores else 0.0
-    out["wall"] = (out["load"] + out["known_facts"] / out["analyses_processes"]
-                   + max(out["analyses"] / out["analyses_processes"], out["matched"], shared))
+    out["wall"] = (out["load"] + out["known_facts"] / speed + max(out["analyses"] / speed, out["matched"], shared))
     return out
 
 
@@ -400,7 +410,8 @@ def plan(model=None, settings: Settings | None = None, *, device: str = "cpu", r
             "rate": rate, "jacobian_rank": rank, "assumed": assumed,
             "stages": {stage: {"seconds": seconds[stage], "peak_bytes": peaks[stage]} for stage in stages()},
             "total": {"seconds": seconds["wall"], "matched_seconds": seconds["matched_total"],
-                      "analyses_processes": seconds["analyses_processes"], "peak_bytes": peak,
+                      "analyses_processes": seconds["analyses_processes"],
+                      "analyses_threads": seconds["analyses_threads"], "peak_bytes": peak,
                       "host_peak_bytes": host,
                       "memory_bytes": limit, "fits": peak <= limit}}
 
@@ -528,9 +539,10 @@ def format_plan(plans: dict | list[dict]) -> str:
                          f"{H200['efficiency']:.0%}, {H200['hbm_bytes_per_s'] / 1e12:.1f} TB/s), host work at the "
                          f"fit's speed; host peak "
                          f"{gib(p['total']['host_peak_bytes'])} GiB")
-    cpu = [p["total"]["analyses_processes"] for p in plans if p["device"] == "cpu"]
+    cpu = [p["total"] for p in plans if p["device"] == "cpu"]
     lines.append("  wall = load + known facts and analyses each over their processes"
-                 + (f" (this CPU: {cpu[0]})" if cpu else "") + ": known facts + max(analyses, the longer control mode "
+                 + (f" (this CPU: {cpu[0]['analyses_processes']} process(es) of {cpu[0]['analyses_threads']} thread(s), "
+                    f"{thread_speedup(cpu[0]['analyses_threads']):.2f}x one thread)" if cpu else "") + ": known facts + max(analyses, the longer control mode "
                  "(one worker each), all of it over the cores)")
     if cpu:
         lines += busy_note()
