@@ -26,7 +26,10 @@ from tiny_models import save_tiny
 
 from llmprobe import settings as config
 from llmprobe.datasets import DatasetError, load_relations
+from llmprobe.jobs.plan import REFERENCE_RATE, plan
+from llmprobe.jobs.workload import TARGETS
 from llmprobe.model import loading
+from llmprobe.settings import from_options
 
 TESTS = Path(__file__).resolve().parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1",
@@ -165,6 +168,10 @@ def test_rows_files_are_read_only_up_to_max_facts(tmp_path):
     assert relation.subjects == ["Land0", "Land1", "Land2"]
     with pytest.raises(DatasetError, match=r"capital\.jsonl: line 6"):
         load_relations([str(jsonl)])
+    # the plan reads them as the run does: only up to --max-facts
+    planned = plan(TARGETS[0], from_options("run", None, {"relations": [str(jsonl)], "max_facts": 3,
+                                                          "matched": False}), rate=REFERENCE_RATE)
+    assert planned["assumed"]["facts"] == 3
 
     table = tmp_path / "capital.csv"
     table.write_bytes(b"subject,object,template\n" + b"".join(

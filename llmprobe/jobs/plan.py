@@ -299,12 +299,10 @@ def settings_workload(settings: Settings, n_layers: int) -> tuple[dict, Analysis
     key = json.dumps([run.relations, run.hf_kwargs, run.max_facts, run.layers, n_layers, asdict(cfg), analyses, modes,
                       settings.matched.at_model_width, settings.matched.n_seeds], default=str)
     if key not in _WORKLOADS:
-        every = load_relations(None if run.relations is None else list(run.relations), hf_kwargs=run.hf_kwargs)
-        relations = [r.with_facts(r.facts[:run.max_facts]) for r in every] if run.max_facts else every
-        known = {}
-        for full, rel in zip(every, relations):
-            share = SMOLLM2_KNOWN[rel.name] / len(full.facts) if rel.name in SMOLLM2_KNOWN else SMOLLM2_KNOWN_FRACTION
-            known[rel.name] = round(share * len(rel.facts))
+        # read as the run reads them: only up to max_facts (a long .jsonl or .csv file is not read whole)
+        relations = load_relations(None if run.relations is None else list(run.relations), hf_kwargs=run.hf_kwargs,
+                                   max_facts=run.max_facts)
+        known = {rel.name: round(known_share(rel.name) * len(rel.facts)) for rel in relations}
         work = run_workload(smollm2_tokenizer(), n_layers, known, cfg, relations, run.layers, analyses, modes,
                             settings.matched.at_model_width)
         work["n_seeds"] = settings.matched.n_seeds
@@ -313,6 +311,15 @@ def settings_workload(settings: Settings, n_layers: int) -> tuple[dict, Analysis
                    "analyses": analyses, "matched_modes": work["matched_modes"]}
         _WORKLOADS[key] = (work, cfg, assumed)
     return _WORKLOADS[key]
+
+
+@functools.lru_cache(maxsize=None)
+def known_share(name: str) -> float:
+    """The share of relation ``name``'s facts the plan takes as known: SmolLM2's measured count over the bundled
+    relation's facts for a bundled relation it measured, else SmolLM2's overall fraction."""
+    if name not in SMOLLM2_KNOWN:
+        return SMOLLM2_KNOWN_FRACTION
+    return SMOLLM2_KNOWN[name] / len(load_relations([name])[0].facts)
 
 
 def priced_by_passes() -> list[str]:
