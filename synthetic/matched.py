@@ -47,7 +47,7 @@ whole schedule, as there).
 The returned block (``report["matched"]``)::
 
     {"compared_with": "<one sentence: what is compared with what>",
-     "table": {"n_subjects", "relations", "n_facts", "bits"}, "d_model": 576, "seed": 0, "seeds": [0, 1, 2],
+     "table": {"n_subjects", "relations", "n_facts", "bits", "bits_joint"}, "d_model": 576, "seed": 0, "seeds": [0, 1, 2],
      "training": {TrainConfig fields that matter, "recipe", "past_fit", "budgets", "threads", ...},
      "wall_seconds": ..., "cpu_seconds": ...,
      "modes": {"trainable": {"threshold": {"d_star", "exact", "tried": [...], "search_seconds"},
@@ -426,7 +426,8 @@ def train_matched(table: FactTable, d_model: int, seed: int = 0, at_model_width:
                                     "past_fit": past_fit, "recipe": recipe, "device": str(device),
                                     "threads": THREADS}, resume, progress)
         info = {"n_subjects": len(table.subjects), "relations": list(table.relations),
-                "n_facts": int((task.table >= 0).sum()), "bits": round(task.bits(), 1)}
+                "n_facts": int((task.table >= 0).sum()), "bits": round(task.bits(), 1),
+                "bits_joint": round(task.bits_joint(), 1)}
         block_modes = {}
         for mode in modes:
             start = time.perf_counter()

@@ -15,7 +15,13 @@ sizes the exact superposition gains ~0.3; with 4, 12 and 30 attributes it gained
 The selector line's measure on planted one-layer models (``calibrate_selector``) at the real run's 64 test facts:
 the construction and a trained geometric model supported, the key-value memories neither supported nor weak.
 Breaking the matched switch-off (``matched_switch_off`` returning all ones: no unit moved) makes the first
-selector test fail (the null keeps every answer, so the trained model's keep no longer beats it).""" 
+selector test fail (the null keeps every answer, so the trained model's keep no longer beats it).
+
+The capacity line's scaling rule (``capacity_scaling``) on planted sweeps of the real sweep's cells and seeds at its
+residual noise (``calibrate_capacity``; the table: ``benchmarks/calibration_capacity.py``): trainable d* ~ R log2 N
+supported, d* ~ N and d* ~ N R (key-value memories) not shown; frozen d* = the trainable law x1.2 not shown.
+Dropping N R from the memories the claim must beat (``MEMORY_FEATURES = ("N",)``) no longer grades the per-fact
+memory not shown (it reads inconclusive) and makes the test fail.""" 
 import math
 
 import pytest
@@ -26,11 +32,14 @@ from llmprobe.jobs.calibration import (
     BEFORE,
     WITH_LEXICAL,
     calibrate,
+    calibrate_capacity,
     calibrate_selector,
+    capacity_worlds,
     grade,
     measure_world,
     selector_worlds,
     superposition_worlds,
+    sweep_noise,
 )
 
 N, D, SIZES = 120, 48, (120, 60, 8)
@@ -105,3 +114,16 @@ def test_the_matched_switch_off_matches_count_and_norm():
     off = matched_switch_off(relu, torch.tensor([[0.0, 1.0, 1.0, 1.0]]), relu > 0, torch.tensor([[0, 1, 1, 1]]) > 0,
                              torch.Generator().manual_seed(1))
     assert sorted(off[0].tolist()) == [0.0, 0.0, 1.0, 1.0]                         # 0/1 gates: switched off
+
+
+def test_the_capacity_rule_passes_r_log_n_and_fails_the_key_value_memories():
+    rows = {r["world"]: r for r in calibrate_capacity(capacity_worlds(), replicates=3, noise=sweep_noise(),
+                                                      n_boot=200)}
+    for row in rows.values():
+        if row["trainable_holds"]:
+            assert row["trainable_supported"] == 1.0, row
+        else:
+            assert row["trainable_supported"] == 0.0 and row["trainable_not_shown"] == 1.0, row
+        if row["frozen_holds"] is False:
+            assert row["frozen_supported"] == 0.0 and row["frozen_not_shown"] == 1.0, row
+    assert sum(not r["trainable_holds"] for r in rows.values()) == 2 and len(rows) == 4

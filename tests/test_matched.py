@@ -13,6 +13,7 @@ from llmprobe.report.figures import capacity_figure, controls_caption
 from llmprobe.report.render import render_markdown, with_matched
 from llmprobe.report.schema import matched_sources
 from synthetic.matched import PAST_FIT, curve_widths, merge_matched, over_seeds, train_matched
+from synthetic.tasks import from_fact_table
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +141,8 @@ def block_is_measured(out) -> bool:
 def test_controls_block_is_a_curve_of_typed_metrics(block, table):
     assert set(block["modes"]) == {"trainable", "frozen"}
     assert block["table"]["n_subjects"] == len(table.subjects) and block["table"]["relations"] == table.relations
+    assert block["table"]["bits_joint"] < block["table"]["bits"]          # continent is a function of subregion
+    assert block["table"]["bits_joint"] == round(from_fact_table(table).bits_joint(), 1)
     assert f"{len(table.subjects)} subjects x 3 relations" in block["compared_with"]
     for mode, entry in block["modes"].items():
         d_star = entry["threshold"]["d_star"]

@@ -1,12 +1,11 @@
 """Report export and comparison: escaping, tables, CSV rows, errors on bad input."""
 import csv
 import json
-import math
 
 import pytest
 
 from llmprobe.metric import Metric, paired_difference, proportion
-from llmprobe.report.claims import CLAIMS, claims_block, claims_text, summary_claims
+from llmprobe.report.claims import CAPACITY_SWEEP, CLAIMS, capacity_scaling, claims_block, claims_text, summary_claims
 from llmprobe.report.render import (
     LONG_TABLE,
     compare,
@@ -458,37 +457,50 @@ def test_chain_of_thought_is_graded_against_the_direct_answer_to_the_same_chains
     assert _line(_claims_report(), MULTIHOP)["verdict"] == "not measured"
 
 
-def _capacity_report(kind="bijections", steps=500, bits_per_param=1.7, exact=True) -> dict:
-    n, r = 256, 4
-    bits = r * math.lgamma(n + 1) / math.log(2) if kind == "bijections" else 600.0
-    control = {"table": {"n_subjects": n, "relations": [f"r{i}" for i in range(r)], "n_facts": n * r,
-                         "bits": round(bits, 1)}, "training": {"max_steps": steps},
-               "modes": {"trainable": {"threshold": {"d_star": 6, "exact": exact},
-                                       "points": [{"d": 6, "train": {"bits_per_param": bits_per_param}, "readout": {}}]}}}
+def _capacity_report(n=193, r=6, steps=2000, d_star=3, exact=True, joint=5019.0) -> dict:
+    """A report whose trainable control has d* = ``d_star`` on an n x r table (every subject has every fact) with
+    5425.6 bits summed over relations (``joint``: counted jointly; None: an older report without it), 2499
+    trainable parameters at d*, and a frozen control at d* = 8."""
+    table = {"n_subjects": n, "relations": [f"r{i}" for i in range(r)], "n_facts": n * r, "bits": 5425.6}
+    if joint is not None:
+        table["bits_joint"] = joint
+    control = {"table": table, "training": {"max_steps": steps},
+               "modes": {"trainable": {"threshold": {"d_star": d_star, "exact": exact}, "points": [
+                   {"d": d_star, "train": {"bits_per_param": 2.171, "n_trainable": 2499}, "readout": {}}]},
+                         "frozen": {"threshold": {"d_star": 8, "exact": True}, "points": [
+                             {"d": 8, "train": {"bits_per_param": 0.94, "n_trainable": 5760}, "readout": {}}]}}}
     return _claims_report(controls=control)
 
 
-@pytest.mark.parametrize("kind, steps, bits_per_param, exact, expected", [
-    ("bijections", 500, 1.70, True, "supported"),            # inside the sweep's cells (1.43-1.91)
-    ("bijections", 500, 8.00, True, "not shown"),            # d* far below what the sweep's capacity allows
-    ("bijections", 500, 0.90, True, "not shown"),            # far above it
-    ("bijections", 500, 1.70, False, "inconclusive"),        # d* an upper bound: 1.70 only a lower bound
-    ("bijections", 2000, 1.70, True, "not comparable"),      # another step cap
-    ("general maps", 500, 1.70, True, "not comparable"),     # general-map cells only at the 2000-step cap
-    ("general maps", 2000, 1.00, True, "supported"),         # inside the general-map cells (0.74-1.22)
-    ("general maps", 2000, 1.60, True, "not shown"),         # SmolLM2's table: above them
-])
-def test_the_capacity_line_is_two_sided_and_like_for_like(kind, steps, bits_per_param, exact, expected):
-    line = _line(_capacity_report(kind, steps, bits_per_param, exact), "capacity O(R log N) in the matched controls")
-    assert line["verdict"] == expected and line["metric"]["value"] == bits_per_param
-    if expected == "not comparable":
-        assert "the capacity sweep measured bijections at a 500-step cap; general maps at a 2000-step cap" \
-            in line["note"]
-        assert f"this table is {kind} trained with a {steps}-step cap" in line["note"]
-    else:
-        assert line["null"]["ci"] == ([1.43, 1.91] if kind == "bijections" else [0.74, 1.22])
-        side = {1.70: "inside", 8.00: "above", 0.90: "below", 1.00: "inside", 1.60: "above"}[bits_per_param]
-        assert line["note"].startswith(side)
+@pytest.mark.parametrize("d_star, word", [(3, "fewer dimensions than"), (5, "as many dimensions as"),
+                                          (7, "more dimensions than")])
+def test_the_capacity_line_is_graded_from_the_sweep_beside_random_maps_of_the_tables_shape(d_star, word):
+    """The verdict is the sweep's scaling (trainable d* against R log2 N and the key-value memories), the same for
+    any one table; the table's d* stands beside the random maps of its shape (193 x 6, 2000 steps: d* 5, 5) and
+    its number is its joint bits per trainable parameter at d*."""
+    line = _line(_capacity_report(d_star=d_star), "capacity O(R log N) in the matched controls")
+    scaling = capacity_scaling(CAPACITY_SWEEP)
+    assert line["verdict"] == scaling["trainable"]["verdict"] == "supported"
+    assert line["scaling"]["frozen"]["verdict"] == scaling["frozen"]["verdict"] == "not shown"
+    assert line["metric"]["value"] == pytest.approx(5019.0 / 2499)
+    assert "table bits 5019 counted jointly (sum over relations 5425.6)" in line["measure"]
+    assert line["comparison"]["word"] == word and line["comparison"]["metric"]["value"] == 5.0
+    assert line["comparison"]["difference"]["value"] == d_star - 5
+    assert f"this table: d* = {d_star}: {word} random maps of its shape (d* 5, 5)" in line["note"]
+    assert "one table cannot test a scaling law" in line["note"] and "frozen not shown" in line["note"]
+    assert f"frozen d* 8 = {8 / d_star:.1f}x (one table, not graded)" in line["note"]
+
+
+def test_the_capacity_line_of_an_older_report_or_another_shape():
+    """A report without joint bits reads the per-relation sum and says so; a table of a shape the sweep has no
+    random maps of gets no comparison, and a report without a trainable control is not measured."""
+    older = _line(_capacity_report(joint=None), "capacity O(R log N) in the matched controls")
+    assert older["metric"]["value"] == pytest.approx(5425.6 / 2499)
+    assert "(sum over relations; joint not recorded in this report)" in older["measure"]
+    other = _line(_capacity_report(n=100), "capacity O(R log N) in the matched controls")
+    assert other["comparison"] is None and "no random-map cell of this table's shape (100 subjects x 6" in other["note"]
+    assert other["verdict"] == "supported"
+    assert _line(_claims_report(), "capacity O(R log N) in the matched controls")["verdict"] == "not measured"
 
 
 def test_summary_says_not_measured_where_the_report_has_no_data():
@@ -689,26 +701,21 @@ def _seed_rows(fits: list[bool], steps: int = 200) -> list[dict]:
              "accuracy": 1.0 if fit else 0.99} for fit in fits]
 
 
-@pytest.mark.parametrize("seeds_at_dstar, bits_next, expected", [
-    ([True, True, True], 0.50, "not shown"),       # every seed fits at d*: d* is sturdy, the verdict is d*'s
-    ([False, True, False], 1.00, "inconclusive"),  # d* marginal, and where every seed fits the table is inside
-    ([False, False, False], 1.50, "not shown"),    # marginal, but both rules read above the range
-])
-def test_the_capacity_line_reads_the_width_where_every_seed_fits(seeds_at_dstar, bits_next, expected):
-    """d* is the sweep's rule (one initialisation fitting suffices); a d* at which not every curve seed fits is
-    marginal, and when the narrowest width where every seed fits lies on the other side of the range the line
-    says inconclusive instead of a verdict resting on that one initialisation."""
-    report = _capacity_report("general maps", 2000, 1.60, True)
+@pytest.mark.parametrize("seeds_at_dstar", [[True, True, True], [False, True, False]])
+def test_the_capacity_line_says_when_d_star_rests_on_one_initialisation(seeds_at_dstar):
+    """d* is the sweep's rule (one initialisation fitting suffices), the rule of the random maps it stands beside;
+    when not every curve seed fits at d*, the note names the narrowest width where every seed fits."""
+    report = _capacity_report(d_star=6)
     report["matched"]["modes"]["trainable"]["points"] = [
         {"d": 6, "train": {"bits_per_param": 1.60}, "readout": {}, "seeds": _seed_rows(seeds_at_dstar)},
-        {"d": 12, "train": {"bits_per_param": bits_next}, "readout": {}, "seeds": _seed_rows([True] * 3)}]
+        {"d": 12, "train": {"bits_per_param": 0.5}, "readout": {}, "seeds": _seed_rows([True] * 3)}]
     line = _line(report, "capacity O(R log N) in the matched controls")
-    assert line["verdict"] == expected and line["metric"]["value"] == 1.60
+    assert line["verdict"] == "supported"
     if all(seeds_at_dstar):
-        assert "sturdy" not in line
+        assert "sturdy" not in line and "one initialisation" not in line["note"]
     else:
-        assert line["sturdy"] == {"d": 12, "bits_per_param": bits_next, "seeds": "3 of 3"}
-        assert "at d = 12, the smallest curve width where every seed fits" in line["note"]
+        assert line["sturdy"] == {"d": 12, "bits_per_param": 0.5, "seeds": "3 of 3"}
+        assert line["note"].endswith("every seed of the curve fits first at d = 12 (3 of 3)")
 
 
 def test_the_controls_table_shows_training_over_every_seed_not_seed_0():

@@ -61,6 +61,39 @@ def test_general_tables_functions_and_fact_table():
     assert torch.equal(again.table, task.table) and again.attributes == task.attributes
 
 
+
+def test_joint_bits_charge_a_relation_that_is_a_function_of_another_only_for_the_function():
+    """continent is a function of subregion (6 subjects, 3 subregions -> 2 continents): jointly it costs the
+    3 subregions' map onto the continents, log2(3! / (2! 1!)), not the 6 subjects' log2(6! / (4! 2!)); a subject
+    without a subregion fact is a group of its own."""
+    def multinomial(*counts):
+        return (math.lgamma(sum(counts) + 1) - sum(math.lgamma(k + 1) for k in counts)) / math.log(2)
+
+    capital = torch.arange(6)
+    subregion = torch.tensor([0, 0, 1, 1, 2, 2])
+    continent = torch.tensor([0, 0, 0, 0, 1, 1])                # subregions 0, 1 -> continent 0; 2 -> 1
+    task = FactTask(torch.stack([capital, 6 + subregion, 9 + continent], dim=1), n_outputs=11)
+    assert math.isclose(task.bits(), multinomial(*[1] * 6) + multinomial(2, 2, 2) + multinomial(4, 2), rel_tol=1e-12)
+    assert math.isclose(task.bits_joint(), multinomial(*[1] * 6) + multinomial(2, 2, 2) + multinomial(2, 1),
+                        rel_tol=1e-12)
+    # the subregion of subject 5 unknown: it is a group of its own (continent 1), so 4 groups -> (2, 2)
+    task.table[5, 1] = -1
+    assert math.isclose(task.bits_joint(), multinomial(*[1] * 6) + multinomial(2, 2, 1) + multinomial(2, 2),
+                        rel_tol=1e-12)
+    # continent no longer a function of subregion (subjects 0 and 1 differ): no discount
+    task.table[5, 1], task.table[1, 2] = 8, 10
+    assert math.isclose(task.bits_joint(), task.bits(), rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("make", [lambda: random_bijections(64, 5, seed=3),
+                                  lambda: random_functions(193, 6, [193, 6, 73, 141, 191, 22], seed=0)])
+def test_joint_bits_of_independent_maps_are_their_sum(make):
+    """A relation that is a function of a bijection costs what it costs alone, and independent random maps are
+    not functions of one another: R bijections carry R log2 N! jointly too."""
+    task = make()
+    assert task.bits_joint() == pytest.approx(task.bits(), abs=1e-6)
+
+
 def test_khop_answers_compose_the_maps():
     task = random_khop(30, 3, hops=2, seed=4)
     data = task.data()

@@ -554,6 +554,7 @@ class FactTable(Result):
     relations: list | None = None
     n_facts: int | None = None
     bits: float | None = None
+    bits_joint: float | None = None               # counted jointly (synthetic.tasks.FactTask.bits_joint); older: absent
 
 
 @dataclass(kw_only=True)

@@ -4,12 +4,14 @@ of the report, graded by ``VERDICT_RULE``; the matched synthetic control stands 
 never as its null. Decides what a line says; draws and renders nothing."""
 from __future__ import annotations
 
+import functools
 import math
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from statistics import NormalDist
 
-from llmprobe.analyses.results import FactTable, MatchedBlock, MatchedSource, SuperpositionLayer, metric_nulls
+from llmprobe.analyses.results import MatchedBlock, MatchedSource, SuperpositionLayer, metric_nulls
 from llmprobe.metric import LEVEL, Metric, wilson
 from llmprobe.report.schema import analyses_of, matched_sources_of, model_of, source_name
 
@@ -35,13 +37,37 @@ REFERENCES = {"scaled_patch": "a same-norm step toward h_t (scaled_patch)",     
 ALPHA = 0.025                   # one-sided familywise level (Holm): the one-sided level of the 95% intervals shown
 GRADES = ("supported", "weak", "inconclusive (low power)", "not shown", "null not measured", "not measured")  # best first
 POWER = 0.8                     # below this power to detect the minimal effect, "not shown" is "inconclusive (low power)"
-# bits per trainable parameter at d* of every trainable cell of the capacity sweep (docs/synthetic.md, "Measured
-# thresholds": N 256-4096, R 2-16, mean over seeds), by (kind of map, step cap); the tolerance is their range
-# general maps: trainable cells shaped like the country table (N = 48, 96, 193; R = 6; the controls' 2000-step
-# cap; mean over seeds; docs/synthetic.md, "General maps at the controls' budget")
-CAPACITY_SWEEP = {("bijections", 500): (1.43, 1.51, 1.74, 1.81, 1.76, 1.66, 1.75, 1.80, 1.85, 1.77, 1.77, 1.83,
-                                        1.87, 1.91),
-                  ("general maps", 2000): (0.74, 1.14, 1.22)}
+# The capacity sweep's measured thresholds: exact d* (d*-1 failed with two initialisations) per (N, R) cell, one
+# per seed (0, 1), R random bijections of N subjects, uniform attention, MLP 8d, a 500-step cap. Upper bounds are
+# left out: frozen N = 1024, R = 16 (its confirmation unfinished) and N = 4096, R = 2 seed 1 (<= 12).
+CAPACITY_SWEEP = {
+    "source": "docs/synthetic.md, 'Measured thresholds' (N <= 1024, the confirmed re-run: N = 1024, R = 16 "
+              "trainable seed 0 is 29) and 'The grid to N = 4096' (N = 2048, 4096 at R = 2)",
+    "cite": "docs/synthetic.md", "date": "2026-12-01", "maps": "bijections", "max_steps": 500,
+    "trainable": {(256, 2): (4, 4), (256, 4): (7, 7), (256, 8): (11, 11), (256, 16): (18, 18),
+                  (512, 2): (4, 4), (512, 4): (8, 8), (512, 8): (14, 14), (512, 16): (24, 24),
+                  (1024, 2): (5, 4), (1024, 4): (9, 9), (1024, 8): (17, 17), (1024, 16): (29, 30),
+                  (2048, 2): (5, 5), (4096, 2): (6, 5)},
+    "frozen": {(256, 2): (7, 7), (256, 4): (11, 11), (256, 8): (16, 16), (256, 16): (24, 24),
+               (512, 2): (8, 8), (512, 4): (14, 14), (512, 8): (22, 22), (512, 16): (34, 34),
+               (1024, 2): (10, 9), (1024, 4): (18, 19), (1024, 8): (29, 30),
+               (2048, 2): (10, 10), (4096, 2): (12,)}}
+# random many-to-one maps shaped like a fact table, trainable, exact d* per seed (0, 1): (n_subjects, n_relations,
+# n_facts, step cap) -> their attribute counts, bits (seed 0, 1) and d* (docs/synthetic.md, "General maps at the
+# controls' budget", 2026-12-01; shaped like SmolLM2's country table, attribute counts scaled by N / 193)
+RANDOM_MAPS = {(193, 6, 1158, 2000): {"attributes": (193, 6, 73, 141, 191, 22), "bits": (5559.3, 5579.5),
+                                      "d_star": (5, 5)},
+               (96, 6, 576, 2000): {"attributes": (96, 3, 36, 70, 95, 11), "bits": (2201.1, 2221.5),
+                                    "d_star": (4, 4)},
+               (48, 6, 288, 2000): {"attributes": (48, 2, 18, 35, 48, 5), "bits": (831.9, 845.2),
+                                    "d_star": (4, 4)}}
+# what d* is fitted against (d* = a + b x): the claim's R log2 N, the key-value memories it must explain better
+# (a vector per subject: N; per fact: N R), and a power of N that a 256-4096 range may not tell from log N
+SCALING_FEATURES = {"R log2 N": lambda n, r: r * math.log2(n), "N": lambda n, r: float(n),
+                    "N R": lambda n, r: float(n * r), "R sqrt N": lambda n, r: r * math.sqrt(n)}
+MEMORY_FEATURES = ("N", "N R")
+FROZEN_FACTOR = 2.0             # "far more": frozen d* at least this many times the trainable d* of the same cell
+N_BOOT_CAPACITY = 2000          # bootstrap resamples of the sweep's cells (seeded: the same intervals every run)
 VERDICT_RULE = (
     "Verdicts (docs/measures.md, Verdicts): each claim is tested against every one of its nulls (attributes "
     "decodable: shuffled, random_init, lexical; LRE causal: random_direction, random_operator; superposition: "
@@ -64,11 +90,16 @@ VERDICT_RULE = (
     "the selector chose on validation facts. A line shows the median relation: its verdict is the "
     "grade that at least half the relations reach. The matched control is a comparison (more than / as much as / less than), "
     "not a null; its word (more than / as much as / less than) comes from the paired difference where the report "
-    "has one. Capacity: the table's bits per trainable parameter at d* against the range of the capacity "
-    "sweep's cells for the same kind of map and step cap, two-sided: supported inside it, not shown outside it "
-    "(inconclusive when d* is an upper bound and the lower bound it gives lies below the range's top, or when the "
-    "narrowest curve width at which every seed fits falls on the other side of the range), not comparable when the "
-    "sweep has no cells of that kind.")
+    "has one. Capacity (its own rule, from the capacity sweep's cells, not from one table, which cannot test a "
+    "scaling law): over the sweep's exact (cell, seed) thresholds, d* = a + b x is fitted for x = R log2 N, N, N R, "
+    "R sqrt N, with 95% intervals from a bootstrap over cells; trainable supported when the slope on R log2 N is "
+    "above 0 and R log2 N explains d* better (R^2) than each key-value memory (N, N R), not shown when one of them "
+    "explains it better, else inconclusive (R log2 N against R sqrt N is said, not graded); frozen subjects "
+    f"supported when R sqrt N explains frozen d* better than R log2 N and frozen d* is at least {FROZEN_FACTOR:g} "
+    "times the trainable d* of the same cell (geometric mean), not shown when either interval lies on the other "
+    "side, else inconclusive. The matched table's d* stands beside that of random maps of its shape under the same "
+    "rule (fewer / as many / more dimensions), and its information counted jointly (relations that are functions "
+    "of others charged for the function) per trainable parameter at d*.")
 _Z = NormalDist().inv_cdf(0.5 + LEVEL / 2)
 
 
@@ -395,70 +426,194 @@ def _multihop_tests(report: dict) -> list[dict]:
     return [t for t in tests if t]
 
 
-def table_kind(table: FactTable) -> str:
-    """"bijections" when every relation is a bijection of the subjects (n_facts = N R and bits = R log2 N!), else
-    "general maps"."""
-    n, r = table.n_subjects or 0, len(table.relations or [])
-    bijection_bits = r * math.lgamma(n + 1) / math.log(2)
-    return "bijections" if n and table.n_facts == n * r and abs((table.bits or 0) - bijection_bits) < 0.5 \
-        else "general maps"
+def _line_fit(xs: list[float], ys: list[float]) -> tuple[float, float, float] | None:
+    """(intercept, slope, R^2) of the least-squares line ys = a + b xs; None when xs or ys are constant."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    syy = sum((y - my) ** 2 for y in ys)
+    if not sxx > 0 or not syy > 0:
+        return None
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    return my - sxy / sxx * mx, sxy / sxx, sxy * sxy / (sxx * syy)
+
+
+def _percentiles(values: list[float]) -> list[float]:
+    """The 95% percentile interval [2.5%, 97.5%] of bootstrap values."""
+    ordered = sorted(values)
+    return [ordered[int(0.025 * (len(ordered) - 1))], ordered[int(math.ceil(0.975 * (len(ordered) - 1)))]]
+
+
+def _cell_statistics(sweep: dict, cells: list[tuple[int, int]]) -> dict | None:
+    """Per mode, {feature: (intercept, slope, R^2)} of d* = a + b x over ``cells`` (each bringing all its seeds),
+    and the geometric mean of frozen / trainable d* over the (cell, seed) pairs both modes have; None when a fit is
+    degenerate (a resample of one N or one d*)."""
+    out = {}
+    for mode in ("trainable", "frozen"):
+        points = [(n, r, d) for n, r in cells for d in sweep[mode].get((n, r), ())]
+        fits = {name: _line_fit([x(n, r) for n, r, _ in points], [d for *_, d in points]) if points else None
+                for name, x in SCALING_FEATURES.items()}
+        if None in fits.values():
+            return None
+        out[mode] = fits
+    ratios = [math.log(f / t) for cell in cells
+              for t, f in zip(sweep["trainable"].get(cell, ()), sweep["frozen"].get(cell, ()))]
+    out["ratio"] = math.exp(sum(ratios) / len(ratios)) if ratios else None
+    return out
+
+
+def capacity_scaling(sweep: dict, n_boot: int = N_BOOT_CAPACITY, seed: int = 0) -> dict:
+    """The capacity claim graded from a sweep's thresholds (``CAPACITY_SWEEP``'s form: {"trainable" | "frozen":
+    {(N, R): (d* per seed)}}): per mode, d* = a + b x for each of ``SCALING_FEATURES`` (intercept, slope with its
+    95% interval, R^2), R^2 differences with their intervals, the frozen / trainable ratio, and a verdict each
+    (``VERDICT_RULE``). Intervals: percentile bootstrap over cells (a cell's seeds stay together; ``n_boot``
+    resamples from ``seed``; degenerate resamples skipped)."""
+    cells = sorted(set(sweep["trainable"]) | set(sweep["frozen"]))
+    full = _cell_statistics(sweep, cells)
+    if full is None:
+        raise ValueError("capacity sweep: every mode needs cells of at least two N and two d* values")
+    rng = random.Random(seed)
+    boots = [b for b in (_cell_statistics(sweep, rng.choices(cells, k=len(cells))) for _ in range(n_boot)) if b]
+
+    def interval(of: Callable[[dict], float | None]) -> list[float] | None:
+        values = [v for v in map(of, boots) if v is not None]
+        return _percentiles(values) if values else None
+
+    def delta(mode: str, feature: str, other: str) -> dict:
+        return {"value": full[mode][feature][2] - full[mode][other][2],
+                "ci": interval(lambda b: b[mode][feature][2] - b[mode][other][2])}
+
+    out = {"source": sweep.get("source"), "date": sweep.get("date"), "n_boot": len(boots)}
+    for mode in ("trainable", "frozen"):
+        out[mode] = {"n_cells": sum(1 for c in cells if sweep[mode].get(c)),
+                     "n_points": sum(len(sweep[mode].get(c, ())) for c in cells),
+                     "fits": {name: {"intercept": a, "slope": b, "r2": r2,
+                                     "slope_ci": interval(lambda boot, name=name: boot[mode][name][1])}
+                              for name, (a, b, r2) in full[mode].items()}}
+    trainable, frozen = out["trainable"], out["frozen"]
+    trainable["against"] = {other: delta("trainable", "R log2 N", other) for other in (*MEMORY_FEATURES, "R sqrt N")}
+    slope_lo, slope_hi = trainable["fits"]["R log2 N"]["slope_ci"]
+    memories = [trainable["against"][m]["ci"] for m in MEMORY_FEATURES]
+    trainable["verdict"] = ("supported" if slope_lo > 0 and all(lo > 0 for lo, _ in memories) else
+                            "not shown" if slope_hi <= 0 or any(hi < 0 for _, hi in memories) else "inconclusive")
+    frozen["growth"] = delta("frozen", "R sqrt N", "R log2 N")
+    frozen["ratio"] = {"value": full["ratio"], "ci": interval(lambda b: b["ratio"]), "factor": FROZEN_FACTOR}
+    (g_lo, g_hi), ratio_ci = frozen["growth"]["ci"], frozen["ratio"]["ci"]
+    frozen["verdict"] = ("inconclusive" if ratio_ci is None else
+                         "supported" if g_lo > 0 and ratio_ci[0] >= FROZEN_FACTOR else
+                         "not shown" if g_hi < 0 or ratio_ci[1] < FROZEN_FACTOR else "inconclusive")
+    return out
+
+
+@functools.cache
+def _sweep_scaling() -> dict:
+    """:func:`capacity_scaling` of ``CAPACITY_SWEEP`` (computed once a process: ~0.5 s)."""
+    return capacity_scaling(CAPACITY_SWEEP)
+
+
+def _random_maps_beside(report: dict, d_star: int) -> tuple[dict | None, str]:
+    """(the line's comparison, its words) of the table's d* beside the d* of random maps of its shape (the same
+    number of subjects, relations, facts and step cap: ``RANDOM_MAPS``) under the same rule; (None, why) without
+    such a cell."""
+    table = MatchedBlock.from_dict(report.get("matched")).table
+    steps = MatchedBlock.from_dict(report.get("matched")).training.max_steps
+    shape = (table.n_subjects, len(table.relations or []), table.n_facts, steps)
+    cell = RANDOM_MAPS.get(shape)
+    if cell is None:
+        return None, (f"no random-map cell of this table's shape ({shape[0]} subjects x {shape[1]} relations, "
+                      f"{shape[2]} facts, {steps}-step cap) in the sweep")
+    ds = cell["d_star"]
+    word = ("fewer dimensions than" if d_star < min(ds) else "more dimensions than" if d_star > max(ds) else
+            "as many dimensions as")
+    name = (f"random maps of its shape (the sweep's general-map cell, attribute counts "
+            f"{', '.join(map(str, cell['attributes']))}, {len(ds)} seeds: d* {', '.join(map(str, ds))}, exact)")
+    metric = {"value": sum(ds) / len(ds), "ci": [min(ds), max(ds)], "n": len(ds), "interval": "range over seeds"}
+    comparison = {"name": name, "metric": metric, "word": word,
+                  "difference": {"value": d_star - metric["value"], "ci": [d_star - max(ds), d_star - min(ds)],
+                                 "interval": "against the range over seeds"}}
+    return comparison, f"d* = {d_star}: {word} random maps of its shape (d* {', '.join(map(str, ds))})"
 
 
 def capacity_line(report: dict) -> dict:
-    """The capacity line: the table's bits per trainable parameter at the trainable control's d* against the range
-    of the capacity sweep's cells for the same kind of map and step cap (``CAPACITY_SWEEP``), two-sided."""
-    line = {"claim": CAPACITY, "measure": "bits per trainable parameter at d* of the trainable control", "relation":
-            None, "layer": None, "metric": None, "null_name": None, "null": None, "missing_nulls": [],
-            "difference": None, "min_effect": None, "p_holm": None, "p_zero_holm": None, "power": None, "verdict": "not measured",
-            "counts": {}, "comparison": None, "note": ""}
+    """The capacity line: the capacity sweep's scaling graded (``capacity_scaling``: trainable d* against R log2 N
+    and the key-value memories, the frozen half against R log2 N and the trainable d*), beside the matched table's
+    d* against random maps of its shape and its joint bits per trainable parameter at d* (the line's number).
+    "not measured" without a trainable control."""
+    line = {"claim": CAPACITY, "measure": "bits (counted jointly) per trainable parameter at d* of the trainable "
+            "control; verdict: the capacity sweep's d* scaling", "relation": None, "layer": None, "metric": None,
+            "null_name": None, "null": None, "missing_nulls": [], "difference": None, "min_effect": None,
+            "p_holm": None, "p_zero_holm": None, "power": None, "verdict": "not measured", "counts": {},
+            "comparison": None, "note": ""}
     at_star = _at_dstar(report) or MatchedSource()
-    threshold, table, bits_per_param = at_star.threshold, at_star.matched_to, at_star.train.bits_per_param
-    if not threshold.d_star or not table.bits or bits_per_param is None:
+    threshold, table, train = at_star.threshold, at_star.matched_to, at_star.train
+    if not threshold.d_star or not table.bits or train.bits_per_param is None:
         return line
-    kind = table_kind(table)
+    joint = table.bits_joint
+    bits = joint if joint is not None else table.bits
+    per_param = bits / train.n_trainable if train.n_trainable else train.bits_per_param * bits / table.bits
     steps = MatchedBlock.from_dict(report.get("matched")).training.max_steps
     exact = bool(threshold.exact)
-    line.update(measure=f"{line['measure']}: table bits {table.bits:g} ({kind}, {table.n_subjects} "
-                        f"subjects x {len(table.relations or [])} relations) / trainable parameters at d* = "
-                        f"{threshold.d_star}{'' if exact else ' (an upper bound)'}, {steps}-step cap",
-                metric={"value": bits_per_param, "ci": None, "n": None, "interval": None})
-    cells = CAPACITY_SWEEP.get((kind, steps))
-    if cells is None:
-        swept = "; ".join(f"{k} at a {s}-step cap" for k, s in CAPACITY_SWEEP)
-        line.update(verdict="not comparable", note=f"the capacity sweep measured {swept} only; this table is {kind} "
-                                                   f"trained with a {steps}-step cap")
-        return line
-    lo, hi = min(cells), max(cells)
-    mean = sum(cells) / len(cells)
-    line.update(null_name=f"the capacity sweep's {len(cells)} cells ({kind}, {steps}-step cap): mean [range]",
-                null={"value": mean, "ci": [lo, hi], "n": len(cells), "interval": "range of cells"},
-                difference={"value": bits_per_param - mean, "ci": [bits_per_param - hi, bits_per_param - lo],
-                            "interval": "against the range of cells"})
-    def side_of(value: float) -> str:
-        return "above" if value > hi else "below" if value < lo else "inside"
-
-    side = side_of(bits_per_param)
-    if exact:
-        line["verdict"] = "supported" if side == "inside" else "not shown"
-    else:                                   # d* an upper bound: the bits per parameter a lower bound
-        line["verdict"] = "not shown" if side == "above" else "inconclusive"
-    line["note"] = f"{side} the sweep's range" + ("" if exact else " (a lower bound: d* is an upper bound)")
+    line.update(measure=f"{line['measure']}: table bits {bits:g} " + (
+        f"counted jointly (sum over relations {table.bits:g})" if joint is not None else
+        "(sum over relations; joint not recorded in this report)") + f", {table.n_subjects} subjects x "
+        f"{len(table.relations or [])} relations, / trainable parameters at d* = {threshold.d_star}"
+        f"{'' if exact else ' (an upper bound)'}, {steps}-step cap",
+        metric={"value": per_param, "ci": None, "n": None, "interval": None})
+    scaling = _sweep_scaling()
+    trainable, frozen = scaling["trainable"], scaling["frozen"]
+    line["verdict"] = trainable["verdict"]
+    line["scaling"] = _scaling_json(scaling)
+    line["comparison"], beside = _random_maps_beside(report, threshold.d_star)
+    fit = trainable["fits"]["R log2 N"]
+    power_of_n = trainable["against"]["R sqrt N"]
+    frozen_control = next((s for s in matched_sources_of(report) if s.model.frozen_subjects), MatchedSource())
+    notes = [
+        f"graded from the capacity sweep ({trainable['n_points']} trainable and {frozen['n_points']} frozen exact "
+        f"thresholds of R random bijections, N 256-4096, R 2-16, {CAPACITY_SWEEP['max_steps']}-step cap; "
+        f"{CAPACITY_SWEEP['cite']}, {scaling['date']}); one table cannot test a scaling law",
+        f"trainable {trainable['verdict']}: d* = {fit['intercept']:.2f} + {fit['slope']:.3f} R log2 N "
+        f"(slope {_ci_text(fit['slope_ci'], '.3f')}, R^2 {fit['r2']:.3f}); R^2 over "
+        + ", ".join(f"{m} ({trainable['fits'][m]['r2']:.3f}): {trainable['against'][m]['value']:+.3f} "
+                    f"{_ci_text(trainable['against'][m]['ci'], '+.3f')}" for m in MEMORY_FEATURES),
+        f"R log2 N against R sqrt N (R^2 {trainable['fits']['R sqrt N']['r2']:.3f}): {power_of_n['value']:+.3f} "
+        f"{_ci_text(power_of_n['ci'], '+.3f')}" + (": log N against a power of N is not testable here"
+                                                    if power_of_n["ci"][0] <= 0 <= power_of_n["ci"][1] else ""),
+        f"frozen {frozen['verdict']}: R sqrt N over R log2 N {frozen['growth']['value']:+.3f} "
+        f"{_ci_text(frozen['growth']['ci'], '+.3f')} in R^2, frozen / trainable d* {frozen['ratio']['value']:.2f} "
+        f"{_ci_text(frozen['ratio']['ci'], '.2f')} (stated factor {FROZEN_FACTOR:g})",
+        f"this table: {beside}" + (f"; frozen d* {frozen_control.threshold.d_star} = "
+                                   f"{frozen_control.threshold.d_star / threshold.d_star:.1f}x (one table, not graded)"
+                                   if frozen_control.threshold.d_star else "")]
     sturdy = _every_seed_fits(report)
     if sturdy is not None and sturdy["d"] != threshold.d_star:
         line["sturdy"] = sturdy
-        moved = side_of(sturdy["bits_per_param"])
-        line["note"] += (f"; at d = {sturdy['d']}, the smallest curve width where every seed fits "
-                         f"({sturdy['seeds']}), {sturdy['bits_per_param']:.3g} bits/param: {moved} the range")
-        if moved != side:
-            line["verdict"] = "inconclusive"
-            line["note"] += " (d* is marginal: the verdict depends on which rule of fit is taken)"
+        notes.append(f"d* rests on one initialisation: every seed of the curve fits first at d = {sturdy['d']} "
+                     f"({sturdy['seeds']})")
+    line["note"] = "; ".join(notes)
     return line
+
+
+def _ci_text(ci: list[float] | None, spec: str) -> str:
+    return "[-]" if ci is None else f"[{ci[0]:{spec}}, {ci[1]:{spec}}]"
+
+
+def _scaling_json(scaling: dict) -> dict:
+    """:func:`capacity_scaling`'s result for the report (numbers rounded to 4 significant digits)."""
+    def rounded(value):
+        if isinstance(value, float):
+            return float(f"{value:.4g}")
+        if isinstance(value, dict):
+            return {k: rounded(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [rounded(v) for v in value]
+        return value
+    return rounded(scaling)
 
 
 def _every_seed_fits(report: dict) -> dict | None:
     """{"d", "bits_per_param", "seeds"} of the trainable control's narrowest curve width at which every seed
     reached 100% train accuracy (``train.over_seeds``), or None when the report has no such point. d* itself is
-    the sweep's rule (one initialisation of two fitting suffices), the rule of the cells it is compared with."""
+    the sweep's rule (one initialisation of two fitting suffices), the rule of the random maps it is set beside."""
     for source in sorted(_trainable_controls(report), key=lambda s: s.model.d_model):
         seeds, train = source.train.over_seeds, source.train
         if seeds and seeds["n_fit"] == seeds["n"] and train.bits_per_param is not None:
