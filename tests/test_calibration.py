@@ -16,7 +16,10 @@ The selector line's measure on planted one-layer models (``calibrate_selector``)
 the construction and a trained geometric model supported, the key-value memories neither supported nor weak.
 Breaking the matched switch-off (``matched_switch_off`` returning all ones: no unit moved) makes the first
 selector test fail (the null keeps every answer, so the trained model's keep no longer beats it).""" 
+import json
 import math
+import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,10 +30,25 @@ from llmprobe.jobs.calibration import (
     WITH_LEXICAL,
     calibrate,
     calibrate_selector,
+    calibrate_swap,
     grade,
     measure_world,
     selector_worlds,
     superposition_worlds,
+    swap_worlds,
+)
+from llmprobe.report.claims import (
+    MIN_EFFECT,
+    MULTIHOP_DSTAR,
+    MULTIHOP_WIDTH,
+    SWAP,
+    SWAP_RESULT,
+    claims_block,
+    hop_growth,
+    swap_line,
+    swap_test,
+    width_line,
+    width_test,
 )
 
 N, D, SIZES = 120, 48, (120, 60, 8)
@@ -105,3 +123,78 @@ def test_the_matched_switch_off_matches_count_and_norm():
     off = matched_switch_off(relu, torch.tensor([[0.0, 1.0, 1.0, 1.0]]), relu > 0, torch.tensor([[0, 1, 1, 1]]) > 0,
                              torch.Generator().manual_seed(1))
     assert sorted(off[0].tolist()) == [0.0, 0.0, 1.0, 1.0]                         # 0/1 gates: switched off
+
+
+# ------------------------------------------------------------------------------------------------ freeze-and-swap
+def test_the_swap_line_reads_geometry_and_not_a_key_value_memory():
+    """Frozen one-layer models given the superposition-fit embeddings of a new table (N = 32, R = 2, 3 seeds):
+    the paper's construction and a trained geometric model (d = 12, weight decay, 200 steps) read it and are
+    graded supported against random_init, random_matched and their own old embeddings; the key-value memory
+    (an MLP that reads only the subject) reads nothing of it and is not shown (frozen_all too: the benchmark)."""
+    rows = {r["world"]: r for r in calibrate_swap(swap_worlds(32, 2, 12, 200)[:3], (0, 1, 2))}
+    holds = [r for r in rows.values() if r["claim_holds"]]
+    fails = [r for r in rows.values() if r["claim_holds"] is False]
+    assert len(holds) == 2 and len(fails) == 1
+    assert [r["grade"] for r in holds] == ["supported", "supported"]
+    assert [r["grade"] for r in fails] == ["not shown"]
+    assert holds[0]["swap"] == 1.0 and holds[1]["swap"] > 0.4
+    assert max(r["swap"] for r in fails) < 0.1 and all(r["difference"]["value"] < 0.05 for r in fails)
+
+
+def test_the_swap_line_reads_its_stored_result():
+    """The report's line grades the stored trained result (supported, outside the Holm family: the other lines'
+    tests are unchanged), and reads "not measured" without seeds and "null not measured" without a null."""
+    line = swap_line({})
+    assert line["claim"] == SWAP and line["verdict"] == "supported" and len(SWAP_RESULT["seeds"]) == 3
+    assert 0.25 < line["metric"]["value"] < 0.4 and line["difference"]["ci"][0] > MIN_EFFECT[SWAP]
+    assert swap_line({}, {"seeds": []})["verdict"] == "not measured"
+    dropped = [{k: v for k, v in s.items() if k != "random_matched"} for s in SWAP_RESULT["seeds"]]
+    assert swap_test(dropped)["grade"] == "null not measured"
+    block = claims_block({})
+    assert [line["claim"] for line in block["lines"]][-2:] == [SWAP, MULTIHOP_WIDTH] and block["n_tests"] == 0
+
+
+# ------------------------------------------------------------------------------------------- multi-hop width
+GRID = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+
+
+def planted_dstar(width, seed: int, noise: float = 0.25) -> dict:
+    """d* per (k, CoT) cell of a planted world, as the sweep measures it: width(k, R) times log-normal seed noise,
+    rounded up to the sweep's grid, 3 seeds at R = 2, 4, 8 and k = 1, 2, 3; with CoT d* = 3 R^0.2 (flat)."""
+    rng = random.Random(seed)
+
+    def on_grid(d):
+        return next(g for g in GRID if g >= d * math.exp(rng.gauss(0.0, noise)))
+    return {(k, cot): {R: tuple(on_grid(3 * R ** 0.2 if cot else width(k, R)) for _ in range(3)) for R in (2, 4, 8)}
+            for k in (1, 2, 3) for cot in (False, True)}
+
+
+def test_the_width_line_tells_exponential_from_linear_growth_in_k():
+    """Planted d* without CoT growing like R^k (the paper's prediction) is supported on every draw; growing
+    linearly in k (d* = 2 k R) is never supported or weak, even though d* grows with k there too; and the grid's
+    rounding alone does not make a flat world grow."""
+    exponential = [width_test(planted_dstar(lambda k, R: 1.5 * R ** k, seed), n_boot=300) for seed in range(3)]
+    linear = [width_test(planted_dstar(lambda k, R: 2 * k * R, seed), n_boot=300) for seed in range(3)]
+    assert all(t["grade"] == "supported" for t in exponential)
+    assert all(0.7 < t["metric"]["value"] < 1.3 for t in exponential)
+    assert all(t["grade"] == "not shown" and abs(t["metric"]["value"]) < 0.2 for t in linear)
+
+
+def test_the_width_line_reads_the_stored_sweep():
+    """The stored d* are those of docs/data/multihop/n16/points.jsonl (the smallest successful width per cell and
+    seed, one hop with CoT copied from without), and the line grades them: beta without CoT 0.33 [0.12, 0.53]
+    per hop, above 0 but not shown above the minimal effect (weak); with CoT below 0."""
+    path = Path(__file__).resolve().parents[1] / "docs" / "data" / "multihop" / "n16" / "points.jsonl"
+    smallest: dict = {}
+    for row in map(json.loads, path.read_text().splitlines()):
+        if row["success"]:
+            key = (row["hops"], row["cot"], row["R"], row["seed"])
+            smallest[key] = min(smallest.get(key, row["d"]), row["d"])
+    for (k, cot), by_r in MULTIHOP_DSTAR["cells"].items():
+        for R, ds in by_r.items():
+            assert ds == tuple(smallest.get((k, cot and k > 1, R, s)) for s in range(3))
+    line = width_line({})
+    assert line["verdict"] == "weak" and line["null_name"] == "linear_in_k"
+    assert 0.3 < line["metric"]["value"] < 0.35 and 0 < line["metric"]["ci"][0] < MIN_EFFECT[MULTIHOP_WIDTH]
+    assert hop_growth({k: by_r for (k, cot), by_r in MULTIHOP_DSTAR["cells"].items() if cot}) < 0
+    assert width_line({}, {"cells": {}})["verdict"] == "not measured"
