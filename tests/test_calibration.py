@@ -126,6 +126,11 @@ def test_the_matched_switch_off_matches_count_and_norm():
 
 
 # ------------------------------------------------------------------------------------------------ freeze-and-swap
+# the SmolLM2 run's analyses (its multi-hop analysis measured 2-hop chains) with a matched controls block
+SMOLLM2 = {**json.loads((Path(__file__).resolve().parent / "data" / "analyses_smollm2.json").read_text()),
+           "matched": {"modes": {"trainable": {"threshold": {"d_star": 3}, "points": [{"d": 3}]}}}}
+
+
 def test_the_swap_line_reads_geometry_and_not_a_key_value_memory():
     """Frozen one-layer models given the superposition-fit embeddings of a new table (N = 32, R = 2, 3 seeds):
     the paper's construction and a trained geometric model (d = 12, weight decay, 200 steps) read it and are
@@ -144,14 +149,17 @@ def test_the_swap_line_reads_geometry_and_not_a_key_value_memory():
 def test_the_swap_line_reads_its_stored_result():
     """The report's line grades the stored trained result (supported, outside the Holm family: the other lines'
     tests are unchanged), and reads "not measured" without seeds and "null not measured" without a null."""
-    line = swap_line({})
+    report = SMOLLM2
+    line = swap_line(report)
     assert line["claim"] == SWAP and line["verdict"] == "supported" and len(SWAP_RESULT["seeds"]) == 3
     assert 0.25 < line["metric"]["value"] < 0.4 and line["difference"]["ci"][0] > MIN_EFFECT[SWAP]
-    assert swap_line({}, {"seeds": []})["verdict"] == "not measured"
+    assert swap_line(report, {"seeds": []})["verdict"] == "not measured"
+    assert swap_line({k: v for k, v in report.items() if k != "matched"})["verdict"] == "not measured"
     dropped = [{k: v for k, v in s.items() if k != "random_matched"} for s in SWAP_RESULT["seeds"]]
     assert swap_test(dropped)["grade"] == "null not measured"
-    block = claims_block({})
-    assert [line["claim"] for line in block["lines"]][-2:] == [SWAP, MULTIHOP_WIDTH] and block["n_tests"] == 0
+    block = claims_block(report)
+    assert [line["claim"] for line in block["lines"]][-2:] == [SWAP, MULTIHOP_WIDTH]
+    assert not {SWAP, MULTIHOP_WIDTH} & {t["claim"] for t in block["tests"]}        # not in the Holm family
 
 
 # ------------------------------------------------------------------------------------------- multi-hop width
@@ -193,8 +201,9 @@ def test_the_width_line_reads_the_stored_sweep():
     for (k, cot), by_r in MULTIHOP_DSTAR["cells"].items():
         for R, ds in by_r.items():
             assert ds == tuple(smallest.get((k, cot and k > 1, R, s)) for s in range(3))
-    line = width_line({})
+    line = width_line(SMOLLM2)
     assert line["verdict"] == "weak" and line["null_name"] == "linear_in_k"
     assert 0.3 < line["metric"]["value"] < 0.35 and 0 < line["metric"]["ci"][0] < MIN_EFFECT[MULTIHOP_WIDTH]
     assert hop_growth({k: by_r for (k, cot), by_r in MULTIHOP_DSTAR["cells"].items() if cot}) < 0
-    assert width_line({}, {"cells": {}})["verdict"] == "not measured"
+    assert width_line(SMOLLM2, {"cells": {}})["verdict"] == "not measured"
+    assert width_line({})["verdict"] == "not measured"                      # no chains measured on the model

@@ -658,8 +658,9 @@ def swap_test(seeds: list[dict]) -> dict | None:
 
 def swap_line(report: dict, result: dict | None = None) -> dict:
     """The freeze-and-swap line from a stored synthetic result (``result``, default :data:`SWAP_RESULT`; the
-    pretrained report holds no swap): :func:`swap_test` on its seeds, outside the report's Holm family; "not
-    measured" without seeds."""
+    pretrained report holds no swap): :func:`swap_test` on its seeds, outside the report's Holm family, in a
+    report with matched controls (the run's one-layer part, which the claim is about); "not measured" without
+    them or without seeds."""
     result = SWAP_RESULT if result is None else result
     line = {"claim": SWAP, "measure": "zero-shot accuracy on a new table (every relation's column permuted across "
             "subjects) of a frozen one-layer model given subject embeddings built as the superposition of the new "
@@ -668,8 +669,8 @@ def swap_line(report: dict, result: dict | None = None) -> dict:
             "missing_nulls": [], "difference": None, "min_effect": MIN_EFFECT[SWAP], "p_holm": None,
             "p_zero_holm": None, "power": None, "verdict": "not measured", "counts": {}, "comparison": None,
             "note": ""}
-    test = swap_test(result.get("seeds") or [])
-    if test is None:
+    test = swap_test(result.get("seeds") or []) if matched_sources_of(report) else None
+    if test is None:                        # shown with the run's one-layer part, the matched controls
         return line
     line.update({k: test[k] for k in ("metric", "null_name", "null", "missing_nulls", "difference", "p_holm",
                                       "p_zero_holm", "power")}, verdict=test["grade"])
@@ -680,6 +681,7 @@ def swap_line(report: dict, result: dict | None = None) -> dict:
 
 
 CLAIM_LINES.append(ClaimLine(SWAP, line=swap_line))
+CLAIMS += (SWAP,)
 
 
 # ------------------------------------------------------------------------------------- multi-hop width (synthetic)
@@ -772,8 +774,9 @@ def width_test(cells: dict[tuple[int, bool], dict[int, tuple]], n_boot: int = N_
 
 def width_line(report: dict, result: dict | None = None) -> dict:
     """The multi-hop width line from the stored synthetic sweep (``result``, default :data:`MULTIHOP_DSTAR`; the
-    pretrained report holds no width search): :func:`width_test`, outside the report's Holm family; "not measured"
-    without cells."""
+    pretrained report holds no width search): :func:`width_test`, outside the report's Holm family, in a report
+    whose multi-hop analysis measured chains (the chain-of-thought claim's own test); "not measured" without them
+    or without cells."""
     result = MULTIHOP_DSTAR if result is None else result
     line = {"claim": MULTIHOP_WIDTH, "measure": "beta, the growth per hop of the exponent b_k in d* ~ R^b_k (b_k "
             "fitted at each k over R and seeds; beta the slope of b_k on k: 1 for d* ~ R^k, 0 for d* = f(k) g(R)), "
@@ -781,8 +784,8 @@ def width_line(report: dict, result: dict | None = None) -> dict:
             "null": None, "missing_nulls": [], "difference": None, "min_effect": MIN_EFFECT[MULTIHOP_WIDTH],
             "p_holm": None, "p_zero_holm": None, "power": None, "verdict": "not measured", "counts": {},
             "comparison": None, "note": ""}
-    test = width_test(result.get("cells") or {})
-    if test is None:
+    test = width_test(result.get("cells") or {}) if analyses_of(report).multihop.pooled else None
+    if test is None:                        # shown with the chain-of-thought test on the model
         return line
     line.update({k: test[k] for k in ("metric", "null_name", "null", "missing_nulls", "difference", "p_holm",
                                       "p_zero_holm", "power")}, verdict=test["grade"])
@@ -792,3 +795,5 @@ def width_line(report: dict, result: dict | None = None) -> dict:
 
 
 CLAIM_LINES.append(ClaimLine(MULTIHOP_WIDTH, line=width_line))
+CLAIMS += (MULTIHOP_WIDTH,)
+STORED = (SWAP, MULTIHOP_WIDTH)       # the lines graded from stored synthetic results: no analysis feeds them
