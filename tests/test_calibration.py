@@ -18,7 +18,6 @@ Breaking the matched switch-off (``matched_switch_off`` returning all ones: no u
 selector test fail (the null keeps every answer, so the trained model's keep no longer beats it).""" 
 import json
 import math
-import random
 from pathlib import Path
 
 import pytest
@@ -33,6 +32,7 @@ from llmprobe.jobs.calibration import (
     calibrate_swap,
     grade,
     measure_world,
+    planted_dstar,
     selector_worlds,
     superposition_worlds,
     swap_worlds,
@@ -163,29 +163,18 @@ def test_the_swap_line_reads_its_stored_result():
 
 
 # ------------------------------------------------------------------------------------------- multi-hop width
-GRID = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
-
-
-def planted_dstar(width, seed: int, noise: float = 0.25) -> dict:
-    """d* per (k, CoT) cell of a planted world, as the sweep measures it: width(k, R) times log-normal seed noise,
-    rounded up to the sweep's grid, 3 seeds at R = 2, 4, 8 and k = 1, 2, 3; with CoT d* = 3 R^0.2 (flat)."""
-    rng = random.Random(seed)
-
-    def on_grid(d):
-        return next(g for g in GRID if g >= d * math.exp(rng.gauss(0.0, noise)))
-    return {(k, cot): {R: tuple(on_grid(3 * R ** 0.2 if cot else width(k, R)) for _ in range(3)) for R in (2, 4, 8)}
-            for k in (1, 2, 3) for cot in (False, True)}
-
-
 def test_the_width_line_tells_exponential_from_linear_growth_in_k():
-    """Planted d* without CoT growing like R^k (the paper's prediction) is supported on every draw; growing
-    linearly in k (d* = 2 k R) is never supported or weak, even though d* grows with k there too; and the grid's
-    rounding alone does not make a flat world grow."""
+    """Planted d* (3 seeds at R = 2, 4, 8 and k = 1-3, seed noise, rounded up to the sweep's grid; flat with CoT):
+    growing like R^k without CoT (the paper's prediction) is supported on every draw with beta near 1; growing
+    linearly in k (d* = 2 k R), or exponentially in k without compounding R (2^k R), is never supported and its
+    beta stays near 0, though d* grows with k there too (benchmarks/calibration_width.py: supported or weak in
+    3-5% of draws)."""
     exponential = [width_test(planted_dstar(lambda k, R: 1.5 * R ** k, seed), n_boot=300) for seed in range(3)]
-    linear = [width_test(planted_dstar(lambda k, R: 2 * k * R, seed), n_boot=300) for seed in range(3)]
-    assert all(t["grade"] == "supported" for t in exponential)
-    assert all(0.7 < t["metric"]["value"] < 1.3 for t in exponential)
-    assert all(t["grade"] == "not shown" and abs(t["metric"]["value"]) < 0.2 for t in linear)
+    assert all(t["grade"] == "supported" and 0.7 < t["metric"]["value"] < 1.3 for t in exponential)
+    for width in (lambda k, R: 2 * k * R, lambda k, R: 2 ** k * R):
+        tests = [width_test(planted_dstar(width, seed), n_boot=300) for seed in range(3)]
+        assert all(t["grade"] != "supported" and abs(t["metric"]["value"]) < 0.25 for t in tests)
+        assert all(t["null_name"] == "linear_in_k" for t in tests)
 
 
 def test_the_width_line_reads_the_stored_sweep():

@@ -682,6 +682,12 @@ def swap_line(report: dict, result: dict | None = None) -> dict:
 
 CLAIM_LINES.append(ClaimLine(SWAP, line=swap_line))
 CLAIMS += (SWAP,)
+VERDICT_RULE += (
+    " Freeze-and-swap (a stored synthetic result, shown with the matched controls; its own family of one): the "
+    "zero-shot accuracy on a new table of a frozen one-layer model given its superposition fit's embeddings of that "
+    "table, mean over seeds, against random_init, random_matched and its own old embeddings, each difference paired "
+    "by seed with a t interval over seeds; graded as above at one-sided 0.025 without Holm, minimal effect "
+    f"+{MIN_EFFECT[SWAP]:g} accuracy.")
 
 
 # ------------------------------------------------------------------------------------- multi-hop width (synthetic)
@@ -759,14 +765,14 @@ def width_test(cells: dict[tuple[int, bool], dict[int, tuple]], n_boot: int = N_
         return {"value": value, "ci": percentile(values, value), "n": n_points,
                 "interval": "bootstrap (seeds within k and R)"}
 
-    beta_direct = metric(direct, [b[0] for b in boots])
+    beta_direct, with_cot = metric(direct, [b[0] for b in boots]), metric(cot, [b[1] for b in boots])
     test = claim_test(MULTIHOP_WIDTH, "synthetic sweep", None, beta_direct,
-                      {"with_cot": metric(cot, [b[1] for b in boots]),
+                      {"with_cot": with_cot,
                        "linear_in_k": {"value": 0.0, "ci": [0.0, 0.0], "n": None, "interval": "planted"}},
                       {"with_cot": {**metric(direct - cot, [b[0] - b[1] for b in boots]),
                                     "interval": "paired bootstrap"},
                        "linear_in_k": beta_direct})
-    test.update(p_holm=test["p"], p_zero_holm=test["p_zero"],
+    test.update(p_holm=test["p"], p_zero_holm=test["p_zero"], nulls_measured={"with_cot": with_cot},
                 power=power(test["difference"], MIN_EFFECT[MULTIHOP_WIDTH], ALPHA))
     test["grade"] = _grade(test)
     return test
@@ -790,10 +796,18 @@ def width_line(report: dict, result: dict | None = None) -> dict:
     line.update({k: test[k] for k in ("metric", "null_name", "null", "missing_nulls", "difference", "p_holm",
                                       "p_zero_holm", "power")}, verdict=test["grade"])
     line["measure"] += f": {result['setting']}"
-    line["note"] = f"{result['source']}, not this model; graded on its own, outside the report's Holm family"
+    cot = test["nulls_measured"]["with_cot"]
+    line["note"] = (f"{result['source']}, not this model; graded on its own, outside the report's Holm family; "
+                    f"with CoT beta {cot['value']:.2f} [{cot['ci'][0]:.2f}, {cot['ci'][1]:.2f}]")
     return line
 
 
 CLAIM_LINES.append(ClaimLine(MULTIHOP_WIDTH, line=width_line))
 CLAIMS += (MULTIHOP_WIDTH,)
 STORED = (SWAP, MULTIHOP_WIDTH)       # the lines graded from stored synthetic results: no analysis feeds them
+VERDICT_RULE += (
+    " Multi-hop width (the stored synthetic sweep's d*, shown with the chain-of-thought test; its own family of "
+    "one): beta, the growth per hop of the exponent b_k of R in d* ~ R^b_k (1 for R^k, 0 when d* = f(k) g(R)), "
+    "without CoT against beta with CoT (paired by seed) and against 0 (linear_in_k), 95% percentile bootstrap "
+    f"over seeds within each (k, R); graded as above at one-sided 0.025 without Holm, minimal effect "
+    f"+{MIN_EFFECT[MULTIHOP_WIDTH]:g} per hop.")
