@@ -21,8 +21,10 @@ The capacity line's scaling rule (``capacity_scaling``) on planted sweeps of the
 residual noise (``calibrate_capacity``; the table: ``benchmarks/calibration_capacity.py``): trainable d* ~ R log2 N
 supported, d* ~ N and d* ~ N R (key-value memories) not shown; frozen d* = the trainable law x1.2 not shown.
 Dropping N R from the memories the claim must beat (``MEMORY_FEATURES = ("N",)``) no longer grades the per-fact
-memory not shown (it reads inconclusive) and makes the test fail.""" 
+memory not shown (it reads inconclusive) and makes the test fail."""
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,12 +36,28 @@ from llmprobe.jobs.calibration import (
     calibrate,
     calibrate_capacity,
     calibrate_selector,
+    calibrate_swap,
     capacity_worlds,
     grade,
     measure_world,
+    planted_dstar,
     selector_worlds,
     superposition_worlds,
+    swap_worlds,
     sweep_noise,
+)
+from llmprobe.report.claims import (
+    MIN_EFFECT,
+    MULTIHOP_DSTAR,
+    MULTIHOP_WIDTH,
+    SWAP,
+    SWAP_RESULT,
+    claims_block,
+    hop_growth,
+    swap_line,
+    swap_test,
+    width_line,
+    width_test,
 )
 
 N, D, SIZES = 120, 48, (120, 60, 8)
@@ -127,3 +145,74 @@ def test_the_capacity_rule_passes_r_log_n_and_fails_the_key_value_memories():
         if row["frozen_holds"] is False:
             assert row["frozen_supported"] == 0.0 and row["frozen_not_shown"] == 1.0, row
     assert sum(not r["trainable_holds"] for r in rows.values()) == 2 and len(rows) == 4
+# ------------------------------------------------------------------------------------------------ freeze-and-swap
+# the SmolLM2 run's analyses (its multi-hop analysis measured 2-hop chains) with a matched controls block
+SMOLLM2 = {**json.loads((Path(__file__).resolve().parent / "data" / "analyses_smollm2.json").read_text()),
+           "matched": {"modes": {"trainable": {"threshold": {"d_star": 3}, "points": [{"d": 3}]}}}}
+
+
+def test_the_swap_line_reads_geometry_and_not_a_key_value_memory():
+    """Frozen one-layer models given the superposition-fit embeddings of a new table (N = 32, R = 2, 3 seeds):
+    the paper's construction and a trained geometric model (d = 12, weight decay, 200 steps) read it and are
+    graded supported against random_init, random_matched and their own old embeddings; the key-value memory
+    (an MLP that reads only the subject) reads nothing of it and is not shown (frozen_all too: the benchmark)."""
+    rows = {r["world"]: r for r in calibrate_swap(swap_worlds(32, 2, 12, 200)[:3], (0, 1, 2))}
+    holds = [r for r in rows.values() if r["claim_holds"]]
+    fails = [r for r in rows.values() if r["claim_holds"] is False]
+    assert len(holds) == 2 and len(fails) == 1
+    assert [r["grade"] for r in holds] == ["supported", "supported"]
+    assert [r["grade"] for r in fails] == ["not shown"]
+    assert holds[0]["swap"] == 1.0 and holds[1]["swap"] > 0.4
+    assert max(r["swap"] for r in fails) < 0.1 and all(r["difference"]["value"] < 0.05 for r in fails)
+
+
+def test_the_swap_line_reads_its_stored_result():
+    """The report's line grades the stored trained result (supported, outside the Holm family: the other lines'
+    tests are unchanged), and reads "not measured" without seeds and "null not measured" without a null."""
+    report = SMOLLM2
+    line = swap_line(report)
+    assert line["claim"] == SWAP and line["verdict"] == "supported" and len(SWAP_RESULT["seeds"]) == 3
+    assert 0.25 < line["metric"]["value"] < 0.4 and line["difference"]["ci"][0] > MIN_EFFECT[SWAP]
+    assert swap_line(report, {"seeds": []})["verdict"] == "not measured"
+    assert swap_line({k: v for k, v in report.items() if k != "matched"})["verdict"] == "not measured"
+    dropped = [{k: v for k, v in s.items() if k != "random_matched"} for s in SWAP_RESULT["seeds"]]
+    assert swap_test(dropped)["grade"] == "null not measured"
+    block = claims_block(report)
+    assert [line["claim"] for line in block["lines"]][-2:] == [SWAP, MULTIHOP_WIDTH]
+    assert not {SWAP, MULTIHOP_WIDTH} & {t["claim"] for t in block["tests"]}        # not in the Holm family
+
+
+# ------------------------------------------------------------------------------------------- multi-hop width
+def test_the_width_line_tells_exponential_from_linear_growth_in_k():
+    """Planted d* (3 seeds at R = 2, 4, 8 and k = 1-3, seed noise, rounded up to the sweep's grid; flat with CoT):
+    growing like R^k without CoT (the paper's prediction) is supported on every draw with beta near 1; growing
+    linearly in k (d* = 2 k R), or exponentially in k without compounding R (2^k R), is never supported and its
+    beta stays near 0, though d* grows with k there too (benchmarks/calibration_width.py: supported or weak in
+    3-5% of draws)."""
+    exponential = [width_test(planted_dstar(lambda k, R: 1.5 * R ** k, seed), n_boot=300) for seed in range(3)]
+    assert all(t["grade"] == "supported" and 0.7 < t["metric"]["value"] < 1.3 for t in exponential)
+    for width in (lambda k, R: 2 * k * R, lambda k, R: 2 ** k * R):
+        tests = [width_test(planted_dstar(width, seed), n_boot=300) for seed in range(3)]
+        assert all(t["grade"] != "supported" and abs(t["metric"]["value"]) < 0.25 for t in tests)
+        assert all(t["null_name"] == "linear_in_k" for t in tests)
+
+
+def test_the_width_line_reads_the_stored_sweep():
+    """The stored d* are those of docs/data/multihop/n16/points.jsonl (the smallest successful width per cell and
+    seed, one hop with CoT copied from without), and the line grades them: beta without CoT 0.33 [0.12, 0.53]
+    per hop, above 0 but not shown above the minimal effect (weak); with CoT below 0."""
+    path = Path(__file__).resolve().parents[1] / "docs" / "data" / "multihop" / "n16" / "points.jsonl"
+    smallest: dict = {}
+    for row in map(json.loads, path.read_text().splitlines()):
+        if row["success"]:
+            key = (row["hops"], row["cot"], row["R"], row["seed"])
+            smallest[key] = min(smallest.get(key, row["d"]), row["d"])
+    for (k, cot), by_r in MULTIHOP_DSTAR["cells"].items():
+        for R, ds in by_r.items():
+            assert ds == tuple(smallest.get((k, cot and k > 1, R, s)) for s in range(3))
+    line = width_line(SMOLLM2)
+    assert line["verdict"] == "weak" and line["null_name"] == "linear_in_k"
+    assert 0.3 < line["metric"]["value"] < 0.35 and 0 < line["metric"]["ci"][0] < MIN_EFFECT[MULTIHOP_WIDTH]
+    assert hop_growth({k: by_r for (k, cot), by_r in MULTIHOP_DSTAR["cells"].items() if cot}) < 0
+    assert width_line(SMOLLM2, {"cells": {}})["verdict"] == "not measured"
+    assert width_line({})["verdict"] == "not measured"                      # no chains measured on the model

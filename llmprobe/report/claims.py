@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from statistics import NormalDist
 
-from llmprobe.analyses.results import MatchedBlock, MatchedSource, SuperpositionLayer, metric_nulls
-from llmprobe.metric import LEVEL, Metric, wilson
+from llmprobe.analyses.results import FactTable, MatchedBlock, MatchedSource, SuperpositionLayer, metric_nulls
+from llmprobe.metric import LEVEL, Metric, t_quantile, wilson
 from llmprobe.report.schema import analyses_of, matched_sources_of, model_of, source_name
 
 CLAIMS = ("attributes linearly decodable", "LRE edits causal", "subject states a superposition of attribute vectors",
@@ -759,3 +759,209 @@ def claims_text(block: dict) -> str:
             text += f"; {line['comparison']['word']} {line['comparison']['name']} {_number(line['comparison']['metric'])}"
         out.append(text + (f" [{line['note']}]" if line["note"] else ""))
     return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------------------------ freeze-and-swap
+SWAP = "freeze-and-swap: a frozen model reads a new table from swapped-in geometry"
+NULLS[SWAP] = ("random_init", "random_matched", "old_embeddings")
+MIN_EFFECT[SWAP] = 0.10                                   # zero-shot accuracy on the new table over the null
+# The stored result the line reads (the report holds no swap of its own): zero-shot accuracy of each seed on a new
+# table, printed by ``python benchmarks/calibration_swap.py --worlds trained`` (llmprobe.jobs.calibration.
+# calibrate_swap; the swap sweep's cell of docs/mechanisms.md section 4, trainable d/d* = 4, rerun 2026-12-05).
+SWAP_RESULT = {
+    "setting": "the one-layer model trained on N = 256 subjects x R = 4 random bijections (trainable, d = 28 = "
+               "4 d*, d_mlp = 8 d, Adam lr 0.03, weight decay 1e-4, 1000 full-batch steps), new table seed = "
+               "seed + 1000",
+    "source": "stored synthetic result (benchmarks/calibration_swap.py, 2026-12-05), the same in every report",
+    "seeds": [
+        {"seed": 0, "swap": 0.3213, "random_init": 0.0029, "random_matched": 0.0029, "old_embeddings": 0.0029},
+        {"seed": 1, "swap": 0.3164, "random_init": 0.0039, "random_matched": 0.0, "old_embeddings": 0.0029},
+        {"seed": 2, "swap": 0.2939, "random_init": 0.0059, "random_matched": 0.0059, "old_embeddings": 0.0029}],
+}
+
+
+def _over_seeds(values: list[float]) -> dict:
+    """Mean over seeds with its 95% Student-t interval (JSON form of a Metric; no interval from one seed)."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return {"value": mean, "ci": None, "n": n, "interval": "t over seeds"}
+    half = t_quantile(LEVEL, n - 1) * math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
+    return {"value": mean, "ci": [mean - half, mean + half], "n": n, "interval": "t over seeds"}
+
+
+def swap_test(seeds: list[dict]) -> dict | None:
+    """The freeze-and-swap test on per-seed zero-shot accuracies (``seeds``: [{"swap", "random_init",
+    "random_matched", "old_embeddings"}], one per trained model and new table): the swapped model's mean accuracy
+    on the new table against each null's, each difference paired by seed (mean of the per-seed differences with
+    its t interval), graded on its own at one-sided ALPHA (a family of one: the Holm step is p itself), with its
+    power. None without seeds."""
+    if not seeds:
+        return None
+    nulls = NULLS[SWAP]
+    test = claim_test(SWAP, "all relations", None, _over_seeds([s["swap"] for s in seeds]),
+                      {name: _over_seeds([s[name] for s in seeds]) for name in nulls if all(name in s for s in seeds)},
+                      {name: _over_seeds([s["swap"] - s[name] for s in seeds]) for name in nulls
+                       if all(name in s for s in seeds)})
+    test.update(p_holm=test["p"], p_zero_holm=test["p_zero"])
+    if test["difference"] is not None:
+        test["power"] = power(test["difference"], MIN_EFFECT[SWAP], ALPHA)
+    test["grade"] = "null not measured" if test["missing_nulls"] else _grade(test)
+    return test
+
+
+def swap_line(report: dict, result: dict | None = None) -> dict:
+    """The freeze-and-swap line from a stored synthetic result (``result``, default :data:`SWAP_RESULT`; the
+    pretrained report holds no swap): :func:`swap_test` on its seeds, outside the report's Holm family, in a
+    report with matched controls (the run's one-layer part, which the claim is about); "not measured" without
+    them or without seeds."""
+    result = SWAP_RESULT if result is None else result
+    line = {"claim": SWAP, "measure": "zero-shot accuracy on a new table (every relation's column permuted across "
+            "subjects) of a frozen one-layer model given subject embeddings built as the superposition of the new "
+            "table's attribute vectors (e'_s = c + sum_r W_r u_a'(s), fitted on its trained embeddings), mean over "
+            "seeds", "relation": None, "layer": None, "metric": None, "null_name": None, "null": None,
+            "missing_nulls": [], "difference": None, "min_effect": MIN_EFFECT[SWAP], "p_holm": None,
+            "p_zero_holm": None, "power": None, "verdict": "not measured", "counts": {}, "comparison": None,
+            "note": ""}
+    test = swap_test(result.get("seeds") or []) if matched_sources_of(report) else None
+    if test is None:                        # shown with the run's one-layer part, the matched controls
+        return line
+    line.update({k: test[k] for k in ("metric", "null_name", "null", "missing_nulls", "difference", "p_holm",
+                                      "p_zero_holm", "power")}, verdict=test["grade"])
+    line["measure"] += f": {result['setting']}"
+    line["note"] = (f"{result['source']}, not this model; graded on its own, outside the report's Holm family; "
+                    f"{1 - test['metric']['value']:.2f} of the new facts still wrong at step 0")
+    return line
+
+
+CLAIM_LINES.append(ClaimLine(SWAP, line=swap_line))
+CLAIMS += (SWAP,)
+VERDICT_RULE += (
+    " Freeze-and-swap (a stored synthetic result, shown with the matched controls; its own family of one): the "
+    "zero-shot accuracy on a new table of a frozen one-layer model given its superposition fit's embeddings of that "
+    "table, mean over seeds, against random_init, random_matched and its own old embeddings, each difference paired "
+    "by seed with a t interval over seeds; graded as above at one-sided 0.025 without Holm, minimal effect "
+    f"+{MIN_EFFECT[SWAP]:g} accuracy.")
+
+
+# ------------------------------------------------------------------------------------- multi-hop width (synthetic)
+MULTIHOP_WIDTH = "chain-of-thought: without it the width needed grows exponentially in k, with it it does not"
+NULLS[MULTIHOP_WIDTH] = ("with_cot", "linear_in_k")
+MIN_EFFECT[MULTIHOP_WIDTH] = 0.25                         # a quarter of the paper's R^k (one unit of R's exponent per hop)
+# d* (smallest width on the grid reaching 100% train accuracy) per (k, chain-of-thought, R) and seed 0, 1, 2 of the
+# stored multi-hop sweep docs/data/multihop/n16/points.jsonl (docs/multihop.md; llmprobe synth multihop-seeds -N 16
+# -R 2,4,8 --hops 1,2,3 --seeds 0,1,2); None: the search is open (seed 1, R = 8, k = 3 without CoT: d* > 96). One
+# hop with CoT is the same data as without. tests/test_calibration.py checks these against that file.
+MULTIHOP_DSTAR = {
+    "setting": "k-hop recall over R random permutations of N = 16 subjects, R = 2, 4, 8, k = 1-3, 3 seeds, "
+               "learned attention, d_mlp = 4 d, 2000 Adam steps at lr 0.03",
+    "source": "stored synthetic sweep (docs/data/multihop/n16/points.jsonl, docs/multihop.md), the same in every "
+              "report",
+    "cells": {(1, False): {2: (2, 4, 2), 4: (4, 3, 3), 8: (8, 6, 8)},
+              (2, False): {2: (6, 12, 4), 4: (16, 12, 12), 8: (24, 24, 24)},
+              (3, False): {2: (8, 12, 12), 4: (24, 24, 24), 8: (96, None, 64)},
+              (1, True): {2: (2, 4, 2), 4: (4, 3, 3), 8: (8, 6, 8)},
+              (2, True): {2: (4, 12, 4), 4: (8, 8, 8), 8: (8, 16, 8)},
+              (3, True): {2: (12, 8, 12), 4: (12, 8, 8), 8: (12, 16, 12)}},
+}
+N_BOOT_WIDTH = 2000
+
+
+def _slope(points: list[tuple[float, float]]) -> float | None:
+    """Least-squares slope of y on x over (x, y) points; None when x does not vary."""
+    if len({x for x, _ in points}) < 2:
+        return None
+    mx, my = sum(x for x, _ in points) / len(points), sum(y for _, y in points) / len(points)
+    return sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+
+
+def hop_growth(cells: dict[int, dict[int, tuple]]) -> float | None:
+    """beta, the growth per hop of the exponent of R in d*: b_k = the least-squares slope of log d* on log R at k
+    hops (every seed a point; None = open, left out), beta = the least-squares slope of b_k on k. d* ~ R^(beta k)
+    up to factors of k: beta = 1 for d* ~ R^k (the paper's prediction without CoT), 0 when d* = f(k) g(R) (linear
+    or any other growth in k that does not compound R). ``cells``: {k: {R: (d* per seed)}}."""
+    exponents = []
+    for k, by_r in sorted(cells.items()):
+        b = _slope([(math.log(R), math.log(d)) for R, ds in by_r.items() for d in ds if d])
+        if b is not None:
+            exponents.append((k, b))
+    return _slope(exponents) if len(exponents) > 1 else None
+
+
+def width_test(cells: dict[tuple[int, bool], dict[int, tuple]], n_boot: int = N_BOOT_WIDTH, seed: int = 0
+               ) -> dict | None:
+    """The multi-hop width test on d* per (k, chain-of-thought) cell ({(k, cot): {R: (d* per seed)}}): beta
+    (:func:`hop_growth`) without CoT against beta with CoT (``with_cot``) and against 0 (``linear_in_k``: d* =
+    f(k) g(R)), with 95% percentile bootstrap intervals that resample the seeds within each (k, R) cell, the same
+    seed indices for both arms (seed i is one table and initialisation with and without CoT: paired), graded on
+    its own at one-sided ALPHA (a family of one), with its power. None when either arm has no beta."""
+    arms = {cot: {k: by_r for (k, c), by_r in cells.items() if c == cot} for cot in (False, True)}
+    direct, cot = hop_growth(arms[False]), hop_growth(arms[True])
+    if direct is None or cot is None:
+        return None
+    n_points = sum(bool(d) for by_r in arms[False].values() for ds in by_r.values() for d in ds)
+    rng = random.Random(seed)
+    slots = sorted({(k, R, len(ds)) for (k, _), by_r in cells.items() for R, ds in by_r.items()})
+    boots = []
+    for _ in range(n_boot):
+        draw = {(k, R): [rng.randrange(n) for _ in range(n)] for k, R, n in slots}
+        pair = [hop_growth({k: {R: tuple(ds[i] for i in draw[k, R] if i < len(ds)) for R, ds in by_r.items()}
+                            for k, by_r in arm.items()}) for arm in (arms[False], arms[True])]
+        if None not in pair:
+            boots.append(pair)
+
+    def percentile(values: list[float], value: float) -> list[float]:
+        values = sorted(values)
+        lo, hi = values[int(0.025 * (len(values) - 1))], values[int(math.ceil(0.975 * (len(values) - 1)))]
+        return [min(lo, value), max(hi, value)]
+
+    def metric(value: float, values: list[float]) -> dict:
+        return {"value": value, "ci": percentile(values, value), "n": n_points,
+                "interval": "bootstrap (seeds within k and R)"}
+
+    beta_direct, with_cot = metric(direct, [b[0] for b in boots]), metric(cot, [b[1] for b in boots])
+    test = claim_test(MULTIHOP_WIDTH, "synthetic sweep", None, beta_direct,
+                      {"with_cot": with_cot,
+                       "linear_in_k": {"value": 0.0, "ci": [0.0, 0.0], "n": None, "interval": "planted"}},
+                      {"with_cot": {**metric(direct - cot, [b[0] - b[1] for b in boots]),
+                                    "interval": "paired bootstrap"},
+                       "linear_in_k": beta_direct})
+    test.update(p_holm=test["p"], p_zero_holm=test["p_zero"], nulls_measured={"with_cot": with_cot},
+                power=power(test["difference"], MIN_EFFECT[MULTIHOP_WIDTH], ALPHA))
+    test["grade"] = _grade(test)
+    return test
+
+
+def width_line(report: dict, result: dict | None = None) -> dict:
+    """The multi-hop width line from the stored synthetic sweep (``result``, default :data:`MULTIHOP_DSTAR`; the
+    pretrained report holds no width search): :func:`width_test`, outside the report's Holm family, in a report
+    whose multi-hop analysis measured chains (the chain-of-thought claim's own test); "not measured" without them
+    or without cells."""
+    result = MULTIHOP_DSTAR if result is None else result
+    line = {"claim": MULTIHOP_WIDTH, "measure": "beta, the growth per hop of the exponent b_k in d* ~ R^b_k (b_k "
+            "fitted at each k over R and seeds; beta the slope of b_k on k: 1 for d* ~ R^k, 0 for d* = f(k) g(R)), "
+            "without chain-of-thought", "relation": None, "layer": None, "metric": None, "null_name": None,
+            "null": None, "missing_nulls": [], "difference": None, "min_effect": MIN_EFFECT[MULTIHOP_WIDTH],
+            "p_holm": None, "p_zero_holm": None, "power": None, "verdict": "not measured", "counts": {},
+            "comparison": None, "note": ""}
+    test = width_test(result.get("cells") or {}) if analyses_of(report).multihop.pooled else None
+    if test is None:                        # shown with the chain-of-thought test on the model
+        return line
+    line.update({k: test[k] for k in ("metric", "null_name", "null", "missing_nulls", "difference", "p_holm",
+                                      "p_zero_holm", "power")}, verdict=test["grade"])
+    line["measure"] += f": {result['setting']}"
+    cot = test["nulls_measured"]["with_cot"]
+    line["note"] = (f"{result['source']}, not this model; graded on its own, outside the report's Holm family; "
+                    f"with CoT beta {cot['value']:.2f} [{cot['ci'][0]:.2f}, {cot['ci'][1]:.2f}]")
+    return line
+
+
+CLAIM_LINES.append(ClaimLine(MULTIHOP_WIDTH, line=width_line))
+CLAIMS += (MULTIHOP_WIDTH,)
+STORED = (SWAP, MULTIHOP_WIDTH)       # the lines graded from stored synthetic results: no analysis feeds them
+VERDICT_RULE += (
+    " Multi-hop width (the stored synthetic sweep's d*, shown with the chain-of-thought test; its own family of "
+    "one): beta, the growth per hop of the exponent b_k of R in d* ~ R^b_k (1 for R^k, 0 when d* = f(k) g(R)), "
+    "without CoT against beta with CoT (paired by seed) and against 0 (linear_in_k), 95% percentile bootstrap "
+    f"over seeds within each (k, R); graded as above at one-sided 0.025 without Holm, minimal effect "
+    f"+{MIN_EFFECT[MULTIHOP_WIDTH]:g} per hop.")
