@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from statistics import NormalDist
 
-from llmprobe.analyses.results import FactTable, MatchedBlock, MatchedSource, SuperpositionLayer, metric_nulls
+from llmprobe.analyses.results import MatchedBlock, MatchedSource, SuperpositionLayer, metric_nulls
 from llmprobe.metric import LEVEL, Metric, t_quantile, wilson
 from llmprobe.report.schema import analyses_of, matched_sources_of, model_of, source_name
 
