@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from statistics import NormalDist
 
 from llmprobe.analyses.results import FactTable, MatchedBlock, MatchedSource, SuperpositionLayer, metric_nulls
-from llmprobe.metric import LEVEL, Metric, wilson
+from llmprobe.metric import LEVEL, Metric, t_over_seeds, wilson
 from llmprobe.report.schema import analyses_of, matched_sources_of, model_of, source_name
 
 CLAIMS = ("attributes linearly decodable", "LRE edits causal", "subject states a superposition of attribute vectors",
@@ -204,6 +204,8 @@ def _line(claim: str, measure: str, tests: list[dict]) -> dict:
         line["note"] = f"the best of layers {', '.join(map(str, layers))} (all in the Holm family)"
     if shown["missing_nulls"]:
         line["note"] = "; ".join(filter(None, [line["note"], f"not measured: {', '.join(shown['missing_nulls'])}"]))
+    if (shown["comparison"] or {}).get("note"):
+        line["note"] = "; ".join(filter(None, [line["note"], shown["comparison"]["note"]]))
     return line
 
 
@@ -222,6 +224,30 @@ def _at_dstar(report: dict) -> MatchedSource | None:
     """The trainable matched control at its threshold width d*, or None."""
     trainable = _trainable_controls(report)
     return next((s for s in trainable if s.threshold.d_star == s.model.d_model), trainable[0] if trainable else None)
+
+
+def seed_values(m: dict | None) -> list[float]:
+    """The seeds' values of a metric over seeds (``spread.values`` of a ``t over seeds`` metric), else []."""
+    if not m or m.get("interval") != "t over seeds":
+        return []
+    return [float(v) for v in (m.get("spread") or {}).get("values") or []]
+
+
+def seed_words(test: dict | None, values: list[float]) -> None:
+    """Say in ``test``'s comparison (built from a metric over the control's seeds) whether its word would flip
+    between seeds: the word recomputed with each seed's value in place of the control's (the seed's value as
+    exact, the pretrained interval as measured) goes to ``comparison["seed_words"]``; when they disagree,
+    ``comparison["note"]`` says "depends on the control's seed: seed values ..." and the word stays the one from
+    the interval over seeds. Nothing with fewer than two seeds."""
+    comparison = (test or {}).get("comparison")
+    if not comparison or len(values) < 2:
+        return
+    words = [_word(difference(test["metric"], {"value": v, "ci": [v, v]})) for v in values]
+    comparison["seed_words"] = words
+    if len(set(words)) > 1:
+        comparison["note"] = ("depends on the control's seed: seed values " + ", ".join(
+            f"{v:.3f} ({w})" for v, w in zip(values, words)) + f"; the word is the one over seeds "
+            f"({comparison['word']}, the {len(values)} seeds' Student-t interval)")
 
 
 def decoder_layers(report: dict, measured: set[int], relations: list[str] | None) -> tuple[dict[str, int], int | None]:
@@ -249,21 +275,26 @@ def validation_layers(report: dict) -> tuple[dict[str, int], int | None]:
 def _superposition_tests(report: dict) -> tuple[list[dict], list[dict], str]:
     """(readout tests, R^2 tests, where) of the pretrained superposition readouts at the layers of
     :func:`validation_layers` (every measured layer where no decoder chose one), each beside the trainable matched
-    control at the same width."""
+    control at the same width: its values over seeds where the report has them (the R^2's ``r2_final``, the
+    readouts' ``over_seeds``; else seed 0's), with a note where the comparison word flips between seeds."""
     layers = analyses_of(report).superposition.layers
     chosen, common = validation_layers(report)
-    control = (_same_width_control(report) or MatchedSource()).analyses.superposition.layers.get("0") or \
-        SuperpositionLayer()
+    source = _same_width_control(report) or MatchedSource()
+    control = source.analyses.superposition.layers.get("0") or SuperpositionLayer()
+    over = source.over_seeds           # the control's values over its seeds, where the report has them
     name = f"the paper's model (matched control, trainable) at this width (d={report.get('model', {}).get('d_model')})"
     readouts, r2s = [], []
     for layer, entry in sorted(layers.items(), key=lambda kv: int(kv[0])):
         for relation, metric in entry.readout.items():
             if common is None or chosen.get(relation, common) == int(layer):
+                control_readout = over.readout.get(relation) or control.readout.get(relation)
                 readouts.append(claim_test(DECODABLE, relation, int(layer), metric, margins=_margins(metric),
-                                      comparison=(name, control.readout.get(relation))))
+                                      comparison=(name, control_readout)))
+                seed_words(readouts[-1], seed_values(control_readout))
         if common is None or common == int(layer):
             r2s.append(claim_test(SUPERPOSITION, "all relations", int(layer), entry.r2, margins=_margins(entry.r2),
                              comparison=(name, control.r2)))
+            seed_words(r2s[-1], seed_values(control.r2))
     where = (f"at the layer its LRE decoder chose on validation (else layer {common}, the one most relations' "
              "decoders chose)" if common is not None else "at every measured layer (no decoder chose one), all in "
              "the Holm family")
@@ -357,8 +388,9 @@ def selector_test(transplant: dict, comparison: tuple | None = None) -> dict | N
 def _selector_tests(report: dict) -> tuple[list[dict], str]:
     """(tests, where) of the selector on the pretrained model's gate transplant (at the block chosen on validation
     facts, :func:`selector_test`): the calibrated keep test where the report has it, beside the trainable matched
-    control's same-relation keep rate at the model's width (else at d*; Wilson, n = the table's facts); older
-    reports: the share another relation's gates break against a count-matched random switch-off, beside the
+    control's same-relation keep rate at the model's width (else at d*; over its seeds, Student-t, with a note where
+    the word flips between seeds; reports without per-seed keep rates: seed 0's, Wilson, n = the table's facts);
+    older reports: the share another relation's gates break against a count-matched random switch-off, beside the
     control's other-relation break at d* (1 - its same_subject keep rate)."""
     transplant = analyses_of(report).selector.gate_transplant
     as_json = transplant.to_dict()
@@ -368,14 +400,23 @@ def _selector_tests(report: dict) -> tuple[list[dict], str]:
     source = ((_same_width_control(report) or _at_dstar(report)) if calibrated else _at_dstar(report)) or \
         MatchedSource()
     control, n_facts = source.analyses.selector.gate_transplant, source.matched_to.n_facts
-    comparison = None
-    if control.same_subject is not None and isinstance(control.same_relation, (int, float)) and n_facts:
+    comparison, seeds = None, []
+    kept_over = source.over_seeds.gate_transplant      # the keep rates over the control's seeds, where stored
+    if _compact(kept_over.get("same_relation")) and _compact(kept_over.get("same_subject")):
+        same, other = kept_over["same_relation"], kept_over["same_subject"]
+        kept = same if calibrated else other
+        seeds = [v if calibrated else 1.0 - v for v in seed_values(kept)]
+        comparison = (f"the matched control ({source_name(source.to_dict())}, over {same['n']} seeds; same-relation "
+                      f"gate keeps {same['value']:.2f}, other-relation gate {other['value']:.2f})",
+                      kept if calibrated else _broken(kept))
+    elif control.same_subject is not None and isinstance(control.same_relation, (int, float)) and n_facts:
         value = control.same_relation if calibrated else control.same_subject
         kept = Metric(value, wilson(value, n_facts), n_facts, "wilson").to_dict()
         comparison = (f"the matched control ({source_name(source.to_dict())}; same-relation gate keeps "
                       f"{control.same_relation:.2f}, other-relation gate {control.same_subject:.2f})",
                       kept if calibrated else _broken(kept))
     test = selector_test(as_json, comparison)
+    seed_words(test, seeds)
     block = transplant.block
     shown = _compact(transplant.other_relation if calibrated else transplant.same_relation)
     where = (f"at layers {block[0]}-{block[-1]} (the block chosen on validation facts)" if block else "") + (
@@ -438,10 +479,7 @@ def capacity_line(report: dict) -> dict:
         return "above" if value > hi else "below" if value < lo else "inside"
 
     side = side_of(bits_per_param)
-    if exact:
-        line["verdict"] = "supported" if side == "inside" else "not shown"
-    else:                                   # d* an upper bound: the bits per parameter a lower bound
-        line["verdict"] = "not shown" if side == "above" else "inconclusive"
+    line["verdict"] = capacity_verdict(side, exact)
     line["note"] = f"{side} the sweep's range" + ("" if exact else " (a lower bound: d* is an upper bound)")
     sturdy = _every_seed_fits(report)
     if sturdy is not None and sturdy["d"] != threshold.d_star:
@@ -452,7 +490,75 @@ def capacity_line(report: dict) -> dict:
         if moved != side:
             line["verdict"] = "inconclusive"
             line["note"] += " (d* is marginal: the verdict depends on which rule of fit is taken)"
+    seeds = capacity_seeds(report, threshold.d_star, exact, side_of)
+    if seeds is not None:
+        line["seeds"] = seeds
+        if seeds["note"]:
+            line["verdict"] = seeds["verdict"]
+            line["note"] += "; " + seeds["note"]
     return line
+
+
+def capacity_verdict(side: str, exact: bool) -> str:
+    """The capacity verdict of bits per parameter on ``side`` ("below", "inside", "above") of the sweep's range:
+    with an exact d* supported inside, not shown outside; with d* an upper bound (the bits per parameter a lower
+    bound) not shown above, else inconclusive."""
+    if exact:
+        return "supported" if side == "inside" else "not shown"
+    return "not shown" if side == "above" else "inconclusive"
+
+
+def capacity_seeds(report: dict, d_star: int, exact: bool, side_of: Callable[[float], str]) -> dict | None:
+    """The capacity verdict of each seed of the trainable control, and whether it flips between seeds.
+
+    Rule (the threshold search is seed 0's, and a search per seed would cost as much again): a seed's d* is the
+    narrowest curve width at which that seed reached 100% train accuracy, exact when it is the search's d* and
+    the search found d* exact (d*-1 failed with both of its initialisations), or when the seed failed at the width
+    one narrower; else an upper bound (the curve doubles). A seed that fits at no width has d* above the widest,
+    its bits per parameter below that width's. Each seed's verdict is :func:`capacity_verdict` of its bits per
+    parameter (``side_of``: the sweep range's side of a value). When the seeds disagree, ``note`` says so with their
+    values and ``verdict`` is the one from the Student-t interval of the seeds' bits per parameter against the
+    range (inside: as an exact d* inside if every seed's d* is exact; wholly above or below: not shown; across a
+    bound: inconclusive). Returns {"d_star": [per seed, None where it fits nowhere], "bits_per_param", "verdicts",
+    "rule", "note" ("" when the seeds agree), and where they disagree "verdict" and "over_seeds"}; None without
+    per-seed rows (older reports)."""
+    curve = sorted((s for s in _trainable_controls(report) if s.seeds and s.train.bits_per_param is not None),
+                   key=lambda s: s.model.d_model)
+    if not curve:
+        return None
+    n_seeds = min(len(s.seeds) for s in curve)
+    fits = {s.model.d_model: [row.get("fit_step") is not None for row in s.seeds] for s in curve}
+    bits = {s.model.d_model: s.train.bits_per_param for s in curve}
+    widths, values, verdicts, exacts = [], [], [], []
+    for i in range(n_seeds):
+        d = next((w for w in fits if fits[w][i]), None)
+        if d is None:                        # fits nowhere: d* above the widest, bits per parameter below its
+            widest = max(fits)
+            widths.append(None)
+            values.append(bits[widest])
+            exacts.append(False)
+            verdicts.append("not shown" if side_of(bits[widest]) == "below" else "inconclusive")
+            continue
+        seed_exact = (d == d_star and exact) or (d - 1 in fits and not fits[d - 1][i])
+        widths.append(d)
+        values.append(bits[d])
+        exacts.append(seed_exact)
+        verdicts.append(capacity_verdict(side_of(bits[d]), seed_exact))
+    out = {"d_star": widths, "bits_per_param": values, "verdicts": verdicts, "note": "",
+           "rule": "each seed's narrowest curve width reaching 100% train accuracy"}
+    if len(set(verdicts)) > 1:
+        over = t_over_seeds(values).to_dict()
+        lo, hi = over["ci"]
+        sides = {side_of(v) for v in (lo, hi)} if None not in (lo, hi) else {"below", "above"}
+        out["verdict"] = (capacity_verdict("inside", all(exacts)) if sides == {"inside"} else
+                          "not shown" if len(sides) == 1 else "inconclusive")
+        out["over_seeds"] = over
+        out["note"] = ("depends on the control's seed: seed values d* = " + ", ".join(
+            f"{w or f'> {max(fits)}'} ({v:.3g} bits/param, {verdict})" for w, v, verdict in zip(widths, values, verdicts))
+            + f" by {out['rule']}; the verdict is the one over seeds ({out['verdict']}, "
+            + (f"{over['value']:.3g} [{lo:.3g}, {hi:.3g}]" if None not in (lo, hi) else f"{over['value']:.3g}")
+            + " bits/param, Student-t)")
+    return out
 
 
 def _every_seed_fits(report: dict) -> dict | None:
