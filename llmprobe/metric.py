@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 __all__ = ["LEVEL", "Metric", "wilson", "proportion", "bootstrap", "paired_difference", "jackknife", "t_quantile",
-           "is_metric", "iter_metrics", "nan_metric"]
+           "t_over_seeds", "is_metric", "iter_metrics", "nan_metric"]
 
 LEVEL = 0.95
 _FIELDS = ("value", "ci", "n", "interval")
@@ -120,6 +120,23 @@ def _float(x) -> float | None:
 def nan_metric(interval: str = "none", note: str | None = None) -> Metric:
     """A metric that could not be measured (no test item): value and interval NaN, n = 0."""
     return Metric(float("nan"), (float("nan"), float("nan")), 0, interval, note=note)
+
+
+def t_over_seeds(values: Sequence[float | None], bounds: tuple[float, float] | None = None,
+                 level: float = LEVEL) -> Metric:
+    """The mean of ``values`` (one per seed; None or NaN = that seed has none, left out) with its Student-t
+    interval (``n`` = seeds; unbounded with one seed; cut to ``bounds`` where given, e.g. (0, 1) for a rate), the
+    values and their sd in ``spread``; a NaN metric when no seed has one."""
+    kept = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    if not kept:
+        return nan_metric("t over seeds")
+    n, mean = len(kept), sum(kept) / len(kept)
+    sd = math.sqrt(sum((v - mean) ** 2 for v in kept) / (n - 1)) if n > 1 else 0.0
+    half = t_quantile(level, n - 1) * sd / math.sqrt(n) if n > 1 else None
+    lo, hi = (None, None) if half is None else (mean - half, mean + half)
+    if bounds is not None and half is not None:
+        lo, hi = max(lo, bounds[0]), min(hi, bounds[1])
+    return Metric(mean, (lo, hi), n, "t over seeds", spread={"sd": sd, "values": kept})
 
 
 def _spread(refits: Sequence[float] | None) -> dict | None:

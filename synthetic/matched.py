@@ -22,7 +22,10 @@ readout code, as a curve over width, over seeds.
    MLP-as-selector measurements of :func:`synthetic.mechanisms.selector`) for seed 0 at the end of training; the
    R^2 value (and its shuffled control) of every seed at its first 100% step (``r2_at_fit``), at each budget of
    :data:`BUDGETS` below ``past_fit`` (``r2_by_budget``) and at the end (``r2_final``), with intervals over seeds,
-   and how far the embeddings moved from their init (``movement``).
+   every seed's readout accuracies and gate-transplant keep rates at the end (``over_seeds``: Student-t intervals
+   over seeds; from the fit the R^2 already makes and two forward passes, so they cost nothing measurable), and
+   how far the embeddings moved from their init (``movement``). The claims compare the pretrained model with
+   these over-seeds numbers and say when a comparison word would flip between seeds.
 
 Nothing finished is lost (``checkpoints``): each finished unit, every training of the threshold search (one width,
 one initialisation) and every width of the curve (its seeds trained in one stack, measured), is written as soon as it
@@ -57,7 +60,11 @@ The returned block (``report["matched"]``)::
                                          relations), "selector": {...}, "r2_at_fit", "r2_final": Metric over
                                          seeds, "r2_by_budget": {steps past fit: Metric over seeds},
                                          "movement": {"at_fit", "final": {"subject_embed", "unembed"}},
-                                         "seeds": [per seed: fit_step, steps, r2s, movements], "wall_seconds",
+                                         "over_seeds": {"readout": {relation: Metric}, "readout_mean": Metric,
+                                                        "gate_transplant": {"same_relation", "same_subject":
+                                                                            Metric}} (over seeds, end of training),
+                                         "seeds": [per seed: fit_step, steps, r2s, readout, readout_mean,
+                                                   gate_transplant, movements], "wall_seconds",
                                          "cpu_seconds"}, ...]},
                "frozen": {...}}}
 """
@@ -66,7 +73,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import time
 from pathlib import Path
 
@@ -76,11 +82,11 @@ from tqdm.auto import tqdm
 from llmprobe.datasets import Fact, FactTable, Relation
 from llmprobe.geometry import superposition_readout
 from llmprobe.io import json_digest, write_text
-from llmprobe.metric import LEVEL, Metric, nan_metric, pooled_readout, t_quantile
+from llmprobe.metric import pooled_readout, t_over_seeds
 from llmprobe.model.random_init import random_init
 from llmprobe.names import MATCHED_MODES
 from synthetic.batched import train_batched
-from synthetic.mechanisms import embedding_inputs, readout_inputs
+from synthetic.mechanisms import embedding_inputs, gate_transplant, readout_inputs
 from synthetic.mechanisms import selector as measure_selector
 from synthetic.model import FactRecallModel, auto_chunk
 from synthetic.sweep import SweepConfig, find_threshold, initial_guess, train_width, width_config
@@ -97,7 +103,9 @@ RECIPES = {"adam": {"lr": 0.1, "weight_decay": 0.0}, "weight_decay": {"lr": 0.03
 THREADS = 1               # torch threads of all the controls' training and measuring (reproducibility)
 N_BOOT = 500              # bootstrap resamples of the controls' R^2 intervals
 PLACE = "subject embeddings e_s (blocks.0.resid_pre at the subject token)"
-UNIT_FORMAT = "matched unit 1"      # the format of a unit's checkpoint, part of its key
+UNIT_FORMAT = "matched unit 2"      # the format of a unit's checkpoint, part of its key (2: per-seed readouts
+                                    # and keep rates; a unit of format 1 is trained again)
+KEEP_RATES = ("same_relation", "same_subject")   # the gate transplant's keep rates stored per seed
 
 
 @contextlib.contextmanager
@@ -266,25 +274,30 @@ def measure_control(model, task, seed: int = 0, n_boot: int = N_BOOT, selector: 
 def r2_value(subject_embed: torch.Tensor, unembed: torch.Tensor, task, seed: int = 0) -> tuple[float, float]:
     """(held-out R^2, its shuffled-table control) of the superposition fit of ``subject_embed`` [N, d] on the
     attribute rows of ``unembed`` [n_outputs, d]: the value :func:`measure_control` reports, without intervals."""
+    values = seed_values(subject_embed, unembed, task, seed)
+    return values["r2"], values["shuffled"]
+
+
+def seed_values(subject_embed: torch.Tensor, unembed: torch.Tensor, task, seed: int = 0) -> dict:
+    """The values :func:`measure_control` reports, without intervals, from one superposition fit of
+    ``subject_embed`` [N, d] on the attribute rows of ``unembed`` [n_outputs, d]: {"r2", "shuffled" (its
+    shuffled-table control), "readout": {relation: held-out readout accuracy}}."""
     H, A, U = embedding_inputs(subject_embed, unembed, task)
     rep = superposition_readout(H, A, U, relation_names=task.relations, n_boot=1, seed=seed, decode=False,
                                 jackknife_groups=0, n_random=0)
     m = rep.measure("r2", primary="shuffled")
-    return m.value, m.nulls["shuffled"].value
+    readout = {name: rep.measure("readout_acc", name) for name in task.relations}
+    return {"r2": m.value, "shuffled": m.nulls["shuffled"].value,
+            "readout": {name: None if r is None else r.value for name, r in readout.items()}}
 
 
-def over_seeds(values: list[float | None], controls: dict[str, list] | None = None) -> dict:
-    """A Metric (JSON form) over seeds: the mean of ``values`` (None = that seed has none, left out) with its
-    Student-t interval (``n`` = seeds; unbounded with one seed) and the values in ``spread``; ``controls``
-    {name: values per seed} the same way."""
-    kept = [float(v) for v in values if v is not None and math.isfinite(v)]
-    if not kept:
-        return nan_metric("t over seeds").to_dict()
-    n, mean = len(kept), sum(kept) / len(kept)
-    sd = math.sqrt(sum((v - mean) ** 2 for v in kept) / (n - 1)) if n > 1 else 0.0
-    half = t_quantile(LEVEL, n - 1) * sd / math.sqrt(n) if n > 1 else None
-    m = Metric(mean, (None, None) if half is None else (mean - half, mean + half), n, "t over seeds",
-               spread={"sd": sd, "values": kept})
+def over_seeds(values: list[float | None], controls: dict[str, list] | None = None,
+               bounds: tuple[float, float] | None = None) -> dict:
+    """A Metric (JSON form) over seeds (:func:`llmprobe.metric.t_over_seeds`): the mean of ``values`` (None = that
+    seed has none, left out) with its Student-t interval (``n`` = seeds; unbounded with one seed; cut to ``bounds``
+    where given, e.g. (0, 1) for a rate) and the values in ``spread``; ``controls`` {name: values per seed} the
+    same way."""
+    m = t_over_seeds(values, bounds)
     out = m.to_dict()
     if controls:
         out["nulls"] = {name: over_seeds(vals) for name, vals in controls.items()}
@@ -314,27 +327,47 @@ def train_point(tasks: list, mode: str, d: int, cfg: SweepConfig, seed: int, bud
     return train_batched(tasks, configs, cfg.train, snapshot_at=budgets)
 
 
-def seed_row(i: int, result, task, seed: int, budgets: tuple[int, ...], final_r2: tuple | None = None) -> dict:
+def seed_row(i: int, result, task, seed: int, budgets: tuple[int, ...], final: dict | None = None) -> dict:
     """What one seed of a point measured: its fit step and steps, R^2 and shuffled R^2 at the fit, at each budget
-    and at the end (``final_r2``: already measured), and the embeddings' movement at the fit and at the end."""
+    and at the end, its readout accuracy per relation and its gate-transplant keep rates at the end (``final``:
+    those end values already measured, {"r2", "shuffled", "readout", "gate_transplant"}: seed 0's, in full), and
+    the embeddings' movement at the fit and at the end. The end values come from the one superposition fit the
+    R^2 needs (:func:`seed_values`) and two forward passes (:func:`synthetic.mechanisms.gate_transplant`)."""
     init = FactRecallModel(result.model.config)
-    final = {name: getattr(result.model, name).detach().cpu() for name in SNAPSHOT}
+    weights = {name: getattr(result.model, name).detach().cpu() for name in SNAPSHOT}
     at = {k: r2_value(snap["subject_embed"], snap["unembed_weight"], task, seed + i)
           for k, snap in sorted(result.snapshots.items()) if k in budgets}
-    end = final_r2 or r2_value(final["subject_embed"], final["unembed_weight"], task, seed + i)
+    if final is None:
+        final = {**seed_values(weights["subject_embed"], weights["unembed_weight"], task, seed + i),
+                 "gate_transplant": gate_transplant(result.model.cpu(), task, seed + i)}
     fit = result.fit_step
     return {"seed": seed + i, "subject_order": None if i == 0 else seed + i, "fit_step": fit,
             "steps": result.steps, "steps_past_fit": None if fit is None else result.steps - fit,
-            "accuracy": result.accuracy, "r2_at_fit": at.get(0, (None,))[0], "r2_final": end[0],
-            "shuffled_at_fit": at.get(0, (None, None))[1], "shuffled_final": end[1],
+            "accuracy": result.accuracy, "r2_at_fit": at.get(0, (None,))[0], "r2_final": final["r2"],
+            "shuffled_at_fit": at.get(0, (None, None))[1], "shuffled_final": final["shuffled"],
             "r2_by_budget": {str(k): v[0] for k, v in at.items()},
+            "readout": final["readout"], "readout_mean": readout_mean(final["readout"], task),
+            "gate_transplant": {k: None if (v := final["gate_transplant"].get(k)) is None else round(v, 4)
+                                for k in KEEP_RATES},          # rounded as the selector's numbers are
             "movement_at_fit": movement(result.snapshots[0], init) if 0 in result.snapshots else None,
-            "movement_final": movement(final, init)}
+            "movement_final": movement(weights, init)}
+
+
+def readout_mean(readout: dict[str, float | None], task) -> float | None:
+    """Readout accuracy pooled over relations (each subject-relation fact once: relations weighted by their facts),
+    as :func:`llmprobe.metric.pooled_readout` pools seed 0's metrics; None when a relation has no value."""
+    counts = (task.table >= 0).sum(0).tolist()
+    weights = dict(zip(task.relations, counts))
+    if not readout or any(v is None for v in readout.values()):
+        return None
+    return sum(v * weights[name] for name, v in readout.items()) / sum(weights[name] for name in readout)
 
 
 def seeds_summary(rows: list[dict], budgets: tuple[int, ...]) -> dict:
     """The point's numbers over seeds: ``r2_at_fit``, ``r2_final``, ``r2_by_budget`` (Metrics with the shuffled
-    control) and the mean ``movement`` at the fit and at the end."""
+    control), ``over_seeds`` (the end values the claims compare with: ``readout`` per relation, ``readout_mean``
+    and the gate transplant's ``same_relation`` / ``same_subject`` keep rates, each a Metric over seeds) and the
+    mean ``movement`` at the fit and at the end."""
     def mean_movement(key):
         got = [r[key] for r in rows if r[key] is not None]
         return {part: round(sum(m[part] for m in got) / len(got), 4) for part in got[0]} if got else None
@@ -342,6 +375,11 @@ def seeds_summary(rows: list[dict], budgets: tuple[int, ...]) -> dict:
     return {"r2_at_fit": over_seeds([r["r2_at_fit"] for r in rows], {"shuffled": [r["shuffled_at_fit"] for r in rows]}),
             "r2_final": over_seeds([r["r2_final"] for r in rows], {"shuffled": [r["shuffled_final"] for r in rows]}),
             "r2_by_budget": {str(k): over_seeds([r["r2_by_budget"].get(str(k)) for r in rows]) for k in budgets},
+            "over_seeds": {"readout": {name: over_seeds([r["readout"].get(name) for r in rows], bounds=(0, 1))
+                                       for name in rows[0]["readout"]},
+                           "readout_mean": over_seeds([r["readout_mean"] for r in rows], bounds=(0, 1)),
+                           "gate_transplant": {k: over_seeds([r["gate_transplant"][k] for r in rows], bounds=(0, 1))
+                                               for k in KEEP_RATES}},
             "movement": {"at_fit": mean_movement("movement_at_fit"), "final": mean_movement("movement_final")}}
 
 
@@ -473,7 +511,9 @@ def train_matched(table: FactTable, d_model: int, seed: int = 0, at_model_width:
                 results = train_point(tasks, mode, d, curve, seed, budgets)
                 model = results[0].model.cpu()
                 measured = measure_control(model, task, seed, n_boot)
-                final0 = (measured["r2"]["value"], measured["r2"]["nulls"]["shuffled"]["value"])
+                final0 = {"r2": measured["r2"]["value"], "shuffled": measured["r2"]["nulls"]["shuffled"]["value"],
+                          "readout": {name: (m or {}).get("value") for name, m in measured["readout"].items()},
+                          "gate_transplant": measured["selector"]["gate_transplant"]}
                 rows = [seed_row(i, res, tasks[i], seed, budgets, final0 if i == 0 else None)
                         for i, res in enumerate(results)]
                 train0 = results[0].to_dict()
@@ -538,4 +578,4 @@ def merge_matched(blocks: list[dict]) -> dict:
 
 
 __all__ = ["MODES", "RECIPES", "Units", "table_digest", "known_table", "train_at", "control_threshold", "curve_widths", "measure_control",
-           "train_matched", "merge_matched", "compared_with", "fixed_threads", "over_seeds", "r2_value", "movement"]
+           "train_matched", "merge_matched", "compared_with", "fixed_threads", "over_seeds", "r2_value", "seed_values", "movement"]

@@ -12,8 +12,20 @@ from llmprobe.metric import Metric, is_metric, pooled_readout
 from llmprobe.report.figures import capacity_figure, controls_caption
 from llmprobe.report.render import render_markdown, with_matched
 from llmprobe.report.schema import matched_sources
-from synthetic.matched import PAST_FIT, curve_widths, merge_matched, over_seeds, train_matched
+from synthetic.matched import (
+    KEEP_RATES,
+    PAST_FIT,
+    curve_widths,
+    measure_control,
+    merge_matched,
+    over_seeds,
+    seed_values,
+    train_at,
+    train_matched,
+)
+from synthetic.sweep import SweepConfig
 from synthetic.tasks import from_fact_table
+from synthetic.train import TrainConfig
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +83,35 @@ def test_seeds_give_an_interval(block):
     assert one["n"] == 1 and one["value"] == 0.4 and one["ci"] == [None, None]       # one seed: no interval
     lo, hi = over_seeds([0.2, 0.4, 0.6])["ci"]
     assert (lo + hi) / 2 == pytest.approx(0.4) and (hi - lo) / 2 == pytest.approx(4.303 * 0.2 / 3 ** 0.5, rel=0.01)
+
+
+def test_every_seed_stores_its_readouts_and_keep_rates(block, table):
+    """Every seed of a point stores its readout accuracies (and their mean pooled over relations) and its gate
+    transplant's keep rates at the end of training, seed 0's those of its full measurement; over seeds each is a
+    Student-t metric whose interval covers every seed's value, and each report source carries them. A seed's
+    values come from the one superposition fit its R^2 needs: the same values as the full measurement's."""
+    for entry in block["modes"].values():
+        for p in entry["points"]:
+            rows, over = p["seeds"], p["over_seeds"]
+            assert rows[0]["readout"] == {name: m["value"] for name, m in p["readout"].items()}
+            assert rows[0]["readout_mean"] == pytest.approx(p["readout_mean"]["value"])
+            assert rows[0]["gate_transplant"] == {k: p["selector"]["gate_transplant"][k] for k in KEEP_RATES}
+            metrics = [(over["readout"][name], [r["readout"][name] for r in rows]) for name in p["readout"]]
+            metrics += [(over["readout_mean"], [r["readout_mean"] for r in rows])]
+            metrics += [(over["gate_transplant"][k], [r["gate_transplant"][k] for r in rows]) for k in KEEP_RATES]
+            for m, values in metrics:
+                assert m["interval"] == "t over seeds" and m["n"] == 3 and m["spread"]["values"] == values
+                assert m["value"] == pytest.approx(sum(values) / 3)
+                assert max(0.0, m["ci"][0]) <= min(values) and max(values) <= m["ci"][1] <= 1.0
+    sources = matched_sources(block)
+    assert all(s["over_seeds"]["readout"] and s["over_seeds"]["gate_transplant"]["same_relation"]["n"] == 3
+               and s["over_seeds"]["r2"]["interval"] == "t over seeds" and len(s["seeds"]) == 3 for s in sources)
+    task = from_fact_table(table)
+    model, _ = train_at(task, "trainable", 6, SweepConfig(train=TrainConfig(max_steps=200, progress=False)))
+    full = measure_control(model, task, seed=5, n_boot=20, selector=False)
+    quick = seed_values(model.subject_embed.detach(), model.unembed_weight.detach(), task, seed=5)
+    assert quick["r2"] == full["r2"]["value"] and quick["shuffled"] == full["r2"]["nulls"]["shuffled"]["value"]
+    assert quick["readout"] == {name: m["value"] for name, m in full["readout"].items()}
 
 
 def _numbers(tree):

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-__all__ = ["AnalysesResult", "CrosspatchLayer", "CrosspatchResult", "DatasetInfo", "DecoderLayer", "FactTable",
+__all__ = ["AnalysesResult", "ControlOverSeeds", "CrosspatchLayer", "CrosspatchResult", "DatasetInfo", "DecoderLayer", "FactTable",
            "GateTransplant", "GatingResult", "LayerDecoders", "MatchedBlock", "MatchedSource", "MatchedTraining",
            "MetricJSON", "ModelInfo", "MultihopPooled", "MultihopResult", "RelationDecoders", "RelationFacts",
            "RelationGating", "ReportSettings", "Result", "Selection", "SelectorResult", "SuperpositionLayer",
@@ -615,14 +615,30 @@ class MatchedBlock(Result):
 
 
 @dataclass(kw_only=True)
+class ControlOverSeeds(Result):
+    """A matched control's end-of-training values over its seeds (a source's ``over_seeds``: ``r2`` the point's
+    ``r2_final``, the rest its ``over_seeds``): ``r2``, ``readout`` {relation: metric}, ``readout_mean``,
+    ``gate_transplant`` {"same_relation", "same_subject": metric}, each a metric over seeds (JSON form, Student-t
+    interval) whose ``spread.values`` are the seeds' values. Absent (None, {}) in reports written before they were
+    stored (the readouts and keep rates: seed 0's only, in the source's analyses)."""
+
+    r2: MetricJSON | None = None
+    readout: dict = field(default_factory=dict)
+    readout_mean: MetricJSON | None = None
+    gate_transplant: dict = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
 class MatchedSource(Result):
     """A matched control as a source of the page (``llmprobe.report.schema.matched_sources``: one per trained point
     of the block, in the per-source layout; an older report's list entries as they are): its model, the fact table
-    it was trained on, its mode's threshold width, its training, its analyses (superposition at ``"0"``, selector).
-    The keys the page adds (``_path``, ``_owner``, ``_label``) are in ``extra``."""
+    it was trained on, its mode's threshold width, its training, its analyses (superposition at ``"0"``, selector),
+    its end values over seeds (``over_seeds``) and its per-seed rows as the block stores them (``seeds``: fit step,
+    accuracy, end values per seed; None in reports without them). The keys the page adds (``_path``, ``_owner``, ``_label``) are in ``extra``."""
 
     NESTED: ClassVar = {"model": _One(ModelInfo), "matched_to": _One(FactTable), "threshold": _One(Threshold),
-                        "train": _One(Training), "analyses": _One(AnalysesResult)}
+                        "train": _One(Training), "analyses": _One(AnalysesResult),
+                        "over_seeds": _One(ControlOverSeeds)}
     schema_version: int | None = None
     kind: str | None = None
     label: str | None = None
@@ -631,4 +647,6 @@ class MatchedSource(Result):
     threshold: Threshold = field(default_factory=Threshold)
     train: Training = field(default_factory=Training)
     analyses: AnalysesResult = field(default_factory=AnalysesResult)
+    over_seeds: ControlOverSeeds = field(default_factory=ControlOverSeeds)
+    seeds: list | None = None
     wall_seconds: float | None = None

@@ -90,7 +90,9 @@ VERDICT_RULE = (
     "the selector chose on validation facts. A line shows the median relation: its verdict is the "
     "grade that at least half the relations reach. The matched control is a comparison (more than / as much as / less than), "
     "not a null; its word (more than / as much as / less than) comes from the paired difference where the report "
-    "has one. Capacity (its own rule, from the capacity sweep's cells, not from one table, which cannot test a "
+    "has one. The matched control's number is its value over its seeds (Student-t interval; older reports: seed "
+    "0's readouts and keep rates); where the word recomputed with each seed's value differs between seeds, the line "
+    "says it depends on the control's seed, with the seeds' values, and keeps the word over seeds. Capacity (its own rule, from the capacity sweep's cells, not from one table, which cannot test a "
     "scaling law): over the sweep's exact (cell, seed) thresholds, d* = a + b x is fitted for x = R log2 N, N, N R, "
     "R sqrt N, with 95% intervals from a bootstrap over cells; trainable supported when the slope on R log2 N is "
     "above 0 and R log2 N explains d* better (R^2) than each key-value memory (N, N R), not shown when one of them "
@@ -235,6 +237,8 @@ def _line(claim: str, measure: str, tests: list[dict]) -> dict:
         line["note"] = f"the best of layers {', '.join(map(str, layers))} (all in the Holm family)"
     if shown["missing_nulls"]:
         line["note"] = "; ".join(filter(None, [line["note"], f"not measured: {', '.join(shown['missing_nulls'])}"]))
+    if (shown["comparison"] or {}).get("note"):
+        line["note"] = "; ".join(filter(None, [line["note"], shown["comparison"]["note"]]))
     return line
 
 
@@ -253,6 +257,30 @@ def _at_dstar(report: dict) -> MatchedSource | None:
     """The trainable matched control at its threshold width d*, or None."""
     trainable = _trainable_controls(report)
     return next((s for s in trainable if s.threshold.d_star == s.model.d_model), trainable[0] if trainable else None)
+
+
+def seed_values(m: dict | None) -> list[float]:
+    """The seeds' values of a metric over seeds (``spread.values`` of a ``t over seeds`` metric), else []."""
+    if not m or m.get("interval") != "t over seeds":
+        return []
+    return [float(v) for v in (m.get("spread") or {}).get("values") or []]
+
+
+def seed_words(test: dict | None, values: list[float]) -> None:
+    """Say in ``test``'s comparison (built from a metric over the control's seeds) whether its word would flip
+    between seeds: the word recomputed with each seed's value in place of the control's (the seed's value as
+    exact, the pretrained interval as measured) goes to ``comparison["seed_words"]``; when they disagree,
+    ``comparison["note"]`` says "depends on the control's seed: seed values ..." and the word stays the one from
+    the interval over seeds. Nothing with fewer than two seeds."""
+    comparison = (test or {}).get("comparison")
+    if not comparison or len(values) < 2:
+        return
+    words = [_word(difference(test["metric"], {"value": v, "ci": [v, v]})) for v in values]
+    comparison["seed_words"] = words
+    if len(set(words)) > 1:
+        comparison["note"] = ("depends on the control's seed: seed values " + ", ".join(
+            f"{v:.3f} ({w})" for v, w in zip(values, words)) + f"; the word is the one over seeds "
+            f"({comparison['word']}, the {len(values)} seeds' Student-t interval)")
 
 
 def decoder_layers(report: dict, measured: set[int], relations: list[str] | None) -> tuple[dict[str, int], int | None]:
@@ -280,21 +308,26 @@ def validation_layers(report: dict) -> tuple[dict[str, int], int | None]:
 def _superposition_tests(report: dict) -> tuple[list[dict], list[dict], str]:
     """(readout tests, R^2 tests, where) of the pretrained superposition readouts at the layers of
     :func:`validation_layers` (every measured layer where no decoder chose one), each beside the trainable matched
-    control at the same width."""
+    control at the same width: its values over seeds where the report has them (the R^2's ``r2_final``, the
+    readouts' ``over_seeds``; else seed 0's), with a note where the comparison word flips between seeds."""
     layers = analyses_of(report).superposition.layers
     chosen, common = validation_layers(report)
-    control = (_same_width_control(report) or MatchedSource()).analyses.superposition.layers.get("0") or \
-        SuperpositionLayer()
+    source = _same_width_control(report) or MatchedSource()
+    control = source.analyses.superposition.layers.get("0") or SuperpositionLayer()
+    over = source.over_seeds           # the control's values over its seeds, where the report has them
     name = f"the paper's model (matched control, trainable) at this width (d={report.get('model', {}).get('d_model')})"
     readouts, r2s = [], []
     for layer, entry in sorted(layers.items(), key=lambda kv: int(kv[0])):
         for relation, metric in entry.readout.items():
             if common is None or chosen.get(relation, common) == int(layer):
+                control_readout = over.readout.get(relation) or control.readout.get(relation)
                 readouts.append(claim_test(DECODABLE, relation, int(layer), metric, margins=_margins(metric),
-                                      comparison=(name, control.readout.get(relation))))
+                                      comparison=(name, control_readout)))
+                seed_words(readouts[-1], seed_values(control_readout))
         if common is None or common == int(layer):
             r2s.append(claim_test(SUPERPOSITION, "all relations", int(layer), entry.r2, margins=_margins(entry.r2),
                              comparison=(name, control.r2)))
+            seed_words(r2s[-1], seed_values(control.r2))
     where = (f"at the layer its LRE decoder chose on validation (else layer {common}, the one most relations' "
              "decoders chose)" if common is not None else "at every measured layer (no decoder chose one), all in "
              "the Holm family")
@@ -388,8 +421,9 @@ def selector_test(transplant: dict, comparison: tuple | None = None) -> dict | N
 def _selector_tests(report: dict) -> tuple[list[dict], str]:
     """(tests, where) of the selector on the pretrained model's gate transplant (at the block chosen on validation
     facts, :func:`selector_test`): the calibrated keep test where the report has it, beside the trainable matched
-    control's same-relation keep rate at the model's width (else at d*; Wilson, n = the table's facts); older
-    reports: the share another relation's gates break against a count-matched random switch-off, beside the
+    control's same-relation keep rate at the model's width (else at d*; over its seeds, Student-t, with a note where
+    the word flips between seeds; reports without per-seed keep rates: seed 0's, Wilson, n = the table's facts);
+    older reports: the share another relation's gates break against a count-matched random switch-off, beside the
     control's other-relation break at d* (1 - its same_subject keep rate)."""
     transplant = analyses_of(report).selector.gate_transplant
     as_json = transplant.to_dict()
@@ -399,14 +433,23 @@ def _selector_tests(report: dict) -> tuple[list[dict], str]:
     source = ((_same_width_control(report) or _at_dstar(report)) if calibrated else _at_dstar(report)) or \
         MatchedSource()
     control, n_facts = source.analyses.selector.gate_transplant, source.matched_to.n_facts
-    comparison = None
-    if control.same_subject is not None and isinstance(control.same_relation, (int, float)) and n_facts:
+    comparison, seeds = None, []
+    kept_over = source.over_seeds.gate_transplant      # the keep rates over the control's seeds, where stored
+    if _compact(kept_over.get("same_relation")) and _compact(kept_over.get("same_subject")):
+        same, other = kept_over["same_relation"], kept_over["same_subject"]
+        kept = same if calibrated else other
+        seeds = [v if calibrated else 1.0 - v for v in seed_values(kept)]
+        comparison = (f"the matched control ({source_name(source.to_dict())}, over {same['n']} seeds; same-relation "
+                      f"gate keeps {same['value']:.2f}, other-relation gate {other['value']:.2f})",
+                      kept if calibrated else _broken(kept))
+    elif control.same_subject is not None and isinstance(control.same_relation, (int, float)) and n_facts:
         value = control.same_relation if calibrated else control.same_subject
         kept = Metric(value, wilson(value, n_facts), n_facts, "wilson").to_dict()
         comparison = (f"the matched control ({source_name(source.to_dict())}; same-relation gate keeps "
                       f"{control.same_relation:.2f}, other-relation gate {control.same_subject:.2f})",
                       kept if calibrated else _broken(kept))
     test = selector_test(as_json, comparison)
+    seed_words(test, seeds)
     block = transplant.block
     shown = _compact(transplant.other_relation if calibrated else transplant.same_relation)
     where = (f"at layers {block[0]}-{block[-1]} (the block chosen on validation facts)" if block else "") + (

@@ -227,6 +227,13 @@ def train_over_seeds(point: dict) -> dict | None:
             "steps": [min(steps), max(steps)]}
 
 
+def source_seeds(point: dict) -> dict:
+    """A curve point's values over seeds in the source layout: ``over_seeds`` ({"r2": its ``r2_final``, and its
+    ``over_seeds``: readouts, keep rates}) and ``seeds`` (its per-seed rows); neither where the point has none."""
+    over = ({"r2": point["r2_final"]} if point.get("r2_final") else {}) | (point.get("over_seeds") or {})
+    return ({"over_seeds": over} if over else {}) | ({"seeds": point["seeds"]} if point.get("seeds") else {})
+
+
 def matched_sources(block: dict | list | None, schema_version: int | None = None) -> list[dict]:
     """One synthetic source per trained point of a report's matched block, in the per-source layout the
     tables and figures read (``analyses.superposition.layers["0"]``, ``analyses.selector``, ``train``,
@@ -252,7 +259,7 @@ def matched_sources(block: dict | list | None, schema_version: int | None = None
                                                "layers": {"0": {"r2": point.get("r2_final") or point.get("r2"),
                                                                 "readout": point.get("readout") or {}}}},
                              "selector": point.get("selector") or {}},
-                "wall_seconds": point.get("wall_seconds")})
+                **source_seeds(point), "wall_seconds": point.get("wall_seconds")})
     return out
 
 
