@@ -30,10 +30,22 @@ MIN_EFFECT = {DECODABLE: 0.10, CAUSAL: 0.10, SUPERPOSITION: 0.05, SERVES: 0.10, 
 SELECTOR_BREAK = "MLP a relation-conditioned selector (gate-transplant break)"
 NULLS[SELECTOR_BREAK] = ("random_units",)
 MIN_EFFECT[SELECTOR_BREAK] = MIN_EFFECT[SELECTOR]
+# the decodable line's second test: LRE faithfulness (Hernandez et al.) at the relation's LRE layer against the
+# training majority answer and the same operator on the subject's state after block 0 (lexical); graded as the
+# decodable claim (docs/measures.md, Calibration)
+DECODABLE_LRE = "attributes linearly decodable (LRE faithfulness)"
+NULLS[DECODABLE_LRE] = ("majority", "lexical")
+MIN_EFFECT[DECODABLE_LRE] = MIN_EFFECT[DECODABLE]
+# the cross-fitted readout reads only answers its training folds saw: above this many distinct answers per subject
+# (after merging equal attribute vectors) a planted exact superposition of the relation at the real run's n and
+# d is not graded supported (docs/measures.md, Calibration), so the readout cannot test the relation there
+READOUT_MAX_ANSWERS_PER_SUBJECT = 0.6
+NOT_TESTABLE = "not testable here"
 REFERENCES = {"scaled_patch": "a same-norm step toward h_t (scaled_patch)",     # LRE causality's comparison
               "full_patch": "the full patch h_s -> h_t (full_patch, a reference)"}
 ALPHA = 0.025                   # one-sided familywise level (Holm): the one-sided level of the 95% intervals shown
-GRADES = ("supported", "weak", "inconclusive (low power)", "not shown", "null not measured", "not measured")  # best first
+GRADES = ("supported", "weak", "inconclusive (low power)", "not shown", NOT_TESTABLE, "null not measured",
+          "not measured")  # best first
 POWER = 0.8                     # below this power to detect the minimal effect, "not shown" is "inconclusive (low power)"
 # bits per trainable parameter at d* of every trainable cell of the capacity sweep (docs/synthetic.md, "Measured
 # thresholds": N 256-4096, R 2-16, mean over seeds), by (kind of map, step cap); the tolerance is their range
@@ -163,6 +175,8 @@ def claim_test(claim: str, relation: str, layer: int | None, metric: dict | None
 
 
 def _grade(test: dict) -> str:
+    if test.get("untestable"):
+        return NOT_TESTABLE
     if test["missing_nulls"]:
         return "null not measured"
     if test["p_holm"] < ALPHA:
@@ -467,9 +481,57 @@ def _every_seed_fits(report: dict) -> dict | None:
     return None
 
 
-def _decodable(report: dict) -> tuple[list[dict], str]:
+def answers_per_subject(report: dict, relation: str, n: int | None) -> float | None:
+    """Distinct answers of ``relation`` in the superposition table (equal attribute vectors merged, as the readout
+    merges them) per subject with the fact (``n``); None where the report does not say."""
+    superposition = analyses_of(report).superposition
+    n_attributes = (superposition.n_attributes or {}).get(relation)
+    if not n_attributes or not n:
+        return None
+    merged = (superposition.merged_attributes or {}).get(relation) or []
+    return (n_attributes - sum(len(group) - 1 for group in merged)) / n
+
+
+def decodable_readout_tests(report: dict) -> tuple[list[dict], str]:
+    """(tests, where) of the readout half of the decodable line: the superposition readouts' tests
+    (:func:`_superposition_tests`), each marked ``measure`` "readout"; a relation with more than
+    ``READOUT_MAX_ANSWERS_PER_SUBJECT`` distinct answers per subject is ``untestable`` (graded "not testable here",
+    out of the Holm family): the readout cannot read it at this n even where the claim holds."""
     readouts, _, where = _superposition_tests(report)
-    return readouts, f"superposition readout accuracy (cross-fitted) of each relation, {where}"
+    for test in readouts:
+        ratio = answers_per_subject(report, test["relation"], test["metric"]["n"])
+        test.update(measure="readout", answers_per_subject=ratio)
+        if ratio is not None and ratio > READOUT_MAX_ANSWERS_PER_SUBJECT:
+            test.update(untestable=True, note=f"{ratio:.2f} distinct answers per subject: above "
+                                              f"{READOUT_MAX_ANSWERS_PER_SUBJECT:g}, the readout cannot read it at "
+                                              f"n = {test['metric']['n']}")
+    return readouts, where
+
+
+def decodable_lre_tests(report: dict) -> list[dict]:
+    """The LRE half of the decodable line: per relation, LRE faithfulness (top-1 on held-out test subjects) at the
+    LRE layer chosen on validation, against the training majority answer and the lexical null (the same operator
+    on the subject's state after block 0; reports before it: "null not measured"), marked ``measure`` "lre"."""
+    tests = []
+    for relation, entry in analyses_of(report).relations.items():
+        layer = entry.selection("lre").layer
+        if layer is None:
+            continue
+        test = claim_test(DECODABLE_LRE, relation, int(layer), entry.at(layer).lre.faithfulness)
+        if test:
+            test.update(claim=DECODABLE, measure="lre")
+            tests.append(test)
+    return tests
+
+
+def _decodable(report: dict) -> tuple[list[dict], str]:
+    readouts, where = decodable_readout_tests(report)
+    lre = decodable_lre_tests(report)
+    return lre + readouts, ("two tests per relation, both in the Holm family, the relation graded by the better: "
+                            "LRE faithfulness (top-1 on held-out subjects) at the LRE layer chosen on validation, "
+                            "against majority and lexical (the operator on the state after block 0); and the "
+                            f"superposition readout accuracy (cross-fitted), {where}; a readout of more than "
+                            f"{READOUT_MAX_ANSWERS_PER_SUBJECT:g} distinct answers per subject is not testable here")
 
 
 def _causal(report: dict) -> tuple[list[dict], str]:
@@ -560,7 +622,7 @@ def claims_block(report: dict) -> dict:
     and ``tests`` (every test, graded). A claim whose data the report lacks says "not measured"."""
     built = {line.claim: line.tests(report) for line in CLAIM_LINES if line.tests is not None}
     tests = [test for line_tests, _ in built.values() for test in line_tests]
-    family = [t for t in tests if not t["missing_nulls"]]
+    family = [t for t in tests if not t["missing_nulls"] and not t.get("untestable")]
     for key in ("p", "p_zero"):
         for test, adjusted in zip(family, holm([t[key] for t in family])):
             test[key + "_holm"] = adjusted
