@@ -21,6 +21,7 @@ import math
 import pytest
 import torch
 
+import llmprobe.jobs.calibration as calibration
 from llmprobe.analyses.selector import matched_switch_off
 from llmprobe.jobs.calibration import (
     BEFORE,
@@ -153,7 +154,6 @@ def test_the_decodable_line_passes_a_planted_code_and_fails_shuffled_and_lexical
 def test_lre_faithfulness_with_a_broken_operator_reads_nothing(decodable_shapes, monkeypatch):
     """Mutation of the estimator: the LRE's operator replaced by a random map of the same shape. The planted
     code is then no longer decoded, and no relation's LRE test is supported."""
-    import llmprobe.jobs.calibration as calibration
     monkeypatch.setattr(calibration, "lre_faithfulness", _random_operator(calibration.lre_faithfulness))
     got = _decodable_draw(decodable_worlds(4.0)[0], decodable_shapes)
     assert all(r["lre_grade"] == "not shown" and r["lre"] < 0.25 for r in got["relations"].values())
