@@ -734,7 +734,7 @@ def decoders_workload(tok, relations: list, known: dict, layers: list[int], n_la
                     w["head_rows"] += len(cfg.ridge_alphas) * len(refit.val) + 2 * len(split.test)
                 if do_lre and layer in lre_layers:
                     w["lre_fits"] += 1
-                    w["head_rows"] += 21 * len(refit.val) + len(split.test)
+                    w["head_rows"] += 21 * len(refit.val) + len(split.test) * (2 if LEXICAL_LAYER in layers else 1)
         edits = sum(len(cfg.edit_ranks) * len(r.val_pairs[0]) + 3 * n_test_pairs + 2 * n_test_pairs
                     for r in split.refits) + n_test_pairs
         causal = cached_edit_batches(jacobian_prompts(tok, template, subjects), edits, cfg.batch_size) \
