@@ -87,6 +87,10 @@ def test_result_has_the_documented_keys_and_typed_metrics(tiny_result):
             if layer in ("0", "1"):
                 lre = entry["lre"]
                 assert lre["faithfulness"]["primary_null"] == "majority" and lre["faithfulness"]["n"] == len(test)
+                lexical = lre["faithfulness"]["nulls"]["lexical"]       # the operator on the block-0 state
+                assert set(lre["faithfulness"]["nulls"]) == {"majority", "lexical"} and lexical["n"] == len(test)
+                if layer == "0":                                         # there it is the state itself
+                    assert lexical["value"] == lre["faithfulness"]["value"]
                 causal = lre["causality"]
                 assert causal["n"] == rel["n_test_pairs"] > 0 and causal["primary_null"] == "random_direction"
                 assert set(causal["nulls"]) == {"random_direction", "random_operator", "scaled_patch",
@@ -191,6 +195,8 @@ def test_planted_lre_is_faithful_and_causal_beyond_its_controls(toy_lre):
     entry = toy_lre["layers"]["0"]["lre"]
     faith, causal = entry["faithfulness"], entry["causality"]
     assert faith["value"] == 1.0 and faith["ci"][0] > faith["nulls"]["majority"]["value"]
+    # the toy's answer is affine in the state after block 0: a lexical world, which its lexical null reads in full
+    assert faith["nulls"]["lexical"]["value"] == 1.0
     assert causal["value"] == 1.0 and causal["nulls"]["full_patch"]["value"] == 1.0
     for control in ("random_direction", "random_operator"):
         assert causal["ci"][0] > causal["nulls"][control]["ci"][1], control

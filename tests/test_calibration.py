@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import llmprobe.jobs.calibration as calibration
 from llmprobe.analyses.selector import matched_switch_off
 from llmprobe.jobs.calibration import (
     BEFORE,
@@ -38,7 +39,9 @@ from llmprobe.jobs.calibration import (
     calibrate_selector,
     calibrate_swap,
     capacity_worlds,
+    decodable_worlds,
     grade,
+    measure_decodable_world,
     measure_world,
     planted_dstar,
     selector_worlds,
@@ -46,10 +49,14 @@ from llmprobe.jobs.calibration import (
     swap_worlds,
     sweep_noise,
 )
+from llmprobe.metric import wilson
 from llmprobe.report.claims import (
+    DECODABLE,
+    GRADES,
     MIN_EFFECT,
     MULTIHOP_DSTAR,
     MULTIHOP_WIDTH,
+    NOT_TESTABLE,
     SWAP,
     SWAP_RESULT,
     claims_block,
@@ -216,3 +223,99 @@ def test_the_width_line_reads_the_stored_sweep():
     assert hop_growth({k: by_r for (k, cot), by_r in MULTIHOP_DSTAR["cells"].items() if cot}) < 0
     assert width_line(SMOLLM2, {"cells": {}})["verdict"] == "not measured"
     assert width_line({})["verdict"] == "not measured"                      # no chains measured on the model
+# -------------------------------------------------------------------------------------------------- decodable
+DECODABLE_SIZES = {"bijection": (60, 30), "sixty": (60, 30), "eight": (60, 30)}
+
+
+@pytest.fixture(scope="module")
+def decodable_shapes(shapes):
+    """The quick shapes' first three relations (a bijection, 60 answers, 8 answers), named."""
+    A, U, E = shapes
+    return A[:, :3], U[:3], E, list(DECODABLE_SIZES)
+
+
+def _decodable_draw(world, decodable_shapes, seed=0):
+    A, U, E, names = decodable_shapes
+    return measure_decodable_world(world, A, U, E, names, seed, DECODABLE_SIZES, family=20, folds=4,
+                                   jackknife_groups=10)
+
+
+def test_the_decodable_line_passes_a_planted_code_and_fails_shuffled_and_lexical_worlds(decodable_shapes):
+    """At snr 4: the planted linear code is read by LRE faithfulness well above its lexical null on every relation
+    (graded supported or weak at this small d, where the other relations' codes interfere) and the line is
+    supported; the bijection's readout is not testable here (1 answer per subject); the shuffled table and the
+    lexical world (the tokens carry the code, no block adds to it) are neither supported nor weak anywhere. In
+    the lexical world the LRE reads everything, and only its lexical null (the same operator on the state after
+    block 0) keeps it from being graded supported: graded against majority alone it is."""
+    planted, shuffled, lexical, _ = decodable_worlds(4.0)
+    got = _decodable_draw(planted, decodable_shapes)
+    assert got["line"] == "supported"
+    assert all(r["lre_grade"] in ("supported", "weak") and r["lre"] > r["lre_lexical"] + 0.3
+               for r in got["relations"].values())
+    assert got["relations"]["bijection"]["readout_grade"] == "not testable here"
+    assert got["relations"]["eight"]["readout"] > 0.5
+    for world in (shuffled, lexical):
+        got = _decodable_draw(world, decodable_shapes)
+        assert got["line"] == "not shown", world.name
+        assert all(r["grade"] in ("not shown", "not testable here") for r in got["relations"].values())
+    assert all(r["lre"] == r["lre_lexical"] > 0.3 and r["lre_majority_grade"] == "supported"
+               for r in got["relations"].values())
+
+
+def test_lre_faithfulness_with_a_broken_operator_reads_nothing(decodable_shapes, monkeypatch):
+    """Mutation of the estimator: the LRE's operator replaced by a random map of the same shape. The planted
+    code is then no longer decoded, and no relation's LRE test is supported."""
+    monkeypatch.setattr(calibration, "lre_faithfulness", _random_operator(calibration.lre_faithfulness))
+    got = _decodable_draw(decodable_worlds(4.0)[0], decodable_shapes)
+    assert all(r["lre_grade"] == "not shown" and r["lre"] < 0.25 for r in got["relations"].values())
+
+
+def _random_operator(real):
+    def broken(H, H0, a, U_r, M, *args, **kwargs):
+        gen = torch.Generator().manual_seed(7)
+        return real(H, H0, a, U_r, torch.randn(M.shape, generator=gen, dtype=M.dtype) / M.shape[1] ** 0.5,
+                    *args, **kwargs)
+    return broken
+
+
+def _metric(value, n, nulls=None):
+    lo, hi = wilson(value, n)
+    return {"value": value, "ci": [lo, hi], "n": n, "interval": "wilson",
+            "nulls": {name: _metric(v, n) for name, v in (nulls or {}).items()}}
+
+
+def _decodable_report(lexical: bool = True) -> dict:
+    """A crafted report: two relations with an LRE at layer 3 (faithfulness 0.95 over 60 test subjects, majority
+    0.2, lexical 0.25 where ``lexical``), and the superposition readouts at layer 3 of 193 subjects: one of 193
+    answers (8 merged into 4), one of 6."""
+    lre_nulls = {"majority": 0.2, **({"lexical": 0.25} if lexical else {})}
+    relations = {name: {"selected": {"lre": {"layer": 3}},
+                        "layers": {"3": {"lre": {"faithfulness": _metric(0.95, 60, lre_nulls)}}}}
+                 for name in ("bijection", "six")}
+    readout_nulls = {"shuffled": 0.01, "random_init": 0.02, "lexical": 0.02}
+    superposition = {"relations": ["bijection", "six"], "n_attributes": {"bijection": 193, "six": 6},
+                     "merged_attributes": {"bijection": [[0, 1], [2, 3], [4, 5], [6, 7]]},
+                     "layers": {"3": {"readout": {"bijection": _metric(0.03, 193, readout_nulls),
+                                                  "six": _metric(0.9, 193, readout_nulls)}}}}
+    return {"model": {"d_model": 576}, "analyses": {"relations": relations, "superposition": superposition}}
+
+
+def test_the_decodable_line_grades_lre_faithfulness_and_sets_bijections_apart():
+    """LRE faithfulness is graded in the line (against majority and lexical, in the Holm family); the bijection's
+    readout (189 distinct answers over 193 subjects, above READOUT_MAX_ANSWERS_PER_SUBJECT) is "not testable
+    here" and out of the family, not "not shown"; a report without the lexical null says so."""
+    block = claims_block(_decodable_report())
+    tests = [t for t in block["tests"] if t["claim"] == DECODABLE]
+    by = {(t["measure"], t["relation"]): t for t in tests}
+    assert set(by) == {("lre", "bijection"), ("lre", "six"), ("readout", "bijection"), ("readout", "six")}
+    assert by["lre", "six"]["grade"] == by["lre", "bijection"]["grade"] == "supported"
+    assert by["lre", "six"]["null_name"] == "lexical" and by["lre", "six"]["p_holm"] is not None
+    assert by["readout", "bijection"]["grade"] == NOT_TESTABLE and by["readout", "bijection"]["p_holm"] is None
+    assert math.isclose(by["readout", "bijection"]["answers_per_subject"], 189 / 193)
+    assert by["readout", "six"]["grade"] == "supported"
+    assert block["n_tests"] == 3 and NOT_TESTABLE in GRADES
+    line = next(line for line in block["lines"] if line["claim"] == DECODABLE)
+    assert line["verdict"] == "supported" and "LRE faithfulness" in line["measure"]
+    old = claims_block(_decodable_report(lexical=False))
+    lre = [t for t in old["tests"] if t["claim"] == DECODABLE and t["measure"] == "lre"]
+    assert all(t["grade"] == "null not measured" and t["missing_nulls"] == ["lexical"] for t in lre)

@@ -2,7 +2,8 @@
 
 * **LRE** (Hernandez et al. 2023): W = mean Jacobian d o / d h over the re-fit's Jacobian prompts, o_hat =
   beta W_k h + b. Faithfulness: test subjects whose ``adapter.logits(o_hat)`` top token is the object's (control:
-  the training majority answer). Causality, as in the reference: for a test pair (s, t), h_s -> h_s +
+  the training majority answer; lexical: the same beta W, its b refitted, on the subject's state after block 0,
+  when layer 0 is measured). Causality, as in the reference: for a test pair (s, t), h_s -> h_s +
   W_r^+ (o_t - o_s) with o_s, o_t the model's *real* last-block states at the last token of each subject's own
   prompt, patched into a real forward pass; success when the model then answers t's object. Controls, each of
   the edit's norm per pair: a random direction, the same edit with a random matrix of W's singular values
@@ -62,6 +63,9 @@ from llmprobe.names import FIRST_TOKEN, SEQUENCE
 
 FULL_PATCH_NOTE = ("reference, not a bound: h_s replaced by h_t (an edit can exceed it); does not depend on the "
                    "fit: measured once")
+LEXICAL_LAYER = 0                   # LRE faithfulness' lexical null reads the subject's state after block 0
+LEXICAL_NOTE = ("the same operator beta W (b refitted on the same subjects) applied to the subject's state after "
+                "block 0, its tokens' component of h: what the LRE reads from the subject's tokens alone")
 PREFIX_CACHE = True                 # causality's edits: edited_predictions (False: the full resumed pass)
 AUTO_JACOBIAN_RANK = 128             # the smallest rank whose numbers matched exact ones on SmolLM2 (docs/analyses.md)
 
@@ -265,7 +269,8 @@ def lre_layer(lm, data: RelationData, layer: int, jac: JacobianResult, jac_rows:
     test, (ts, tt) = split.test, split.test_pairs
     grid = candidate_grid(cfg)
     names = ("edit", "random_direction", "random_operator", "scaled_patch")
-    faith, majority, hits = [], [], {name: [] for name in names}
+    lexical_H = data.H[LEXICAL_LAYER].double() if LEXICAL_LAYER in data.H else None
+    faith, majority, lexical, hits = [], [], [], {name: [] for name in names}
     chosen, val_f, val_c, fits = [], [], [], []
     for k, refit in enumerate(split.refits):
         rows = [jac_rows[i] for i in refit.jacobian.tolist()]
@@ -279,6 +284,9 @@ def lre_layer(lm, data: RelationData, layer: int, jac: JacobianResult, jac_rows:
         val_f.append(float(scores[best]))
         faith.append(data.scorer.hits(to_logits(dec.predict(H[test])).argmax(-1), test))
         majority.append(_majority_hits(data, everyone, test))
+        if lexical_H is not None:       # the same beta W on the block-0 component of the state, its b refitted
+            lex = _lre_decoder(beta, truncated[rank], lexical_H, O, everyone)
+            lexical.append(data.scorer.hits(to_logits(lex.predict(lexical_H[test])).argmax(-1), test))
         record = {"beta": beta, "rank": rank, "val_faithfulness": val_f[-1], "n_candidates": len(grid),
                   "n_selection": len(refit.selection), "n_folds": len(refit.folds)}
         if causal and len(ts):
@@ -301,8 +309,8 @@ def lre_layer(lm, data: RelationData, layer: int, jac: JacobianResult, jac_rows:
                      "W_factors": svd.factors(rank), "J_factors": svd.factors(None) if rank is not None else None,
                      "beta": beta, "rank": rank, "edit_rank": record.get("edit_rank"), "refit": k,
                      "val_faithfulness": val_f[-1]})
-    entry = {"faithfulness": _summary(faith).with_nulls({"majority": _summary(majority)}).to_dict(),
-             "chosen": chosen}
+    nulls = {"majority": _summary(majority)} | ({"lexical": _summary(lexical, note=LEXICAL_NOTE)} if lexical else {})
+    entry = {"faithfulness": _summary(faith).with_nulls(nulls).to_dict(), "chosen": chosen}
     scores = {"faithfulness": sum(val_f) / len(val_f), "fit": max(fits, key=lambda f: f["val_faithfulness"])}
     if hits["edit"]:
         full = causality_hits(lm, data, layer, [H[tt] - H[ts]], ts, tt, cfg)[0]
@@ -726,7 +734,7 @@ def decoders_workload(tok, relations: list, known: dict, layers: list[int], n_la
                     w["head_rows"] += len(cfg.ridge_alphas) * len(refit.val) + 2 * len(split.test)
                 if do_lre and layer in lre_layers:
                     w["lre_fits"] += 1
-                    w["head_rows"] += 21 * len(refit.val) + len(split.test)
+                    w["head_rows"] += 21 * len(refit.val) + len(split.test) * (2 if LEXICAL_LAYER in layers else 1)
         edits = sum(len(cfg.edit_ranks) * len(r.val_pairs[0]) + 3 * n_test_pairs + 2 * n_test_pairs
                     for r in split.refits) + n_test_pairs
         causal = cached_edit_batches(jacobian_prompts(tok, template, subjects), edits, cfg.batch_size) \

@@ -32,10 +32,23 @@ MIN_EFFECT = {DECODABLE: 0.10, CAUSAL: 0.10, SUPERPOSITION: 0.05, SERVES: 0.10, 
 SELECTOR_BREAK = "MLP a relation-conditioned selector (gate-transplant break)"
 NULLS[SELECTOR_BREAK] = ("random_units",)
 MIN_EFFECT[SELECTOR_BREAK] = MIN_EFFECT[SELECTOR]
+# the decodable line's second test: LRE faithfulness (Hernandez et al.) at the relation's LRE layer against the
+# training majority answer and the same operator on the subject's state after block 0 (lexical); graded as the
+# decodable claim (docs/measures.md, Calibration)
+DECODABLE_LRE = "attributes linearly decodable (LRE faithfulness)"
+NULLS[DECODABLE_LRE] = ("majority", "lexical")
+MIN_EFFECT[DECODABLE_LRE] = MIN_EFFECT[DECODABLE]
+# the cross-fitted readout reads only answers its training folds saw: above this many distinct answers per subject
+# (after merging equal attribute vectors) a planted superposition at snr 1 of SmolLM2's table (n = 193, d = 576)
+# is graded supported in fewer than 80% of draws (1.0 at 0.33, 0.5 at 0.50, 0 from 0.58: docs/measures.md,
+# Calibration), so the readout cannot test the relation there
+READOUT_MAX_ANSWERS_PER_SUBJECT = 0.4
+NOT_TESTABLE = "not testable here"
 REFERENCES = {"scaled_patch": "a same-norm step toward h_t (scaled_patch)",     # LRE causality's comparison
               "full_patch": "the full patch h_s -> h_t (full_patch, a reference)"}
 ALPHA = 0.025                   # one-sided familywise level (Holm): the one-sided level of the 95% intervals shown
-GRADES = ("supported", "weak", "inconclusive (low power)", "not shown", "null not measured", "not measured")  # best first
+GRADES = ("supported", "weak", "inconclusive (low power)", "not shown", NOT_TESTABLE, "null not measured",
+          "not measured")  # best first
 POWER = 0.8                     # below this power to detect the minimal effect, "not shown" is "inconclusive (low power)"
 # The capacity sweep's measured thresholds: exact d* (d*-1 failed with two initialisations) per (N, R) cell, one
 # per seed (0, 1), R random bijections of N subjects, uniform attention, MLP 8d, a 500-step cap. Upper bounds are
@@ -70,7 +83,11 @@ FROZEN_FACTOR = 2.0             # "far more": frozen d* at least this many times
 N_BOOT_CAPACITY = 2000          # bootstrap resamples of the sweep's cells (seeded: the same intervals every run)
 VERDICT_RULE = (
     "Verdicts (docs/measures.md, Verdicts): each claim is tested against every one of its nulls (attributes "
-    "decodable: shuffled, random_init, lexical; LRE causal: random_direction, random_operator; superposition: "
+    "decodable, two tests per relation, the relation graded by the better: LRE faithfulness against majority and "
+    "lexical (the same operator on the subject's state after block 0), the superposition readout against "
+    "shuffled, random_init, lexical, a readout of more than "
+    f"{READOUT_MAX_ANSWERS_PER_SUBJECT:g} distinct answers per subject not testable here; LRE causal: "
+    "random_direction, random_operator; superposition: "
     "shuffled, random_init, random_attributes, lexical (the subjects' static token embeddings in place of their "
     "states); one state serves every relation: the crosspatch's random_subject and "
     "random_vector patches; selector: the keep rate under another subject's gates of the same relation against "
@@ -83,9 +100,10 @@ VERDICT_RULE = (
     f"{ALPHA:g}; weak: it exceeds 0 but is not shown to exceed the minimal effect; inconclusive (low power): "
     f"neither, and the test's power to find a true difference of the minimal effect (from its interval's width, at "
     f"one-sided {ALPHA:g} over the Holm family's size, its strictest step) is below {POWER:g}: it could not have "
-    "shown the claim at this n; not shown: neither, with the power to; null not measured: a null is missing from "
-    "the report. Layers, chosen on validation subjects only: LRE causality at its "
-    "causality layer, each readout at its relation's LRE layer, the R^2 and the crosspatch at the layer most "
+    "shown the claim at this n; not shown: neither, with the power to; not testable here: the measure cannot read "
+    "the claim at this n even where it holds by construction (out of the Holm family); null not measured: a null "
+    "is missing from the report. Layers, chosen on validation subjects only: LRE causality at its "
+    "causality layer, LRE faithfulness and each readout at its relation's LRE layer, the R^2 and the crosspatch at the layer most "
     "relations' LRE chose (with no decoder: every layer, all in the Holm family), the gate transplant at the block "
     "the selector chose on validation facts. A line shows the median relation: its verdict is the "
     "grade that at least half the relations reach. The matched control is a comparison (more than / as much as / less than), "
@@ -196,6 +214,8 @@ def claim_test(claim: str, relation: str, layer: int | None, metric: dict | None
 
 
 def _grade(test: dict) -> str:
+    if test.get("untestable"):
+        return NOT_TESTABLE
     if test["missing_nulls"]:
         return "null not measured"
     if test["p_holm"] < ALPHA:
@@ -665,9 +685,57 @@ def _every_seed_fits(report: dict) -> dict | None:
     return None
 
 
-def _decodable(report: dict) -> tuple[list[dict], str]:
+def answers_per_subject(report: dict, relation: str, n: int | None) -> float | None:
+    """Distinct answers of ``relation`` in the superposition table (equal attribute vectors merged, as the readout
+    merges them) per subject with the fact (``n``); None where the report does not say."""
+    superposition = analyses_of(report).superposition
+    n_attributes = (superposition.n_attributes or {}).get(relation)
+    if not n_attributes or not n:
+        return None
+    merged = (superposition.merged_attributes or {}).get(relation) or []
+    return (n_attributes - sum(len(group) - 1 for group in merged)) / n
+
+
+def decodable_readout_tests(report: dict) -> tuple[list[dict], str]:
+    """(tests, where) of the readout half of the decodable line: the superposition readouts' tests
+    (:func:`_superposition_tests`), each marked ``measure`` "readout"; a relation with more than
+    ``READOUT_MAX_ANSWERS_PER_SUBJECT`` distinct answers per subject is ``untestable`` (graded "not testable here",
+    out of the Holm family): the readout cannot read it at this n even where the claim holds."""
     readouts, _, where = _superposition_tests(report)
-    return readouts, f"superposition readout accuracy (cross-fitted) of each relation, {where}"
+    for test in readouts:
+        ratio = answers_per_subject(report, test["relation"], test["metric"]["n"])
+        test.update(measure="readout", answers_per_subject=ratio)
+        if ratio is not None and ratio > READOUT_MAX_ANSWERS_PER_SUBJECT:
+            test.update(untestable=True, note=f"{ratio:.2f} distinct answers per subject: above "
+                                              f"{READOUT_MAX_ANSWERS_PER_SUBJECT:g}, the readout cannot read it at "
+                                              f"n = {test['metric']['n']}")
+    return readouts, where
+
+
+def decodable_lre_tests(report: dict) -> list[dict]:
+    """The LRE half of the decodable line: per relation, LRE faithfulness (top-1 on held-out test subjects) at the
+    LRE layer chosen on validation, against the training majority answer and the lexical null (the same operator
+    on the subject's state after block 0; reports before it: "null not measured"), marked ``measure`` "lre"."""
+    tests = []
+    for relation, entry in analyses_of(report).relations.items():
+        layer = entry.selection("lre").layer
+        if layer is None:
+            continue
+        test = claim_test(DECODABLE_LRE, relation, int(layer), entry.at(layer).lre.faithfulness)
+        if test:
+            test.update(claim=DECODABLE, measure="lre")
+            tests.append(test)
+    return tests
+
+
+def _decodable(report: dict) -> tuple[list[dict], str]:
+    readouts, where = decodable_readout_tests(report)
+    lre = decodable_lre_tests(report)
+    return lre + readouts, ("two tests per relation, both in the Holm family, the relation graded by the better: "
+                            "LRE faithfulness (top-1 on held-out subjects) at the LRE layer chosen on validation, "
+                            "against majority and lexical (the operator on the state after block 0); and the "
+                            f"superposition readout accuracy (cross-fitted), {where}; a readout of more than "
+                            f"{READOUT_MAX_ANSWERS_PER_SUBJECT:g} distinct answers per subject is not testable here")
 
 
 def _causal(report: dict) -> tuple[list[dict], str]:
@@ -758,7 +826,7 @@ def claims_block(report: dict) -> dict:
     and ``tests`` (every test, graded). A claim whose data the report lacks says "not measured"."""
     built = {line.claim: line.tests(report) for line in CLAIM_LINES if line.tests is not None}
     tests = [test for line_tests, _ in built.values() for test in line_tests]
-    family = [t for t in tests if not t["missing_nulls"]]
+    family = [t for t in tests if not t["missing_nulls"] and not t.get("untestable")]
     for key in ("p", "p_zero"):
         for test, adjusted in zip(family, holm([t[key] for t in family])):
             test[key + "_holm"] = adjusted

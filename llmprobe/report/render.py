@@ -575,7 +575,7 @@ table{border-collapse:collapse;margin:1em 0;font-size:13px}td,th{border:1px soli
 th{background:#f3f3f3}img{max-width:100%;border:1px solid #eee;margin:.5em 0}.err{color:#a00}figure{margin:0}
 h1{font-size:1.6em}h2{font-size:1.2em;margin-top:1.6em}summary{cursor:pointer;color:#555}
 .rule{font-size:12px;color:#555}.supported{background:#dff0d8}.not-shown{background:#f2dede}
-.weak,.inconclusive{background:#fcf8e3}.not-measured,.null-not-measured,.not-comparable{color:#888}
+.weak,.inconclusive{background:#fcf8e3}.not-measured,.null-not-measured,.not-comparable,.not-testable-here{color:#888}
 .partial,.differences{border-left:4px solid #c90;background:#fff8e6;padding:.3em 1em;margin:1em 0}
 .partial ul,.differences ul{margin:.3em 0}th[title]{text-decoration:underline dotted}
 #summary .side-by-side td{vertical-align:top}
