@@ -18,7 +18,7 @@ CLAIMS = ("attributes linearly decodable", "LRE edits causal", "subject states a
           "chain-of-thought breaks the multi-hop bottleneck", "capacity O(R log N) in the matched controls")
 DECODABLE, CAUSAL, SUPERPOSITION, SERVES, SELECTOR, MULTIHOP, CAPACITY = CLAIMS
 NULLS = {DECODABLE: ("shuffled", "random_init", "lexical"),           # every one must be measured and beaten
-         CAUSAL: ("random_direction", "random_operator"),
+         CAUSAL: ("scaled_patch", "random_direction", "random_operator"),
          SUPERPOSITION: ("shuffled", "random_init", "random_attributes", "lexical"),
          SERVES: ("random_subject", "random_vector"),
          SELECTOR: ("other_relation_gate", "random_units_matched"),
@@ -30,8 +30,7 @@ MIN_EFFECT = {DECODABLE: 0.10, CAUSAL: 0.10, SUPERPOSITION: 0.05, SERVES: 0.10, 
 SELECTOR_BREAK = "MLP a relation-conditioned selector (gate-transplant break)"
 NULLS[SELECTOR_BREAK] = ("random_units",)
 MIN_EFFECT[SELECTOR_BREAK] = MIN_EFFECT[SELECTOR]
-REFERENCES = {"scaled_patch": "a same-norm step toward h_t (scaled_patch)",     # LRE causality's comparison
-              "full_patch": "the full patch h_s -> h_t (full_patch, a reference)"}
+CAUSAL_REFERENCE = ("full_patch", "the full patch h_s -> h_t (full_patch, a reference)")  # LRE causality's comparison
 ALPHA = 0.025                   # one-sided familywise level (Holm): the one-sided level of the 95% intervals shown
 GRADES = ("supported", "weak", "inconclusive (low power)", "not shown", "null not measured", "not measured")  # best first
 POWER = 0.8                     # below this power to detect the minimal effect, "not shown" is "inconclusive (low power)"
@@ -44,7 +43,8 @@ CAPACITY_SWEEP = {("bijections", 500): (1.43, 1.51, 1.74, 1.81, 1.76, 1.66, 1.75
                   ("general maps", 2000): (0.74, 1.14, 1.22)}
 VERDICT_RULE = (
     "Verdicts (docs/measures.md, Verdicts): each claim is tested against every one of its nulls (attributes "
-    "decodable: shuffled, random_init, lexical; LRE causal: random_direction, random_operator; superposition: "
+    "decodable: shuffled, random_init, lexical; LRE causal: scaled_patch (a step toward h_t of the edit's norm), "
+    "random_direction, random_operator, beside the full patch h_s -> h_t; superposition: "
     "shuffled, random_init, random_attributes, lexical (the subjects' static token embeddings in place of their "
     "states); one state serves every relation: the crosspatch's random_subject and "
     "random_vector patches; selector: the keep rate under another subject's gates of the same relation against "
@@ -276,18 +276,21 @@ def _margins(m: dict | None) -> dict | None:
 
 
 def _causality_tests(report: dict) -> list[dict]:
-    """One test per relation: LRE causality at the causality layer the decoders chose on validation, beside the
-    same-norm step toward h_t (``scaled_patch``; else the ``full_patch`` reference)."""
+    """One test per relation: LRE causality at the causality layer the decoders chose on validation against
+    scaled_patch, random_direction and random_operator (paired over the same test pairs where the metric carries
+    ``margins``; a margin widened to [-1, 1], every pair the same difference, and older reports: MOVER), beside
+    the full patch h_s -> h_t (a reference) where measured."""
     tests = []
+    name, text = CAUSAL_REFERENCE
     for relation, entry in analyses_of(report).relations.items():
         layer = entry.selection("lre").causality_layer
         if layer is None:
             continue
         metric = entry.at(layer).lre.causality
-        controls = metric_nulls(metric)
-        reference = next((n for n in REFERENCES if _compact(controls.get(n))), None)
-        tests.append(claim_test(CAUSAL, relation, int(layer), metric,
-                           comparison=(REFERENCES[reference], controls[reference]) if reference else None))
+        margins = {null: _informative(m) for null, m in (_margins(metric) or {}).items()}
+        reference = metric_nulls(metric).get(name)
+        tests.append(claim_test(CAUSAL, relation, int(layer), metric, margins=margins,
+                                comparison=(text, reference, margins.get(name)) if _compact(reference) else None))
     return [t for t in tests if t]
 
 
