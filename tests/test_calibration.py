@@ -17,21 +17,27 @@ the construction and a trained geometric model supported, the key-value memories
 Breaking the matched switch-off (``matched_switch_off`` returning all ones: no unit moved) makes the first
 selector test fail (the null keeps every answer, so the trained model's keep no longer beats it).""" 
 import math
+import statistics
 
 import pytest
 import torch
 
+from llmprobe.analyses.decoders import causality_metric
 from llmprobe.analyses.selector import matched_switch_off
 from llmprobe.jobs.calibration import (
     BEFORE,
     WITH_LEXICAL,
     calibrate,
+    calibrate_causal,
     calibrate_selector,
+    causal_tests,
+    causal_worlds,
     grade,
     measure_world,
     selector_worlds,
     superposition_worlds,
 )
+from llmprobe.metric import t_quantile
 
 N, D, SIZES = 120, 48, (120, 60, 8)
 
@@ -105,3 +111,53 @@ def test_the_matched_switch_off_matches_count_and_norm():
     off = matched_switch_off(relu, torch.tensor([[0.0, 1.0, 1.0, 1.0]]), relu > 0, torch.tensor([[0, 1, 1, 1]]) > 0,
                              torch.Generator().manual_seed(1))
     assert sorted(off[0].tolist()) == [0.0, 0.0, 1.0, 1.0]                         # 0/1 gates: switched off
+
+
+# ---------------------------------------------------------------------------------------------- LRE causality
+@pytest.fixture(scope="module")
+def causal_rows():
+    """The causal line's planted worlds at d = 48, 2 replicates each, with 10 and 25 known facts (3 and 8 test
+    pairs, the SmolLM2 run's smaller relations), graded with Bonferroni over its 20 tests."""
+    worlds = [w for w in causal_worlds() if w.name in (
+        "linear rank 16, null share 3", "linear rank 16, states in its row space", "key-value memory")]
+    return {(r["world"], r["n"]): r for r in calibrate_causal(worlds, [10, 25], 48, replicates=2, family=20)}
+
+
+def test_the_causal_line_passes_the_planted_edit_and_not_a_step_toward_h_t_as_good(causal_rows):
+    """Where the relation is exactly linear and the states lie mostly in W's null space, the pseudo-inverse edit
+    flips every answer and the same-norm step toward h_t none: supported at 8 pairs, inconclusive (low power) at 3.
+    Where the step toward h_t is the edit (states in W's row space) or does as well (a key-value memory), the line
+    is never supported or weak, while the nulls it had before scaled_patch grade the row-space world supported."""
+    holds = causal_rows["linear rank 16, null share 3", 8]
+    assert holds["edit"] == 1.0 and holds["scaled_patch"] == 0.0 and holds["random_direction"] == 0.0
+    assert holds["edit_minus_scaled_patch"] == 1.0 and holds["paired_supported"] == 1.0
+    assert causal_rows["linear rank 16, null share 3", 3]["paired_low_power"] == 1.0
+    row_space = causal_rows["linear rank 16, states in its row space", 8]
+    memory = causal_rows["key-value memory", 8]
+    assert row_space["edit"] == row_space["scaled_patch"] == 1.0 and memory["scaled_patch"] == 1.0
+    assert row_space["paired_supported_or_weak"] == memory["paired_supported_or_weak"] == 0.0
+    assert row_space["mover_supported_or_weak"] == 0.0
+    assert row_space["before_supported"] == 1.0                     # the artefact scaled_patch removes
+
+
+def test_the_causality_margins_are_paired_over_the_test_pairs():
+    """causality_metric's margins: edit - control per pair (means over re-fits), Student t (df = n - 1); every pair
+    the same difference widens to [-1, 1], which the claims block replaces by MOVER from the two intervals."""
+    edit = [torch.tensor([True, True, False, True]), torch.tensor([True, False, False, True])]
+    patch = [torch.tensor([False, True, False, False])] * 2
+    never = [torch.zeros(4, dtype=torch.bool)] * 2
+    metric = causality_metric({"edit": edit, "scaled_patch": patch, "random_direction": never,
+                               "random_operator": never}, torch.ones(4, dtype=torch.bool))
+    margin = metric["margins"]["scaled_patch"]              # per pair: (1, 0.5, 0, 1) - (0, 1, 0, 0)
+    assert margin["value"] == pytest.approx(0.375) and margin["interval"] == "paired t" and margin["n"] == 4
+    half = t_quantile(0.95, 3) * statistics.stdev([1, -0.5, 0, 1]) / 2
+    assert margin["ci"] == pytest.approx([max(-1.0, 0.375 - half), min(1.0, 0.375 + half)])
+    assert metric["margins"]["full_patch"]["value"] == pytest.approx(0.625 - 1.0)
+    assert metric["nulls"]["scaled_patch"]["value"] == 0.25 and metric["primary_null"] == "random_direction"
+    ones, zeros = [torch.ones(6, dtype=torch.bool)] * 2, [torch.zeros(6, dtype=torch.bool)] * 2
+    same = causality_metric({"edit": ones, "scaled_patch": zeros, "random_direction": zeros,
+                             "random_operator": zeros})                  # every pair: 1 - 0
+    assert same["margins"]["scaled_patch"]["ci"] == [-1.0, 1.0]
+    test = causal_tests(same)["paired"]
+    assert test["difference"]["interval"] == "MOVER (unpaired)" and test["null_name"] == "scaled_patch"
+    assert causal_tests(metric)["paired"]["difference"]["interval"] == "paired t"

@@ -44,7 +44,7 @@ from llmprobe.analyses.splits import (
     trial_split,
 )
 from llmprobe.geometry import LinearRelationDecoder, RidgeDecoder, random_direction_like, random_spectrum_factors
-from llmprobe.metric import Metric, paired_difference, proportion
+from llmprobe.metric import Metric, proportion, t_quantile
 from llmprobe.model.chat import chat_split
 from llmprobe.model.engine import (
     edited_predictions,
@@ -208,12 +208,29 @@ CAUSALITY_CONTROLS = ("random_direction", "random_operator", "scaled_patch")   #
 EDITS = ("edit",) + CAUSALITY_CONTROLS
 
 
+def paired_t(a: list[float], b: list[float]) -> Metric:
+    """Mean of a - b over the same items (values in [0, 1]) with the Student-t interval of the per-item
+    differences (df = n - 1), clipped to [-1, 1]; of zero width (every item the same difference, or one item):
+    [-1, 1], "paired t (widened)". Not the percentile bootstrap: at the 3-8 test pairs of a relation it is too
+    narrow (docs/measures.md, Calibration)."""
+    diffs = [x - y for x, y in zip(a, b)]
+    n = len(diffs)
+    if n == 0:
+        return Metric(float("nan"), (float("nan"), float("nan")), 0, "paired t")
+    value = sum(diffs) / n
+    sd = (sum((x - value) ** 2 for x in diffs) / (n - 1)) ** 0.5 if n > 1 else 0.0
+    if sd <= 1e-12:
+        return Metric(value, (-1.0, 1.0), n, "paired t (widened)")
+    half = t_quantile(0.95, n - 1) * sd / n ** 0.5
+    return Metric(value, (max(-1.0, value - half), min(1.0, value + half)), n, "paired t")
+
+
 def causality_json(edit: Metric, controls: dict[str, Metric], per_item: dict[str, list[float]]) -> dict:
     """The causality metric (JSON form): the edit's success rate with its ``controls`` as nulls (random_direction
-    shown) and ``margins``: edit - each control over the same test pairs, a paired bootstrap of the per-pair
-    values ``per_item`` (by name, "edit" included, aligned over the pairs), which the claims block grades."""
+    shown) and ``margins``: edit - each control over the same test pairs (:func:`paired_t` of the per-pair values
+    ``per_item``, by name, "edit" included, aligned over the pairs), which the claims block grades."""
     out = edit.with_nulls(controls, "random_direction").to_dict()
-    out["margins"] = {name: paired_difference(per_item["edit"], per_item[name]).to_dict() for name in controls
+    out["margins"] = {name: paired_t(per_item["edit"], per_item[name]).to_dict() for name in controls
                       if name in per_item}
     return out
 

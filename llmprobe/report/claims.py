@@ -86,12 +86,13 @@ def _bounds(m: dict) -> tuple[float, float]:
 
 
 def difference(metric: dict, other: dict, paired: dict | None = None) -> dict:
-    """metric - other with a 95% interval: ``paired`` (the paired bootstrap margin the report computed over the
-    same items) when given, else MOVER (Zou & Donner 2008) from the two intervals: lo = d - sqrt((a - a_lo)^2 +
+    """metric - other with a 95% interval: ``paired`` (the paired margin the report computed over the same items:
+    a bootstrap, or LRE causality's paired t) when given, else MOVER (Zou & Donner 2008) from the two intervals: lo = d - sqrt((a - a_lo)^2 +
     (b_hi - b)^2), hi = d + sqrt((a_hi - a)^2 + (b - b_lo)^2); exact for independent estimates and conservative
     when the two are non-negatively correlated over their items."""
     if _compact(paired) and None not in (paired.get("ci") or [None])[:2]:
-        return {"value": paired["value"], "ci": list(paired["ci"][:2]), "interval": "paired bootstrap"}
+        kind = paired["interval"] if str(paired.get("interval")).startswith("paired") else "paired bootstrap"
+        return {"value": paired["value"], "ci": list(paired["ci"][:2]), "interval": kind}
     a, b = metric["value"], other["value"]
     (a_lo, a_hi), (b_lo, b_hi) = _bounds(metric), _bounds(other)
     return {"value": a - b, "ci": [a - b - math.hypot(a - a_lo, b_hi - b), a - b + math.hypot(a_hi - a, b - b_lo)],
@@ -321,10 +322,10 @@ def _broken(m: dict | None) -> dict | None:
 
 
 def _informative(paired: dict | None) -> dict | None:
-    """A paired bootstrap margin, or None where its interval was widened to the bounds [-1, 1] because every item
-    gave the same difference (a perfect selector: every keep 1, every other 0): the difference then falls back to
-    MOVER from the two Wilson intervals, which still know n."""
-    if paired and paired.get("interval") == "bootstrap (widened)" and list(paired.get("ci") or [])[:2] == [-1.0, 1.0]:
+    """A paired margin (bootstrap, or the causality's paired t), or None where its interval was widened to the
+    bounds [-1, 1] because every item gave the same difference (a perfect selector: every keep 1, every other 0):
+    the difference then falls back to MOVER from the two Wilson intervals, which still know n."""
+    if paired and str(paired.get("interval")).endswith("(widened)") and list(paired.get("ci") or [])[:2] == [-1.0, 1.0]:
         return None
     return paired
 
