@@ -88,9 +88,9 @@ def _bounds(m: dict) -> tuple[float, float]:
 
 def difference(metric: dict, other: dict, paired: dict | None = None) -> dict:
     """metric - other with a 95% interval: ``paired`` (the paired margin the report computed over the same items:
-    a bootstrap, or LRE causality's paired t) when given, else MOVER (Zou & Donner 2008) from the two intervals: lo = d - sqrt((a - a_lo)^2 +
-    (b_hi - b)^2), hi = d + sqrt((a_hi - a)^2 + (b - b_lo)^2); exact for independent estimates and conservative
-    when the two are non-negatively correlated over their items."""
+    a bootstrap, or LRE causality's paired t) when given, else MOVER (Zou & Donner 2008) from the two intervals:
+    lo = d - sqrt((a - a_lo)^2 + (b_hi - b)^2), hi = d + sqrt((a_hi - a)^2 + (b - b_lo)^2); exact for independent
+    estimates and conservative when the two are non-negatively correlated over their items."""
     if _compact(paired) and None not in (paired.get("ci") or [None])[:2]:
         kind = paired["interval"] if str(paired.get("interval")).startswith("paired") else "paired bootstrap"
         return {"value": paired["value"], "ci": list(paired["ci"][:2]), "interval": kind}
