@@ -24,21 +24,26 @@ Dropping N R from the memories the claim must beat (``MEMORY_FEATURES = ("N",)``
 memory not shown (it reads inconclusive) and makes the test fail."""
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
 import torch
 
 import llmprobe.jobs.calibration as calibration
+from llmprobe.analyses.decoders import causality_metric
 from llmprobe.analyses.selector import matched_switch_off
 from llmprobe.jobs.calibration import (
     BEFORE,
     WITH_LEXICAL,
     calibrate,
     calibrate_capacity,
+    calibrate_causal,
     calibrate_selector,
     calibrate_swap,
     capacity_worlds,
+    causal_tests,
+    causal_worlds,
     decodable_worlds,
     grade,
     measure_decodable_world,
@@ -49,7 +54,7 @@ from llmprobe.jobs.calibration import (
     swap_worlds,
     sweep_noise,
 )
-from llmprobe.metric import wilson
+from llmprobe.metric import t_quantile, wilson
 from llmprobe.report.claims import (
     DECODABLE,
     GRADES,
@@ -319,3 +324,51 @@ def test_the_decodable_line_grades_lre_faithfulness_and_sets_bijections_apart():
     old = claims_block(_decodable_report(lexical=False))
     lre = [t for t in old["tests"] if t["claim"] == DECODABLE and t["measure"] == "lre"]
     assert all(t["grade"] == "null not measured" and t["missing_nulls"] == ["lexical"] for t in lre)
+# ---------------------------------------------------------------------------------------------- LRE causality
+@pytest.fixture(scope="module")
+def causal_rows():
+    """The causal line's planted worlds at d = 48, 2 replicates each, with 10 and 25 known facts (3 and 8 test
+    pairs, the SmolLM2 run's smaller relations), graded with Bonferroni over its 20 tests."""
+    worlds = [w for w in causal_worlds() if w.name in (
+        "linear rank 16, null share 3", "linear rank 16, states in its row space", "key-value memory")]
+    return {(r["world"], r["n"]): r for r in calibrate_causal(worlds, [10, 25], 48, replicates=2, family=20)}
+
+
+def test_the_causal_line_passes_the_planted_edit_and_not_a_step_toward_h_t_as_good(causal_rows):
+    """Where the relation is exactly linear and the states lie mostly in W's null space, the pseudo-inverse edit
+    flips every answer and the same-norm step toward h_t none: supported at 8 pairs, inconclusive (low power) at 3.
+    Where the step toward h_t is the edit (states in W's row space) or does as well (a key-value memory), the line
+    is never supported or weak, while the nulls it had before scaled_patch grade the row-space world supported."""
+    holds = causal_rows["linear rank 16, null share 3", 8]
+    assert holds["edit"] == 1.0 and holds["scaled_patch"] == 0.0 and holds["random_direction"] == 0.0
+    assert holds["edit_minus_scaled_patch"] == 1.0 and holds["paired_supported"] == 1.0
+    assert causal_rows["linear rank 16, null share 3", 3]["paired_low_power"] == 1.0
+    row_space = causal_rows["linear rank 16, states in its row space", 8]
+    memory = causal_rows["key-value memory", 8]
+    assert row_space["edit"] == row_space["scaled_patch"] == 1.0 and memory["scaled_patch"] == 1.0
+    assert row_space["paired_supported_or_weak"] == memory["paired_supported_or_weak"] == 0.0
+    assert row_space["mover_supported_or_weak"] == 0.0
+    assert row_space["before_supported"] == 1.0                     # the artefact scaled_patch removes
+
+
+def test_the_causality_margins_are_paired_over_the_test_pairs():
+    """causality_metric's margins: edit - control per pair (means over re-fits), Student t (df = n - 1); every pair
+    the same difference widens to [-1, 1], which the claims block replaces by MOVER from the two intervals."""
+    edit = [torch.tensor([True, True, False, True]), torch.tensor([True, False, False, True])]
+    patch = [torch.tensor([False, True, False, False])] * 2
+    never = [torch.zeros(4, dtype=torch.bool)] * 2
+    metric = causality_metric({"edit": edit, "scaled_patch": patch, "random_direction": never,
+                               "random_operator": never}, torch.ones(4, dtype=torch.bool))
+    margin = metric["margins"]["scaled_patch"]              # per pair: (1, 0.5, 0, 1) - (0, 1, 0, 0)
+    assert margin["value"] == pytest.approx(0.375) and margin["interval"] == "paired t" and margin["n"] == 4
+    half = t_quantile(0.95, 3) * statistics.stdev([1, -0.5, 0, 1]) / 2
+    assert margin["ci"] == pytest.approx([max(-1.0, 0.375 - half), min(1.0, 0.375 + half)])
+    assert metric["margins"]["full_patch"]["value"] == pytest.approx(0.625 - 1.0)
+    assert metric["nulls"]["scaled_patch"]["value"] == 0.25 and metric["primary_null"] == "random_direction"
+    ones, zeros = [torch.ones(6, dtype=torch.bool)] * 2, [torch.zeros(6, dtype=torch.bool)] * 2
+    same = causality_metric({"edit": ones, "scaled_patch": zeros, "random_direction": zeros,
+                             "random_operator": zeros})                  # every pair: 1 - 0
+    assert same["margins"]["scaled_patch"]["ci"] == [-1.0, 1.0]
+    test = causal_tests(same)["paired"]
+    assert test["difference"]["interval"] == "MOVER (unpaired)" and test["null_name"] == "scaled_patch"
+    assert causal_tests(metric)["paired"]["difference"]["interval"] == "paired t"

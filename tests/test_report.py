@@ -158,7 +158,8 @@ def _claims_report(causal: dict[str, tuple] | None = None, superposition: dict |
     """A pretrained report. ``causal``: {relation: (hits, n, {control: (hits, n)})}, LRE causality at the causality
     layer 2 chosen on validation (faithfulness layer 1); ``superposition``: {layer: {"r2": metric, "readout":
     {relation: metric}}}; ``controls``: a report's controls block."""
-    causal = {relation: (40, 50, {"random_direction": (1, 50), "random_operator": (2, 50)})} if causal is None \
+    causal = {relation: (40, 50, {"scaled_patch": (0, 50), "random_direction": (1, 50), "random_operator": (2, 50)})
+              } if causal is None \
         else causal
     relations = {name: {"layers": {"2": {"lre": {"causality": _with(_prop(h, n), {k: _prop(*v) for k, v in c.items()})}}},
                         "selected": {"lre": {"layer": 1, "causality_layer": 2}}} for name, (h, n, c) in causal.items()}
@@ -183,13 +184,18 @@ def _line(report, claim):
 
 
 @pytest.mark.parametrize("lre, controls, expected", [
-    ((40, 50), {"random_direction": (1, 50), "random_operator": (2, 50), "full_patch": (50, 50)}, "supported"),
-    ((40, 50), {"random_direction": (0, 50), "random_operator": (38, 50)},                  # every null counts;
-     "inconclusive (low power)"),                     # 50 pairs cannot show +0.10 over Holm: not "not shown"
-    ((24, 50), {"random_direction": (0, 50), "random_operator": (12, 50)}, "weak"),         # > 0, not > +0.10
-    ((5, 50), {"random_direction": (5, 50), "random_operator": (5, 50)}, "inconclusive (low power)"),
-    ((500, 5000), {"random_direction": (500, 5000), "random_operator": (500, 5000)}, "not shown"),  # powered
-    ((40, 50), {"random_direction": (1, 50)}, "null not measured"),                          # no random_operator
+    ((40, 50), {"scaled_patch": (3, 50), "random_direction": (1, 50), "random_operator": (2, 50),
+                "full_patch": (50, 50)}, "supported"),
+    ((40, 50), {"scaled_patch": (0, 50), "random_direction": (0, 50), "random_operator": (38, 50)},  # every null
+     "inconclusive (low power)"),                     # counts; 50 pairs cannot show +0.10 over Holm: not "not shown"
+    ((40, 50), {"scaled_patch": (38, 50), "random_direction": (0, 50), "random_operator": (0, 50)},
+     "inconclusive (low power)"),                                                 # the step toward h_t counts too
+    ((24, 50), {"scaled_patch": (0, 50), "random_direction": (0, 50), "random_operator": (12, 50)}, "weak"),
+    ((5, 50), {"scaled_patch": (5, 50), "random_direction": (5, 50), "random_operator": (5, 50)},
+     "inconclusive (low power)"),
+    ((500, 5000), {"scaled_patch": (500, 5000), "random_direction": (500, 5000), "random_operator": (500, 5000)},
+     "not shown"),                                                                                      # powered
+    ((40, 50), {"scaled_patch": (1, 50), "random_direction": (1, 50)}, "null not measured"),  # no random_operator
 ])
 def test_causality_is_graded_against_every_null_with_a_minimal_effect(lre, controls, expected):
     line = _line(_claims_report({"capital": (*lre, controls)}), "LRE edits causal")
@@ -220,7 +226,7 @@ def test_a_small_r2_gain_is_weak_not_supported():
 
 def test_holm_over_relations_changes_a_borderline_verdict():
     """30/50 against a null of 15/50 clears +0.10 alone (one-sided p 0.022); among 12 relations it does not."""
-    one = {"random_direction": (0, 50), "random_operator": (15, 50)}
+    one = {"scaled_patch": (0, 50), "random_direction": (0, 50), "random_operator": (15, 50)}
     alone = _line(_claims_report({"capital": (30, 50, one)}), "LRE edits causal")
     many = _line(_claims_report({f"r{i}": (30, 50, one) for i in range(12)}), "LRE edits causal")
     assert (alone["verdict"], many["verdict"]) == ("supported", "weak")
@@ -240,7 +246,8 @@ def test_a_claim_whose_null_is_missing_says_so():
     line = summary_claims(before)[2]                          # a report before the lexical null
     assert line["verdict"] == "null not measured" and line["missing_nulls"] == ["lexical"]
     assert "not measured: random_attributes" in lines[2]["note"]
-    assert lines[1]["verdict"] == "null not measured" and lines[1]["missing_nulls"] == ["random_direction",
+    assert lines[1]["verdict"] == "null not measured" and lines[1]["missing_nulls"] == ["scaled_patch",
+                                                                                          "random_direction",
                                                                                           "random_operator"]
     assert claims_block(report)["n_tests"] == 0               # a test without its nulls is not in the Holm family
 
@@ -511,7 +518,7 @@ def test_summary_says_not_measured_where_the_report_has_no_data():
 
 
 def test_summary_comes_first_in_html_and_markdown_and_escapes_user_strings(tmp_path):
-    report = _claims_report({"<script>alert(1)</script>": (40, 50, {"random_direction": (1, 50),
+    report = _claims_report({"<script>alert(1)</script>": (40, 50, {"scaled_patch": (0, 50), "random_direction": (1, 50),
                                                                     "random_operator": (2, 50)})},
                             superposition={"1": {"r2": _r2(0.17, 0.15, 0.19, R2_NULLS),
                                                  "readout": {"<script>alert(1)</script>": _readout(30)}}},

@@ -45,7 +45,7 @@ from llmprobe.analyses.splits import (
     trial_split,
 )
 from llmprobe.geometry import LinearRelationDecoder, RidgeDecoder, random_direction_like, random_spectrum_factors
-from llmprobe.metric import Metric, proportion
+from llmprobe.metric import Metric, proportion, t_quantile
 from llmprobe.model.chat import chat_split
 from llmprobe.model.engine import (
     edited_predictions,
@@ -202,6 +202,75 @@ def _summary(per_refit: list[torch.Tensor], note: str | None = None) -> Metric:
     return proportion(stacked.mean(0).tolist(), refits=stacked.mean(1).tolist(), note=note)
 
 
+def _item_means(per_refit: list[torch.Tensor]) -> list[float]:
+    """Per-item hits of each re-fit on the same items -> each item's mean over re-fits (the values
+    :func:`_summary` averages)."""
+    return torch.stack([h.double() for h in per_refit]).mean(0).tolist()
+
+
+CAUSALITY_CONTROLS = ("random_direction", "random_operator", "scaled_patch")   # LRE causality's nulls
+EDITS = ("edit",) + CAUSALITY_CONTROLS
+
+
+def paired_t(a: list[float], b: list[float]) -> Metric:
+    """Mean of a - b over the same items (values in [0, 1]) with the Student-t interval of the per-item
+    differences (df = n - 1), clipped to [-1, 1]; of zero width (every item the same difference, or one item):
+    [-1, 1], "paired t (widened)". Not the percentile bootstrap: at the 3-8 test pairs of a relation it is too
+    narrow (docs/measures.md, Calibration)."""
+    diffs = [x - y for x, y in zip(a, b)]
+    n = len(diffs)
+    if n == 0:
+        return Metric(float("nan"), (float("nan"), float("nan")), 0, "paired t")
+    value = sum(diffs) / n
+    sd = (sum((x - value) ** 2 for x in diffs) / (n - 1)) ** 0.5 if n > 1 else 0.0
+    if sd <= 1e-12:
+        return Metric(value, (-1.0, 1.0), n, "paired t (widened)")
+    half = t_quantile(0.95, n - 1) * sd / n ** 0.5
+    return Metric(value, (max(-1.0, value - half), min(1.0, value + half)), n, "paired t")
+
+
+def causality_json(edit: Metric, controls: dict[str, Metric], per_item: dict[str, list[float]]) -> dict:
+    """The causality metric (JSON form): the edit's success rate with its ``controls`` as nulls (random_direction
+    shown) and ``margins``: edit - each control over the same test pairs (:func:`paired_t` of the per-pair values
+    ``per_item``, by name, "edit" included, aligned over the pairs), which the claims block grades."""
+    out = edit.with_nulls(controls, "random_direction").to_dict()
+    out["margins"] = {name: paired_t(per_item["edit"], per_item[name]).to_dict() for name in controls
+                      if name in per_item}
+    return out
+
+
+def causality_metric(per_refit: dict[str, list[torch.Tensor]], full: torch.Tensor | None = None) -> dict:
+    """LRE causality of one layer from each re-fit's hits [n_pairs] of every edit of ``EDITS`` on the same test
+    pairs, and ``full`` [n_pairs] the full patch's hits (a reference, measured once): :func:`causality_json`."""
+    controls = {name: _summary(per_refit[name]) for name in CAUSALITY_CONTROLS}
+    per_item = {name: _item_means(per_refit[name]) for name in EDITS}
+    if full is not None:
+        controls["full_patch"] = proportion(full.double().tolist(), note=FULL_PATCH_NOTE)
+        per_item["full_patch"] = full.double().tolist()
+    return causality_json(_summary(per_refit["edit"]), controls, per_item)
+
+
+def lre_causality(H: torch.Tensor, O: torch.Tensor, svd: SVD, val_pairs, test_pairs, edit_ranks, gen:
+                  torch.Generator, hits_of) -> dict:
+    """One re-fit's LRE causality: the edit rank of ``edit_ranks`` whose edits W_r^+ (o_t - o_s) succeed most on
+    ``val_pairs`` (ties: the larger rank; none: the largest), then the edit and its controls (:func:`lre_edits`)
+    on ``test_pairs``. ``hits_of(deltas, src, tgt)`` -> hits [m] of each edit set [m, d] added to h_src (a real
+    forward pass: :func:`causality_hits`; a planted world's readout in ``llmprobe.jobs.calibration``).
+    Returns {"edit_rank", "val_causality" (None without validation pairs), "hits" {name of ``EDITS``: [m]},
+    "edit_norm_ratio"}."""
+    (vs, vt), (ts, tt) = val_pairs, test_pairs
+    if len(vs):
+        candidates = [(O[vt] - O[vs]) @ svd.pinv(r).T for r in edit_ranks]
+        rates = [float(h.double().mean()) for h in hits_of(candidates, vs, vt)]
+        best = max(range(len(rates)), key=lambda i: (rates[i], i))               # ties: the larger rank
+    else:
+        rates, best = [], len(edit_ranks) - 1
+    edits = lre_edits(H, O, ts, tt, svd, edit_ranks[best], gen)
+    return {"edit_rank": edit_ranks[best], "val_causality": rates[best] if rates else None,
+            "hits": dict(zip(EDITS, hits_of([edits[n] for n in EDITS], ts, tt))),
+            "edit_norm_ratio": float((edits["edit"].norm(dim=1) / H[ts].norm(dim=1)).mean())}
+
+
 def _majority_hits(data: RelationData, train: torch.Tensor, test: torch.Tensor) -> torch.Tensor:
     mode = Counter(data.y[train].tolist()).most_common(1)[0][0]
     return data.scorer.hits(torch.full((len(test),), mode), test)
@@ -268,9 +337,8 @@ def lre_layer(lm, data: RelationData, layer: int, jac: JacobianResult, jac_rows:
     to_logits = logits_fn(lm)
     test, (ts, tt) = split.test, split.test_pairs
     grid = candidate_grid(cfg)
-    names = ("edit", "random_direction", "random_operator", "scaled_patch")
     lexical_H = data.H[LEXICAL_LAYER].double() if LEXICAL_LAYER in data.H else None
-    faith, majority, lexical, hits = [], [], [], {name: [] for name in names}
+    faith, majority, lexical, hits = [], [], [], {name: [] for name in EDITS}
     chosen, val_f, val_c, fits = [], [], [], []
     for k, refit in enumerate(split.refits):
         rows = [jac_rows[i] for i in refit.jacobian.tolist()]
@@ -290,20 +358,13 @@ def lre_layer(lm, data: RelationData, layer: int, jac: JacobianResult, jac_rows:
         record = {"beta": beta, "rank": rank, "val_faithfulness": val_f[-1], "n_candidates": len(grid),
                   "n_selection": len(refit.selection), "n_folds": len(refit.folds)}
         if causal and len(ts):
-            vs, vt = refit.val_pairs
-            if len(vs):
-                cand = [(O[vt] - O[vs]) @ svd.pinv(r).T for r in cfg.edit_ranks]
-                rates = [float(h.double().mean()) for h in causality_hits(lm, data, layer, cand, vs, vt, cfg)]
-                r_best = max(range(len(rates)), key=lambda i: (rates[i], i))           # ties: the larger rank
-            else:
-                rates, r_best = [], len(cfg.edit_ranks) - 1
-            edit_rank = cfg.edit_ranks[r_best]
-            edits = lre_edits(H, O, ts, tt, svd, edit_rank, generator(cfg, data.name, layer, k, "lre controls"))
-            for name, got in zip(names, causality_hits(lm, data, layer, [edits[n] for n in names], ts, tt, cfg)):
-                hits[name].append(got)
-            val_c.append(rates[r_best] if rates else float("nan"))
-            record.update({"edit_rank": edit_rank, "val_causality": rates[r_best] if rates else None,
-                           "edit_norm_ratio": float((edits["edit"].norm(dim=1) / H[ts].norm(dim=1)).mean())})
+            got = lre_causality(H, O, svd, refit.val_pairs, split.test_pairs, cfg.edit_ranks,
+                                generator(cfg, data.name, layer, k, "lre controls"),
+                                lambda deltas, src, tgt: causality_hits(lm, data, layer, deltas, src, tgt, cfg))
+            for name in EDITS:
+                hits[name].append(got["hits"][name])
+            val_c.append(float("nan") if got["val_causality"] is None else got["val_causality"])
+            record.update({key: got[key] for key in ("edit_rank", "val_causality", "edit_norm_ratio")})
         chosen.append(record)
         fits.append({"W": dec.operator_.W, "b": dec.operator_.b, "J": svd.W if rank is not None else None,
                      "W_factors": svd.factors(rank), "J_factors": svd.factors(None) if rank is not None else None,
@@ -314,9 +375,7 @@ def lre_layer(lm, data: RelationData, layer: int, jac: JacobianResult, jac_rows:
     scores = {"faithfulness": sum(val_f) / len(val_f), "fit": max(fits, key=lambda f: f["val_faithfulness"])}
     if hits["edit"]:
         full = causality_hits(lm, data, layer, [H[tt] - H[ts]], ts, tt, cfg)[0]
-        controls = {name: _summary(hits[name]) for name in names[1:]}
-        controls["full_patch"] = proportion(full.double().tolist(), note=FULL_PATCH_NOTE)
-        entry["causality"] = _summary(hits["edit"]).with_nulls(controls, "random_direction").to_dict()
+        entry["causality"] = causality_metric(hits, full)
         finite = [v for v in val_c if v == v]
         scores["causality"] = sum(finite) / len(finite) if finite else float("nan")
     return entry, scores
@@ -428,12 +487,17 @@ def protocol_note(cfg: AnalysisSettings) -> str:
 def _per_fact(parts: list[tuple[list[int], torch.Tensor]], note: str | None = None) -> Metric:
     """A proportion over distinct facts from each trial's (fact ids, hits): a fact tested in several trials
     counts once, with its mean hit; the spread is over the trials' rates."""
+    return proportion(_fact_means(parts), refits=[float(h.double().mean()) for _, h in parts if len(h)], note=note)
+
+
+def _fact_means(parts: list[tuple[list[int], torch.Tensor]]) -> list[float]:
+    """Each distinct fact's mean hit over the trials that tested it (``parts``: each trial's (fact ids, hits)),
+    in the order the facts first appear."""
     by_fact: dict[int, list[float]] = {}
     for ids, hits in parts:
         for i, h in zip(ids, hits.double().tolist()):
             by_fact.setdefault(i, []).append(h)
-    return proportion([sum(v) / len(v) for v in by_fact.values()],
-                      refits=[float(h.double().mean()) for _, h in parts if len(h)], note=note)
+    return [sum(v) / len(v) for v in by_fact.values()]
 
 
 def _lre_trial_layer(lm, data: RelationData, layer: int, jac: JacobianResult, val: torch.Tensor, test: torch.Tensor,
@@ -462,9 +526,8 @@ def _lre_trial_layer(lm, data: RelationData, layer: int, jac: JacobianResult, va
         rates = torch.stack([h.double().mean() for h in causality_hits(lm, data, layer, candidates, vs, vt, cfg)])
         edit_rank = cfg.lre_edit_ranks[int(rates.argmax())]          # ties: the first (smallest) rank
         edits = lre_edits(H, O, ts, tt, svd, edit_rank, gen)
-        names = ("edit", "random_direction", "random_operator", "scaled_patch")
-        got = causality_hits(lm, data, layer, [edits[n] for n in names], ts, tt, cfg)
-        out.update({"edit_rank": edit_rank, "val_causality": float(rates.max()), "causality": dict(zip(names, got))})
+        got = causality_hits(lm, data, layer, [edits[n] for n in EDITS], ts, tt, cfg)
+        out.update({"edit_rank": edit_rank, "val_causality": float(rates.max()), "causality": dict(zip(EDITS, got))})
         out["fit"]["edit_rank"] = edit_rank
     return out
 
@@ -587,9 +650,10 @@ def lre_protocol(lm, relation, results, lre_layers: list[int], causal_layers: li
             {"majority": _per_fact([(t["test_ids"], t["majority"]) for t in trials])}).to_dict(), "chosen": chosen}
         edited = [t for t in trials if "causality" in t]          # trials with edit pairs
         if edited:
-            parts = {name: _per_fact([(t["pair_ids"], t["causality"][name]) for t in edited])
-                     for name in ("edit", "random_direction", "random_operator", "scaled_patch")}
-            entry["causality"] = parts.pop("edit").with_nulls(parts, "random_direction").to_dict()
+            parts = {name: [(t["pair_ids"], t["causality"][name]) for t in edited] for name in EDITS}
+            entry["causality"] = causality_json(_per_fact(parts["edit"]), {
+                name: _per_fact(parts[name]) for name in CAUSALITY_CONTROLS}, {
+                name: _fact_means(got) for name, got in parts.items()})
         kept = [c for c, t in zip(chosen, trials) if not t["reference_drops"]]
         entry["reference_mean"] = {   # the reference's number: the mean of each trial's rate over the trials it keeps
             "faithfulness": sum(c["test_faithfulness"] for c in kept) / len(kept) if kept else None,

@@ -20,7 +20,7 @@ CLAIMS = ("attributes linearly decodable", "LRE edits causal", "subject states a
           "chain-of-thought breaks the multi-hop bottleneck", "capacity O(R log N) in the matched controls")
 DECODABLE, CAUSAL, SUPERPOSITION, SERVES, SELECTOR, MULTIHOP, CAPACITY = CLAIMS
 NULLS = {DECODABLE: ("shuffled", "random_init", "lexical"),           # every one must be measured and beaten
-         CAUSAL: ("random_direction", "random_operator"),
+         CAUSAL: ("scaled_patch", "random_direction", "random_operator"),
          SUPERPOSITION: ("shuffled", "random_init", "random_attributes", "lexical"),
          SERVES: ("random_subject", "random_vector"),
          SELECTOR: ("other_relation_gate", "random_units_matched"),
@@ -44,8 +44,7 @@ MIN_EFFECT[DECODABLE_LRE] = MIN_EFFECT[DECODABLE]
 # Calibration), so the readout cannot test the relation there
 READOUT_MAX_ANSWERS_PER_SUBJECT = 0.4
 NOT_TESTABLE = "not testable here"
-REFERENCES = {"scaled_patch": "a same-norm step toward h_t (scaled_patch)",     # LRE causality's comparison
-              "full_patch": "the full patch h_s -> h_t (full_patch, a reference)"}
+CAUSAL_REFERENCE = ("full_patch", "the full patch h_s -> h_t (full_patch, a reference)")  # LRE causality's comparison
 ALPHA = 0.025                   # one-sided familywise level (Holm): the one-sided level of the 95% intervals shown
 GRADES = ("supported", "weak", "inconclusive (low power)", "not shown", NOT_TESTABLE, "null not measured",
           "not measured")  # best first
@@ -87,14 +86,16 @@ VERDICT_RULE = (
     "lexical (the same operator on the subject's state after block 0), the superposition readout against "
     "shuffled, random_init, lexical, a readout of more than "
     f"{READOUT_MAX_ANSWERS_PER_SUBJECT:g} distinct answers per subject not testable here; LRE causal: "
-    "random_direction, random_operator; superposition: "
+    "scaled_patch (a step toward h_t of the edit's norm), random_direction, random_operator, beside the full patch "
+    "h_s -> h_t; superposition: "
     "shuffled, random_init, random_attributes, lexical (the subjects' static token embeddings in place of their "
     "states); one state serves every relation: the crosspatch's random_subject and "
     "random_vector patches; selector: the keep rate under another subject's gates of the same relation against "
     "the subject's own gates of another relation (other_relation_gate) and a random switch-off matched in count "
     "and norm to that transplant (random_units_matched; older reports: the share another relation's gates break "
     "against switching off as many random units, random_units); chain-of-thought: the direct answer to the same chains) on the difference measure - null with "
-    "its 95% interval (paired bootstrap where the report has it, else MOVER from the two intervals). supported: "
+    "its 95% interval (paired where the report has it: a bootstrap, LRE causality's paired t; else MOVER from the "
+    "two intervals). supported: "
     f"the difference exceeds the minimal effect (+{MIN_EFFECT[DECODABLE]:g} accuracy, +{MIN_EFFECT[SUPERPOSITION]:g} "
     "R^2) against every null, Holm-adjusted over all tests of the report (claims x relations) at one-sided "
     f"{ALPHA:g}; weak: it exceeds 0 but is not shown to exceed the minimal effect; inconclusive (low power): "
@@ -137,12 +138,13 @@ def _bounds(m: dict) -> tuple[float, float]:
 
 
 def difference(metric: dict, other: dict, paired: dict | None = None) -> dict:
-    """metric - other with a 95% interval: ``paired`` (the paired bootstrap margin the report computed over the
-    same items) when given, else MOVER (Zou & Donner 2008) from the two intervals: lo = d - sqrt((a - a_lo)^2 +
-    (b_hi - b)^2), hi = d + sqrt((a_hi - a)^2 + (b - b_lo)^2); exact for independent estimates and conservative
-    when the two are non-negatively correlated over their items."""
+    """metric - other with a 95% interval: ``paired`` (the paired margin the report computed over the same items:
+    a bootstrap, or LRE causality's paired t) when given, else MOVER (Zou & Donner 2008) from the two intervals:
+    lo = d - sqrt((a - a_lo)^2 + (b_hi - b)^2), hi = d + sqrt((a_hi - a)^2 + (b - b_lo)^2); exact for independent
+    estimates and conservative when the two are non-negatively correlated over their items."""
     if _compact(paired) and None not in (paired.get("ci") or [None])[:2]:
-        return {"value": paired["value"], "ci": list(paired["ci"][:2]), "interval": "paired bootstrap"}
+        kind = paired["interval"] if str(paired.get("interval")).startswith("paired") else "paired bootstrap"
+        return {"value": paired["value"], "ci": list(paired["ci"][:2]), "interval": kind}
     a, b = metric["value"], other["value"]
     (a_lo, a_hi), (b_lo, b_hi) = _bounds(metric), _bounds(other)
     return {"value": a - b, "ci": [a - b - math.hypot(a - a_lo, b_hi - b), a - b + math.hypot(a_hi - a, b - b_lo)],
@@ -360,18 +362,21 @@ def _margins(m: dict | None) -> dict | None:
 
 
 def _causality_tests(report: dict) -> list[dict]:
-    """One test per relation: LRE causality at the causality layer the decoders chose on validation, beside the
-    same-norm step toward h_t (``scaled_patch``; else the ``full_patch`` reference)."""
+    """One test per relation: LRE causality at the causality layer the decoders chose on validation against
+    scaled_patch, random_direction and random_operator (paired over the same test pairs where the metric carries
+    ``margins``; a margin widened to [-1, 1], every pair the same difference, and older reports: MOVER), beside
+    the full patch h_s -> h_t (a reference) where measured."""
     tests = []
+    name, text = CAUSAL_REFERENCE
     for relation, entry in analyses_of(report).relations.items():
         layer = entry.selection("lre").causality_layer
         if layer is None:
             continue
         metric = entry.at(layer).lre.causality
-        controls = metric_nulls(metric)
-        reference = next((n for n in REFERENCES if _compact(controls.get(n))), None)
-        tests.append(claim_test(CAUSAL, relation, int(layer), metric,
-                           comparison=(REFERENCES[reference], controls[reference]) if reference else None))
+        margins = {null: _informative(m) for null, m in (_margins(metric) or {}).items()}
+        reference = metric_nulls(metric).get(name)
+        tests.append(claim_test(CAUSAL, relation, int(layer), metric, margins=margins,
+                                comparison=(text, reference, margins.get(name)) if _compact(reference) else None))
     return [t for t in tests if t]
 
 
@@ -402,10 +407,10 @@ def _broken(m: dict | None) -> dict | None:
 
 
 def _informative(paired: dict | None) -> dict | None:
-    """A paired bootstrap margin, or None where its interval was widened to the bounds [-1, 1] because every item
-    gave the same difference (a perfect selector: every keep 1, every other 0): the difference then falls back to
-    MOVER from the two Wilson intervals, which still know n."""
-    if paired and paired.get("interval") == "bootstrap (widened)" and list(paired.get("ci") or [])[:2] == [-1.0, 1.0]:
+    """A paired margin (bootstrap, or the causality's paired t), or None where its interval was widened to the
+    bounds [-1, 1] because every item gave the same difference (a perfect selector: every keep 1, every other 0):
+    the difference then falls back to MOVER from the two Wilson intervals, which still know n."""
+    if paired and str(paired.get("interval")).endswith("(widened)") and list(paired.get("ci") or [])[:2] == [-1.0, 1.0]:
         return None
     return paired
 
