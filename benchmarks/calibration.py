@@ -21,7 +21,8 @@ is graded on (those the lexical rule of ``llmprobe.analyses.superposition`` does
 in each replicate and the 95% quantile; the minimal effect is the largest of these (``minimal_effect``); then
 the table above on those relations, graded with it (power where the claim holds).
 
-    python benchmarks/calibration.py --minimal-effect --snr 0.25 1 4 --replicates 20   # ~6 min, 1 core
+    python benchmarks/calibration.py --minimal-effect --snr 0.25 1 4 --replicates 10   # ~9 min, 1 core, loaded
+    python benchmarks/calibration.py --minimal-effect --snr 0.25 1 4 --replicates 40   # the full table
 """
 from __future__ import annotations
 

@@ -6,7 +6,9 @@ The subjects shared by several relations (the largest group with one ``subject_t
 or the mean of its tokens' rows (``"mean"``). ``llmprobe.geometry.superposition_readout`` measures per-relation
 readout accuracy and the held-out R^2 of h_s ~ c + sum_r W_r u_{a_r(s)}, beside the shuffled-table control, random
 vectors of the true norms (``random_attributes``: the reported effect is the gain over it), the chance rate and
-the same architecture with random weights. Attributes whose first tokens collide have one u vector with
+the same architecture with random weights. Relations whose u vectors sit at their subjects' own tokens are
+flagged lexical (:func:`is_lexical`) and left out of a second fit, the claim's (:func:`relation_parts`, which also
+measures each relation's contribution to the gain). Attributes whose first tokens collide have one u vector with
 ``"first"``: they are merged into one answer and listed (``merged_attributes``). The same table trains the matched
 synthetic controls (:func:`superposition_table` needs only the tokenizer).
 """
@@ -148,9 +150,10 @@ def lexical_states(lm, subjects: list[str]) -> torch.Tensor | None:
     return torch.stack([weight[t].mean(0) for t in ids])
 
 
-# The lexical rule (docs/measures.md, "Superposition readouts", lexical relations): Tukey's 1.5 x IQR outlier fences of the two overlaps over the 56 bundled relations (13 + 43 LRE with >= 20 subjects) on
-# SmolLM2-135M-Instruct, 2026-12-05: excess cosine q3 0.083 + 1.5 x 0.076 = 0.196, shared first token q3 0.042 +
-# 1.5 x 0.042 = 0.104 (both fences fall in gaps of the distribution: 0.17-0.27 and 0.10-0.17).
+# The lexical rule (docs/measures.md, "The lexical rule"): Tukey's 1.5 x IQR outlier fences of the two overlaps
+# over the 56 bundled relations with >= 20 subjects (13 + 43 LRE) on SmolLM2-135M-Instruct, 2026-12-05: excess
+# cosine q3 0.083 + 1.5 x 0.076 = 0.196, shared first token q3 0.042 + 1.5 x 0.042 = 0.104 (both fences fall in
+# gaps of the distribution: 0.17-0.27 and 0.10-0.17).
 LEXICAL_EXCESS = 0.20   # median cos(u_a(s), E_s) - the same over a permutation of the subjects
 LEXICAL_SHARE = 0.10    # share of facts whose attribute's first token is the subject's first token
 

@@ -7,7 +7,9 @@ weak). ``benchmarks/calibration.py`` prints the table at the real run's n (docs/
 
 The superposition line (held-out R^2 of h_s ~ c + sum_r W_r u_a(s)), graded against the nulls it had before the
 lexical null (shuffled, random_attributes) and with it (shuffled, random_attributes, lexical). The planted worlds
-have no model, so no random_init null: that null is the same in both sets.
+have no model, so no random_init null: that null is the same in both sets. Its minimal effect
+(``MIN_EFFECT[SUPERPOSITION]``) comes from the worlds where it fails (:func:`null_gains`, :func:`minimal_effect`):
+the smallest gain over random_attributes that none of them exceeds in 95% of its replicates.
 
 The selector line (:func:`calibrate_selector`): one-layer models where the MLP is a relation-conditioned selector
 by construction or by training (the paper's construction; a trained geometric model) and where it is a key-value
