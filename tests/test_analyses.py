@@ -121,6 +121,32 @@ def test_result_has_the_documented_keys_and_typed_metrics(tiny_result):
     json.dumps(res)                                               # JSON-ready (plain floats, lists, dicts)
 
 
+def test_superposition_records_the_lexical_rule_and_each_relations_contribution(tiny_result):
+    """At the LRE layers (where the claim's R^2 is graded): the fit without the relations the lexical rule flags
+    (in the tiny tokenizer capitals and languages often open with the subject's first token: 9 and 6 of 28) and
+    each relation's contribution to the gain over random_attributes, which adds back up to the readout's gain
+    (the dual refits at its alphas equal its fits)."""
+    sup = tiny_result["superposition"]
+    overlap = sup["lexical_overlap"]
+    assert sup["graded_layers"] == [0, 1] and set(overlap) == {"capital", "continent", "language"}
+    assert sup["lexical_relations"] == [name for name in sup["relations"] if overlap[name]["lexical"]] == \
+        ["capital", "language"]
+    assert (overlap["capital"]["shared_first_token"], overlap["capital"]["n"]) == (9, 28)
+    assert overlap["continent"] == {**overlap["continent"], "shared_first_token": 0, "lexical": False}
+    for layer in ("0", "1"):
+        entry = sup["layers"][layer]
+        fit = entry["r2_non_lexical"]
+        assert fit["relations"] == ["continent"] and fit["n"] == 28 and fit["value"] != entry["r2"]["value"]
+        assert set(fit["nulls"]) == {"shuffled", "random_attributes", "random_init", "lexical"}
+        assert fit["gain"] == fit["margins"]["random_attributes"] and fit["interval"].startswith("jackknife")
+        assert set(entry["contributions"]) == set(sup["relations"])
+        for part in entry["contributions"].values():
+            assert part["gain_without"]["value"] + part["contribution"]["value"] == pytest.approx(
+                entry["r2"]["gain"]["value"], abs=1e-9)
+            assert part["contribution"]["interval"].startswith("jackknife")
+    assert "contributions" not in sup["layers"]["2"] and "r2_non_lexical" not in sup["layers"]["2"]
+
+
 def test_every_value_lies_inside_an_interval_of_nonzero_width(tiny_result):
     """The reviewer's check on a whole result: n >= 1 -> lo <= value <= hi and hi > lo, controls included."""
     seen = 0

@@ -29,10 +29,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_report import R2_NULLS, _claims_report, _r2
 
 import llmprobe.jobs.calibration as calibration
 from llmprobe.analyses.decoders import causality_metric
 from llmprobe.analyses.selector import matched_switch_off
+from llmprobe.analyses.superposition import LEXICAL_EXCESS, LEXICAL_SHARE, relation_overlap
 from llmprobe.jobs.calibration import (
     BEFORE,
     WITH_LEXICAL,
@@ -48,6 +50,8 @@ from llmprobe.jobs.calibration import (
     grade,
     measure_decodable_world,
     measure_world,
+    minimal_effect,
+    null_gains,
     planted_dstar,
     selector_worlds,
     superposition_worlds,
@@ -62,10 +66,12 @@ from llmprobe.report.claims import (
     MULTIHOP_DSTAR,
     MULTIHOP_WIDTH,
     NOT_TESTABLE,
+    SUPERPOSITION,
     SWAP,
     SWAP_RESULT,
     claims_block,
     hop_growth,
+    summary_claims,
     swap_line,
     swap_test,
     width_line,
@@ -104,6 +110,71 @@ def test_the_lexical_null_removes_the_lexical_artefact_and_keeps_the_power(shape
     r2, margins = measure_world(positive, *clean, seed=0, folds=4, jackknife_groups=10)
     assert r2["value"] > 0.4 and margins["random_attributes"]["value"] > 0.2 and margins["lexical"]["value"] > 0.3
     assert grade(r2, margins, WITH_LEXICAL, 20) == "supported" and set(BEFORE) < set(WITH_LEXICAL)
+
+
+# ------------------------------------------------------------------------- the lexical rule, the minimal effect
+def test_the_lexical_rule_flags_a_planted_lexical_relation_and_not_a_geometric_one(shapes):
+    """Token vectors share a common direction (as a tied model's do: SmolLM2's country tokens sit at cosine ~0.4
+    of any other): the geometric relation's u then have a high median cosine with their subjects' embeddings, yet
+    no more than with other subjects' (excess ~0): not lexical. The planted lexical relation (u = E_s + noise) is,
+    and so is any relation where more than LEXICAL_SHARE of the attributes open with the subject's first token.
+    Reading the raw median cosine instead of its excess flags the geometric relation too (checked)."""
+    A, U, E = shapes
+    common = torch.randn(1, D, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    geometric = relation_overlap(U[0][A[:, 0]] + common, E + common, 0, gen)
+    lexical = relation_overlap(U[3][A[:, 3]] + common, E + common, 0, gen)
+    assert geometric["median_cosine"] > 0.3 and abs(geometric["excess_cosine"]) < 0.1 and not geometric["lexical"]
+    assert lexical["excess_cosine"] > LEXICAL_EXCESS + 0.2 and lexical["lexical"]
+    sharing = relation_overlap(U[0][A[:, 0]] + common, E + common, math.ceil(LEXICAL_SHARE * N) + 1, gen)
+    assert sharing["lexical"] and not relation_overlap(U[0][A[:, 0]], E, int(LEXICAL_SHARE * N), gen)["lexical"]
+
+
+def _graded(lexical_relations, graded_layers=(1,)):
+    """A report whose R^2 over every relation (0.17) beats its nulls by far, while the fit without the lexical
+    relation explains no more than they do (0.01 [-0.01, 0.03]); ``lexical_relations`` None: a report from before
+    the rule."""
+    report = _claims_report(superposition={"1": {"r2": _r2(0.17, 0.15, 0.19, R2_NULLS),
+                                                 "r2_non_lexical": {**_r2(0.01, -0.01, 0.03, R2_NULLS),
+                                                                    "relations": ["capital"]}}})
+    if lexical_relations is not None:
+        report["analyses"]["superposition"].update(lexical_relations=lexical_relations,
+                                                   graded_layers=list(graded_layers))
+    return next(line for line in summary_claims(report) if line["claim"] == SUPERPOSITION)
+
+
+def test_the_superposition_line_is_graded_without_the_lexical_relations():
+    """Graded on r2_non_lexical where the analysis flagged a relation, the R^2 of every relation shown apart;
+    older reports (no lexical_relations), or a run that flagged none, grade the R^2 of every relation as before.
+    Grading entry.r2 regardless makes the first assertion fail (checked)."""
+    line = _graded(["demonym"])
+    assert line["verdict"] != "supported" and line["metric"]["value"] == 0.01
+    assert line["relation"] == "non-lexical relations" and line["difference"]["value"] < 0.05
+    assert line["with_lexical"]["r2"]["value"] == 0.17 and line["with_lexical"]["lexical"] == ["demonym"]
+    assert "left out as lexical by the rule of docs/measures.md: demonym; with them: R^2 0.170" in line["measure"]
+    for before in (_graded(None), _graded([])):
+        assert before["verdict"] == "supported" and before["metric"]["value"] == 0.17 and "with_lexical" not in before
+    assert _graded(["demonym"], graded_layers=(2,))["verdict"] == "not measured"   # no fit at the chosen layer
+
+
+def test_the_minimal_effect_is_the_largest_95_percent_quantile_of_the_negatives(shapes):
+    """On the relations that are not lexical (the first three), the gains over random_attributes of the shuffled
+    table and of the token embeddings alone stay below the minimal effect they give, and a planted superposition
+    at the same shapes clears it by far; the quantile is the order statistic at ceil(0.95 m). Taking the smallest
+    world's quantile instead of the largest fails here (checked)."""
+    A, U, E = shapes
+    clean = (A[:, :3], U[:3], E)
+    positive, _, shuffled, lexical = superposition_worlds(4.0)
+    gains = null_gains([positive, shuffled, lexical], *clean, replicates=2, folds=4, jackknife_groups=0)
+    assert set(gains) == {shuffled.name, lexical.name}                     # the negatives only
+    effect = minimal_effect(gains)
+    assert effect == max(max(v) for v in gains.values()) and 0.0 <= effect < 0.1
+    _, margins = measure_world(positive, *clean, seed=0, folds=4, jackknife_groups=0)
+    assert margins["random_attributes"]["value"] > effect + 0.1
+    assert minimal_effect({"a": [i / 100 for i in range(20)], "b": [-1.0] * 3}) == 0.18
+    assert minimal_effect({"a": [-0.2, -0.1]}) == 0.0
+    with pytest.raises(ValueError, match="at least one replicate"):
+        minimal_effect({"a": []})
 
 
 # --------------------------------------------------------------------------------------------------- selector

@@ -273,11 +273,13 @@ class SuperpositionLayer(Result):
     """The superposition readouts at one layer (``superposition.layers.<layer>``; a matched control's e_s at
     ``"0"``): R^2, a readout per relation (metrics), the swap edit where it ran."""
 
-    NESTED: ClassVar = {"swap": _One(Swap), "readout": _Plain(dict)}
+    NESTED: ClassVar = {"swap": _One(Swap), "readout": _Plain(dict), "contributions": _Plain(dict)}
     r2: MetricJSON | None = None
     readout: dict[str, MetricJSON] = field(default_factory=dict)
     alpha_per_fold: list | None = None
     swap: Swap = field(default_factory=Swap)
+    r2_non_lexical: MetricJSON | None = None         # the R^2 over the relations not flagged lexical
+    contributions: dict = field(default_factory=dict)  # relation -> {gain_without, contribution}
 
 
 @dataclass(kw_only=True)
@@ -297,6 +299,9 @@ class SuperpositionResult(Result):
     n_attributes: dict | None = None
     first_token_collisions: dict | None = None
     merged_attributes: dict | None = None
+    lexical_overlap: dict | None = None
+    lexical_relations: list | None = None       # None: a report from before the lexical rule
+    graded_layers: list | None = None           # the layers with r2_non_lexical and contributions
     seconds: float | None = None
     layers: dict[str, SuperpositionLayer] = field(default_factory=dict)
 

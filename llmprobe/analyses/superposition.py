@@ -6,7 +6,9 @@ The subjects shared by several relations (the largest group with one ``subject_t
 or the mean of its tokens' rows (``"mean"``). ``llmprobe.geometry.superposition_readout`` measures per-relation
 readout accuracy and the held-out R^2 of h_s ~ c + sum_r W_r u_{a_r(s)}, beside the shuffled-table control, random
 vectors of the true norms (``random_attributes``: the reported effect is the gain over it), the chance rate and
-the same architecture with random weights. Attributes whose first tokens collide have one u vector with
+the same architecture with random weights. Relations whose u vectors sit at their subjects' own tokens are
+flagged lexical (:func:`is_lexical`) and left out of a second fit, the claim's (:func:`relation_parts`, which also
+measures each relation's contribution to the gain). Attributes whose first tokens collide have one u vector with
 ``"first"``: they are merged into one answer and listed (``merged_attributes``). The same table trains the matched
 synthetic controls (:func:`superposition_table` needs only the tokenizer).
 """
@@ -27,6 +29,7 @@ from llmprobe.geometry import (
     kfold_indices,
     merge_equal_attributes,
     random_direction_like,
+    relation_contributions,
     superposition_readout,
 )
 from llmprobe.metric import proportion
@@ -147,26 +150,56 @@ def lexical_states(lm, subjects: list[str]) -> torch.Tensor | None:
     return torch.stack([weight[t].mean(0) for t in ids])
 
 
-def lexical_overlap(lm, table: SuperpositionTable, U: list[torch.Tensor], E: torch.Tensor) -> dict[str, dict]:
+# The lexical rule (docs/measures.md, "The lexical rule"): Tukey's 1.5 x IQR outlier fences of the two overlaps
+# over the 56 bundled relations with >= 20 subjects (13 + 43 LRE) on SmolLM2-135M-Instruct, 2026-12-05: excess
+# cosine q3 0.083 + 1.5 x 0.076 = 0.196, shared first token q3 0.042 + 1.5 x 0.042 = 0.104 (both fences fall in
+# gaps of the distribution: 0.17-0.27 and 0.10-0.17).
+LEXICAL_EXCESS = 0.20   # median cos(u_a(s), E_s) - the same over a permutation of the subjects
+LEXICAL_SHARE = 0.10    # share of facts whose attribute's first token is the subject's first token
+
+
+def is_lexical(overlap: dict) -> bool:
+    """The lexical rule on one relation's :func:`lexical_overlap` entry: its attribute vectors sit nearer their own
+    subjects' token embeddings than other subjects' by more than ``LEXICAL_EXCESS`` (median cosine), or more than
+    ``LEXICAL_SHARE`` of its attributes start with the subject's own first token."""
+    excess = overlap.get("excess_cosine")
+    share = overlap["shared_first_token"] / overlap["n"] if overlap.get("n") else 0.0
+    return (excess is not None and excess > LEXICAL_EXCESS) or share > LEXICAL_SHARE
+
+
+def lexical_overlap(lm, table: SuperpositionTable, U: list[torch.Tensor], E: torch.Tensor,
+                    seed: int = 0) -> dict[str, dict]:
     """Per relation, how lexical its facts are: the median cosine between each fact's attribute vector u_a(s)
-    and the subject's static embedding E_s (:func:`lexical_states`), and how many facts' attributes share the
-    subject's first token (" " + each), of ``n`` facts. A relation whose u sit near its subjects' own tokens
-    (a country's demonym) can be read from the subject's token alone; the lexical null measures how much."""
+    and the subject's static embedding E_s (:func:`lexical_states`), the same with the subjects permuted (seeded:
+    the cosine any token pair of these kinds has, ``median_cosine_shuffled``), their difference
+    (``excess_cosine``), how many facts' attributes share the subject's first token (" " + each), of ``n`` facts,
+    and ``lexical`` (:func:`is_lexical`). A relation whose u sit near its subjects' own tokens (a country's
+    demonym) can be read from the subject's token alone; the lexical null measures how much."""
     firsts = [ids[0] if ids else None for ids in
               lm.tokenizer([" " + s for s in table.subjects], add_special_tokens=False)["input_ids"]]
+    gen = torch.Generator().manual_seed(seed + 29)
     out = {}
     for r, name in enumerate(table.names):
         rows = torch.nonzero(table.A[:, r] >= 0).flatten()
         if not len(rows):
             continue
-        u = U[r][table.A[rows, r]].double()
-        cosine = torch.nn.functional.cosine_similarity(u, E[rows].double(), dim=1)
         attribute_ids = lm.tokenizer([" " + table.attributes[r][int(a)] for a in table.A[rows, r]],
                                      add_special_tokens=False)["input_ids"]
         shared = sum(bool(ids) and ids[0] == firsts[int(i)] for i, ids in zip(rows, attribute_ids))
-        out[name] = {"median_cosine": round(float(cosine.median()), 4), "shared_first_token": int(shared),
-                     "n": len(rows)}
+        out[name] = relation_overlap(U[r][table.A[rows, r]], E[rows], shared, gen)
     return out
+
+
+def relation_overlap(u: torch.Tensor, E: torch.Tensor, shared: int, gen: torch.Generator) -> dict:
+    """One relation's :func:`lexical_overlap` entry from its m facts' attribute vectors u [m, d] and their subjects'
+    static embeddings E [m, d] (row i: fact i), ``shared`` of them with the subject's first token; ``gen`` draws
+    the permutation of the baseline."""
+    u, E = u.double(), E.double()
+    cosine = torch.nn.functional.cosine_similarity(u, E, dim=1).median()
+    shuffled = torch.nn.functional.cosine_similarity(u, E[torch.randperm(len(E), generator=gen)], dim=1).median()
+    entry = {"median_cosine": round(float(cosine), 4), "median_cosine_shuffled": round(float(shuffled), 4),
+             "excess_cosine": round(float(cosine - shuffled), 4), "shared_first_token": int(shared), "n": len(E)}
+    return {**entry, "lexical": is_lexical(entry)}
 
 
 def attribute_vectors(lm, attributes: list[list[str]], how: str) -> tuple[list[torch.Tensor], list[int]]:
@@ -198,8 +231,11 @@ def merged_attributes(table: SuperpositionTable, U: list[torch.Tensor]) -> dict[
 
 
 def superposition(lm, table: SuperpositionTable, layers: list[int], swap_layers: list[int], cfg: AnalysisSettings,
-                  log: Log) -> dict:
-    """Readouts, R^2 and (at ``swap_layers``) swap edits per layer: JSON-ready dict of typed metrics."""
+                  log: Log, graded_layers: list[int] | None = None) -> dict:
+    """Readouts, R^2 and (at ``swap_layers``) swap edits per layer: JSON-ready dict of typed metrics; at
+    ``graded_layers`` (default: every layer) also :func:`relation_parts` (the fit without the lexical relations
+    and each relation's contribution)."""
+    graded_layers = layers if graded_layers is None else graded_layers
     t0 = time.perf_counter()
     subjects, A, names = table.subjects, table.A, table.names
     U, collisions = attribute_vectors(lm, table.attributes, cfg.attribute_vectors)
@@ -225,9 +261,11 @@ def superposition(lm, table: SuperpositionTable, layers: list[int], swap_layers:
         "lexical_null": ("each subject's static input embedding (the mean of its tokens' rows, ' ' + subject), "
                          "read with the model's u vectors: what the subject's tokens alone give") if lexical is not None
         else "not measured: the model has no input embedding",
-        "lexical_overlap": lexical_overlap(lm, table, U, lexical) if lexical is not None else {},
+        "lexical_overlap": lexical_overlap(lm, table, U, lexical, cfg.seed) if lexical is not None else {},
         "layers": {}, "error": None,
     }
+    out["lexical_relations"] = [nm for nm in names if out["lexical_overlap"].get(nm, {}).get("lexical")]
+    out["graded_layers"] = [layer for layer in layers if layer in graded_layers]
     for layer in layers:
         nulls = {**({"random_init": (null_H[layer], U_c)} if null_H is not None else {}),
                  **({"lexical": lexical} if lexical is not None else {})}
@@ -249,12 +287,48 @@ def superposition(lm, table: SuperpositionTable, layers: list[int], swap_layers:
             entry["gain"] = entry["margins"].get("random_attributes")
             readout[nm] = entry
         entry = {"r2": r2, "readout": readout, "alpha_per_fold": rep.conditions["real"]["alpha_per_fold"]}
+        if layer in graded_layers:
+            entry.update(relation_parts(H[layer], A, U, nulls, names, out["lexical_relations"], rep, cfg))
         if layer in swap_layers:
             entry["swap"] = swap(lm, table, U, H[layer], layer, cfg)
         out["layers"][str(layer)] = entry
         log(f"superposition: layer {layer} done (R^2 {r2['value']:.3f}, random_attributes "
             f"{r2['nulls']['random_attributes']['value']:.3f}, shuffled {r2['nulls']['shuffled']['value']:.3f})")
     out["seconds"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def relation_parts(H: torch.Tensor, A: torch.Tensor, U: list[torch.Tensor], nulls: dict, names: list[str],
+                   lexical: list[str], rep, cfg: AnalysisSettings) -> dict:
+    """At one layer (H [n, d], the table A [n, R], U, the readout's ``nulls`` and its report ``rep``):
+
+    * ``r2_non_lexical``: the R^2 of the same readout over the relations not in ``lexical`` (:func:`is_lexical`)
+      with every null (the random-init model's u vectors taken for the same relations), its margins and gain, and
+      ``relations``; absent when no relation is lexical, None when every one is;
+    * ``contributions``: per relation, the gain over random_attributes without its term (``gain_without``) and
+      ``contribution`` = the gain with every relation - that (``llmprobe.geometry.relation_contributions``: at
+      the alphas the readout chose, paired jackknife), what the relation's term adds to the line's effect."""
+    fit = {"k": cfg.folds, "seed": cfg.seed, "n_boot": cfg.n_boot, "decode": False,
+           "jackknife_groups": cfg.jackknife_groups, "readouts": False}
+    out: dict = {}
+    keep = [r for r, nm in enumerate(names) if nm not in lexical]
+    if lexical:
+        out["r2_non_lexical"] = None
+        if keep:
+            sub = {name: ((ctrl[0], [ctrl[1][r] for r in keep]) if isinstance(ctrl, tuple) else ctrl)
+                   for name, ctrl in nulls.items()}
+            part = superposition_readout(H, A[:, keep], [U[r] for r in keep], nulls=sub,
+                                         relation_names=[names[r] for r in keep], **fit)
+            r2 = part.measure("r2", primary="random_attributes").to_dict()
+            r2["margins"] = {c: m["r2"].to_dict() for c, m in part.margins.items()}
+            r2["gain"] = r2["margins"]["random_attributes"]
+            r2["relations"] = [names[r] for r in keep]
+            out["r2_non_lexical"] = r2
+    contributions = relation_contributions(
+        H, A, U, {c: rep.conditions[c]["alpha_per_fold"] for c in ("real", "random_attributes")}, k=cfg.folds,
+        seed=cfg.seed, jackknife_groups=cfg.jackknife_groups, relation_names=names)
+    if contributions:
+        out["contributions"] = contributions
     return out
 
 
@@ -369,8 +443,10 @@ def superposition_workload(tok, relations: list, known: dict, layers: list[int],
 
 
 def _superposition(job) -> dict:
+    # the claim's R^2 is graded at the layer the LRE decoders chose (one of the LRE layers), at every layer without
     return superposition(job.lm, superposition_table(job.lm.tokenizer, job.relations, job.known, job.cfg),
-                         job.layers, job.swap_layers, job.cfg, job.log)
+                         job.layers, job.swap_layers, job.cfg, job.log,
+                         graded_layers=job.lre_layers if job.do_lre else job.layers)
 
 
 SUPERPOSITION = Analysis("superposition", ("superposition",), _superposition, superposition_workload,

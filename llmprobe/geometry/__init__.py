@@ -19,6 +19,7 @@ from llmprobe.geometry.readouts import (
                        SuperpositionReport,
                        merge_equal_attributes,
                        random_attributes,
+                       relation_contributions,
                        superposition_readout,
 )
 from llmprobe.geometry.stats import (
@@ -39,7 +40,7 @@ __all__ = [
     "random_spectrum_factors",
     "topk_hits",
     "RelationReadout", "SuperpositionFit", "SuperpositionReport", "superposition_readout", "random_attributes",
-    "merge_equal_attributes",
+    "merge_equal_attributes", "relation_contributions",
     "ALPHA_GRID", "cross_val_score", "kfold_indices", "pinv_rank", "r2_score",
     "ridge_fit", "ridge_fit_cv", "shuffle_table", "train_test_split", "truncate_rank",
 ]

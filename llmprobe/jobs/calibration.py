@@ -7,7 +7,9 @@ weak). ``benchmarks/calibration.py`` prints the table at the real run's n (docs/
 
 The superposition line (held-out R^2 of h_s ~ c + sum_r W_r u_a(s)), graded against the nulls it had before the
 lexical null (shuffled, random_attributes) and with it (shuffled, random_attributes, lexical). The planted worlds
-have no model, so no random_init null: that null is the same in both sets.
+have no model, so no random_init null: that null is the same in both sets. Its minimal effect
+(``MIN_EFFECT[SUPERPOSITION]``) comes from the worlds where it fails (:func:`null_gains`, :func:`minimal_effect`):
+the smallest gain over random_attributes that none of them exceeds in 95% of its replicates.
 
 The selector line (:func:`calibrate_selector`): one-layer models where the MLP is a relation-conditioned selector
 by construction or by training (the paper's construction; a trained geometric model) and where it is a key-value
@@ -107,10 +109,10 @@ def grade(r2: dict, margins: dict, nulls: tuple[str, ...], family: int) -> str:
 def measure_world(world: World, A: torch.Tensor, U: list, E: torch.Tensor, seed: int, folds: int = 5,
                   jackknife_groups: int = 20) -> tuple[dict, dict]:
     """(R^2 metric with its nulls, margins by null) of the superposition readout on one draw of ``world``, with
-    the lexical null's states ``E`` as the analysis measures them."""
+    the lexical null's states ``E`` as the analysis measures them (the R^2 alone: no readout)."""
     H = world.states(A, U, E, U[0].shape[1], seed)
     rep = superposition_readout(H, A, U, nulls={"lexical": E}, k=folds, seed=seed, decode=False,
-                                jackknife_groups=jackknife_groups)
+                                jackknife_groups=jackknife_groups, readouts=False)
     r2 = rep.measure("r2", primary="random_attributes").to_dict()
     return r2, {name: m["r2"].to_dict() for name, m in rep.margins.items()}
 
@@ -139,6 +141,28 @@ def calibrate(worlds: list[World], A: torch.Tensor, U: list, E: torch.Tensor, re
         if on_row is not None:
             on_row(row)
     return rows
+
+
+def null_gains(worlds: list[World], A: torch.Tensor, U: list, E: torch.Tensor, replicates: int, folds: int = 5,
+               jackknife_groups: int = 20) -> dict[str, list[float]]:
+    """The superposition line's effect, its R^2 gain over random_attributes, in each replicate of each world where
+    the claim fails (``holds`` False): {world: [gain per replicate]}."""
+    return {world.name: [measure_world(world, A, U, E, seed, folds, jackknife_groups)[1]["random_attributes"]["value"]
+                         for seed in range(replicates)]
+            for world in worlds if not world.holds}
+
+
+def minimal_effect(gains: dict[str, list[float]], level: float = 0.95) -> float:
+    """The smallest gain that no negative world exceeds in ``level`` of its replicates: the largest over the
+    worlds of each world's ``level`` quantile (the order statistic at ceil(level x replicates), conservative for
+    few replicates), never below 0. The superposition line's ``MIN_EFFECT`` (docs/measures.md, Calibration)."""
+    if not gains or not all(gains.values()):
+        raise ValueError("minimal_effect needs at least one replicate of at least one negative world")
+    quantiles = []
+    for values in gains.values():
+        ordered = sorted(values)
+        quantiles.append(ordered[min(len(ordered), math.ceil(level * len(ordered))) - 1])
+    return max(0.0, max(quantiles))
 
 
 def graded_fractions(grades: dict[str, list[str]], replicates: int) -> dict[str, float]:

@@ -211,6 +211,31 @@ def superposition_rows(report: dict) -> list[list]:
     return rows
 
 
+def superposition_part_rows(report: dict) -> list[list]:
+    """Per layer with the fits of the lexical rule (``graded_layers``): the R^2 of every relation, of the relations
+    not flagged lexical (the claim's), then per relation the gain over random_attributes without its term and its
+    contribution to the gain (every relation's gain - that), beside its lexical overlap. Older reports: none."""
+    superposition = analyses_of(report).superposition
+    overlap = superposition.lexical_overlap or {}
+    rows = []
+    for layer, entry in sorted(superposition.layers.items(), key=lambda kv: int(kv[0])):
+        if int(layer) not in (superposition.graded_layers or []):
+            continue
+        gain = (entry.r2 or {}).get("gain")
+        rows.append([source_name(report), int(layer), "every relation", _with_ci(entry.r2), _with_ci(gain), "-", "-"])
+        if entry.r2_non_lexical:
+            rows.append([source_name(report), int(layer), "not lexical (the claim's): " +
+                         ", ".join(entry.r2_non_lexical.get("relations") or []), _with_ci(entry.r2_non_lexical),
+                         _with_ci(entry.r2_non_lexical.get("gain")), "-", "-"])
+        for relation, part in entry.contributions.items():
+            lex = overlap.get(relation) or {}
+            rows.append([source_name(report), int(layer), f"without {relation}", "-", _with_ci(part.get("gain_without")),
+                         _with_ci(part.get("contribution")),
+                         (f"{'lexical' if lex.get('lexical') else 'no'}: excess cosine {_fmt(lex.get('excess_cosine'), 2)}"
+                          f", first token shared {lex.get('shared_first_token')}/{lex.get('n')}") if lex else "-"])
+    return rows
+
+
 def _train_cells(train: Training) -> list:
     """The controls table's "train acc" and "steps" cells: over the point's seeds (mean, min, how many reached
     100%; fewest-most steps) where the report has them, else the one training's."""
@@ -319,6 +344,13 @@ def summary_tables(reports: list[dict], rows: list[dict]) -> list[tuple[str, lis
                        ["source", "layer", "R^2", "R^2 controls", "mean readout accuracy", "shuffled",
                         "swap success", "swap control", "others unchanged",
                         "swap by edit scale: success (random dir.) / others unchanged"], superposition))
+    parts = [row for report in reports for row in superposition_part_rows(report)]
+    if parts:
+        tables.append(("Superposition R^2 by relation: the claim's fit leaves out the relations flagged lexical "
+                       "(docs/measures.md); a relation's contribution = the gain over random_attributes with every "
+                       "relation - without its term (paired jackknife)",
+                       ["source", "layer", "fit", "R^2", "gain over random_attributes", "contribution to the gain",
+                        "lexical (rule)"], parts))
     transplants = [row for report in reports for row in transplant_rows(report)]
     if transplants:
         tables.append(("MLP gate transplant per relation (test facts, at the block chosen on validation facts; "
