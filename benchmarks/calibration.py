@@ -43,12 +43,13 @@ from llmprobe.analyses.superposition import (  # noqa: E402
     superposition_table,
 )
 from llmprobe.datasets import load_relations  # noqa: E402
-from llmprobe.io import write_json  # noqa: E402
-from llmprobe.jobs.calibration import (  # noqa: E402
+from llmprobe.jobs.calibration import (
     calibrate,
+    finish,
     format_rows,
     minimal_effect,
     null_gains,
+    progress,  # noqa: E402
     superposition_worlds,
 )
 from llmprobe.model.loading import load_model  # noqa: E402
@@ -94,12 +95,8 @@ def main(argv=None) -> list[dict]:
     worlds = [w for snr in args.snr for w in superposition_worlds(snr) if "lexical only" not in w.name]
     worlds += [w for w in superposition_worlds(args.snr[0]) if "lexical only" in w.name]
     rows = calibrate(worlds, A, U, E, args.replicates, args.family, cfg.folds, cfg.jackknife_groups,
-                     on_row=lambda row: print(f"  {row['world']}: done ({time.perf_counter() - t:.0f} s)", flush=True))
-    print(format_rows(rows))
-    print(f"({time.perf_counter() - t:.0f} s)")
-    if args.out:
-        write_json(args.out, rows)
-    return rows
+                     on_row=progress(t))
+    return finish(rows, format_rows(rows), t, args.out)
 
 
 if __name__ == "__main__":

@@ -18,10 +18,10 @@ from __future__ import annotations
 import argparse
 import time
 
-from llmprobe.io import write_json
 from llmprobe.jobs.calibration import (
     calibrate_capacity,
     capacity_worlds,
+    finish,
     format_capacity_rows,
     seed_noise,
     sweep_noise,
@@ -41,10 +41,7 @@ def main(argv=None) -> list[dict]:
         graded = calibrate_capacity(capacity_worlds(), args.replicates, noise, args.n_boot)
         print(format_capacity_rows(graded), flush=True)
         rows += graded
-    print(f"({time.perf_counter() - t:.0f} s)")
-    if args.out:
-        write_json(args.out, rows)
-    return rows
+    return finish(rows, "", t, args.out)
 
 
 if __name__ == "__main__":

@@ -29,8 +29,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from llmprobe.io import write_json  # noqa: E402
-from llmprobe.jobs.calibration import calibrate_causal, causal_worlds, format_causal_rows  # noqa: E402
+from llmprobe.jobs.calibration import calibrate_causal, causal_worlds, finish, format_causal_rows, progress  # noqa: E402
 
 
 def main(argv=None) -> list[dict]:
@@ -50,19 +49,14 @@ def main(argv=None) -> list[dict]:
     t = time.perf_counter()
     print(f"d = {args.d}, {args.facts} known facts, {args.replicates} replicates per world, Bonferroni over "
           f"{args.family} tests", flush=True)
-    def done(row):
-        print(f"  {row['world']}, {row['n']} pairs: done ({time.perf_counter() - t:.0f} s)", flush=True)
+    done = progress(t, lambda row: f"{row['world']}, {row['n']} pairs")
 
     worlds = causal_worlds()
     planted, equal_rates = [w for w in worlds if "equal rates" not in w.name], [w for w in worlds if "equal rates"
                                                                                in w.name]
     rows = calibrate_causal(planted, args.facts, args.d, args.replicates, args.family, on_row=done)
     rows += calibrate_causal(equal_rates, args.facts, args.d, args.equal_rates_replicates, args.family, on_row=done)
-    print(format_causal_rows(rows))
-    print(f"({time.perf_counter() - t:.0f} s)")
-    if args.out:
-        write_json(args.out, rows)
-    return rows
+    return finish(rows, format_causal_rows(rows), t, args.out)
 
 
 if __name__ == "__main__":

@@ -29,11 +29,11 @@ import torch  # noqa: E402
 from llmprobe.analyses.settings import settings_from  # noqa: E402
 from llmprobe.analyses.superposition import attribute_vectors, lexical_states, superposition_table  # noqa: E402
 from llmprobe.datasets import load_relations  # noqa: E402
-from llmprobe.io import write_json  # noqa: E402
-from llmprobe.jobs.calibration import (  # noqa: E402
+from llmprobe.jobs.calibration import (
     DECODABLE_FAMILY,
     calibrate_decodable,
     decodable_worlds,
+    finish,
     format_decodable_rows,
     format_testability_rows,
     readout_testability,
@@ -77,11 +77,7 @@ def main(argv=None) -> dict:
     if sweep:
         print("The readout's testability (relation 0 a random map onto k answers):")
         print(format_testability_rows(sweep))
-    print(format_decodable_rows(rows))
-    print(f"({time.perf_counter() - t:.0f} s)")
-    if args.out:
-        write_json(args.out, {"testability": sweep, "worlds": rows})
-    return {"testability": sweep, "worlds": rows}
+    return finish({"testability": sweep, "worlds": rows}, format_decodable_rows(rows), t, args.out)
 
 
 if __name__ == "__main__":

@@ -25,8 +25,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from llmprobe.analyses.selector import TRANSPLANT_ITEMS  # noqa: E402
-from llmprobe.io import write_json  # noqa: E402
-from llmprobe.jobs.calibration import calibrate_selector, format_selector_rows, selector_worlds  # noqa: E402
+from llmprobe.jobs.calibration import calibrate_selector, finish, format_selector_rows, progress, selector_worlds  # noqa: E402
 
 
 def main(argv=None) -> list[dict]:
@@ -49,13 +48,8 @@ def main(argv=None) -> list[dict]:
           f"Bonferroni over {args.family} tests", flush=True)
     rows = calibrate_selector(selector_worlds(args.N, args.R, args.d, args.steps), args.items, args.replicates,
                               args.family, args.n_boot,
-                              on_row=lambda row: print(f"  {row['world']}: done ({time.perf_counter() - t:.0f} s)",
-                                                       flush=True))
-    print(format_selector_rows(rows))
-    print(f"({time.perf_counter() - t:.0f} s)")
-    if args.out:
-        write_json(args.out, rows)
-    return rows
+                              on_row=progress(t))
+    return finish(rows, format_selector_rows(rows), t, args.out)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ from llmprobe.analyses.settings import AnalysisSettings
 from llmprobe.analyses.splits import generator, relation_split
 from llmprobe.geometry import merge_equal_attributes, superposition_readout
 from llmprobe.geometry.planted import lexical_world, planted_superposition, shuffled_superposition
+from llmprobe.io import write_json
 from llmprobe.metric import proportion
 from llmprobe.report.claims import (
     ALPHA,
@@ -458,6 +460,9 @@ def format_capacity_rows(rows: list[dict]) -> str:
         out.append(f"{r['world']:52s} {r['replicates']:4d}  {holds[r['trainable_holds']]:>15s}: "
                    f"{r['trainable_supported']:5.2f} / {r['trainable_not_shown']:9.2f}  "
                    f"{holds[r['frozen_holds']]:>12s}: {r['frozen_supported']:5.2f} / {r['frozen_not_shown']:9.2f}")
+    return "\n".join(out)
+
+
 # ------------------------------------------------------------------------------------------------ freeze-and-swap
 @dataclass(frozen=True)
 class SwapWorld:
@@ -1037,3 +1042,20 @@ def format_causal_rows(rows: list[dict]) -> str:
                                f"{r[f'{key}_low_power']:4.2f}" for key, w in (("paired", 12), ("mover", 11),
                                                                               ("before", 12))))
     return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------------------------ benchmarks
+def progress(started: float, label=lambda row: row["world"]):
+    """A benchmark's ``on_row``: prints "  <label(row)>: done (<seconds since started> s)" as each row finishes."""
+    return lambda row: print(f"  {label(row)}: done ({time.perf_counter() - started:.0f} s)", flush=True)
+
+
+def finish(rows, table: str, started: float, out: str | None):
+    """The end of a calibration benchmark: its table and seconds printed, its ``rows`` written to ``out`` as JSON
+    (atomically) when given; returns ``rows``."""
+    if table:
+        print(table)
+    print(f"({time.perf_counter() - started:.0f} s)")
+    if out:
+        write_json(out, rows)
+    return rows
