@@ -98,7 +98,7 @@ def test_the_selectors_matched_keep_rate_is_read_over_seeds(same, flips):
     assert old["metric"]["interval"] == "wilson" and old["metric"]["n"] == 80 and "seed_words" not in old
 
 
-@pytest.mark.parametrize("values", [[0.240, 0.265, 0.201], [0.1, 0.9], [0.5, 0.5, 0.5], [1.0, 0.2, 0.3, 0.95]])
+@pytest.mark.parametrize("values", [[0.240, 0.265, 0.201], [0.1, 0.9], [0.5, 0.5, 0.51], [1.0, 0.2, 0.3, 0.95]])
 def test_the_interval_over_seeds_covers_every_seed(values):
     """With 2 to 4 seeds the Student-t interval of the mean reaches past every seed's value (t_{n-1} >= n - 1);
     cut to (0, 1) it stays a rate's interval."""
@@ -108,3 +108,11 @@ def test_the_interval_over_seeds_covers_every_seed(values):
     cut = t_over_seeds(values, (0, 1))
     assert 0 <= cut.ci[0] <= min(values) and max(values) <= cut.ci[1] <= 1
     assert t_over_seeds([0.3, None]).ci == (None, None) and t_over_seeds([None]).n == 0
+
+
+def test_seeds_that_all_give_one_value_claim_no_interval():
+    """Three seeds reading 1.0 each: their spread is 0, which says nothing of another seed, so no interval is
+    claimed (a zero-width one would read as certainty), and a comparison beside it reads "as much as"."""
+    for values in ([1.0, 1.0, 1.0], [0.5, 0.5]):
+        m = t_over_seeds(values, (0, 1))
+        assert m.value == values[0] and m.ci == (None, None) and m.n == len(values) and m.spread["sd"] == 0

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from statistics import NormalDist
 
 from llmprobe.analyses.results import MatchedBlock, MatchedSource, SuperpositionLayer, metric_nulls
-from llmprobe.metric import LEVEL, Metric, t_quantile, wilson
+from llmprobe.metric import LEVEL, Metric, t_over_seeds, wilson
 from llmprobe.report.schema import analyses_of, matched_sources_of, model_of, source_name
 
 CLAIMS = ("attributes linearly decodable", "LRE edits causal", "subject states a superposition of attribute vectors",
@@ -622,7 +622,8 @@ def _random_maps_beside(report: dict, d_star: int) -> tuple[dict | None, str]:
             "as many dimensions as")
     name = (f"random maps of its shape (the sweep's general-map cell, attribute counts "
             f"{', '.join(map(str, cell['attributes']))}, {len(ds)} seeds: d* {', '.join(map(str, ds))}, exact)")
-    metric = {"value": sum(ds) / len(ds), "ci": [min(ds), max(ds)], "n": len(ds), "interval": "range over seeds"}
+    # the seeds' d* themselves (named in the comparison), not an estimate with an interval
+    metric = {"value": sum(ds) / len(ds), "ci": None, "n": len(ds), "interval": None, "values": list(ds)}
     comparison = {"name": name, "metric": metric, "word": word,
                   "difference": {"value": d_star - metric["value"], "ci": [d_star - max(ds), d_star - min(ds)],
                                  "interval": "against the range over seeds"}}
@@ -929,13 +930,9 @@ SWAP_RESULT = {
 
 
 def _over_seeds(values: list[float]) -> dict:
-    """Mean over seeds with its 95% Student-t interval (JSON form of a Metric; no interval from one seed)."""
-    n = len(values)
-    mean = sum(values) / n
-    if n < 2:
-        return {"value": mean, "ci": None, "n": n, "interval": "t over seeds"}
-    half = t_quantile(LEVEL, n - 1) * math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
-    return {"value": mean, "ci": [mean - half, mean + half], "n": n, "interval": "t over seeds"}
+    """Mean over seeds with its 95% Student-t interval (JSON form of :func:`llmprobe.metric.t_over_seeds`: no
+    interval from one seed, nor where every seed gives the same value)."""
+    return t_over_seeds(values).to_dict()
 
 
 def swap_test(seeds: list[dict]) -> dict | None:
