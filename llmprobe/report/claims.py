@@ -663,20 +663,15 @@ def capacity_line(report: dict) -> dict:
     fit = trainable["fits"]["R log2 N"]
     power_of_n = trainable["against"]["R sqrt N"]
     frozen_control = next((s for s in matched_sources_of(report) if s.model.frozen_subjects), MatchedSource())
-    notes = [
-        f"graded from the capacity sweep ({trainable['n_points']} trainable and {frozen['n_points']} frozen exact "
-        f"thresholds of R random bijections, N 256-4096, R 2-16, {CAPACITY_SWEEP['max_steps']}-step cap; "
-        f"{CAPACITY_SWEEP['cite']}, {scaling['date']}); one table cannot test a scaling law",
-        f"trainable {trainable['verdict']}: d* = {fit['intercept']:.2f} + {fit['slope']:.3f} R log2 N "
-        f"(slope {_ci_text(fit['slope_ci'], '.3f')}, R^2 {fit['r2']:.3f}); R^2 over "
-        + ", ".join(f"{m} ({trainable['fits'][m]['r2']:.3f}): {trainable['against'][m]['value']:+.3f} "
-                    f"{_ci_text(trainable['against'][m]['ci'], '+.3f')}" for m in MEMORY_FEATURES),
-        f"R log2 N against R sqrt N (R^2 {trainable['fits']['R sqrt N']['r2']:.3f}): {power_of_n['value']:+.3f} "
-        f"{_ci_text(power_of_n['ci'], '+.3f')}" + (": log N against a power of N is not testable here"
-                                                    if power_of_n["ci"][0] <= 0 <= power_of_n["ci"][1] else ""),
-        f"frozen {frozen['verdict']}: R sqrt N over R log2 N {frozen['growth']['value']:+.3f} "
-        f"{_ci_text(frozen['growth']['ci'], '+.3f')} in R^2, frozen / trainable d* {frozen['ratio']['value']:.2f} "
-        f"{_ci_text(frozen['ratio']['ci'], '.2f')} (stated factor {FROZEN_FACTOR:g})",
+    notes = [       # the fits' intervals and comparisons in full: the line's ``scaling``
+        f"graded from the capacity sweep's {trainable['n_points']} trainable and {frozen['n_points']} frozen exact "
+        f"thresholds ({CAPACITY_SWEEP['cite']}, {scaling['date']}); one table cannot test a scaling law",
+        f"trainable {trainable['verdict']}: d* = {fit['intercept']:.2f} + {fit['slope']:.3f} R log2 N (R^2 "
+        f"{fit['r2']:.3f}; " + ", ".join(f"{m} {trainable['fits'][m]['r2']:.3f}" for m in MEMORY_FEATURES) + ")"
+        + (f", R log2 N and R sqrt N alike (R^2 {trainable['fits']['R sqrt N']['r2']:.3f}): log N against a power "
+           "of N not testable here" if power_of_n["ci"][0] <= 0 <= power_of_n["ci"][1] else ""),
+        f"frozen {frozen['verdict']}: frozen / trainable d* {frozen['ratio']['value']:.2f} "
+        f"{_ci_text(frozen['ratio']['ci'], '.2f')}, stated factor {FROZEN_FACTOR:g}",
         f"this table: {beside}" + (f"; frozen d* {frozen_control.threshold.d_star} = "
                                    f"{frozen_control.threshold.d_star / threshold.d_star:.1f}x (one table, not graded)"
                                    if frozen_control.threshold.d_star else "")]

@@ -423,7 +423,7 @@ def summary_rows(reports: list[dict]) -> list[list]:
 
 # the summary table's measure cell: a short name per claim (the full measure is the cell's title and a numbered
 # note below the table), so that the table fits a 1200 px window
-MEASURE_LABELS = {DECODABLE: "readout accuracy (cross-fitted)", CAUSAL: "LRE causality",
+MEASURE_LABELS = {DECODABLE: "LRE faithfulness or readout accuracy", CAUSAL: "LRE causality",
                   SUPERPOSITION: "held-out R^2 of the sum", SERVES: "crosspatch success rate",
                   SELECTOR: "facts a gate transplant breaks", MULTIHOP: "chain-of-thought accuracy",
                   CAPACITY: "bits per trainable parameter"}
