@@ -678,13 +678,8 @@ def superposition_readout(H: Any, A: Any, U: Sequence[Any], *, nulls: dict | Non
     alphas per fold are reported as "alpha_per_fold". readouts=False: the R^2 alone (every readout and chance
     rate None), about half the time.
     """
-    H = as_float(H, "H", 2)
-    U = _check_attrs(U)
-    A = _check_table(A, U)
-    check_rows("H", H, "A", A)
+    H, A, U, names = _checked_inputs(H, A, U, relation_names, jackknife_groups, rank)
     n, R = A.shape
-    names = _relation_names(relation_names, R)
-    _check_jackknife(jackknife_groups, rank)
     A, U, maps = merge_equal_attributes(A, U)
     merged = _merged_attributes(names, maps)
     readout_kw = {"alpha": alpha if readout_alpha is None else readout_alpha, "metric": metric}
@@ -710,6 +705,18 @@ def superposition_readout(H: Any, A: Any, U: Sequence[Any], *, nulls: dict | Non
     return report
 
 
+def _checked_inputs(H: Any, A: Any, U: Sequence[Any], relation_names, jackknife_groups: int, rank) -> tuple:
+    """(H [n, d] float, A [n, R], U, relation names) of a superposition fit, each checked (ValueError naming the
+    argument), and the jackknife setting checked against ``rank``."""
+    H = as_float(H, "H", 2)
+    U = _check_attrs(U)
+    A = _check_table(A, U)
+    check_rows("H", H, "A", A)
+    names = _relation_names(relation_names, A.shape[1])
+    _check_jackknife(jackknife_groups, rank)
+    return H, A, U, names
+
+
 def relation_contributions(H: Any, A: Any, U: Sequence[Any], alphas: dict[str, list], *, k: int = 5, seed: int = 0,
                            jackknife_groups: int = JACKKNIFE_GROUPS, level: float = 0.95,
                            relation_names: Sequence[str] | None = None) -> dict[str, dict]:
@@ -720,13 +727,8 @@ def relation_contributions(H: Any, A: Any, U: Sequence[Any], alphas: dict[str, l
     jackknife refits), and ``contribution`` = the gain with every term - ``gain_without``, both recomputed the
     same way; each with its jackknife interval over the same groups (the same folds and groups pair them).
     ~0.2 s a relation at n = 193."""
-    H = as_float(H, "H", 2)
-    U = _check_attrs(U)
-    A = _check_table(A, U)
-    check_rows("H", H, "A", A)
+    H, A, U, names = _checked_inputs(H, A, U, relation_names, jackknife_groups, None)
     n, R = A.shape
-    names = _relation_names(relation_names, R)
-    _check_jackknife(jackknife_groups, None)
     A, U, _ = merge_equal_attributes(A, U)
     fold = _fold_labels(kfold_indices(n, k, seed), n)
     groups = _jackknife_groups(n, jackknife_groups, seed) if jackknife_groups else None
