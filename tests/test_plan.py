@@ -289,3 +289,20 @@ def test_the_plan_says_when_this_cpu_is_busy(tiny, monkeypatch):
     monkeypatch.setattr(os, "getloadavg", lambda: (3.0 * cores, 0.0, 0.0))
     line = format_plan(planned).splitlines()[-1]
     assert f"load {3.0 * cores:.1f} over the last minute on {cores} cores" in line and "~4.0x" in line
+
+
+def test_the_controls_are_priced_at_the_training_rule_set():
+    """``matched.past_fit`` and ``matched.max_steps`` move the planned steps of every curve point (each seed: its
+    measured first 100% step + past_fit, capped at max_steps; a point that reached the cap stays there), so the
+    weight-decay recipe's whole 1000-step schedule is priced as 1000 steps a seed, not as the default's ~100 past
+    the fit; the default rule gives the measured steps."""
+    default = plan_module.matched_curve("trainable", 576)
+    assert default == plan_module.matched_curve("trainable", 576, past_fit=100, max_steps=2000)
+    schedule = plan_module.matched_curve("trainable", 576, past_fit=1000, max_steps=1000)
+    assert [d for d, _ in schedule] == [d for d, _ in default]
+    assert all(steps == 1000 * 3 for _, steps in schedule)
+    assert all(steps >= before for (_, steps), (_, before) in zip(plan_module.matched_curve(
+        "trainable", 576, past_fit=300), default))
+    seconds = {past: plan(TARGETS[0], from_options("run", None, {"matched_options": {"past_fit": past}}),
+                          rate=REFERENCE_RATE)["total"]["matched_seconds"] for past in (100, 1000)}
+    assert seconds[1000] > 2 * seconds[100]

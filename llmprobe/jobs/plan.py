@@ -56,7 +56,7 @@ from llmprobe.model.loading import (
 )
 from llmprobe.names import ANALYSES
 from llmprobe.settings import Settings
-from synthetic.matched import curve_widths
+from synthetic.matched import MAX_STEPS, PAST_FIT, curve_widths
 
 # ------------------------------------------------------------------------------------------------ predict
 # The fitted, measured and assumed numbers below come from cost_model.toml, each with its machine (or "assumed"),
@@ -128,12 +128,17 @@ def matched_step_flops(d: int, n_facts: int, width_fits: dict = CPU_FITS) -> flo
     return 6.0 * matched_params(d, width_fits) * n_facts
 
 
-def matched_curve(mode: str, d_model: int, at_model_width: bool = True, n_seeds: int = 3) -> list[tuple[int, float]]:
+def matched_curve(mode: str, d_model: int, at_model_width: bool = True, n_seeds: int = 3, past_fit: int = PAST_FIT,
+                  max_steps: int = MAX_STEPS) -> list[tuple[int, float]]:
     """(width, training steps of all its seeds) of every point of ``mode``'s curve as planned: the widths of
     ``synthetic.matched.curve_widths`` from the measured d*, each seed's steps as measured on the default table
-    (``CONTROL_POINT_STEPS``, else ``CONTROL_STEPS``)."""
-    return [(d, CONTROL_POINT_STEPS[mode].get(d, CONTROL_STEPS) * n_seeds)
-            for d in curve_widths(MATCHED_D_STAR[mode], d_model, at_model_width)]
+    (``CONTROL_POINT_STEPS``, else ``CONTROL_STEPS``: ``PAST_FIT`` steps past its first 100% step), moved to
+    ``past_fit`` steps past that step and capped at ``max_steps`` (a point that reached the cap stays at the cap).
+    The first 100% step is the measured one: another recipe fits at another step, which the plan cannot know."""
+    def steps(d: int) -> int:
+        measured = CONTROL_POINT_STEPS[mode].get(d, CONTROL_STEPS)
+        return max_steps if measured >= MAX_STEPS else min(max_steps, measured - PAST_FIT + past_fit)
+    return [(d, steps(d) * n_seeds) for d in curve_widths(MATCHED_D_STAR[mode], d_model, at_model_width)]
 
 
 def analyses_budget(threads: int, workers: int) -> tuple[int, int]:
@@ -181,7 +186,8 @@ def predict(shape: Shape, work: dict, model_cost, width_fits: dict, load_s: floa
     per_mode = {}
     for mode in (m for m in work.get("matched_modes", MATCHED_D_STAR) if m in MATCHED_D_STAR):
         seconds = search_s * MATCHED_SEARCH_S[mode] / sum(MATCHED_SEARCH_S.values())
-        for width, steps in matched_curve(mode, shape.d, work.get("at_model_width", True), work.get("n_seeds", 3)):
+        for width, steps in matched_curve(mode, shape.d, work.get("at_model_width", True), work.get("n_seeds", 3),
+                                          work.get("past_fit", PAST_FIT), work.get("max_steps", MAX_STEPS)):
             flops = matched_step_flops(width, work["n_facts_table"], width_fits)
             seconds += (width_cost("matched_step", flops, steps) if matched_step is None else
                         steps * matched_step(flops))
@@ -297,7 +303,8 @@ def settings_workload(settings: Settings, n_layers: int) -> tuple[dict, Analysis
     analyses = settings.analyses("run")
     modes = tuple(settings.matched.modes) if settings.matched.enabled else ()
     key = json.dumps([run.relations, run.hf_kwargs, run.max_facts, run.layers, n_layers, asdict(cfg), analyses, modes,
-                      settings.matched.at_model_width, settings.matched.n_seeds], default=str)
+                      settings.matched.at_model_width, settings.matched.n_seeds, settings.matched.past_fit,
+                      settings.matched.max_steps], default=str)
     if key not in _WORKLOADS:
         # read as the run reads them: only up to max_facts (a long .jsonl or .csv file is not read whole)
         relations = load_relations(None if run.relations is None else list(run.relations), hf_kwargs=run.hf_kwargs,
@@ -306,6 +313,7 @@ def settings_workload(settings: Settings, n_layers: int) -> tuple[dict, Analysis
         work = run_workload(smollm2_tokenizer(), n_layers, known, cfg, relations, run.layers, analyses, modes,
                             settings.matched.at_model_width)
         work["n_seeds"] = settings.matched.n_seeds
+        work["past_fit"], work["max_steps"] = settings.matched.past_fit, settings.matched.max_steps
         assumed = {"relations": len(relations), "facts": sum(len(r.facts) for r in relations),
                    "known": sum(known.values()), "layers": work["layers"], "lre_layers": work["lre_layers"],
                    "analyses": analyses, "matched_modes": work["matched_modes"]}
