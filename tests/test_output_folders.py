@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
-from tiny_models import save_tiny
+from tiny_models import save_tiny, write_capital_relation
 
 import llmprobe.commands
 from llmprobe.cli import main
@@ -25,12 +25,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def relation(tmp_path_factory):
-    path = tmp_path_factory.mktemp("relation") / "capital.json"
-    path.write_text(json.dumps({"name": "capital", "templates": ["The capital of {} is"], "neutral_templates": ["{}"],
-                                "facts": [{"subject": s, "object": ["Paris", "Tokyo", "Rome"][i % 3]} for i, s in
-                                          enumerate(["Kalomi", "Neruta", "Vozika", "Mitalo", "Rukane", "Tazimo",
-                                                     "Lavoni", "Suketa", "Pamiro", "Zunela"])]}))
-    return str(path)
+    return write_capital_relation(tmp_path_factory.mktemp("relation") / "capital.json")
 
 
 def _cli(capsys, *args) -> tuple[int, str]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import save_tiny
+from tiny_models import save_tiny, write_capital_relation
 
 from llmprobe.analyses.saved import load_decoder
 from llmprobe.checks import UsageError
@@ -543,12 +543,7 @@ def test_deeply_nested_relation_files_name_the_file(tmp_path, suffix):
 
 # ------------------------------------------------------------------------ issue 23, rows 1-5, 11-13
 def _ten_facts(tmp_path) -> str:
-    path = tmp_path / "capital10.json"
-    subjects = ["Kalomi", "Neruta", "Vozika", "Mitalo", "Rukane", "Tazimo", "Lavoni", "Suketa", "Pamiro", "Zunela"]
-    path.write_text(json.dumps({"name": "capital", "templates": ["The capital of {} is"], "neutral_templates": ["{}"],
-                                "facts": [{"subject": s, "object": ["Paris", "Tokyo", "Rome"][i % 3]}
-                                          for i, s in enumerate(subjects)]}))
-    return str(path)
+    return write_capital_relation(tmp_path / "capital10.json")
 
 
 def test_a_folder_of_another_models_run_is_refused_cleared_when_asked_and_decoders_must_match(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from test_output_folders import _cli, _digests
-from tiny_models import save_tiny
+from tiny_models import save_tiny, write_capital_relation
 
 from llmprobe.checks import UsageError
 from llmprobe.jobs.main import run
@@ -32,12 +32,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def relation(tmp_path_factory):
-    path = tmp_path_factory.mktemp("relation") / "capital.json"
-    path.write_text(json.dumps({"name": "capital", "templates": ["The capital of {} is"], "neutral_templates": ["{}"],
-                                "facts": [{"subject": s, "object": ["Paris", "Tokyo", "Rome"][i % 3]} for i, s in
-                                          enumerate(["Kalomi", "Neruta", "Vozika", "Mitalo", "Rukane", "Tazimo",
-                                                     "Lavoni", "Suketa", "Pamiro", "Zunela"])]}))
-    return str(path)
+    return write_capital_relation(tmp_path_factory.mktemp("relation") / "capital.json")
 
 
 def _run_folder(folder: Path, name: str, listed: bool = True) -> Path:

@@ -5,6 +5,7 @@ Each is saved to a folder with ``save_pretrained`` so tests go through the real 
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
 import torch
@@ -31,6 +32,17 @@ CONFIGS = {
                                               n_positions=128),
 }
 FAMILIES = list(CONFIGS)
+# ten made-up subjects, none in the tokenizer's corpus: facts no tiny model can know from its training
+SUBJECTS10 = ["Kalomi", "Neruta", "Vozika", "Mitalo", "Rukane", "Tazimo", "Lavoni", "Suketa", "Pamiro", "Zunela"]
+
+
+def write_capital_relation(path: Path) -> str:
+    """A relation file at ``path``: "capital" over :data:`SUBJECTS10`, objects Paris, Tokyo, Rome in turn, one
+    template and a neutral one; returns its path as a string."""
+    path.write_text(json.dumps({"name": "capital", "templates": ["The capital of {} is"], "neutral_templates": ["{}"],
+                                "facts": [{"subject": s, "object": ["Paris", "Tokyo", "Rome"][i % 3]}
+                                          for i, s in enumerate(SUBJECTS10)]}))
+    return str(path)
 
 CORPUS = [
     "The capital of France is Paris. The capital of Japan is Tokyo. The capital of Brazil is Brasilia.",
