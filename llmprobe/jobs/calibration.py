@@ -52,10 +52,10 @@ from llmprobe.report.claims import (
     SUPERPOSITION,
     _causality_tests,
     _informative,
-    _line_fit,
     capacity_scaling,
     claim_test,
     difference,
+    line_fit,
     p_above,
     power,
     selector_test,
@@ -410,7 +410,7 @@ def sweep_noise(sweep: dict = CAPACITY_SWEEP) -> float:
     on R log2 N (the law's misfit included; :func:`seed_noise` is the seeds' part alone)."""
     points = [(n, r, d) for (n, r), ds in sweep["trainable"].items() for d in ds]
     ys = [d for *_, d in points]
-    a, b, _ = _line_fit([SCALING_FEATURES["R log2 N"](n, r) for n, r, _ in points], ys)
+    a, b, _ = line_fit([SCALING_FEATURES["R log2 N"](n, r) for n, r, _ in points], ys)
     residuals = [d - a - b * SCALING_FEATURES["R log2 N"](n, r) for n, r, d in points]
     return math.sqrt(sum(e * e for e in residuals) / (len(points) - 2))
 

@@ -521,16 +521,19 @@ def _multihop_tests(report: dict) -> list[dict]:
     return [t for t in tests if t]
 
 
-def _line_fit(xs: list[float], ys: list[float]) -> tuple[float, float, float] | None:
-    """(intercept, slope, R^2) of the least-squares line ys = a + b xs; None when xs or ys are constant."""
+def line_fit(xs: list[float], ys: list[float]) -> tuple[float, float, float | None] | None:
+    """(intercept, slope, R^2) of the least-squares line ys = a + b xs; None when xs do not vary (or are none), R^2
+    None when ys do not vary."""
     n = len(xs)
+    if not n:
+        return None
     mx, my = sum(xs) / n, sum(ys) / n
     sxx = sum((x - mx) ** 2 for x in xs)
-    syy = sum((y - my) ** 2 for y in ys)
-    if not sxx > 0 or not syy > 0:
+    if not sxx > 0:
         return None
+    syy = sum((y - my) ** 2 for y in ys)
     sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
-    return my - sxy / sxx * mx, sxy / sxx, sxy * sxy / (sxx * syy)
+    return my - sxy / sxx * mx, sxy / sxx, sxy * sxy / (sxx * syy) if syy > 0 else None
 
 
 def _percentiles(values: list[float]) -> list[float]:
@@ -546,9 +549,9 @@ def _cell_statistics(sweep: dict, cells: list[tuple[int, int]]) -> dict | None:
     out = {}
     for mode in ("trainable", "frozen"):
         points = [(n, r, d) for n, r in cells for d in sweep[mode].get((n, r), ())]
-        fits = {name: _line_fit([x(n, r) for n, r, _ in points], [d for *_, d in points]) if points else None
+        fits = {name: line_fit([x(n, r) for n, r, _ in points], [d for *_, d in points])
                 for name, x in SCALING_FEATURES.items()}
-        if None in fits.values():
+        if any(fit is None or fit[2] is None for fit in fits.values()):
             return None
         out[mode] = fits
     ratios = [math.log(f / t) for cell in cells
@@ -1008,11 +1011,9 @@ N_BOOT_WIDTH = 2000
 
 
 def _slope(points: list[tuple[float, float]]) -> float | None:
-    """Least-squares slope of y on x over (x, y) points; None when x does not vary."""
-    if len({x for x, _ in points}) < 2:
-        return None
-    mx, my = sum(x for x, _ in points) / len(points), sum(y for _, y in points) / len(points)
-    return sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    """Least-squares slope of y on x over (x, y) points (:func:`line_fit`); None when x does not vary."""
+    fit = line_fit([x for x, _ in points], [y for _, y in points])
+    return fit[1] if fit else None
 
 
 def hop_growth(cells: dict[int, dict[int, tuple]]) -> float | None:
