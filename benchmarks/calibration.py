@@ -35,14 +35,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from llmprobe.analyses.settings import settings_from  # noqa: E402
 from llmprobe.analyses.superposition import (  # noqa: E402
-    attribute_vectors,
     lexical_overlap,
-    lexical_states,
-    superposition_table,
 )
-from llmprobe.datasets import load_relations  # noqa: E402
 from llmprobe.jobs.calibration import (
     calibrate,
     finish,
@@ -50,9 +45,9 @@ from llmprobe.jobs.calibration import (
     minimal_effect,
     null_gains,
     progress,  # noqa: E402
+    smollm2_table,
     superposition_worlds,
 )
-from llmprobe.model.loading import load_model  # noqa: E402
 from llmprobe.report.claims import MIN_EFFECT, SUPERPOSITION  # noqa: E402
 
 
@@ -69,11 +64,7 @@ def main(argv=None) -> list[dict]:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     t = time.perf_counter()
-    lm = load_model(device="cpu")
-    cfg = settings_from()
-    table = superposition_table(lm.tokenizer, load_relations(None), {}, cfg)
-    U, _ = attribute_vectors(lm, table.attributes, cfg.attribute_vectors)
-    E = lexical_states(lm, table.subjects)
+    lm, cfg, table, U, E = smollm2_table()
     A = table.A
     if args.minimal_effect:
         overlap = lexical_overlap(lm, table, U, E, cfg.seed)

@@ -26,9 +26,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from llmprobe.analyses.settings import settings_from  # noqa: E402
-from llmprobe.analyses.superposition import attribute_vectors, lexical_states, superposition_table  # noqa: E402
-from llmprobe.datasets import load_relations  # noqa: E402
 from llmprobe.jobs.calibration import (
     DECODABLE_FAMILY,
     calibrate_decodable,
@@ -36,9 +33,10 @@ from llmprobe.jobs.calibration import (
     finish,
     format_decodable_rows,
     format_testability_rows,
+    progress,
     readout_testability,
+    smollm2_table,
 )
-from llmprobe.model.loading import load_model  # noqa: E402
 
 
 def main(argv=None) -> dict:
@@ -55,17 +53,12 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     t = time.perf_counter()
-    lm = load_model(device="cpu")
-    cfg = settings_from()
-    table = superposition_table(lm.tokenizer, load_relations(None), {}, cfg)
-    U, _ = attribute_vectors(lm, table.attributes, cfg.attribute_vectors)
-    U = [u.double() for u in U]
-    E = lexical_states(lm, table.subjects).double()
+    lm, cfg, table, U, E = smollm2_table()
+    U, E = [u.double() for u in U], E.double()
     names = list(table.names)
     print(f"{lm.info.get('name')}: {len(table.subjects)} subjects x {len(names)} relations ({', '.join(names)}), "
           f"d = {E.shape[1]}; {args.replicates} replicates, Bonferroni over {args.family} tests", flush=True)
-    done = lambda row: print(f"  {row.get('world', row.get('answers'))} {row.get('relation', '')}: done "  # noqa: E731
-                             f"({time.perf_counter() - t:.0f} s)", flush=True)
+    done = progress(t, lambda row: f"{row.get('world', row.get('answers'))} {row.get('relation', '')}")
     sweep = [row for snr in args.snr for row in readout_testability(
         table.A, U, E, names, [k for k in args.answers if k], snr, max(2, args.replicates // 2), args.family,
         cfg.folds, cfg.jackknife_groups, on_row=done)] if any(args.answers) else []

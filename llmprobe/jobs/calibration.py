@@ -31,12 +31,15 @@ import torch
 from llmprobe.analyses.decoders import EDITS, SVD, causality_metric, lre_causality
 from llmprobe.analyses.selector import PromptSet, redirect_metrics, redirect_transplant, transplant_metrics
 from llmprobe.analyses.selector import gate_transplant as run_transplant
-from llmprobe.analyses.settings import AnalysisSettings
+from llmprobe.analyses.settings import AnalysisSettings, settings_from
 from llmprobe.analyses.splits import generator, relation_split
+from llmprobe.analyses.superposition import attribute_vectors, lexical_states, superposition_table
+from llmprobe.datasets import load_relations
 from llmprobe.geometry import merge_equal_attributes, superposition_readout
 from llmprobe.geometry.planted import lexical_world, planted_superposition, shuffled_superposition
 from llmprobe.io import write_json
 from llmprobe.metric import proportion
+from llmprobe.model.loading import load_model
 from llmprobe.report.claims import (
     ALPHA,
     CAPACITY_SWEEP,
@@ -1045,6 +1048,17 @@ def format_causal_rows(rows: list[dict]) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ benchmarks
+def smollm2_table() -> tuple:
+    """The shapes the superposition and decodable calibrations plant into: (the embedded SmolLM2 on the CPU, the
+    default analysis settings, its superposition table of the bundled relations (every fact), the u vectors of
+    the table's attributes [per relation: attributes x d], the subjects' static token embeddings E [n, d])."""
+    lm = load_model(device="cpu")
+    cfg = settings_from()
+    table = superposition_table(lm.tokenizer, load_relations(None), {}, cfg)
+    U, _ = attribute_vectors(lm, table.attributes, cfg.attribute_vectors)
+    return lm, cfg, table, U, lexical_states(lm, table.subjects)
+
+
 def progress(started: float, label=lambda row: row["world"]):
     """A benchmark's ``on_row``: prints "  <label(row)>: done (<seconds since started> s)" as each row finishes."""
     return lambda row: print(f"  {label(row)}: done ({time.perf_counter() - started:.0f} s)", flush=True)
