@@ -272,9 +272,7 @@ def superposition(lm, table: SuperpositionTable, layers: list[int], swap_layers:
         rep = superposition_readout(H[layer], A, U, nulls=nulls, relation_names=names, k=cfg.folds,
                                     seed=cfg.seed, n_boot=cfg.n_boot, decode=False,
                                     jackknife_groups=cfg.jackknife_groups)
-        r2 = rep.measure("r2", primary="random_attributes").to_dict()
-        r2["margins"] = {c: m["r2"].to_dict() for c, m in rep.margins.items()}
-        r2["gain"] = r2["margins"]["random_attributes"]
+        r2 = r2_entry(rep)
         readout = {}
         for nm in names:
             m = rep.measure("readout_acc", nm, primary="random_attributes")
@@ -298,6 +296,16 @@ def superposition(lm, table: SuperpositionTable, layers: list[int], swap_layers:
     return out
 
 
+def r2_entry(rep) -> dict:
+    """The R^2 of a :func:`llmprobe.geometry.superposition_readout` report as the analysis records it: the metric
+    (primary null random_attributes), its paired ``margins`` over every null, and ``gain`` (the one over
+    random_attributes)."""
+    r2 = rep.measure("r2", primary="random_attributes").to_dict()
+    r2["margins"] = {c: m["r2"].to_dict() for c, m in rep.margins.items()}
+    r2["gain"] = r2["margins"]["random_attributes"]
+    return r2
+
+
 def relation_parts(H: torch.Tensor, A: torch.Tensor, U: list[torch.Tensor], nulls: dict, names: list[str],
                    lexical: list[str], rep, cfg: AnalysisSettings) -> dict:
     """At one layer (H [n, d], the table A [n, R], U, the readout's ``nulls`` and its report ``rep``):
@@ -319,11 +327,7 @@ def relation_parts(H: torch.Tensor, A: torch.Tensor, U: list[torch.Tensor], null
                    for name, ctrl in nulls.items()}
             part = superposition_readout(H, A[:, keep], [U[r] for r in keep], nulls=sub,
                                          relation_names=[names[r] for r in keep], **fit)
-            r2 = part.measure("r2", primary="random_attributes").to_dict()
-            r2["margins"] = {c: m["r2"].to_dict() for c, m in part.margins.items()}
-            r2["gain"] = r2["margins"]["random_attributes"]
-            r2["relations"] = [names[r] for r in keep]
-            out["r2_non_lexical"] = r2
+            out["r2_non_lexical"] = {**r2_entry(part), "relations": [names[r] for r in keep]}
     contributions = relation_contributions(
         H, A, U, {c: rep.conditions[c]["alpha_per_fold"] for c in ("real", "random_attributes")}, k=cfg.folds,
         seed=cfg.seed, jackknife_groups=cfg.jackknife_groups, relation_names=names)
@@ -443,7 +447,8 @@ def superposition_workload(tok, relations: list, known: dict, layers: list[int],
 
 
 def _superposition(job) -> dict:
-    # the claim's R^2 is graded at the layer the LRE decoders chose (one of the LRE layers), at every layer without
+    # the claim's R^2 is graded at the layer the LRE decoders chose (one of the LRE layers); at every layer when
+    # the decoders do not run
     return superposition(job.lm, superposition_table(job.lm.tokenizer, job.relations, job.known, job.cfg),
                          job.layers, job.swap_layers, job.cfg, job.log,
                          graded_layers=job.lre_layers if job.do_lre else job.layers)
