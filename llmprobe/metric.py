@@ -122,18 +122,22 @@ def nan_metric(interval: str = "none", note: str | None = None) -> Metric:
     return Metric(float("nan"), (float("nan"), float("nan")), 0, interval, note=note)
 
 
+SPREAD_TOLERANCE = 1e-12   # an sd of values at or below this is no spread: equal values up to float rounding
+
+
 def t_over_seeds(values: Sequence[float | None], bounds: tuple[float, float] | None = None,
                  level: float = LEVEL) -> Metric:
     """The mean of ``values`` (one per seed; None or NaN = that seed has none, left out) with its Student-t
     interval (``n`` = seeds; cut to ``bounds`` where given, e.g. (0, 1) for a rate), the values and their sd in
     ``spread``; a NaN metric when no seed has one. Unbounded (no interval claimed) with one seed, and where every
-    seed gives the same value: their spread is then 0 and says nothing of how far another seed could land."""
+    seed gives the same value (sd at most ``SPREAD_TOLERANCE``: the same up to float rounding): their spread is then
+    0 and says nothing of how far another seed could land."""
     kept = [float(v) for v in values if v is not None and math.isfinite(float(v))]
     if not kept:
         return nan_metric("t over seeds")
     n, mean = len(kept), sum(kept) / len(kept)
     sd = math.sqrt(sum((v - mean) ** 2 for v in kept) / (n - 1)) if n > 1 else 0.0
-    half = t_quantile(level, n - 1) * sd / math.sqrt(n) if n > 1 and sd > 0 else None
+    half = t_quantile(level, n - 1) * sd / math.sqrt(n) if n > 1 and sd > SPREAD_TOLERANCE else None
     lo, hi = (None, None) if half is None else (mean - half, mean + half)
     if bounds is not None and half is not None:
         lo, hi = max(lo, bounds[0]), min(hi, bounds[1])

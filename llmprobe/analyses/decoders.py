@@ -45,7 +45,7 @@ from llmprobe.analyses.splits import (
     trial_split,
 )
 from llmprobe.geometry import LinearRelationDecoder, RidgeDecoder, random_direction_like, random_spectrum_factors
-from llmprobe.metric import Metric, proportion, t_quantile
+from llmprobe.metric import Metric, proportion, t_over_seeds
 from llmprobe.model.chat import chat_split
 from llmprobe.model.engine import (
     edited_predictions,
@@ -218,15 +218,12 @@ def paired_t(a: list[float], b: list[float]) -> Metric:
     [-1, 1], "paired t (widened)". Not the percentile bootstrap: at the 3-8 test pairs of a relation it is too
     narrow (docs/measures.md, Calibration)."""
     diffs = [x - y for x, y in zip(a, b)]
-    n = len(diffs)
-    if n == 0:
+    if not diffs:
         return Metric(float("nan"), (float("nan"), float("nan")), 0, "paired t")
-    value = sum(diffs) / n
-    sd = (sum((x - value) ** 2 for x in diffs) / (n - 1)) ** 0.5 if n > 1 else 0.0
-    if sd <= 1e-12:
-        return Metric(value, (-1.0, 1.0), n, "paired t (widened)")
-    half = t_quantile(0.95, n - 1) * sd / n ** 0.5
-    return Metric(value, (max(-1.0, value - half), min(1.0, value + half)), n, "paired t")
+    over = t_over_seeds(diffs, (-1.0, 1.0))     # the Student-t interval of the items' differences
+    if over.ci[0] is None:                      # one item, or every item the same difference
+        return Metric(over.value, (-1.0, 1.0), over.n, "paired t (widened)")
+    return Metric(over.value, over.ci, over.n, "paired t")
 
 
 def causality_json(edit: Metric, controls: dict[str, Metric], per_item: dict[str, list[float]]) -> dict:
