@@ -172,11 +172,12 @@ def minimal_effect(gains: dict[str, list[float]], level: float = 0.95) -> float:
 
 def graded_fractions(grades: dict[str, list[str]], replicates: int) -> dict[str, float]:
     """Per test (``grades``: test -> its grade in each replicate): the fraction graded supported and the fraction
-    supported or weak (power where the claim holds, false-positive rate where it fails)."""
+    supported or weak (power where the claim holds, false-positive rate where it fails); any other grade counts
+    in neither."""
     out = {}
     for key, graded in grades.items():
         out[f"{key}_supported"] = sum(g == "supported" for g in graded) / replicates
-        out[f"{key}_supported_or_weak"] = sum(g != "not shown" for g in graded) / replicates
+        out[f"{key}_supported_or_weak"] = sum(g in ("supported", "weak") for g in graded) / replicates
     return out
 
 
@@ -758,8 +759,7 @@ def calibrate_decodable(worlds: list[DecodableWorld], A: torch.Tensor, U: list, 
             tests = {key: [g[f"{key}_grade"] for g in got] for key in ("readout", "lre", "lre_majority")
                      if name != "line"}
             tests["relation" if name != "line" else "line"] = [g["grade"] for g in got]
-            row.update(graded_fractions({k: [g if g != NOT_TESTABLE else "not shown" for g in v]
-                                         for k, v in tests.items()}, replicates))
+            row.update(graded_fractions(tests, replicates))
             rows.append(row)
             if on_row is not None:
                 on_row(row)
@@ -944,9 +944,8 @@ def calibrate_causal(worlds: list[CausalWorld], n_facts: list[int], d: int, repl
             row = {"world": world.name, "claim_holds": world.holds, "n_facts": n, "n": min(pairs),
                    "n_max": max(pairs), "replicates": replicates, "family": family,
                    **{k: round(v, 4) for k, v in sums.items()}}
+            row.update(graded_fractions(grades, replicates))
             for key, graded in grades.items():
-                row[f"{key}_supported"] = sum(g == "supported" for g in graded) / replicates
-                row[f"{key}_supported_or_weak"] = sum(g in ("supported", "weak") for g in graded) / replicates
                 row[f"{key}_low_power"] = sum(g == "inconclusive (low power)" for g in graded) / replicates
             rows.append(row)
             if on_row is not None:
