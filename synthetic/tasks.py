@@ -29,6 +29,12 @@ from llmprobe.datasets import FactTable, load_relations
 from llmprobe.io import write_text
 
 
+def multinomial_bits(counts: list[int]) -> float:
+    """log2 of the multinomial (sum counts)! / prod_a counts_a!: the bits that say which item gets which label once
+    the labels' histogram ``counts`` is known."""
+    return (math.lgamma(sum(counts) + 1) - sum(math.lgamma(c + 1) for c in counts)) / math.log(2)
+
+
 @dataclass
 class SeqData:
     """Training/evaluation sequences: ``input_ids`` [F, L], ``targets`` [F, T] at positions ``target_pos`` [T]."""
@@ -126,8 +132,7 @@ class FactTask:
         for r in range(self.n_relations):
             col = self.table[:, r]
             col = col[col >= 0]
-            counts = torch.bincount(col, minlength=self.n_outputs).tolist()
-            total += (math.lgamma(len(col) + 1) - sum(math.lgamma(c + 1) for c in counts)) / math.log(2)
+            total += multinomial_bits(torch.bincount(col, minlength=self.n_outputs).tolist())
         return total
 
     def bits_joint(self) -> float:
@@ -145,16 +150,13 @@ class FactTask:
         information. Example: a country's continent is a function of its subregion, so it costs the 22 subregions'
         map onto the continents instead of the 193 countries'.
         """
-        def multinomial(counts: list[int]) -> float:
-            return (math.lgamma(sum(counts) + 1) - sum(math.lgamma(c + 1) for c in counts)) / math.log(2)
-
         present = self.table >= 0                                                   # [N, R]
         order = sorted(range(self.n_relations), key=lambda r: -len(torch.unique(self.table[present[:, r], r])))
         total = 0.0
         for k, r in enumerate(order):
             has_r = present[:, r]
             col = self.table[has_r, r]
-            best = multinomial(torch.bincount(col, minlength=self.n_outputs).tolist())
+            best = multinomial_bits(torch.bincount(col, minlength=self.n_outputs).tolist())
             for p in order[:k]:
                 # group key: p's attribute, or a fresh key per subject without a p fact
                 parent = torch.where(present[has_r, p], self.table[has_r, p],
@@ -162,7 +164,7 @@ class FactTask:
                 groups, group_of = torch.unique(parent, return_inverse=True)
                 pairs = torch.unique(torch.stack([group_of, col], dim=1), dim=0)         # [(group, attribute)]
                 if len(pairs) == len(groups):                                           # one attribute per group
-                    best = min(best, multinomial(torch.bincount(pairs[:, 1], minlength=self.n_outputs).tolist()))
+                    best = min(best, multinomial_bits(torch.bincount(pairs[:, 1], minlength=self.n_outputs).tolist()))
             total += best
         return total
 
