@@ -17,6 +17,11 @@ memory (frozen_all; a memory whose MLP reads only the subject), each measured by
 transplant code at the run's number of test facts and graded by the report's rule
 (``llmprobe.report.claims.selector_test``): the calibrated keep test, the break test it replaces, and the
 redirection test (a candidate that was not adopted).
+
+The chain-of-thought line (:func:`calibrate_cot`): the SmolLM2 run's two-hop chains (``SMOLLM2_CHAINS``) given
+planted hits (paired rates, bridges wrong, a prompt that names only the answer's type) or the hits of one-layer
+two-hop models too narrow or wide enough to compose in one pass, built into the multi-hop entry by the analysis'
+own code and graded by the report's line (``llmprobe.report.claims._multihop_tests``).
 """
 from __future__ import annotations
 
