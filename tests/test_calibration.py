@@ -443,3 +443,41 @@ def test_the_causality_margins_are_paired_over_the_test_pairs():
     test = causal_tests(same)["paired"]
     assert test["difference"]["interval"] == "MOVER (unpaired)" and test["null_name"] == "scaled_patch"
     assert causal_tests(metric)["paired"]["difference"]["interval"] == "paired t"
+
+
+# ------------------------------------------------------------------------------------- the chain-of-thought line
+def _nested_world(n_direct: int, n_cot: int):
+    """SmolLM2's chains, CoT right on ``n_cot`` of them (drawn per seed) and direct on ``n_direct`` of those."""
+    comps, answers, _ = calibration.planted_chains()
+
+    def draw(seed):
+        order = torch.randperm(len(answers), generator=torch.Generator().manual_seed(seed))
+        d, c = (torch.zeros(len(answers), dtype=torch.bool).index_fill(0, order[:k], True) for k in (n_direct, n_cot))
+        return calibration.CotDraw(comps, answers, {"direct": d, "cot": c, "ceiling": c, "cot_bridges": c})
+    return calibration.CotWorld(f"direct {n_direct} within CoT {n_cot}", draw, True)
+
+
+def test_the_chain_of_thought_line_separates_its_planted_worlds():
+    """At SmolLM2's 75 two-hop chains (9 compositions) and its Holm family of 27: CoT right on every chain where
+    direct is wrong, and CoT right on 68 chains over direct on 47 of them (0.91 over 0.63), are
+    supported (the second only paired: unpaired, it reads weak); equal rates are neither supported nor weak and read "inconclusive (low power)" (n = 75 cannot show
+    +0.10 over 27 tests); a CoT prompt that only names the answer's type (each composition's most common answer)
+    over a direct format that misses is supported or weak against the direct answer alone, never by the line.
+    Fails when the difference is unpaired (the nested world reads weak), when CoT is graded against the ceiling,
+    or when composition_majority is dropped from the line's nulls."""
+    comps, answers, common = calibration.planted_chains()
+    block = calibration.cot_block(calibration.CotDraw(comps, answers, {k: common for k in
+                                                                       ("direct", "cot", "ceiling", "cot_bridges")}))
+    assert calibration.chain_sizes({"analyses": {"multihop": block}}) == calibration.SMOLLM2_CHAINS
+    prior = calibration.composition_majority({"analyses": {"multihop": block}}, "k=2")
+    assert prior["value"] == pytest.approx(39 / 75) and prior["n"] == 75       # SmolLM2's 0.52
+    assert block["pooled"]["k=2"]["cot"]["nulls"]["majority"]["value"] == pytest.approx(21 / 75)   # "Europe"
+    worlds = {w.name: w for w in calibration.cot_rate_worlds()}
+    chosen = [worlds["rates: direct 0, CoT 1 (every chain)"], _nested_world(47, 68),
+              worlds["rates: direct = CoT = 0.52"], worlds["CoT names the answer type only, direct 0.20"]]
+    every, nested, equal, type_only = calibration.calibrate_cot(chosen, replicates=3)
+    assert every["line_supported"] == nested["line_supported"] == 1.0                          # power
+    assert every["direct_supported"] == 0.0        # the widened paired interval, which the line replaces by MOVER
+    assert equal["line_supported_or_weak"] == type_only["line_supported_or_weak"] == 0.0     # no false positive
+    assert equal["line_low_power"] == type_only["line_low_power"] == 1.0
+    assert type_only["direct_supported_or_weak"] >= 2 / 3 and type_only["cot"] == pytest.approx(39 / 75)

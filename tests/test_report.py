@@ -449,7 +449,9 @@ def _multihop_report(cot: int, direct: int, ceiling: int, n=60) -> dict:
     entry = {"n_items": n, **{k: proportion(v).to_dict() for k, v in hits.items()},
              "cot_minus_direct": paired_difference(hits["cot"], hits["direct"]).to_dict()}
     report = _claims_report()
-    report["analyses"]["multihop"] = {"compositions": [], "pooled": {"k=2": entry}}
+    one = {"name": "a/b", "hops": ["a", "b"], "k": 2, **entry,    # one composition; every answer its own (majority)
+           "cot": proportion(hits["cot"]).with_nulls({"majority": proportion(_hits(1, n))}).to_dict()}
+    report["analyses"]["multihop"] = {"compositions": [one], "pooled": {"k=2": entry}}
     return report
 
 
