@@ -37,15 +37,18 @@ from llmprobe.analyses.selector import matched_switch_off
 from llmprobe.analyses.superposition import LEXICAL_EXCESS, LEXICAL_SHARE, relation_overlap
 from llmprobe.jobs.calibration import (
     BEFORE,
+    CROSSPATCH_FAMILY,
     WITH_LEXICAL,
     calibrate,
     calibrate_capacity,
     calibrate_causal,
+    calibrate_crosspatch,
     calibrate_selector,
     calibrate_swap,
     capacity_worlds,
     causal_tests,
     causal_worlds,
+    crosspatch_worlds,
     decodable_worlds,
     grade,
     measure_decodable_world,
@@ -58,7 +61,7 @@ from llmprobe.jobs.calibration import (
     swap_worlds,
     sweep_noise,
 )
-from llmprobe.metric import t_quantile, wilson
+from llmprobe.metric import Metric, t_quantile, wilson
 from llmprobe.report.claims import (
     DECODABLE,
     GRADES,
@@ -66,6 +69,7 @@ from llmprobe.report.claims import (
     MULTIHOP_DSTAR,
     MULTIHOP_WIDTH,
     NOT_TESTABLE,
+    SERVES,
     SUPERPOSITION,
     SWAP,
     SWAP_RESULT,
@@ -481,3 +485,73 @@ def test_the_chain_of_thought_line_separates_its_planted_worlds():
     assert equal["line_supported_or_weak"] == type_only["line_supported_or_weak"] == 0.0     # no false positive
     assert equal["line_low_power"] == type_only["line_low_power"] == 1.0
     assert type_only["direct_supported_or_weak"] >= 2 / 3 and type_only["cot"] == pytest.approx(39 / 75)
+
+
+# ------------------------------------------------------------------------------------------------ the crosspatch
+@pytest.fixture(scope="module")
+def crosspatch_rows():
+    """The crosspatch line's worlds (``crosspatch_worlds`` at d = 48, per-prompt noise 1) on a table of 48 subjects
+    x 4 relations (a bijection, one of 12 answers, a skewed relation whose commonest answer is every other
+    subject's, so that a fallback to it is often right, and one of 8), 10 items per ordered pair (120 items, 30 per
+    relation B),
+    2 replicates, Bonferroni over the SmolLM2 report's 27 tests; the fallback world also over 1 test (where a
+    difference of its size would show)."""
+    gen = torch.Generator().manual_seed(0)
+    n = 48
+    A = torch.stack([torch.randperm(n, generator=gen), torch.randint(0, 12, (n,), generator=gen),
+                     torch.where(torch.arange(n) % 2 == 0, 0, torch.randint(1, 16, (n,), generator=gen)),
+                     torch.randint(0, 8, (n,), generator=gen)], 1)
+    worlds = {w.name.split(",")[0]: w for w in crosspatch_worlds(noisy=1.0, faint=1.0)}
+    rows = {row["world"].split(",")[0]: row for row in calibrate_crosspatch(
+        list(worlds.values()), A, 48, 2, CROSSPATCH_FAMILY, n_boot=100, per_pair=10)}
+    fallback = calibrate_crosspatch([worlds["fallback: a foreign state -> commonest"]], A, 48, 2, 1, n_boot=100,
+                                    per_pair=10)[0]
+    return rows, fallback
+
+
+def test_the_crosspatch_line_passes_one_state_and_fails_relation_specific_ones(crosspatch_rows):
+    """The line (every relation B's neutral patch against random_subject and random_vector, one
+    intersection-union test) grades the paper's construction and a token + attribute state supported; states
+    that carry only their own prompt's relation, and a shared state with some of the relations, never supported
+    or weak; the pooled test it replaced passes the latter (the artefact). A fallback to B's commonest answer
+    whenever another prompt's state is patched in is beaten only by random_subject: not shown even over 1 test.
+    Patching the recipient's own state in place of the donor's, or dropping random_subject from the line's
+    nulls, makes this test fail."""
+    rows, fallback = crosspatch_rows
+    for world in ("construction: the embedding", "token + attributes"):
+        assert rows[world]["every_supported"] == 1.0, rows[world]
+        assert rows[world]["neutral"] > 0.8 > 0.1 > rows[world]["random_subject"]
+        assert rows[world]["random_subject_follows"] > 0.8
+    for world in ("relation-specific states", "shared state carries half the relations"):
+        assert rows[world]["every_supported_or_weak"] == 0.0, rows[world]
+    assert rows["relation-specific states"]["neutral"] < 0.2 < rows["relation-specific states"]["same_relation"]
+    assert rows["shared state carries half the relations"]["pooled_supported_or_weak"] == 1.0
+    assert fallback["neutral"] == fallback["random_subject"] > 2 * fallback["random_vector"]
+    assert fallback["pooled_supported_or_weak"] == 0.0 and fallback["every_supported_or_weak"] == 0.0
+    # the token swap null passes the lexical world and, with it, the construction (whose state is its token)
+    assert rows["identity key"]["token"] == pytest.approx(rows["identity key"]["neutral"], abs=0.1)
+    assert rows["construction: the embedding"]["token_supported_or_weak"] == 0.0
+
+
+def test_the_crosspatch_line_reads_every_relation_from_the_pairs():
+    """A report whose neutral patch serves two relations of three (10/10 each) and not the third (0/10): the pooled
+    rate (20/30) beats both nulls, the line shows the third relation, graded on its 10 items; a report without
+    per-pair numbers (older) is graded on the pooled rate."""
+    def pair(source, target, hits):
+        at = lambda k: Metric(k / 10, wilson(k / 10, 10), 10, "wilson").to_dict()
+        return {"source": source, "target": target, "neutral": at(hits), "same_relation": at(10),
+                "random_subject": at(0), "random_vector": at(0)}
+    pooled = Metric(20 / 30, wilson(20 / 30, 30), 30, "wilson")
+    nulls = {"random_subject": Metric(0.0, wilson(0.0, 30), 30, "wilson"),
+             "random_vector": Metric(0.0, wilson(0.0, 30), 30, "wilson")}
+    entry = {"neutral": pooled.with_nulls(nulls).to_dict(), "same_relation": nulls["random_subject"].to_dict(),
+             "pairs": [pair("a", "b", 10), pair("b", "c", 10), pair("c", "a", 0)]}
+    report = {"analyses": {"crosspatch": {"relations": ["a", "b", "c"], "layers": {"4": entry}}}}
+    line = next(line for line in claims_block(report)["lines"] if line["claim"] == SERVES)
+    assert (line["relation"], line["metric"]["value"], line["metric"]["n"]) == ("a", 0.0, 10)
+    assert line["verdict"] == "inconclusive (low power)" and "every B tested" in line["measure"]
+    assert "a 0.00 vs 0.00 / 0.00 (1.00), n = 10" in line["measure"]
+    del entry["pairs"]
+    line = next(line for line in claims_block(report)["lines"] if line["claim"] == SERVES)
+    assert (line["relation"], line["verdict"]) == ("all relations", "supported")
+    assert "pooled over relation pairs" in line["measure"]

@@ -94,7 +94,9 @@ VERDICT_RULE = (
     "shuffled, random_init, random_attributes, lexical (the subjects' static token embeddings in place of their "
     "states), on the R^2 over the relations the lexical rule does not flag (docs/measures.md; older reports: every "
     "relation); one state serves every relation: the crosspatch's random_subject and "
-    "random_vector patches; selector: the keep rate under another subject's gates of the same relation against "
+    "random_vector patches, per relation B, every B in one test (the largest p over relations and nulls; older "
+    "reports without per-pair numbers: pooled over pairs); "
+    "selector: the keep rate under another subject's gates of the same relation against "
     "the subject's own gates of another relation (other_relation_gate) and a random switch-off matched in count "
     "and norm to that transplant (random_units_matched; older reports: the share another relation's gates break "
     "against switching off as many random units, random_units); chain-of-thought: the direct answer to the same chains "
@@ -411,20 +413,75 @@ def _causality_tests(report: dict) -> list[dict]:
 
 def _crosspatch_tests(report: dict) -> tuple[list[dict], str]:
     """(tests, where) of "one state serves every relation": the neutral (relation-free) state of s patched into
-    relation B's prompt of s' (pooled over ordered pairs) against the random_subject and random_vector patches,
-    beside B's own state of s (same_relation), at the layer most of the crosspatch's relations' LRE decoders chose
-    on validation (:func:`decoder_layers`; the crosspatch itself chooses none); every layer when none did."""
+    relation B's prompt of s' against the random_subject and random_vector patches, beside B's own state of s
+    (same_relation), at the layer most of the crosspatch's relations' LRE decoders chose on validation
+    (:func:`decoder_layers`; the crosspatch itself chooses none); every layer when none did. Per layer one test:
+    every relation B must be served (:func:`every_relation_test`, from the per-pair numbers); reports without
+    them: the success pooled over pairs."""
     crosspatch = analyses_of(report).crosspatch
     layers = crosspatch.layers
     _, common = decoder_layers(report, {int(layer) for layer in layers}, crosspatch.relations)
-    tests = [claim_test(SERVES, "all relations", int(layer), entry.neutral,
-                   comparison=("the state from relation B's own prompt (same_relation)", entry.same_relation,
-                               entry.neutral_minus_same))
-             for layer, entry in sorted(layers.items(), key=lambda kv: int(kv[0]))
-             if common is None or common == int(layer)]
+    graded = [(int(layer), entry) for layer, entry in sorted(layers.items(), key=lambda kv: int(kv[0]))
+              if common is None or common == int(layer)]
+    tests = [every_relation_test(layer, entry) if crosspatch_targets(entry) else pooled_crosspatch_test(layer, entry)
+             for layer, entry in graded]
     where = (f"layer {common}, the one most of its relations' LRE decoders chose on validation" if common is not None
              else "every patched layer (no decoder chose one), all in the Holm family")
+    if len(graded) == 1 and crosspatch_targets(graded[0][1]):
+        where += "; per relation B, neutral against " + " / ".join(NULLS[SERVES]) + " (B's own state): " + ", ".join(
+            f"{target} {by['neutral']['value']:.2f} vs " + " / ".join(
+                f"{by[null]['value']:.2f}" for null in NULLS[SERVES] if null in by) +
+            (f" ({by['same_relation']['value']:.2f})" if "same_relation" in by else "") + f", n = {by['neutral']['n']}"
+            for target, by in crosspatch_targets(graded[0][1]).items())
     return [t for t in tests if t], where
+
+
+def pooled_crosspatch_test(layer: int, entry) -> dict | None:
+    """The crosspatch's neutral patch pooled over ordered relation pairs against its nulls, beside B's own state
+    (paired: ``neutral_minus_same``): the line's test before :func:`every_relation_test` (a state that serves
+    half of the relations passes it: docs/measures.md, Calibration)."""
+    return claim_test(SERVES, "all relations", layer, entry.neutral,
+                      comparison=("the state from relation B's own prompt (same_relation)", entry.same_relation,
+                                  entry.neutral_minus_same))
+
+
+def crosspatch_targets(entry) -> dict[str, dict[str, dict]]:
+    """Per relation B (the ``target`` of the crosspatch's ``pairs``, in their order): the success of the neutral
+    patch, of B's own state and of each null pooled over B's source relations, {patch: Wilson proportion (JSON
+    form)}, counted from each pair's value x n; {} where the entry has no pairs (older reports)."""
+    counts: dict[str, dict[str, tuple[int, int]]] = {}
+    for pair in entry.pairs or []:
+        for patch in ("neutral", "same_relation", *NULLS[SERVES]):
+            m = pair.get(patch)
+            if _compact(m) is None or not m.get("n"):
+                continue
+            hits, n = counts.setdefault(pair["target"], {}).get(patch, (0, 0))
+            counts[pair["target"]][patch] = (hits + round(m["value"] * m["n"]), n + m["n"])
+    return {target: {patch: Metric(h / n, wilson(h / n, n), n, "wilson").to_dict() for patch, (h, n) in by.items()}
+            for target, by in counts.items() if "neutral" in by}
+
+
+def every_relation_test(layer: int, entry) -> dict | None:
+    """One test that the neutral state serves every relation B: per B (:func:`crosspatch_targets`) the neutral
+    patch against each null (MOVER from the Wilson intervals), combined as an intersection-union test over the
+    relations and their nulls (p = the largest; the relation shown is the hardest, beside B's own state); its
+    power (in the claims block) is that of the hardest relation's difference, at B's few items. None without
+    targets."""
+    per_relation = [claim_test(SERVES, target, layer, by["neutral"], {null: by.get(null) for null in NULLS[SERVES]},
+                               comparison=("the state from relation B's own prompt (same_relation)",
+                                           by.get("same_relation")))
+                    for target, by in crosspatch_targets(entry).items()]
+    per_relation = [t for t in per_relation if t]
+    if not per_relation:
+        return None
+    hardest = max(per_relation, key=lambda t: (bool(t["missing_nulls"]), t["p"] if t["p"] is not None else 2.0,
+                                                t["p_zero"] if t["p_zero"] is not None else 2.0))
+    test = dict(hardest)
+    if not hardest["missing_nulls"]:
+        test.update(p=max(t["p"] for t in per_relation), p_zero=max(t["p_zero"] for t in per_relation))
+    test["by_relation"] = {t["relation"]: {"metric": t["metric"], "null_name": t["null_name"],
+                                           "difference": t["difference"]} for t in per_relation}
+    return test
 
 
 def _broken(m: dict | None) -> dict | None:
@@ -813,9 +870,11 @@ def _superposition(report: dict) -> tuple[list[dict], str]:
 
 def _serves(report: dict) -> tuple[list[dict], str]:
     serves, where = _crosspatch_tests(report)
+    every = any(t["relation"] != "all relations" for t in serves)
     return serves, ("crosspatch: fraction of items whose answer to relation B's prompt of s' becomes B's answer for "
-                    "s when s's state from a relation-free prompt is patched in (pooled over relation pairs), at "
-                    f"{where}")
+                    "s when s's state from a relation-free prompt is patched in, " + (
+                        "per relation B (pooled over its source relations), every B tested (the relation shown is "
+                        "the hardest)" if every else "pooled over relation pairs") + f", at {where}")
 
 
 def _selector(report: dict) -> tuple[list[dict], str]:
