@@ -4,8 +4,10 @@ subject states at the real run's n.
 
 Worlds (``llmprobe.jobs.calibration.crosspatch_worlds``; fresh Gaussian attribute vectors, token embeddings and
 noise per replicate, d = 576 as SmolLM2) on the fact table of the default SmolLM2 run's crosspatch (its six
-country relations, 193 subjects; ``crosspatch_table``), with the run's items (``planted_patch_items``: up to 3 per
-ordered relation pair, 90 items over 30 pairs): states where one state serves every relation by construction (the
+country relations, 193 subjects; ``crosspatch_table``), with the run's items at the line's layer
+(``planted_patch_items``: up to ``LRE_PAIR_ITEMS`` = 7 per ordered relation pair, as the run patches at its LRE
+layers, among which the line's layer is chosen: 210 items over 30 pairs, every pair filled in the SmolLM2 run of
+2026-12-06 too), states where one state serves every relation by construction (the
 paper's construction, whose state is the subject's embedding; a deep model's token + attribute sum at three noise
 levels, one with B's own prompt adding to B's attribute), the lexical world where B looks the subject up by its
 token identity (the claim holds literally, the state carries no attribute), and worlds where it fails
@@ -18,10 +20,10 @@ the pooled test with a candidate null (the token swap). Printed per world: the m
 replicates graded supported, supported-or-weak and inconclusive (low power): power where the claim holds,
 false-positive rate where it fails.
 
-    python benchmarks/calibration_crosspatch.py                    # 100 replicates (~4 min, 1 core)
+    python benchmarks/calibration_crosspatch.py                    # 100 replicates (~8 min, 1 core, busy host)
 
 Then the world at SmolLM2's rate and the half-the-relations world again at ``--power-per-pair`` items per pair
-(what the line's power would cost in the run).
+(3: the other layers' profile and the run before 2026-12-06; 6 and 8 beside the run's 7: what the power costs).
     python benchmarks/calibration_crosspatch.py --replicates 20 --out runs/calibration_crosspatch.json
 """
 from __future__ import annotations
@@ -34,6 +36,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
+from llmprobe.analyses.selector import LRE_PAIR_ITEMS  # noqa: E402
 from llmprobe.jobs.calibration import (  # noqa: E402
     CROSSPATCH_FAMILY,
     calibrate_crosspatch,
@@ -53,10 +56,12 @@ def main(argv=None) -> list[dict]:
                         help="replicates of the equal-rates world (no model; its false-positive rate is small)")
     parser.add_argument("--family", type=int, default=CROSSPATCH_FAMILY,
                         help="Holm family size of the graded report (tests; the SmolLM2 run has 27)")
-    parser.add_argument("--power-per-pair", type=int, nargs="*", default=[6, 10],
-                        help="items per ordered pair (the run's 3) at which the SmolLM2-rate and half-the-relations "
-                             "worlds are measured again: what the line's power would cost")
-    parser.add_argument("--power-replicates", type=int, default=20)
+    parser.add_argument("--per-pair", type=int, default=LRE_PAIR_ITEMS,
+                        help="items per ordered pair (the run's at its LRE layers, where the line is graded)")
+    parser.add_argument("--power-per-pair", type=int, nargs="*", default=[3, 6, 8],
+                        help="items per ordered pair at which the SmolLM2-rate and half-the-relations worlds are "
+                             "measured again: what the line's power costs")
+    parser.add_argument("--power-replicates", type=int, default=50)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args(argv)
@@ -64,13 +69,16 @@ def main(argv=None) -> list[dict]:
     t = time.perf_counter()
     A, names = crosspatch_table()
     print(f"{A.shape[0]} subjects x {len(names)} relations ({', '.join(names)}), d = {args.d}, "
-          f"{args.replicates} replicates per world, Bonferroni over {args.family} tests", flush=True)
+          f"{args.per_pair} items per ordered pair, {args.replicates} replicates per world, Bonferroni over "
+          f"{args.family} tests", flush=True)
     done = progress(t)
     worlds = crosspatch_worlds()
     planted, equal_rates = [w for w in worlds if "equal rates" not in w.name], [w for w in worlds if "equal rates"
                                                                                in w.name]
-    rows = calibrate_crosspatch(planted, A, args.d, args.replicates, args.family, on_row=done)
-    rows += calibrate_crosspatch(equal_rates, A, args.d, args.equal_rates_replicates, args.family, on_row=done)
+    rows = calibrate_crosspatch(planted, A, args.d, args.replicates, args.family, per_pair=args.per_pair,
+                                on_row=done)
+    rows += calibrate_crosspatch(equal_rates, A, args.d, args.equal_rates_replicates, args.family,
+                                 per_pair=args.per_pair, on_row=done)
     table = format_crosspatch_rows(rows)
     power_worlds = [worlds[1], worlds[6]]       # token + attributes at SmolLM2's rate; half the relations
     for per_pair in args.power_per_pair:

@@ -73,6 +73,7 @@ from llmprobe.report.claims import (
     SUPERPOSITION,
     SWAP,
     SWAP_RESULT,
+    _crosspatch_tests,
     claims_block,
     hop_growth,
     summary_claims,
@@ -555,3 +556,27 @@ def test_the_crosspatch_line_reads_every_relation_from_the_pairs():
     line = next(line for line in claims_block(report)["lines"] if line["claim"] == SERVES)
     assert (line["relation"], line["verdict"]) == ("all relations", "supported")
     assert "pooled over relation pairs" in line["measure"]
+
+
+def test_the_crosspatch_line_grades_where_it_patched_the_most_items():
+    """Reports since 2026-12-06 patch up to 8 items per pair at the LRE layers and 3 at the others (each layer's
+    ``n_items``): with no decoder's layer the line grades every layer with the most items (layer 4, 10 a pair),
+    not the profile's (layer 2, 3 a pair); with a decoder's layer, that one; a report without ``n_items`` (the same
+    items everywhere) at every layer."""
+    def entry(per_pair: int) -> dict:
+        at = lambda k, n: Metric(k / n, wilson(k / n, n), n, "wilson").to_dict()
+        pairs = [{"source": a, "target": b, "neutral": at(per_pair, per_pair), "same_relation": at(per_pair, per_pair),
+                  "random_subject": at(0, per_pair), "random_vector": at(0, per_pair)}
+                 for a, b in (("a", "b"), ("b", "a"))]
+        return {"n_items": 2 * per_pair, "neutral": at(2 * per_pair, 2 * per_pair), "pairs": pairs}
+    report = {"analyses": {"crosspatch": {"relations": ["a", "b"], "layers": {"2": entry(3), "4": entry(10)}}}}
+    tests, where = _crosspatch_tests(report)
+    assert [(t["layer"], t["metric"]["n"]) for t in tests] == [(4, 10)] and "with the most items" in where
+    report["analyses"]["relations"] = {"a": {"selected": {"lre": {"layer": 2}}}}
+    assert [t["layer"] for t in _crosspatch_tests(report)[0]] == [2]
+    del report["analyses"]["relations"]
+    for layer in report["analyses"]["crosspatch"]["layers"].values():
+        del layer["n_items"]
+    assert [t["layer"] for t in _crosspatch_tests(report)[0]] == [4]      # the neutral's n: 20 against 6
+    report["analyses"]["crosspatch"]["layers"]["2"] = report["analyses"]["crosspatch"]["layers"]["4"]
+    assert [t["layer"] for t in _crosspatch_tests(report)[0]] == [2, 4]

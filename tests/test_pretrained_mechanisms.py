@@ -26,6 +26,8 @@ from llmprobe.analyses.multihop import chains, compositions, prompts_for
 from llmprobe.analyses.registry import by_name
 from llmprobe.analyses.run import Runner, run_analyses
 from llmprobe.analyses.selector import (
+    LRE_PAIR_ITEMS,
+    PAIR_ITEMS,
     PromptSet,
     blocks_of,
     crosspatch_items,
@@ -305,6 +307,29 @@ def test_crosspatch_goes_on_when_a_relation_has_no_item_as_the_receiving_one(tau
     assert pairs and all(pair["target"] != "capital" for pair in pairs)
 
 
+def test_crosspatch_patches_more_items_at_the_lre_layers(taught_llama):
+    """The claim's layer is an LRE layer: there crosspatch patches up to ``LRE_PAIR_ITEMS`` items per ordered
+    pair, at the other layers each pair's first ``PAIR_ITEMS`` of the same items (the per-layer profile), and
+    each layer's entry says its n (``n_items``)."""
+    lm, relations, known = taught_llama
+    cfg = settings_from(3, 0, 90, n_boot=50, lre_layers=(1,))          # layers 0, 1 patched; LRE layer 1
+    grid = fact_grid(lm.tokenizer, relations, known, cfg)
+    _, items = crosspatch_items(lm.tokenizer, grid, cfg)
+    per_pair = {pair: sum(x[:2] == pair for x in items) for pair in dict.fromkeys(x[:2] for x in items)}
+    assert set(per_pair.values()) == {LRE_PAIR_ITEMS} and LRE_PAIR_ITEMS > PAIR_ITEMS    # every pair filled
+    assert items[:3] == [x for x in items if x[:2] == items[0][:2]][:3]     # drawn pair by pair
+    res = run_analyses(lm, relations, known, [0, 1, 2], analyses=("crosspatch",), progress=False, n_boot=50,
+                       lre_layers=(1,))
+    cross = res["crosspatch"]
+    graded, profile = cross["layers"]["1"], cross["layers"]["0"]
+    assert cross["n_items"] == graded["n_items"] == graded["neutral"]["n"] == len(items)
+    assert profile["n_items"] == profile["neutral"]["n"] == sum(min(n, PAIR_ITEMS) for n in per_pair.values())
+    assert {(p["source"], p["target"]): p["neutral"]["n"] for p in profile["pairs"]} == {
+        (grid.names[a], grid.names[b]): min(n, PAIR_ITEMS) for (a, b), n in per_pair.items()}
+    assert {(p["source"], p["target"]): p["neutral"]["n"] for p in graded["pairs"]} == {
+        (grid.names[a], grid.names[b]): n for (a, b), n in per_pair.items()}
+
+
 def test_every_family_runs_every_new_analysis(taught, monkeypatch):
     lm, relations, known = taught
     monkeypatch.setattr(multihop_module, "FEW_SHOT", 1)     # the tiny models read at most 128 tokens
@@ -406,15 +431,17 @@ def _planned_passes(work: dict, n_layers: int) -> dict:
             + sum(rows * new for rows, _, new in work["generate"])}
 
 
-@pytest.mark.parametrize("analysis", ["crosspatch", "selector", "multihop"])
-def test_the_plan_counts_the_passes_each_mechanism_analysis_runs(taught_llama, analysis, monkeypatch):
+@pytest.mark.parametrize("analysis,lre_layers", [("crosspatch", None), ("crosspatch", (1,)), ("selector", None),
+                                                 ("multihop", None)])
+def test_the_plan_counts_the_passes_each_mechanism_analysis_runs(taught_llama, analysis, lre_layers, monkeypatch):
     """``llmprobe plan`` prices the crosspatch, selector and multihop analyses by the passes it counts for them
     (each analysis record's ``workload``, from the analyses' own item builders). Against the passes each
     analysis runs on a taught tiny Llama (hooks on every block and the LM head, of the model and its random
     twins; the near-tie reruns of the cached edits off): the LM-head rows are equal and the token-blocks within
     20% (the plan's upper bounds: the selector's test block as deep as the model, each bridge generated to its
     budget; the prefix-cached edits batched by length, not by group). A plan without the crosspatch's per-layer
-    patches, the selector's random twin or the multihop's generation misses by more."""
+    patches, the selector's random twin or the multihop's generation misses by more. The crosspatch also with one
+    LRE layer of two patched (its items there, each pair's first three at the other)."""
     lm, relations, known = taught_llama
     monkeypatch.setattr(multihop_module, "FEW_SHOT", 1)      # as test_every_family_runs_every_new_analysis
     monkeypatch.setattr(engine_module, "_MARGIN", 0.0)          # every cached edit's id taken as it is
@@ -428,7 +455,7 @@ def test_the_plan_counts_the_passes_each_mechanism_analysis_runs(taught_llama, a
         return twin
     monkeypatch.setattr(selector_module, "random_init", counted_twin)
     monkeypatch.setattr(multihop_module, "random_init", counted_twin)
-    cfg = settings_from(3, 0, 90, n_boot=50, folds=3)
+    cfg = settings_from(3, 0, 90, n_boot=50, folds=3, lre_layers=lre_layers)
     layers, n_layers = [0, 1, 2], lm.adapter.n_layers
     run = {"crosspatch": selector_module.crosspatch, "selector": selector_module.selector,
            "multihop": multihop_module.multihop}[analysis]

@@ -314,8 +314,9 @@ class SuperpositionResult(Result):
 @dataclass(kw_only=True)
 class CrosspatchLayer(Result):
     """The crosspatch at one layer (``crosspatch.layers.<layer>``): metrics pooled over relation pairs, then per
-    pair (``pairs``, as read)."""
+    pair (``pairs``, as read); ``n_items``: the items patched there (None: older reports, the same at every layer)."""
 
+    n_items: int | None = None
     neutral: MetricJSON | None = None
     cross_relation: MetricJSON | None = None
     same_relation: MetricJSON | None = None

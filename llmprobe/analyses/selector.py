@@ -28,7 +28,7 @@ import torch
 from llmprobe.analyses.passes import cached_edit_batches, empty_passes, filled_batches, jacobian_prompts
 from llmprobe.analyses.record import Analysis
 from llmprobe.analyses.results import CrosspatchResult, SelectorResult
-from llmprobe.analyses.settings import AnalysisError, AnalysisSettings, Log
+from llmprobe.analyses.settings import AnalysisError, AnalysisSettings, Log, planned_lre_layers
 from llmprobe.analyses.splits import generator
 from llmprobe.analyses.superposition import neutral_templates, shared_group
 from llmprobe.geometry import random_direction_like
@@ -48,7 +48,8 @@ TRANSPLANT_ITEMS = 64       # test facts of the gate transplant ...
 VALIDATION_ITEMS = 24       # ... and validation facts that choose its block of layers
 N_BLOCKS = 5                # candidate blocks: the model's layers cut into this many contiguous runs
 VALIDATION_FRACTION = 1 / 3     # of the group's subjects: validation (block choice); the rest: test
-PAIR_ITEMS = 3              # crosspatch items per ordered relation pair
+PAIR_ITEMS = 3              # crosspatch items per ordered relation pair at every patched layer (the profile) ...
+LRE_PAIR_ITEMS = 7          # ... and up to this many at the LRE layers, among which the claim's layer is chosen
 MIN_RELATION_ITEMS = 5      # test facts of one relation for its own gate-transplant numbers (``by_relation``)
 PATCHES = ("neutral", "cross_relation", "same_relation", "random_subject", "random_vector")
 RANDOM_SEED = 12345         # the random-init control: the superposition analysis' model (seed + this)
@@ -532,11 +533,19 @@ def patch_layers_of(layers: list[int], n_layers: int) -> list[int]:
     return [l for l in layers if l < n_layers - 1] or list(layers)
 
 
-def crosspatch_items(tok, grid: FactGrid, cfg: AnalysisSettings) -> tuple[str, list[tuple[int, int, int, int, int]]]:
+def graded_layers_of(layers: list[int], n_layers: int, cfg: AnalysisSettings) -> list[int]:
+    """The patched layers that get ``LRE_PAIR_ITEMS`` items per pair: the run's LRE layers
+    (``planned_lre_layers``), among which the decoders choose the layer the claim is graded at."""
+    lre = set(planned_lre_layers(cfg, layers, n_layers))
+    return [l for l in patch_layers_of(layers, n_layers) if l in lre]
+
+
+def crosspatch_items(tok, grid: FactGrid, cfg: AnalysisSettings, per_pair: int = LRE_PAIR_ITEMS
+                     ) -> tuple[str, list[tuple[int, int, int, int, int]]]:
     """The neutral template and crosspatch's items (A, B, s, s', s''): relation indices A != B and subject
-    indices of ``grid``: up to ``PAIR_ITEMS`` per ordered pair, s known in B and located in A and in the neutral
-    template, a recipient s' and a random subject s'' of B with other first answer tokens. AnalysisError when
-    there is none."""
+    indices of ``grid``: up to ``per_pair`` per ordered pair (in their draw order, pair by pair), s known in B and
+    located in A and in the neutral template, a recipient s' and a random subject s'' of B with other first answer
+    tokens. AnalysisError when there is none."""
     neutral = neutral_templates(tok, grid.relations, cfg.neutral_templates)[0][0]
     in_neutral = [e is None for e in locate_errors(tok, neutral, grid.subjects)]
     R, first = len(grid.relations), grid.firsts
@@ -553,11 +562,38 @@ def crosspatch_items(tok, grid: FactGrid, cfg: AnalysisSettings) -> tuple[str, l
                 randoms = [k for k in facts[b] if j is not None and first[b][k] not in (first[b][i], first[b][j])]
                 if randoms:
                     items.append((a, b, i, j, gen.choice(randoms)))
-                if sum(x[:2] == (a, b) for x in items) == PAIR_ITEMS:
+                if sum(x[:2] == (a, b) for x in items) == per_pair:
                     break
     if not items:
         raise AnalysisError(f"no item with a recipient and a random subject of other answers in {grid.names}")
     return neutral, items
+
+
+def profile_rows(items: list[tuple], per_pair: int = PAIR_ITEMS) -> list[int]:
+    """The indices of ``items`` that are each ordered pair's first ``per_pair`` (the items of every layer)."""
+    seen: dict[tuple[int, int], int] = {}
+    rows = []
+    for k, item in enumerate(items):
+        seen[item[:2]] = seen.get(item[:2], 0) + 1
+        if seen[item[:2]] <= per_pair:
+            rows.append(k)
+    return rows
+
+
+def layer_rows(items: list[tuple], layers: list[int], n_layers: int, cfg: AnalysisSettings) -> dict[int, list[int]]:
+    """{patched layer: the indices of ``items`` patched there}: every item at the LRE layers
+    (:func:`graded_layers_of`), each pair's first ``PAIR_ITEMS`` (:func:`profile_rows`) at the others."""
+    graded, profile = set(graded_layers_of(layers, n_layers, cfg)), profile_rows(items)
+    return {l: list(range(len(items))) if l in graded else profile for l in patch_layers_of(layers, n_layers)}
+
+
+def crosspatch_design(tok, grid: FactGrid, layers: list[int], n_layers: int, cfg: AnalysisSettings
+                      ) -> tuple[str, list[tuple[int, int, int, int, int]], dict[int, list[int]]]:
+    """(neutral template, items, {layer: item indices}) of the crosspatch: up to ``LRE_PAIR_ITEMS`` per pair
+    where an LRE layer is patched (else ``PAIR_ITEMS``: no layer would use more), :func:`layer_rows`."""
+    per_pair = LRE_PAIR_ITEMS if graded_layers_of(layers, n_layers, cfg) else PAIR_ITEMS
+    neutral, items = crosspatch_items(tok, grid, cfg, max(per_pair, PAIR_ITEMS))
+    return neutral, items, layer_rows(items, layers, n_layers, cfg)
 
 
 def crosspatch(lm, relations, known: dict, layers: list[int], cfg: AnalysisSettings, log: Log) -> dict:
@@ -567,14 +603,17 @@ def crosspatch(lm, relations, known: dict, layers: list[int], cfg: AnalysisSetti
     attribute of s. Beside it: the state from B's own prompt of s (``same_relation``, the reference), the neutral
     state of a random third subject s'' (``random_subject``; ``random_subject_follows``: it answers B of s'') and
     a random vector of the neutral state's norm (``random_vector``). Per layer (every layer but the last: no
-    selection is made), pooled over pairs and per ordered pair (A, B)."""
+    selection is made), pooled over pairs and per ordered pair (A, B): up to ``LRE_PAIR_ITEMS`` items per pair at
+    the LRE layers (the claim's layer is one of them), each pair's first ``PAIR_ITEMS`` of them at the others
+    (:func:`crosspatch_design`); each layer's ``n_items`` says how many."""
     t0 = time.perf_counter()
     tok, n_layers = lm.tokenizer, lm.adapter.n_layers
     grid = fact_grid(tok, relations, known, cfg)
-    neutral, items = crosspatch_items(tok, grid, cfg)
-    patch_layers = patch_layers_of(layers, n_layers)
+    neutral, items, rows_at = crosspatch_design(tok, grid, layers, n_layers, cfg)
+    patch_layers = list(rows_at)
     R, first = len(grid.relations), grid.firsts
-    log(f"crosspatch: {len(items)} items over {R * (R - 1)} relation pairs, {len(patch_layers)} layers")
+    log(f"crosspatch: {len(items)} items over {R * (R - 1)} relation pairs, {len(patch_layers)} layers "
+        f"({', '.join(f'{l}: {len(rows)}' for l, rows in rows_at.items())} items)")
     # subject states of relation B's prompts: the recipients' clean states and the same-relation sources
     states, answered = {}, {}
     for b in range(R):
@@ -593,36 +632,37 @@ def crosspatch(lm, relations, known: dict, layers: list[int], cfg: AnalysisSetti
     neutral_h = relation_states(lm, neutral, [grid.subjects[i] for i in needed], patch_layers,
                                 batch_size=cfg.batch_size).H
     row = {i: k for k, i in enumerate(needed)}
-    templates = [grid.relations[x[1]].templates[0] for x in items]
-    recipients = [grid.subjects[x[3]] for x in items]
-    target = torch.tensor([first[b][i] for _, b, i, _, _ in items])
-    follow = torch.tensor([first[b][k] for _, b, _, _, k in items])
-    pair_of = [(a, b) for a, b, *_ in items]
     out = {"relations": grid.names, "neutral_template": neutral, "n_items": len(items),
            "recipients_clean": proportion([answered[(x[1], x[3])] for x in items]).to_dict(),
            "place": "blocks.{l}.resid_post at the subject's last token; relation prompts: each one's first template",
            "layers": {}, "error": None}
-    for layer in patch_layers:
-        clean_h = torch.stack([states[(x[1], x[3])][layer] for x in items])
-        donors = {"neutral": neutral_h[layer][[row[x[2]] for x in items]],
-                  "cross_relation": src_a[layer],
-                  "same_relation": torch.stack([states[(x[1], x[2])][layer] for x in items]),
-                  "random_subject": neutral_h[layer][[row[x[4]] for x in items]]}
+    for layer, rows in rows_at.items():
+        at = [items[k] for k in rows]
+        templates = [grid.relations[x[1]].templates[0] for x in at]
+        recipients = [grid.subjects[x[3]] for x in at]
+        target = torch.tensor([first[b][i] for _, b, i, _, _ in at])
+        follow = torch.tensor([first[b][k] for _, b, _, _, k in at])
+        pair_of = [(a, b) for a, b, *_ in at]
+        clean_h = torch.stack([states[(x[1], x[3])][layer] for x in at])
+        donors = {"neutral": neutral_h[layer][[row[x[2]] for x in at]],
+                  "cross_relation": src_a[layer][rows],
+                  "same_relation": torch.stack([states[(x[1], x[2])][layer] for x in at]),
+                  "random_subject": neutral_h[layer][[row[x[4]] for x in at]]}
         donors["random_vector"] = random_direction_like(donors["neutral"], generator(cfg, "crosspatch", "random",
                                                                                      layer))
         deltas = torch.cat([donors[c] - clean_h for c in PATCHES]).float()
         resume = layer_sequences(lm, templates, recipients, layer, batch_size=cfg.batch_size)
         preds = resumed_edit_ids(lm, templates * len(PATCHES), recipients * len(PATCHES), layer, deltas,
                                  resume * len(PATCHES), batch_size=cfg.batch_size)
-        preds = preds.view(len(PATCHES), len(items))
+        preds = preds.view(len(PATCHES), len(at))
         hits = {c: (preds[k] == target).double() for k, c in enumerate(PATCHES)}
         hits["random_subject_follows"] = (preds[PATCHES.index("random_subject")] == follow).double()
-        entry = _patch_metrics(hits, cfg)
+        entry = {"n_items": len(at), **_patch_metrics(hits, cfg)}
         entry["pairs"] = [{"source": grid.names[a], "target": grid.names[b],
                            **{c: proportion([h for h, p in zip(hits[c].tolist(), pair_of) if p == (a, b)]).to_dict()
                               for c in PATCHES}} for a, b in dict.fromkeys(pair_of)]
         out["layers"][str(layer)] = entry
-        log(f"crosspatch: layer {layer}: neutral {entry['neutral']['value']:.2f}, cross-relation "
+        log(f"crosspatch: layer {layer} ({len(at)} items): neutral {entry['neutral']['value']:.2f}, cross-relation "
             f"{entry['cross_relation']['value']:.2f}, same-relation {entry['same_relation']['value']:.2f}")
     out["seconds"] = round(time.perf_counter() - t0, 1)
     return out
@@ -681,11 +721,12 @@ def crosspatch_workload(tok, relations: list, known: dict, layers: list[int], n_
                         cfg: AnalysisSettings, analyses: tuple = ()) -> dict:
     """The passes of ``llmprobe.analyses.selector.crosspatch``: the subject states of each relation B's sources
     and recipients (with the LM head), of the cross-relation sources and of the neutral prompts; per patched
-    layer the recipients' clean states up to it and their five patches (prefix-cached edits, as the decoders')."""
+    layer the recipients' clean states up to it and their five patches (prefix-cached edits, as the decoders'),
+    over that layer's items (:func:`crosspatch_design`)."""
     work = empty_passes()
     try:
         grid = fact_grid(tok, relations, known, cfg)
-        neutral, items = crosspatch_items(tok, grid, cfg)
+        neutral, items, rows_at = crosspatch_design(tok, grid, layers, n_layers, cfg)
     except AnalysisError:
         return work
     batch, names = cfg.batch_size, grid.subjects
@@ -699,12 +740,11 @@ def crosspatch_workload(tok, relations: list, known: dict, layers: list[int], n_
     needed = sorted({x[2] for x in items} | {x[4] for x in items})
     work["forward"].append((filled_batches(tok, [neutral] * len(needed), [names[i] for i in needed], batch),
                             n_layers, False))
-    templates = [grid.relations[x[1]].templates[0] for x in items]
-    recipients = [names[x[3]] for x in items]
-    resumed = cached_edit_batches(jacobian_prompts(tok, templates, recipients), len(PATCHES) * len(items), batch)
-    clean = filled_batches(tok, templates, recipients, batch)
-    for layer in patch_layers_of(layers, n_layers):
-        work["forward"].append((clean, layer + 1, False))
+    for layer, rows in rows_at.items():
+        templates = [grid.relations[items[k][1]].templates[0] for k in rows]
+        recipients = [names[items[k][3]] for k in rows]
+        resumed = cached_edit_batches(jacobian_prompts(tok, templates, recipients), len(PATCHES) * len(rows), batch)
+        work["forward"].append((filled_batches(tok, templates, recipients, batch), layer + 1, False))
         work["edits"] += [(b, n_layers - 1 - layer, head) for b, head in resumed]
     return work
 

@@ -37,7 +37,7 @@ from llmprobe.analyses.decoders import EDITS, SVD, causality_metric, lre_causali
 from llmprobe.analyses.multihop import _accuracy as multihop_accuracy
 from llmprobe.analyses.results import CrosspatchLayer, metric_nulls
 from llmprobe.analyses.selector import (
-    PAIR_ITEMS,
+    LRE_PAIR_ITEMS,
     PATCHES,
     PromptSet,
     _patch_metrics,
@@ -1114,7 +1114,8 @@ class PatchWorld:
     holds: bool | None
 
 
-def planted_patch_items(A: torch.Tensor, seed: int, per_pair: int = PAIR_ITEMS) -> list[tuple[int, int, int, int, int]]:
+def planted_patch_items(A: torch.Tensor, seed: int, per_pair: int = LRE_PAIR_ITEMS
+                        ) -> list[tuple[int, int, int, int, int]]:
     """The crosspatch's items (A, B, s, s', s'') drawn from a fact table ``A`` [n, R] (attribute indices, -1 = no
     fact) by the run's rule (``llmprobe.analyses.selector.crosspatch_items``, every fact known and located): up to
     ``per_pair`` per ordered relation pair, s with a fact of B, a recipient s' and a random subject s'' of B with
@@ -1283,10 +1284,11 @@ def median_grade(tests: list[dict], family: int) -> str:
 
 
 def measure_patch_world(world: PatchWorld, A: torch.Tensor, d: int, seed: int, n_boot: int = 1000,
-                        per_pair: int = PAIR_ITEMS) -> dict:
+                        per_pair: int = LRE_PAIR_ITEMS) -> dict:
     """One draw of ``world`` on table ``A``: {"items", "hits" (per patch), "entry" (the run's pooled entry of one
     layer, ``llmprobe.analyses.selector._patch_metrics``), "tests" (:func:`crosspatch_tests`)}. The items are
-    drawn afresh per replicate, as the run draws them per seed, ``per_pair`` per ordered pair (the run's 3)."""
+    drawn afresh per replicate, as the run draws them per seed, ``per_pair`` per ordered pair (the run's 7 at the
+    LRE layers, among which the line's layer is chosen; 3 at the others)."""
     items = planted_patch_items(A, seed, per_pair)
     hits = world.hits(A, items, d, torch.Generator().manual_seed(seed))
     entry = _patch_metrics(hits, settings_from(seed=seed, n_boot=n_boot))
@@ -1298,7 +1300,7 @@ def measure_patch_world(world: PatchWorld, A: torch.Tensor, d: int, seed: int, n
 
 
 def calibrate_crosspatch(worlds: list[PatchWorld], A: torch.Tensor, d: int, replicates: int, family: int,
-                         n_boot: int = 1000, per_pair: int = PAIR_ITEMS, on_row=None) -> list[dict]:
+                         n_boot: int = 1000, per_pair: int = LRE_PAIR_ITEMS, on_row=None) -> list[dict]:
     """One row per world: items, ordered pairs, replicates, the mean success of each patch, and per test of
     :func:`crosspatch_tests` the fraction of replicates graded supported, supported or weak, and inconclusive
     (low power) with Bonferroni over ``family`` tests: power where the claim holds, false-positive rate

@@ -113,7 +113,8 @@ VERDICT_RULE = (
     "the claim at this n even where it holds by construction (out of the Holm family); null not measured: a null "
     "is missing from the report. Layers, chosen on validation subjects only: LRE causality at its "
     "causality layer, LRE faithfulness and each readout at its relation's LRE layer, the R^2 and the crosspatch at the layer most "
-    "relations' LRE chose (with no decoder: every layer, all in the Holm family), the gate transplant at the block "
+    "relations' LRE chose (with no decoder: every layer, the crosspatch's with the most items, all in the Holm "
+    "family), the gate transplant at the block "
     "the selector chose on validation facts. A line shows the median relation: its verdict is the "
     "grade that at least half the relations reach. The matched control is a comparison (more than / as much as / less than), "
     "not a null; its word (more than / as much as / less than) comes from the paired difference where the report "
@@ -415,18 +416,20 @@ def _crosspatch_tests(report: dict) -> tuple[list[dict], str]:
     """(tests, where) of "one state serves every relation": the neutral (relation-free) state of s patched into
     relation B's prompt of s' against the random_subject and random_vector patches, beside B's own state of s
     (same_relation), at the layer most of the crosspatch's relations' LRE decoders chose on validation
-    (:func:`decoder_layers`; the crosspatch itself chooses none); every layer when none did. Per layer one test:
-    every relation B must be served (:func:`every_relation_test`, from the per-pair numbers); reports without
-    them: the success pooled over pairs."""
+    (:func:`decoder_layers`; the crosspatch itself chooses none): an LRE layer, where the crosspatch patches its
+    most items (``n_items``); every layer with the most items when none did. Per layer one test: every relation B
+    must be served (:func:`every_relation_test`, from the per-pair numbers); reports without them: the success
+    pooled over pairs."""
     crosspatch = analyses_of(report).crosspatch
     layers = crosspatch.layers
     _, common = decoder_layers(report, {int(layer) for layer in layers}, crosspatch.relations)
+    most = max((crosspatch_items_at(entry) for entry in layers.values()), default=0)
     graded = [(int(layer), entry) for layer, entry in sorted(layers.items(), key=lambda kv: int(kv[0]))
-              if common is None or common == int(layer)]
+              if (common == int(layer) if common is not None else crosspatch_items_at(entry) == most)]
     tests = [every_relation_test(layer, entry) if crosspatch_targets(entry) else pooled_crosspatch_test(layer, entry)
              for layer, entry in graded]
     where = (f"layer {common}, the one most of its relations' LRE decoders chose on validation" if common is not None
-             else "every patched layer (no decoder chose one), all in the Holm family")
+             else "every patched layer with the most items (no decoder chose one), all in the Holm family")
     if len(graded) == 1 and crosspatch_targets(graded[0][1]):
         where += "; per relation B, neutral against " + " / ".join(NULLS[SERVES]) + " (B's own state): " + ", ".join(
             f"{target} {by['neutral']['value']:.2f} vs " + " / ".join(
@@ -434,6 +437,12 @@ def _crosspatch_tests(report: dict) -> tuple[list[dict], str]:
             (f" ({by['same_relation']['value']:.2f})" if "same_relation" in by else "") + f", n = {by['neutral']['n']}"
             for target, by in crosspatch_targets(graded[0][1]).items())
     return [t for t in tests if t], where
+
+
+def crosspatch_items_at(entry) -> int:
+    """The items the crosspatch patched at one layer: its ``n_items``, else (older reports, the same items at
+    every layer) the neutral patch's n; 0 where neither is there."""
+    return int(entry.n_items or (entry.neutral or {}).get("n") or 0)
 
 
 def pooled_crosspatch_test(layer: int, entry) -> dict | None:
