@@ -365,9 +365,10 @@ def test_bridge_partners_pair_each_item_with_another_answer_of_its_group():
 
 def test_the_wrong_bridge_prompt_carries_another_chains_bridge_scored_on_both_answers(taught_llama, monkeypatch):
     """Each chain's wrong-bridge prompt is its ceiling's prompt with the bridge of another chain of its composition
-    whose answer's first token differs; its hits (the chain's own answer, the other chain's) are the model's next
-    token on that prompt alone, NaN where no such chain exists (a composition whose chains share one answer); the
-    entry counts those chains and pairs cot_minus_wrong_bridge over the others."""
+    whose answer's first token differs; its hits score the next token on that prompt (planted here: the chain's own
+    answer on even chains, the other chain's on odd ones) against the chain's own answer and the other chain's, NaN
+    where no such chain exists (a composition whose chains share one answer); the entry counts those chains and
+    pairs cot_minus_wrong_bridge over the others."""
     lm, relations, known = taught_llama
     monkeypatch.setattr(multihop_module, "FEW_SHOT", 1)
     tok, cfg = lm.tokenizer, settings_from(3, 0, 90, n_boot=50, folds=3)
@@ -390,13 +391,19 @@ def test_the_wrong_bridge_prompt_carries_another_chains_bridge_scored_on_both_an
             f" {b}. " + multihop_module.statement(h, b) for h, b in zip(comp.hops[1:], bridges))
     missing = [j is None for j in partners]
     assert any(missing) and not all(missing)
+    targets = {i: first_token_targets(tok, [prompts[i]] * 2, [rows[i][1].answer, rows[j][1].answer]).tolist()
+               for i, j in enumerate(partners) if j is not None}
+    planted = {prompts[i]: both[i % 2] for i, both in targets.items()}   # even: its own answer; odd: the other's
+    real = multihop_module.last_token
+
+    def next_tokens(model, texts, layers, batch_size=32):          # the model's, but on the wrong-bridge prompts
+        said, states = real(model, texts, layers, batch_size)
+        return torch.tensor([planted.get(t, int(x)) for t, x in zip(texts, said)]), states
+    monkeypatch.setattr(multihop_module, "last_token", next_tokens)
     hits = multihop_module._chain_of_thought(lm, rows, cfg)
     assert torch.isnan(hits["wrong_bridge"]).tolist() == missing == torch.isnan(hits["wrong_bridge_follows"]).tolist()
-    for i, j in enumerate(partners):
-        if j is not None:                          # the next token on the prompt alone (no batch, no padding)
-            said = int(multihop_module.last_token(lm, [prompts[i]], [], 1)[0][0])
-            target = first_token_targets(tok, [prompts[i]] * 2, [rows[i][1].answer, rows[j][1].answer])
-            assert (hits["wrong_bridge"][i], hits["wrong_bridge_follows"][i]) == tuple(float(said == t) for t in target)
+    for i in targets:
+        assert (hits["wrong_bridge"][i], hits["wrong_bridge_follows"][i]) == ((1.0, 0.0) if i % 2 == 0 else (0.0, 1.0))
     direct = torch.zeros(len(rows), dtype=torch.bool)
     entry = multihop_module._accuracy({**hits, "direct": direct}, [c.answer for _, c, _ in rows], cfg)
     paired = [i for i, m in enumerate(missing) if not m]
