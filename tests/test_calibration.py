@@ -501,3 +501,7 @@ def test_the_chain_of_thought_line_separates_its_planted_worlds():
         calibration.cot_block(_nested_world(47, 68, ignores_bridge=True).draw(0)))}})
     line = next(x for x in older["lines"] if x["claim"] == calibration.MULTIHOP)
     assert line["verdict"] == "supported" and "wrong_bridge not in this report" in line["note"]
+    now = claims_block({"analyses": {"multihop": calibration.cot_block(_nested_world(47, 68).draw(0))}})
+    line = next(x for x in now["lines"] if x["claim"] == calibration.MULTIHOP)
+    assert line["verdict"] == "supported" and "its own answer 0.000, the bridge's answer 0.891 (64 chains; 11 " \
+        "without" in line["note"]

@@ -541,6 +541,19 @@ BEFORE_WRONG_BRIDGE = ("wrong_bridge not in this report (written before the wron
                        "and ignores its bridge also passes")
 
 
+def _wrong_bridge_note(entry) -> str:
+    """What the chain-of-thought prompt with another chain's bridge gave (``multihop.pooled`` entry ``entry``):
+    the chain's own answer, the bridge's answer, over how many chains, how many had no other answer to take one
+    from."""
+    own, follows = _compact(entry.wrong_bridge), _compact(entry.wrong_bridge_follows)
+    if own is None or follows is None:
+        return (f"wrong_bridge not measured: no chain has another chain of its composition with another answer "
+                f"({entry.n_without_wrong_bridge} chains)")
+    return (f"with another chain's bridge: its own answer {own['value']:.3f}, the bridge's answer "
+            f"{follows['value']:.3f} ({own['n']} chains; {entry.n_without_wrong_bridge} without a chain of another "
+            "answer in their composition)")
+
+
 def _multihop_tests(report: dict) -> list[dict]:
     """One test per number of hops k: chain-of-thought accuracy over the k-hop chains whose every hop the model
     knows (pooled over compositions) against the direct answer to the same chains (paired: cot_minus_direct),
@@ -565,8 +578,10 @@ def _multihop_tests(report: dict) -> list[dict]:
                           ("the ceiling (the true bridges given)", entry.ceiling))
         if test and before:
             test.update(claim=MULTIHOP, measure="before the wrong-bridge control", note=BEFORE_WRONG_BRIDGE)
-            if test["comparison"]:                             # the line's note (older reports have the ceiling)
-                test["comparison"]["note"] = BEFORE_WRONG_BRIDGE
+        elif test:
+            test["note"] = _wrong_bridge_note(entry)
+        if test and test["comparison"]:                        # the line shows the comparison's note
+            test["comparison"]["note"] = test["note"]
         if test:
             tests.append(test)
     return tests
