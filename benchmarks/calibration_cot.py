@@ -1,23 +1,29 @@
-"""Benchmark: the chain-of-thought line (CoT against the direct answer to the same chains) calibrated on planted
-worlds at the real run's chains.
+"""Benchmark: the chain-of-thought line (CoT against the direct answer to the same chains, the compositions' most
+common answers and the same prompt with another chain's bridge) calibrated on planted worlds at the real run's
+chains.
 
 Chains (``llmprobe.jobs.calibration.SMOLLM2_CHAINS``): the SmolLM2 default run's 75 two-hop chains whose every hop
 is known, in its 9 compositions with their sizes and their most common answers. Worlds:
 
 * outcome level (``cot_rate_worlds``; each chain's direct and CoT hits drawn, paired at the run's correlation):
   CoT right at the run's direct rate (0.52) plus +0.10, +0.20, +0.30, +0.36 (the run's own gain) and on every
-  chain, where the claim holds; equal rates, CoT's bridges wrong (its last hop at chance) and a CoT prompt that
-  only names the answer's type (its composition's most common answer, the direct format missing), where it fails;
+  chain, where the claim holds (the model reading its bridge: with another chain's it gives that chain's answer);
+  equal rates, CoT's bridges wrong (its last hop at chance), a CoT prompt that only names the answer's type (its
+  composition's most common answer, the direct format missing) and CoT that composes in the longer prompt and
+  ignores its bridge (as right with another chain's bridge; at the run's rates and on every chain), where it fails;
 * one-layer two-hop models (``cot_model_worlds``; the stored multi-hop sweep's recipe, N = 16, R = 8): a one-pass
   and a chain-of-thought model at d = 8 and 12, where the single hops fit and the one-pass composition does not
-  (holds), at d = 32, where the one-pass model composes, and at d = 8 with the bridges replaced (fails).
+  (holds), at d = 32, where the one-pass model composes, and at d = 8 with the bridges replaced (fails); each
+  model's wrong-bridge hits from another chain's true bridge fed to its chain-of-thought model.
 
 Each draw is built into the multi-hop analysis' entry by its own code (``llmprobe.analyses.multihop._accuracy``:
 the paired bootstrap, the majority control) and graded by the report's rule with Bonferroni over ``--family``
-tests (the SmolLM2 report's Holm family) and its power there, by three tests: the direct answer alone (the line
-before), the direct answer and the pooled majority control, and the line (the direct answer and the
-compositions' majority, ``llmprobe.report.claims.composition_majority``). Printed: mean rates, and per test the
-fraction of replicates graded supported / supported or weak / inconclusive (low power).
+tests (the SmolLM2 report's Holm family) and its power there, by four tests: the direct answer alone, the direct
+answer and the pooled majority control, "before" (the direct answer and the compositions' majority,
+``llmprobe.report.claims.composition_majority``: the line as it grades a report without the wrong-bridge control)
+and the line (and ``wrong_bridge``, paired). Printed: mean rates (wrong: the chain's answer with another chain's
+bridge; follw: that chain's answer), and per test the fraction of replicates graded supported / supported or
+weak / inconclusive (low power).
 
     python benchmarks/calibration_cot.py                         # 50 + 21 replicates (~5 min, 1 core)
     python benchmarks/calibration_cot.py --replicates 20 --model-seeds 2 --draws 2 --out runs/calibration_cot.json

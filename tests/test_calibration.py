@@ -451,15 +451,20 @@ def test_the_causality_margins_are_paired_over_the_test_pairs():
 
 
 # ------------------------------------------------------------------------------------- the chain-of-thought line
-def _nested_world(n_direct: int, n_cot: int):
-    """SmolLM2's chains, CoT right on ``n_cot`` of them (drawn per seed) and direct on ``n_direct`` of those."""
+def _nested_world(n_direct: int, n_cot: int, ignores_bridge: bool = False):
+    """SmolLM2's chains, CoT right on ``n_cot`` of them (drawn per seed) and direct on ``n_direct`` of those; with
+    another chain's bridge CoT gives that chain's answer (or, ``ignores_bridge``, its own as before)."""
     comps, answers, _ = calibration.planted_chains()
 
     def draw(seed):
         order = torch.randperm(len(answers), generator=torch.Generator().manual_seed(seed))
         d, c = (torch.zeros(len(answers), dtype=torch.bool).index_fill(0, order[:k], True) for k in (n_direct, n_cot))
-        return calibration.CotDraw(comps, answers, {"direct": d, "cot": c, "ceiling": c, "cot_bridges": c})
-    return calibration.CotWorld(f"direct {n_direct} within CoT {n_cot}", draw, True)
+        none = torch.zeros(len(answers), dtype=torch.bool)
+        wrong = calibration.wrong_bridge_hits(calibration.planted_partners(comps, answers, seed),
+                                              c if ignores_bridge else none, none if ignores_bridge else c)
+        return calibration.CotDraw(comps, answers, {"direct": d, "cot": c, "ceiling": c, "cot_bridges": c, **wrong})
+    return calibration.CotWorld(f"direct {n_direct} within CoT {n_cot}" + (", ignores bridge" * ignores_bridge),
+                                draw, not ignores_bridge)
 
 
 def test_the_chain_of_thought_line_separates_its_planted_worlds():
@@ -468,24 +473,43 @@ def test_the_chain_of_thought_line_separates_its_planted_worlds():
     supported (the second only paired: unpaired, it reads weak); equal rates are neither supported nor weak and read "inconclusive (low power)" (n = 75 cannot show
     +0.10 over 27 tests); a CoT prompt that only names the answer's type (each composition's most common answer)
     over a direct format that misses is supported or weak against the direct answer alone, never by the line.
-    Fails when the difference is unpaired (the nested world reads weak), when CoT is graded against the ceiling,
-    or when composition_majority is dropped from the line's nulls."""
+    A model that composes in the longer prompt and ignores its bridge (as right with another chain's bridge) is
+    supported without the wrong-bridge control (as an older report is graded, with a note saying so), never with
+    it. Fails when the difference is unpaired (the nested world reads weak), when CoT is graded against the ceiling,
+    when composition_majority or wrong_bridge is dropped from the line's nulls."""
     comps, answers, common = calibration.planted_chains()
-    block = calibration.cot_block(calibration.CotDraw(comps, answers, {k: common for k in
-                                                                       ("direct", "cot", "ceiling", "cot_bridges")}))
+    partners = calibration.planted_partners(comps, answers, 0)
+    assert sum(j is None for j in partners) == 11             # the continent compositions answered "Europe" only
+    assert all(comps[j] == comps[i] and answers[j] != answers[i] for i, j in enumerate(partners) if j is not None)
+    block = calibration.cot_block(calibration.CotDraw(comps, answers, {
+        **{k: common for k in ("direct", "cot", "ceiling", "cot_bridges")},
+        **calibration.wrong_bridge_hits(partners, common, ~common)}))
+    assert block["pooled"]["k=2"]["n_without_wrong_bridge"] == 11 and block["pooled"]["k=2"]["wrong_bridge"]["n"] == 64
     assert calibration.chain_sizes({"analyses": {"multihop": block}}) == calibration.SMOLLM2_CHAINS
     prior = calibration.composition_majority({"analyses": {"multihop": block}}, "k=2")
     assert prior["value"] == pytest.approx(39 / 75) and prior["n"] == 75       # SmolLM2's 0.52
     assert block["pooled"]["k=2"]["cot"]["nulls"]["majority"]["value"] == pytest.approx(21 / 75)   # "Europe"
     worlds = {w.name: w for w in calibration.cot_rate_worlds()}
     chosen = [worlds["rates: direct 0, CoT 1 (every chain)"], _nested_world(47, 68),
-              worlds["rates: direct = CoT = 0.52"], worlds["CoT names the answer type only, direct 0.20"]]
-    every, nested, equal, type_only = calibration.calibrate_cot(chosen, replicates=3)
+              worlds["rates: direct = CoT = 0.52"], worlds["CoT names the answer type only, direct 0.20"],
+              worlds["CoT ignores bridge: direct 0, CoT 1"], _nested_world(47, 68, ignores_bridge=True)]
+    every, nested, equal, type_only, ignores, nested_ignores = calibration.calibrate_cot(chosen, replicates=3)
     assert every["line_supported"] == nested["line_supported"] == 1.0                          # power
     assert every["direct_supported"] == 0.0        # the widened paired interval, which the line replaces by MOVER
     assert equal["line_supported_or_weak"] == type_only["line_supported_or_weak"] == 0.0     # no false positive
     assert equal["line_low_power"] == type_only["line_low_power"] == 1.0
     assert type_only["direct_supported_or_weak"] >= 2 / 3 and type_only["cot"] == pytest.approx(39 / 75)
+    assert ignores["before_supported"] == nested_ignores["before_supported"] == 1.0       # without the control
+    assert ignores["line_supported_or_weak"] == nested_ignores["line_supported_or_weak"] == 0.0    # with it
+    assert nested_ignores["wrong_bridge"] == pytest.approx(nested_ignores["cot"], abs=0.05)
+    older = claims_block({"analyses": {"multihop": calibration.without_wrong_bridge(
+        calibration.cot_block(_nested_world(47, 68, ignores_bridge=True).draw(0)))}})
+    line = next(x for x in older["lines"] if x["claim"] == calibration.MULTIHOP)
+    assert line["verdict"] == "supported" and "wrong_bridge not in this report" in line["note"]
+    now = claims_block({"analyses": {"multihop": calibration.cot_block(_nested_world(47, 68).draw(0))}})
+    line = next(x for x in now["lines"] if x["claim"] == calibration.MULTIHOP)
+    assert line["verdict"] == "supported" and "its own answer 0.000, the bridge's answer 0.891 (64 chains; 11 " \
+        "without" in line["note"]
 
 
 # ------------------------------------------------------------------------------------------------ the crosspatch

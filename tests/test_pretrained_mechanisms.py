@@ -47,6 +47,7 @@ from llmprobe.model.capture import adapter_for, capture
 from llmprobe.model.known import known_facts, object_split
 from llmprobe.model.loading import load_model
 from llmprobe.model.random_init import random_init
+from llmprobe.model.scoring import first_token_targets
 from synthetic.construction import build_construction, build_subject_memory, construction_accuracy
 from synthetic.mechanisms import gate_transplant as synthetic_gate_transplant
 from synthetic.tasks import random_functions
@@ -376,6 +377,66 @@ def test_every_family_runs_every_new_analysis(taught, monkeypatch):
             assert lo - 1e-12 <= metric["value"] <= hi + 1e-12, path
             seen += 1
     assert seen > 50
+
+
+def test_bridge_partners_pair_each_item_with_another_answer_of_its_group():
+    groups, answers = ["a", "a", "a", "b", "b", "c"], [1, 1, 2, 3, 3, 4]
+    for seed in range(5):
+        partners = multihop_module.bridge_partners(groups, answers, random.Random(seed))
+        assert partners[:2] == [2, 2] and partners[2] in (0, 1) and partners[3:] == [None, None, None]
+        assert partners == multihop_module.bridge_partners(groups, answers, random.Random(seed))   # seeded
+    assert {multihop_module.bridge_partners(groups, answers, random.Random(s))[2] for s in range(20)} == {0, 1}
+
+
+def test_the_wrong_bridge_prompt_carries_another_chains_bridge_scored_on_both_answers(taught_llama, monkeypatch):
+    """Each chain's wrong-bridge prompt is its ceiling's prompt with the bridge of another chain of its composition
+    whose answer's first token differs; its hits score the next token on that prompt (planted here: the chain's own
+    answer on even chains, the other chain's on odd ones) against the chain's own answer and the other chain's, NaN
+    where no such chain exists (a composition whose chains share one answer); the entry counts those chains and
+    pairs cot_minus_wrong_bridge over the others."""
+    lm, relations, known = taught_llama
+    monkeypatch.setattr(multihop_module, "FEW_SHOT", 1)
+    tok, cfg = lm.tokenizer, settings_from(3, 0, 90, n_boot=50, folds=3)
+    rows, _ = multihop_module.item_rows(compositions(relations), relations, known, cfg)
+    pairs = [(comp.name, c.answer) for comp, c, _ in rows]
+    name, one = max(pairs, key=pairs.count)                  # a composition left with chains of one answer only
+    rows = [r for r in rows if r[0].name != name or r[1].answer == one]
+    assert sum(r[0].name == name for r in rows) >= 2
+    first = first_token_targets(tok, [multihop_module.ceiling_prompt(*r) for r in rows],
+                                                [c.answer for _, c, _ in rows]).tolist()
+    partners, prompts = multihop_module.wrong_bridge_prompts(tok, rows, cfg)
+    for i, ((comp, chain, p), j) in enumerate(zip(rows, partners)):
+        others = [k for k, r in enumerate(rows) if r[0].name == comp.name and first[k] != first[i]]
+        if j is None:
+            assert others == [] and prompts[i] is None
+            continue
+        assert j in others
+        bridges = rows[j][1].bridges
+        assert prompts[i] == p["cot"] + " " + multihop_module.statement(comp.hops[0], chain.subject) + "".join(
+            f" {b}. " + multihop_module.statement(h, b) for h, b in zip(comp.hops[1:], bridges))
+    missing = [j is None for j in partners]
+    assert any(missing) and not all(missing)
+    targets = {i: first_token_targets(tok, [prompts[i]] * 2, [rows[i][1].answer, rows[j][1].answer]).tolist()
+               for i, j in enumerate(partners) if j is not None}
+    planted = {prompts[i]: both[i % 2] for i, both in targets.items()}   # even: its own answer; odd: the other's
+    real = multihop_module.last_token
+
+    def next_tokens(model, texts, layers, batch_size=32):          # the model's, but on the wrong-bridge prompts
+        said, states = real(model, texts, layers, batch_size)
+        return torch.tensor([planted.get(t, int(x)) for t, x in zip(texts, said)]), states
+    monkeypatch.setattr(multihop_module, "last_token", next_tokens)
+    hits = multihop_module._chain_of_thought(lm, rows, cfg)
+    assert torch.isnan(hits["wrong_bridge"]).tolist() == missing == torch.isnan(hits["wrong_bridge_follows"]).tolist()
+    for i in targets:
+        assert (hits["wrong_bridge"][i], hits["wrong_bridge_follows"][i]) == ((1.0, 0.0) if i % 2 == 0 else (0.0, 1.0))
+    direct = torch.zeros(len(rows), dtype=torch.bool)
+    entry = multihop_module._accuracy({**hits, "direct": direct}, [c.answer for _, c, _ in rows], cfg)
+    paired = [i for i, m in enumerate(missing) if not m]
+    assert entry["n_without_wrong_bridge"] == sum(missing) and entry["n_items"] == len(rows)
+    assert entry["wrong_bridge"]["n"] == entry["wrong_bridge_follows"]["n"] == entry["cot_minus_wrong_bridge"]["n"] \
+        == len(paired)
+    assert entry["cot_minus_wrong_bridge"]["value"] == pytest.approx(
+        sum(float(hits["cot"][i]) - float(hits["wrong_bridge"][i]) for i in paired) / len(paired))
 
 
 def test_own_gates_change_nothing_and_other_gates_do(taught):

@@ -13,6 +13,10 @@ before it (true chains of the same composition, never an item):
   statement the hop relation's first template); the model completes each hop statement greedily, its own bridge
   goes into the next statement, and the last one is scored like ``direct``;
 * ``ceiling``: the same chain-of-thought prompt with the true bridges (the last hop given the true bridge);
+* ``wrong_bridge``: the ceiling's prompt with another item's bridges of the same composition whose answer's first
+  token differs (a seeded choice; chains with no such item are counted in ``n_without_wrong_bridge``), scored on
+  the chain's own answer (a model that composes in the longer prompt and ignores its bridge keeps it) and, as
+  ``wrong_bridge_follows``, on the other item's answer (the model follows the bridge);
 * ``latent_bridge``: whether each bridge is linearly decodable from the direct prompt's last-token states
   (``blocks.{l}.resid_post``), with the superposition readout's estimator (ridge into the unembedding rows of
   the bridges' first tokens, nearest by cosine; cross-fitted over items), beside shuffled labels and the
@@ -144,6 +148,39 @@ def bridge_budget(tok, names: list[str]) -> int:
     return min(8, 1 + max(len(tok(" " + n, add_special_tokens=False)["input_ids"]) for n in names))
 
 
+def bridge_partners(groups: list, answers: list, gen: random.Random) -> list[int | None]:
+    """Per item, another item of the same group (composition) whose answer differs (``answers``: anything
+    comparable, e.g. the answers' first token ids), drawn by ``gen`` in the items' order; None where every other
+    item of its group has the same answer."""
+    out = []
+    for i, (group, answer) in enumerate(zip(groups, answers)):
+        others = [j for j, (g, a) in enumerate(zip(groups, answers)) if g == group and a != answer]
+        out.append(gen.choice(others) if others else None)
+    return out
+
+
+def ceiling_prompt(comp: Composition, chain: Chain, prompt: dict[str, str], bridges: list[str] | None = None,
+                   answer: str | None = None) -> str:
+    """The chain-of-thought prompt of ``chain`` with its hop statements filled in up to the last one's object:
+    the true bridges (the ceiling), or ``bridges`` leading to ``answer`` (another chain's: the wrong bridge)."""
+    bridges, answer = (chain.bridges, chain.answer) if bridges is None else (bridges, answer)
+    said = reasoning(comp, Chain(chain.subject, bridges, answer))
+    return prompt["cot"] + " " + said.rsplit(" " + answer + ".", 1)[0]
+
+
+def wrong_bridge_prompts(tok, rows, cfg: AnalysisSettings) -> tuple[list[int | None], list[str | None]]:
+    """(partner per item, its wrong-bridge prompt) of :func:`item_rows`' rows: the ceiling's prompt with the
+    bridges of another item of the same composition whose answer's first token differs (:func:`bridge_partners`,
+    seeded by the run's seed); None where the composition has no such item."""
+    ceiling = [ceiling_prompt(comp, c, p) for comp, c, p in rows]
+    first = first_token_targets(tok, ceiling, [c.answer for _, c, _ in rows]).tolist()
+    gen = random.Random(generator(cfg, "multihop", "wrong_bridge").initial_seed())
+    partners = bridge_partners([comp.name for comp, _, _ in rows], first, gen)
+    prompts = [None if j is None else ceiling_prompt(comp, c, p, rows[j][1].bridges, rows[j][1].answer)
+               for (comp, c, p), j in zip(rows, partners)]
+    return partners, prompts
+
+
 def multihop(lm, relations, known: dict, layers: list[int], cfg: AnalysisSettings, log: Log) -> dict:
     """Direct, chain-of-thought and ceiling accuracy per composition and pooled per k, and the latent-bridge
     readout per layer (module docstring): JSON-ready dict of typed metrics."""
@@ -153,6 +190,8 @@ def multihop(lm, relations, known: dict, layers: list[int], cfg: AnalysisSetting
     out = {"few_shot": FEW_SHOT, "compositions": [], "pooled": {}, "skipped": {}, "latent_bridge": None,
            "scoring": "first token of ' ' + answer after the prompt (greedy next token)",
            "examples": "true chains of the composition (facts of the relations, known or not), never an item",
+           "wrong_bridges": "the ceiling's prompt with the bridges of another item of the same composition whose "
+                            "answer's first token differs (seeded choice)",
            "note": None, "error": None}
     if not comps:
         out["note"] = "no composition of the relations given (properties.composed_templates, prompts/SCHEMA.md)"
@@ -211,8 +250,10 @@ def item_rows(comps: list[Composition], relations, known: dict, cfg: AnalysisSet
 
 
 def _chain_of_thought(lm, rows, cfg: AnalysisSettings) -> dict[str, torch.Tensor]:
-    """Hits of the chain-of-thought prompt (the model's own bridges), of the ceiling (the true bridges) and of
-    every bridge the model states: {"cot", "ceiling", "cot_bridges"} BoolTensors [n]."""
+    """Hits of the chain-of-thought prompt (the model's own bridges), of the ceiling (the true bridges), of every
+    bridge the model states ({"cot", "ceiling", "cot_bridges"}: BoolTensors [n]) and of the wrong-bridge prompt
+    (:func:`wrong_bridge_prompts`) on the chain's answer and on the wrong bridge's answer ({"wrong_bridge",
+    "wrong_bridge_follows"}: float64 [n], NaN where the chain has no wrong bridge)."""
     tok = lm.tokenizer
     texts = [p["cot"] + " " + statement(comp.hops[0], c.subject) for comp, c, p in rows]
     bridges_right = torch.ones(len(rows), dtype=torch.bool)
@@ -225,17 +266,30 @@ def _chain_of_thought(lm, rows, cfg: AnalysisSettings) -> dict[str, torch.Tensor
             bridges_right[i] &= is_known(text, true)
             texts[i] += f" {bridge}. " + statement(rows[i][0].hops[step + 1], bridge)
     answers = [c.answer for _, c, _ in rows]
-    ceiling = [p["cot"] + " " + reasoning(comp, c).rsplit(" " + c.answer + ".", 1)[0] for comp, c, p in rows]
-    unique = list(dict.fromkeys(texts + ceiling))            # a chain of true bridges is its own ceiling
+    ceiling = [ceiling_prompt(comp, c, p) for comp, c, p in rows]
+    partners, wrong = wrong_bridge_prompts(tok, rows, cfg)
+    paired = [i for i, j in enumerate(partners) if j is not None]
+    wrong_texts = [wrong[i] for i in paired]
+    unique = list(dict.fromkeys(texts + ceiling + wrong_texts))  # a chain of true bridges is its own ceiling
     pred = dict(zip(unique, last_token(lm, unique, [], cfg.batch_size)[0].tolist()))
-    cot_pred, ceil_pred = (torch.tensor([pred[t] for t in x]) for x in (texts, ceiling))
-    return {"cot": cot_pred == first_token_targets(tok, texts, answers),
-            "ceiling": ceil_pred == first_token_targets(tok, ceiling, answers), "cot_bridges": bridges_right}
+    cot_pred, ceil_pred, wrong_pred = (torch.tensor([pred[t] for t in x], dtype=torch.long)
+                                       for x in (texts, ceiling, wrong_texts))
+    out = {"cot": cot_pred == first_token_targets(tok, texts, answers),
+           "ceiling": ceil_pred == first_token_targets(tok, ceiling, answers), "cot_bridges": bridges_right}
+    for key, said in (("wrong_bridge", [answers[i] for i in paired]),
+                      ("wrong_bridge_follows", [answers[partners[i]] for i in paired])):
+        out[key] = torch.full((len(rows),), float("nan"), dtype=torch.float64)
+        if paired:
+            out[key][paired] = (wrong_pred == first_token_targets(tok, wrong_texts, said)).double()
+    return out
 
 
 def _accuracy(hits: dict[str, torch.Tensor], answers: list[str], cfg: AnalysisSettings) -> dict:
-    """Typed metrics of one set of items: direct, cot, ceiling (each with the ``majority`` control: the share
-    of items whose answer is the most common one), the bridges stated right, and the paired differences."""
+    """Typed metrics of one set of items (``hits`` as :func:`_chain_of_thought` gives them, with "direct"):
+    direct, cot, ceiling (each with the ``majority`` control: the share of items whose answer is the most common
+    one), the bridges stated right, wrong_bridge and wrong_bridge_follows over the items with a wrong bridge (their
+    number missing: ``n_without_wrong_bridge``), and the paired differences (cot_minus_wrong_bridge over the items
+    with a wrong bridge)."""
     h = {k: v.double().tolist() for k, v in hits.items()}
     top = max(set(answers), key=answers.count)
     majority = proportion([float(a == top) for a in answers])
@@ -245,6 +299,11 @@ def _accuracy(hits: dict[str, torch.Tensor], answers: list[str], cfg: AnalysisSe
     out["cot_bridges"] = proportion(h["cot_bridges"]).to_dict()
     out["cot_minus_direct"] = paired_difference(h["cot"], h["direct"], n_boot=cfg.n_boot, seed=cfg.seed).to_dict()
     out["ceiling_minus_cot"] = paired_difference(h["ceiling"], h["cot"], n_boot=cfg.n_boot, seed=cfg.seed).to_dict()
+    out["n_without_wrong_bridge"] = int(torch.isnan(hits["wrong_bridge"]).sum())
+    for name in ("wrong_bridge", "wrong_bridge_follows"):
+        out[name] = proportion(h[name]).to_dict()
+    out["cot_minus_wrong_bridge"] = paired_difference(h["cot"], h["wrong_bridge"], n_boot=cfg.n_boot,
+                                                      seed=cfg.seed).to_dict()
     return out
 
 
@@ -315,9 +374,9 @@ def multihop_workload(tok, relations: list, known: dict, layers: list[int], n_la
                       cfg: AnalysisSettings, analyses: tuple = ()) -> dict:
     """The passes of ``llmprobe.analyses.multihop.multihop``: the direct prompts (the model and its random
     twin), each bridge generated greedily after the chain-of-thought prompt (to its full budget), and the
-    chain-of-thought and ceiling prompts' next tokens. The model's own bridges are not known before it runs: the
-    true ones stand in for them, and each chain-of-thought prompt is counted apart from its ceiling (as when a
-    bridge is wrong)."""
+    chain-of-thought, ceiling and wrong-bridge prompts' next tokens. The model's own bridges are not known before
+    it runs: the true ones stand in for them, and each chain-of-thought prompt is counted apart from its ceiling
+    (as when a bridge is wrong)."""
     work = empty_passes()
     rows, _ = item_rows(compositions(relations), relations, known, cfg)
     if not rows:
@@ -333,8 +392,9 @@ def multihop_workload(tok, relations: list, known: dict, layers: list[int], n_la
                                                [bridge_budget(tok, bridges)] * len(todo), batch)
         for i, bridge in zip(todo, bridges):
             texts[i] += f" {bridge}. " + statement(rows[i][0].hops[step + 1], bridge)
-    ceiling = [p["cot"] + " " + reasoning(comp, c).rsplit(" " + c.answer + ".", 1)[0] for comp, c, p in rows]
-    work["forward"].append((padded_batches(tok, texts + ceiling, batch), n_layers, True))
+    ceiling = [ceiling_prompt(comp, c, p) for comp, c, p in rows]
+    wrong = [t for t in wrong_bridge_prompts(tok, rows, cfg)[1] if t is not None]
+    work["forward"].append((padded_batches(tok, texts + ceiling + wrong, batch), n_layers, True))
     if cfg.random_control and bridges_readable(rows):
         work["forward"].append((padded_batches(tok, direct, batch), n_layers, True))
         work["twins"] += 1

@@ -443,6 +443,10 @@ class MultihopPooled(Result):
     cot_bridges: MetricJSON | None = None
     cot_minus_direct: MetricJSON | None = None
     ceiling_minus_cot: MetricJSON | None = None
+    n_without_wrong_bridge: int | None = None     # the wrong-bridge control (absent from older reports)
+    wrong_bridge: MetricJSON | None = None
+    wrong_bridge_follows: MetricJSON | None = None
+    cot_minus_wrong_bridge: MetricJSON | None = None
 
 
 @dataclass(kw_only=True)
@@ -454,6 +458,7 @@ class MultihopResult(Result):
     few_shot: int | None = None
     scoring: str | None = None
     examples: str | None = None
+    wrong_bridges: str | None = None
     note: str | None = None
     compositions: list[MultihopPooled] = field(default_factory=list)
     pooled: dict[str, MultihopPooled] = field(default_factory=dict)

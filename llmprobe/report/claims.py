@@ -24,7 +24,7 @@ NULLS = {DECODABLE: ("shuffled", "random_init", "lexical"),           # every on
          SUPERPOSITION: ("shuffled", "random_init", "random_attributes", "lexical"),
          SERVES: ("random_subject", "random_vector"),
          SELECTOR: ("other_relation_gate", "random_units_matched"),
-         MULTIHOP: ("direct", "composition_majority")}
+         MULTIHOP: ("direct", "composition_majority", "wrong_bridge")}
 MIN_EFFECT = {DECODABLE: 0.10, CAUSAL: 0.10, SUPERPOSITION: 0.018, SERVES: 0.10, SELECTOR: 0.10,
               MULTIHOP: 0.10}                                  # accuracy / R^2 / success rate over the null
 # SUPERPOSITION: the smallest R^2 gain over random_attributes that no planted negative (shuffled tables, the token
@@ -99,9 +99,11 @@ VERDICT_RULE = (
     "selector: the keep rate under another subject's gates of the same relation against "
     "the subject's own gates of another relation (other_relation_gate) and a random switch-off matched in count "
     "and norm to that transplant (random_units_matched; older reports: the share another relation's gates break "
-    "against switching off as many random units, random_units); chain-of-thought: the direct answer to the same chains "
-    "and composition_majority, the share of them whose answer is their composition's most common one (what "
-    "answering from the answer's type alone could reach)) on the difference measure - null with "
+    "against switching off as many random units, random_units); chain-of-thought: the direct answer to the same chains, "
+    "composition_majority, the share of them whose answer is their composition's most common one (what "
+    "answering from the answer's type alone could reach), and wrong_bridge, the same chain-of-thought prompt with "
+    "another chain's bridge scored on the chain's own answer (what composing without the bridge reaches; older "
+    "reports: the first two, with a note)) on the difference measure - null with "
     "its 95% interval (paired where the report has it: a bootstrap, LRE causality's paired t; else MOVER from the "
     "two intervals). supported: "
     f"the difference exceeds the minimal effect (+{MIN_EFFECT[DECODABLE]:g} accuracy, +{MIN_EFFECT[SUPERPOSITION]:g} "
@@ -595,21 +597,60 @@ def composition_majority(report: dict, key: str) -> dict | None:
     return {"value": value, "ci": list(wilson(value, pooled.n_items)), "n": pooled.n_items, "interval": "wilson"}
 
 
+# the chain-of-thought line of reports written before the wrong-bridge control (no ``wrong_bridge`` in the pooled
+# entry): graded against the direct answer and composition_majority alone, as then, with a note
+MULTIHOP_BEFORE = "chain-of-thought breaks the multi-hop bottleneck (before the wrong-bridge control)"
+NULLS[MULTIHOP_BEFORE] = ("direct", "composition_majority")
+MIN_EFFECT[MULTIHOP_BEFORE] = MIN_EFFECT[MULTIHOP]
+BEFORE_WRONG_BRIDGE = ("wrong_bridge not in this report (written before the wrong-bridge control): graded against "
+                       "direct and composition_majority alone, which a model that composes in the longer prompt "
+                       "and ignores its bridge also passes")
+
+
+def _wrong_bridge_note(entry) -> str:
+    """What the chain-of-thought prompt with another chain's bridge gave (``multihop.pooled`` entry ``entry``):
+    the chain's own answer, the bridge's answer, over how many chains, how many had no other answer to take one
+    from."""
+    own, follows = _compact(entry.wrong_bridge), _compact(entry.wrong_bridge_follows)
+    if own is None or follows is None:
+        return (f"wrong_bridge not measured: no chain has another chain of its composition with another answer "
+                f"({entry.n_without_wrong_bridge} chains)")
+    return (f"with another chain's bridge: its own answer {own['value']:.3f}, the bridge's answer "
+            f"{follows['value']:.3f} ({own['n']} chains; {entry.n_without_wrong_bridge} without a chain of another "
+            "answer in their composition)")
+
+
 def _multihop_tests(report: dict) -> list[dict]:
     """One test per number of hops k: chain-of-thought accuracy over the k-hop chains whose every hop the model
-    knows (pooled over compositions) against the direct answer to the same chains (paired: cot_minus_direct) and
-    against :func:`composition_majority` (MOVER: the report keeps no chain's answer), beside the ceiling (the
-    chain-of-thought prompt with the true bridges). A paired margin widened to [-1, 1] (every chain the same
-    difference: CoT right and direct wrong on every chain) gives way to MOVER (:func:`_informative`). Calibrated
-    on planted worlds (docs/measures.md, Calibration, "The chain-of-thought line"): against the direct answer
-    alone, a chain-of-thought prompt that only names the answer's type is graded supported."""
-    pooled = analyses_of(report).multihop.pooled
-    tests = [claim_test(MULTIHOP, key, None, entry.cot, {"direct": entry.direct,
-                                                         "composition_majority": composition_majority(report, key)},
-                        {"direct": _informative(entry.cot_minus_direct)},
-                        ("the ceiling (the true bridges given)", entry.ceiling))
-             for key, entry in sorted(pooled.items(), key=lambda kv: kv[0])]
-    return [t for t in tests if t]
+    knows (pooled over compositions) against the direct answer to the same chains (paired: cot_minus_direct),
+    against :func:`composition_majority` (MOVER: the report keeps no chain's answer) and against ``wrong_bridge``,
+    the same chains' chain-of-thought prompt with another chain's bridge, scored on their own answer (paired over
+    the chains that have one: cot_minus_wrong_bridge), beside the ceiling (the chain-of-thought prompt with the
+    true bridges). A paired margin widened to [-1, 1] (every chain the same difference) gives way to MOVER
+    (:func:`_informative`). Reports without ``wrong_bridge`` are graded against the first two (``MULTIHOP_BEFORE``)
+    with a note (``BEFORE_WRONG_BRIDGE``, in the comparison's note, which the line shows). Calibrated on planted
+    worlds (docs/measures.md, Calibration, "The chain-of-thought line"): against the direct answer alone, a prompt
+    that only names the answer's type is graded supported; against the first two, a model that composes in the
+    longer prompt and ignores its bridge."""
+    tests = []
+    for key, entry in sorted(analyses_of(report).multihop.pooled.items(), key=lambda kv: kv[0]):
+        nulls = {"direct": entry.direct, "composition_majority": composition_majority(report, key)}
+        margins = {"direct": _informative(entry.cot_minus_direct)}
+        before = entry.wrong_bridge is None
+        if not before:
+            nulls["wrong_bridge"] = entry.wrong_bridge
+            margins["wrong_bridge"] = _informative(entry.cot_minus_wrong_bridge)
+        test = claim_test(MULTIHOP_BEFORE if before else MULTIHOP, key, None, entry.cot, nulls, margins,
+                          ("the ceiling (the true bridges given)", entry.ceiling))
+        if test and before:
+            test.update(claim=MULTIHOP, measure="before the wrong-bridge control", note=BEFORE_WRONG_BRIDGE)
+        elif test:
+            test["note"] = _wrong_bridge_note(entry)
+        if test and test["comparison"]:                        # the line shows the comparison's note
+            test["comparison"]["note"] = test["note"]
+        if test:
+            tests.append(test)
+    return tests
 
 
 def line_fit(xs: list[float], ys: list[float]) -> tuple[float, float, float | None] | None:
@@ -896,8 +937,9 @@ def _selector(report: dict) -> tuple[list[dict], str]:
 
 def _multihop(report: dict) -> tuple[list[dict], str]:
     return _multihop_tests(report), ("chain-of-thought accuracy on the k-hop chains whose every hop is known "
-                                     "(pooled over compositions), per k, against the direct answer and the share "
-                                     "answered by each composition's most common answer")
+                                     "(pooled over compositions), per k, against the direct answer, the share "
+                                     "answered by each composition's most common answer and the same prompt with "
+                                     "another chain's bridge (scored on the chain's own answer)")
 
 
 @dataclass(frozen=True)
