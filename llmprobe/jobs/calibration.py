@@ -196,13 +196,14 @@ def minimal_effect(gains: dict[str, list[float]], level: float = 0.95) -> float:
 
 
 def graded_fractions(grades: dict[str, list[str]], replicates: int) -> dict[str, float]:
-    """Per test (``grades``: test -> its grade in each replicate): the fraction graded supported and the fraction
-    supported or weak (power where the claim holds, false-positive rate where it fails); any other grade counts
-    in neither."""
+    """Per test (``grades``: test -> its grade in each replicate): the fraction graded supported, the fraction
+    supported or weak (power where the claim holds, false-positive rate where it fails) and the fraction
+    "inconclusive (low power)"."""
     out = {}
     for key, graded in grades.items():
         out[f"{key}_supported"] = sum(g == "supported" for g in graded) / replicates
         out[f"{key}_supported_or_weak"] = sum(g in ("supported", "weak") for g in graded) / replicates
+        out[f"{key}_low_power"] = sum(g == "inconclusive (low power)" for g in graded) / replicates
     return out
 
 
@@ -970,8 +971,6 @@ def calibrate_causal(worlds: list[CausalWorld], n_facts: list[int], d: int, repl
                    "n_max": max(pairs), "replicates": replicates, "family": family,
                    **{k: round(v, 4) for k, v in sums.items()}}
             row.update(graded_fractions(grades, replicates))
-            for key, graded in grades.items():
-                row[f"{key}_low_power"] = sum(g == "inconclusive (low power)" for g in graded) / replicates
             rows.append(row)
             if on_row is not None:
                 on_row(row)
@@ -1324,8 +1323,6 @@ def calibrate_crosspatch(worlds: list[PatchWorld], A: torch.Tensor, d: int, repl
         row = {"world": world.name, "claim_holds": world.holds, "n": min(n_items), "pairs": min(pairs),
                "replicates": replicates, "family": family, **{k: round(v, 4) for k, v in sums.items()}}
         row.update(graded_fractions(grades, replicates))
-        for key, graded in grades.items():
-            row[f"{key}_low_power"] = sum(g == "inconclusive (low power)" for g in graded) / replicates
         rows.append(row)
         if on_row is not None:
             on_row(row)
@@ -1672,8 +1669,6 @@ def calibrate_cot(worlds: list[CotWorld], replicates: int, family: int = COT_FAM
         row = {"world": world.name, "claim_holds": world.holds, "n": min(n_seen), "replicates": replicates,
                "family": family, **{k: round(v, 4) for k, v in sums.items()}}
         row.update(graded_fractions(grades, replicates))
-        for key, graded in grades.items():
-            row[f"{key}_low_power"] = sum(g == "inconclusive (low power)" for g in graded) / replicates
         rows.append(row)
         if on_row is not None:
             on_row(row)
