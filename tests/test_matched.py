@@ -38,7 +38,7 @@ def table():
 
 @pytest.fixture(scope="module")
 def block(table):
-    return train_matched(table, d_model=24, max_steps=600, progress=lambda *_: None, n_boot=200)
+    return train_matched(table, d_model=24, max_steps=600, recipe="adam", progress=lambda *_: None, n_boot=200)
 
 
 def test_controls_train_past_their_first_fit_by_the_stated_rule(block):
@@ -133,7 +133,7 @@ def test_controls_numbers_do_not_depend_on_the_thread_count(table):
     runs = []
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        runs.append(train_matched(table, d_model=128, max_steps=600, modes=("trainable",), n_boot=20,
+        runs.append(train_matched(table, d_model=128, max_steps=600, recipe="adam", modes=("trainable",), n_boot=20,
                                    progress=lambda *_: None))
         assert torch.get_num_threads() == threads
     assert [p["d"] for p in runs[0]["modes"]["trainable"]["points"]][-1] == 128
@@ -171,7 +171,7 @@ def test_controls_train_on_the_device_they_are_given(monkeypatch, table):
         return real(task, model_config=model_config, config=config)
 
     monkeypatch.setattr(module, "train", spy)
-    out = train_matched(table, d_model=4, max_steps=50, modes=("trainable",), at_model_width=False, n_boot=20,
+    out = train_matched(table, d_model=4, max_steps=50, recipe="adam", modes=("trainable",), at_model_width=False, n_boot=20,
                          progress=lambda *_: None, device="cpu:0")
     assert seen and set(seen) == {"cpu:0"} and out["training"]["device"] == "cpu:0"
     assert block_is_measured(out)
@@ -247,7 +247,7 @@ def test_the_workers_progress_lines_reach_the_parent_and_its_result_comes_back(t
     killed mid-way is a RuntimeError naming its death, not a hang."""
     from llmprobe.jobs.matched import MatchedWorker
 
-    kwargs = dict(d_model=4, max_steps=50, modes=("trainable",), at_model_width=False, n_boot=20)
+    kwargs = dict(d_model=4, max_steps=50, recipe="adam", modes=("trainable",), at_model_width=False, n_boot=20)
     lines: list[str] = []
     worker = MatchedWorker((table,), kwargs, on_progress=lines.append)
     controls, seconds = worker.get()
@@ -267,7 +267,7 @@ def test_each_mode_trained_apart_and_merged_is_the_block_of_both_trained_togethe
     """run trains each mode in its own worker: the merged block has every number of the block trained in one
     call (nothing passes from one mode to the other), compared_with names both modes, and blocks of different
     settings refuse to merge."""
-    kwargs = dict(d_model=24, max_steps=600, progress=lambda *_: None, n_boot=200)
+    kwargs = dict(d_model=24, max_steps=600, recipe="adam", progress=lambda *_: None, n_boot=200)
     apart = [train_matched(table, modes=(mode,), **kwargs) for mode in ("frozen", "trainable")]
     merged = merge_matched(apart)
     assert list(merged["modes"]) == ["trainable", "frozen"]

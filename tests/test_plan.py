@@ -306,3 +306,29 @@ def test_the_controls_are_priced_at_the_training_rule_set():
     seconds = {past: plan(TARGETS[0], from_options("run", None, {"matched_options": {"past_fit": past}}),
                           rate=REFERENCE_RATE)["total"]["matched_seconds"] for past in (100, 1000)}
     assert seconds[1000] > 2 * seconds[100]
+
+
+def test_the_plan_prices_the_graded_known_facts_control_and_the_all_facts_one_when_asked():
+    """The default run trains one control per mode: the known-facts table (its facts among the plan's known ones)
+    with the weight_decay recipe, every seed its whole 1000-step schedule, at the known table's measured d*;
+    matched.all_facts adds the all-facts control (adam's rule, its seeds, every fact) after it, in the same
+    worker, and its seconds."""
+    settings = from_options("run", None, {})
+    work, _, _ = plan_module.settings_workload(settings, 30)
+    graded, = work["controls"]
+    assert (graded["facts"], graded["recipe"], graded["n_seeds"], graded["max_steps"]) == ("known", "weight_decay",
+                                                                                         3, 1000)
+    assert 0 < graded["n_facts"] < work["n_facts_table"] and 0 < graded["n_subjects"] <= work["n_subjects"]
+    curve = plan_module.matched_curve("frozen", 576, True, 3, graded["past_fit"], 1000, "known")
+    assert curve[0][0] == plan_module.MATCHED_KNOWN_D_STAR["frozen"] == 7 and all(s == 3000 for _, s in curve)
+    asked = from_options("run", None, {"matched_options": {"all_facts": True, "all_facts_n_seeds": 2}})
+    work_asked, _, _ = plan_module.settings_workload(asked, 30)
+    assert work_asked["controls"][0] == graded and work_asked["controls"][1] == {
+        "facts": "all", "recipe": "adam", "n_seeds": 2, "past_fit": 100, "max_steps": 2000,
+        "n_facts": work["n_facts_table"], "n_subjects": work["n_subjects"]}
+    alone = plan("HuggingFaceTB/SmolLM2-135M", settings, rate=REFERENCE_RATE)["total"]["matched_seconds"]
+    both = plan("HuggingFaceTB/SmolLM2-135M", asked, rate=REFERENCE_RATE)["total"]["matched_seconds"]
+    shape = plan_module.model_shape("HuggingFaceTB/SmolLM2-135M", False)[0]
+    apart = plan_module.predict_on(shape, {**work_asked, "controls": work_asked["controls"][1:]}, CPU_FITS, "cpu",
+                                   None)["matched_total"]
+    assert both == pytest.approx(alone + apart) and apart > 0
