@@ -9,9 +9,10 @@ readout code, as a curve over width, over seeds.
    on the table as given, every training stopped at its first step at 100% train accuracy (d* asks only whether
    the facts fit);
 2. trains the curve d*, 2 d*, 4 d*, ... up to ``d_model`` / 1.5, and ``d_model`` itself (the pretrained model's
-   width) with ``n_seeds`` seeds, to the convergence rule: ``past_fit`` steps past the first step at 100% (at
-   most to ``max_steps``). A wide control fits after a few dozen steps with its embeddings barely off their random
-   init, so its R^2 at that step measures the stopping rule more than the model. Seed i (0, 1, ...) is the model
+   width) with ``n_seeds`` seeds, to the recipe's rule (:data:`RULES`): weight_decay its whole cosine schedule of
+   ``max_steps`` (1000), adam ``past_fit`` steps past the first step at 100% (at most to ``max_steps``). A wide
+   control fits after a few dozen steps with its embeddings barely off their random init, so its R^2 at that step
+   measures the stopping rule more than the model. Seed i (0, 1, ...) is the model
    seed ``seed + i`` and, for i > 0, the subjects in the order :func:`synthetic.tasks.reorder_subjects` draws from
    ``seed + i`` (which embedding row each subject gets). The seeds of one width train in one batched stack
    (:func:`synthetic.batched.train_batched`, softmax chunk fixed: each seed's numbers are those it gets alone);
@@ -43,15 +44,20 @@ settings (on a CUDA device, up to CUDA's non-deterministic kernels: not checked)
 
 Modes: ``trainable`` (every parameter learns) and ``frozen`` (subject embeddings frozen at random init, the
 unembedding learns). ``frozen_all`` (subject embeddings and unembedding frozen) is a sweep mode, not trained here.
-Recipes (:data:`RECIPES`): ``adam`` (lr 0.1, no weight decay: the capacity sweep's) and ``weight_decay`` (lr 0.03,
-weight decay 1e-4: ``synth analyze``'s, the paper's regime; with ``max_steps=1000, past_fit=1000`` it trains the
-whole schedule, as there).
+Recipes (:data:`RECIPES`, their rules :data:`RULES`): ``weight_decay`` (lr 0.03, weight decay 1e-4, its whole
+1000-step cosine schedule: ``synth analyze``'s, the paper's regime; the default) and ``adam`` (lr 0.1, no weight
+decay, 100 steps past the first fit: the capacity sweep's). Tables (``facts``): ``known`` (the facts the
+pretrained model knows of its superposition fit's table: what ``llmprobe run`` grades) or ``all`` (every fact of
+that table: the all-facts control, shown apart, ``all_facts``).
 
 The returned block (``report["matched"]``)::
 
     {"compared_with": "<one sentence: what is compared with what>",
-     "table": {"n_subjects", "relations", "n_facts", "bits", "bits_joint"}, "d_model": 576, "seed": 0, "seeds": [0, 1, 2],
-     "training": {TrainConfig fields that matter, "recipe", "past_fit", "budgets", "threads", ...},
+     "table": {"facts", "n_subjects", "relations", "n_facts", "bits", "bits_joint"}, "d_model": 576, "seed": 0,
+     "seeds": [0, 1, 2],
+     "training": {TrainConfig fields that matter, "recipe", "past_fit", "stopping_rule", "schedule", "budgets",
+                  "threads", ...},
+     "all_facts": {a block of the same form: the all-facts control, when asked for},
      "wall_seconds": ..., "cpu_seconds": ...,
      "modes": {"trainable": {"threshold": {"d_star", "exact", "tried": [...], "search_seconds"},
                              "points": [{"d", "d_over_dstar", "d_mlp", "train": {"accuracy", "success", "steps",

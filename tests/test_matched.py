@@ -321,11 +321,14 @@ def test_run_gives_each_modes_worker_the_plan_of_its_table(table, monkeypatch, c
     from llmprobe.jobs.plan import REFERENCE_RATE, matched_planned
 
     monkeypatch.setattr(job, "measured_rate", lambda: REFERENCE_RATE / 2)
-    arguments = {"device": "cpu", "at_model_width": True, "n_seeds": 3, "max_steps": 600}
+    arguments = {"device": "cpu", "at_model_width": True, "n_seeds": 3, "max_steps": 600, "recipe": "adam",
+                 "facts": "all", "all_facts": {"table": table, "recipe": "adam", "n_seeds": 1}}
     plans = pickle.loads(pickle.dumps(job.planned_matched(table, 24, ("trainable", "frozen"), arguments)))
     n_facts = int((table.table >= 0).sum())
     for mode in ("trainable", "frozen"):
-        expected = matched_planned(mode, 24, n_facts, len(table.subjects), True, 3, "cpu", 2.0, 600)
+        expected = matched_planned(mode, 24, n_facts, len(table.subjects), True, 3, "cpu", 2.0, 600, 100, "all")
+        apart = matched_planned(mode, 24, n_facts, len(table.subjects), True, 1, "cpu", 2.0, 2000, 100, "all")
+        assert plans[mode]["apart"] == apart["search"] + apart["curve"] > 0      # the all-facts control after it
         assert plans[mode]["search"] == expected["search"] and plans[mode]["curve"] == expected["curve"]
         assert plans[mode]["width"](7) == expected["width"](7) > 0
     assert job.planned_matched(table, 24, ("trainable",), {"device": "cpu"}) == {}

@@ -2,10 +2,11 @@
 superposition fit measures, measure both with the same readout code, and write one report (JSON, HTML, Markdown,
 CSV).
 
-Matched controls (``synthetic.matched``, imported here): the superposition fit's fact table (same subjects,
-relations and attribute sets, all facts; the known-fact table when the superposition analysis is not run;
-general maps, not only bijections) trains the paper's one-layer model with trainable
-and with frozen subject embeddings, as a curve over width: d* (the capacity sweep's bisection), 2 d*, 4 d*, ...
+Matched controls (``synthetic.matched``, imported here): the superposition fit's fact table restricted to the facts
+the model knows (same subjects, relations and attribute sets; ``matched.facts``; the known-fact table when the
+superposition analysis is not run; general maps, not only bijections) trains the paper's one-layer model with the
+``matched.recipe`` (weight_decay: its whole 1000-step schedule) with trainable and with frozen subject embeddings
+(and, with ``matched.all_facts``, the same on every fact of that table, shown apart), as a curve over width: d* (the capacity sweep's bisection), 2 d*, 4 d*, ...
 and the model's own d_model (only d* without ``at_model_width``). Each point is measured by
 ``llmprobe.geometry.superposition_readout`` on its subject embeddings, with the shuffled-table and random-init
 controls, as the pretrained model's subject states are; ``report["matched"]`` is that block.
@@ -56,8 +57,9 @@ def run(model=None, *, settings: Settings | None = None, out: str | Path = "runs
     settings of the controls: ``max_steps``, ``d_max``, ``n_boot``, ``modes``), over ``settings``.
 
     Like for like: the matched controls train on the fact table the pretrained superposition fit measures (the
-    shared-subject relations, all their facts, the subjects locatable in the neutral templates:
-    ``llmprobe.analyses.superposition_table``); without the superposition analysis, on the known-fact table.
+    shared-subject relations, the subjects locatable in the neutral templates:
+    ``llmprobe.analyses.superposition_table``), on the facts of it the model knows (``matched.facts``; every fact
+    for the all-facts control, ``matched.all_facts``); without the superposition analysis, on the known-fact table.
 
     The matched controls need only the known facts, so they train beside the analyses: one worker process per
     control mode (trainable, frozen), each on one CPU thread, so the critical path is the longer mode, not both
