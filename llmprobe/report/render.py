@@ -533,8 +533,9 @@ def _matched_text(report: dict) -> str:
         table = typed.table
         modes = "; ".join(f"{mode} d = {', '.join(str(p['d']) for p in entry.get('points') or [])}"
                           for mode, entry in (block.get("modes") or {}).items())
+        described = f"; {typed.described()}" if table.facts else ""     # older reports: as they were written
         return (f"{modes} on {table.n_subjects} subjects x {len(table.relations or [])} relations "
-                f"({table.n_facts} facts; {typed.described()})")
+                f"({table.n_facts} facts{described})")
     apart = block.get("all_facts")
     return text(block) + (f"; shown apart, not graded: {text(apart)}" if isinstance(apart, dict) else "")
 
