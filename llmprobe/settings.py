@@ -616,8 +616,18 @@ def from_record(block: dict, where: str = "report.json settings") -> tuple[str, 
     if not isinstance(block, dict) or block.get("command") not in COMMAND_ANALYSES:
         raise UsageError(f"{where}: no recorded settings of probe or run (reports written before settings were "
                          f"recorded cannot be rerun)")
-    settings = Settings().update({k: v for k, v in block.items() if k != "command" and v is not None}, where)
+    settings = Settings().update({k: v for k, v in _older_matched(block).items() if k != "command" and v is not None},
+                                 where)
     return block["command"], check(settings)
+
+
+def _older_matched(block: dict) -> dict:
+    """A run's settings block recorded before the controls' table was a setting (its ``matched`` without ``facts``):
+    those controls trained on every fact, so a rerun repeats that (``facts = "all"``)."""
+    matched = block.get("matched")
+    if isinstance(matched, dict) and "facts" not in matched:
+        return {**block, "matched": {**matched, "facts": "all"}}
+    return block
 
 
 # ------------------------------------------------------------------------------------------------ TOML

@@ -15,7 +15,7 @@ from llmprobe.jobs.main import all_facts_control, matched_table
 from llmprobe.jobs.plan import smollm2_tokenizer
 from llmprobe.report.claims import SUPERPOSITION
 from llmprobe.report.render import render_markdown, with_matched
-from llmprobe.settings import from_options
+from llmprobe.settings import from_options, from_record
 from synthetic.matched import RECIPES, train_matched
 
 NAMES = ["country_capital", "country_continent", "country_subregion"]
@@ -153,3 +153,14 @@ def test_an_older_report_reads_as_the_all_facts_control_and_a_new_one_names_both
     page = render_markdown(with_matched([{**report, "schema_version": 3}]), "t")
     assert "synthetic all-facts trainable d=8" in page and "synthetic trainable d=8" in page
     assert json.dumps(report)                      # still plain JSON
+
+
+def test_a_rerun_of_an_older_report_trains_its_controls_on_every_fact_as_it_did():
+    """Settings recorded before ``matched.facts`` existed (their controls trained every fact with adam) are read
+    with ``facts = "all"`` and their recorded recipe, so a rerun repeats them; a record that has ``facts`` keeps it."""
+    older = {"command": "run", "matched": {"enabled": True, "max_steps": 2000, "past_fit": 100, "recipe": "adam"}}
+    _, settings = from_record(older)
+    assert (settings.matched.facts, settings.matched.recipe, settings.matched.past_fit) == ("all", "adam", 100)
+    _, settings = from_record({"command": "run", "matched": {"facts": "known", "recipe": "weight_decay"}})
+    assert (settings.matched.facts, settings.matched.recipe, settings.matched.past_fit) == ("known", "weight_decay",
+                                                                                          None)
