@@ -101,7 +101,7 @@ class MatchedSettings:
                                             # schedule: converges to the geometric solution) or adam (lr 0.1)
     facts: str = "known"                    # the graded control's table: known (the facts the model knows of the
                                             # superposition fit's table) or all (every fact of that table)
-    all_facts: bool = False                 # also train the all-facts control, shown apart (not graded; +4 min)
+    all_facts: bool = False                 # also train the all-facts control, shown apart (not graded; +3 min)
     all_facts_recipe: str = "adam"          # the all-facts control's recipe (its step cap and rule: the recipe's)
     all_facts_n_seeds: int = 1              # the all-facts control's seeds per point
 
