@@ -19,6 +19,7 @@ EMBEDDING_MODES = {
     "frozen_unembed": ("frozen_unembed",),             # the unembedding frozen, subject embeddings learn
 }
 MATCHED_MODES = ("trainable", "frozen")
+MATCHED_FACTS = ("known", "all")                   # the matched controls' tables (synthetic.matched.FACTS)
 MATCHED_RECIPES = ("adam", "weight_decay")           # the matched controls' optimiser recipes (synthetic.matched.RECIPES)          # subject embeddings of the matched synthetic models
 SWEEP_MODES = ("trainable", "frozen", "frozen_all")        # the capacity sweep's modes (synthetic.sweep)
 SWAP_MODES = ("trainable", "frozen", "frozen_unembed")     # the freeze-and-swap sweep's modes (synthetic.swap)

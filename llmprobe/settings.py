@@ -48,7 +48,7 @@ from llmprobe.checks import (
     layer_spec,
     parse_max_memory,
 )
-from llmprobe.names import ANALYSES, MATCHED_MODES, MATCHED_RECIPES
+from llmprobe.names import ANALYSES, MATCHED_FACTS, MATCHED_MODES, MATCHED_RECIPES
 
 
 @dataclasses.dataclass
@@ -89,13 +89,21 @@ class MatchedSettings:
 
     enabled: bool = True                    # false: skip the controls (--no-matched)
     at_model_width: bool = True             # false: train only at d*, not also up to the model's d_model
-    max_steps: int = 2000                   # step cap of every control's training (the bisection's too)
+    max_steps: int | None = None            # step cap of every control's training (the bisection's too); none =
+                                            # the recipe's (adam 2000, weight_decay 1000)
     d_max: int | None = None                # widest width the bisection tries; none = the model's d_model
     n_boot: int = 500                       # bootstrap resamples of the controls' R^2 intervals
     modes: tuple[str, ...] = MATCHED_MODES  # trainable and/or frozen subject embeddings
     n_seeds: int = 3                        # seeds (model init and subject order) of every point of the curve
-    past_fit: int = 100                     # convergence rule: steps trained past the first 100% train accuracy
-    recipe: str = "adam"                    # adam (lr 0.1) or weight_decay (lr 0.03, wd 1e-4: the paper's regime)
+    past_fit: int | None = None             # stopping rule: steps trained past the first 100% train accuracy; none =
+                                            # the recipe's (adam 100; weight_decay: its whole schedule)
+    recipe: str = "weight_decay"            # the graded control's: weight_decay (lr 0.03, wd 1e-4, its whole 1000-step
+                                            # schedule: converges to the geometric solution) or adam (lr 0.1)
+    facts: str = "known"                    # the graded control's table: known (the facts the model knows of the
+                                            # superposition fit's table) or all (every fact of that table)
+    all_facts: bool = False                 # also train the all-facts control, shown apart (not graded; +3 min)
+    all_facts_recipe: str = "adam"          # the all-facts control's recipe (its step cap and rule: the recipe's)
+    all_facts_n_seeds: int = 1              # the all-facts control's seeds per point
 
 
 SECTIONS = {"run": RunSettings, "analysis": AnalysisSettings, "matched": MatchedSettings}
@@ -103,6 +111,7 @@ SHARED = {"analysis": ("seed",)}            # fields set through another section
 COMMAND_ANALYSES = {"probe": ("lre", "ridge", "superposition"), "run": ANALYSES}   # run.analyses = none
 PLACEMENT = ("device_map", "max_memory", "offload_folder", "quantize")     # run settings that place the model
 TRAINING = ("max_steps", "d_max", "n_boot", "modes", "n_seeds", "past_fit", "recipe")                       # control settings of the training
+TABLES = ("facts", "all_facts", "all_facts_recipe", "all_facts_n_seeds")   # control settings of the tables (the job's)
 # Python API keywords beside the run settings (which are keywords by their own names): keyword -> section (a
 # dict of that section's settings) or "section.key"
 # the words of llmprobe 0.1's first reports, still read (with a FutureWarning): section and run() keywords
@@ -447,7 +456,7 @@ RANGES = {
     "analysis.batch_size": (1, None, False), "analysis.jacobian_batch_size": (1, None, False),
     "analysis.jacobian_chunk": (1, None, False), "analysis.jacobian_oversample": (0, None, False),
     "analysis.jacobian_rank": (1, None, False),     # its number K ("auto" and "full" are checked by the analyses)
-    "matched.n_seeds": (1, None, False), "matched.past_fit": (0, None, False),
+    "matched.n_seeds": (1, None, False), "matched.past_fit": (0, None, False), "matched.all_facts_n_seeds": (1, None, False),
     "matched.max_steps": (1, None, False), "matched.d_max": (1, None, False), "matched.n_boot": (1, None, False),
 }
 
@@ -478,7 +487,7 @@ CAPS = {
     "analysis.batch_size": (None, 65536), "analysis.jacobian_batch_size": (None, 65536),
     "analysis.jacobian_chunk": (None, WIDTH_MAX), "analysis.jacobian_oversample": (None, WIDTH_MAX),
     "analysis.jacobian_rank": (None, WIDTH_MAX),
-    "matched.n_seeds": (None, 100), "matched.past_fit": (None, 10 ** 6),
+    "matched.n_seeds": (None, 100), "matched.past_fit": (None, 10 ** 6), "matched.all_facts_n_seeds": (None, 100),
     "matched.max_steps": (None, 10 ** 7), "matched.d_max": (None, WIDTH_MAX), "matched.n_boot": (None, 100_000),
 }
 
@@ -562,8 +571,12 @@ def check(settings: Settings) -> Settings:
     for key, bounds in RANGES.items():
         section, name = key.split(".")
         _check_range(key, getattr(getattr(settings, section), name), bounds)
-    if matched.recipe not in MATCHED_RECIPES:
-        raise UsageError(f"matched.recipe must be one of {', '.join(MATCHED_RECIPES)}, got {matched.recipe!r}")
+    for key in ("recipe", "all_facts_recipe"):
+        if getattr(matched, key) not in MATCHED_RECIPES:
+            raise UsageError(f"matched.{key} must be one of {', '.join(MATCHED_RECIPES)}, got "
+                             f"{getattr(matched, key)!r}")
+    if matched.facts not in MATCHED_FACTS:
+        raise UsageError(f"matched.facts must be one of {', '.join(MATCHED_FACTS)}, got {matched.facts!r}")
     unknown = [m for m in matched.modes if m not in MATCHED_MODES]
     if unknown or not matched.modes:
         raise UsageError(f"matched.modes must be a non-empty list of {', '.join(MATCHED_MODES)}, got "
@@ -603,8 +616,18 @@ def from_record(block: dict, where: str = "report.json settings") -> tuple[str, 
     if not isinstance(block, dict) or block.get("command") not in COMMAND_ANALYSES:
         raise UsageError(f"{where}: no recorded settings of probe or run (reports written before settings were "
                          f"recorded cannot be rerun)")
-    settings = Settings().update({k: v for k, v in block.items() if k != "command" and v is not None}, where)
+    settings = Settings().update({k: v for k, v in _older_matched(block).items() if k != "command" and v is not None},
+                                 where)
     return block["command"], check(settings)
+
+
+def _older_matched(block: dict) -> dict:
+    """A run's settings block recorded before the controls' table was a setting (its ``matched`` without ``facts``):
+    those controls trained on every fact, so a rerun repeats that (``facts = "all"``)."""
+    matched = block.get("matched")
+    if isinstance(matched, dict) and "facts" not in matched:
+        return {**block, "matched": {**matched, "facts": "all"}}
+    return block
 
 
 # ------------------------------------------------------------------------------------------------ TOML

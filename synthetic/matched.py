@@ -9,9 +9,10 @@ readout code, as a curve over width, over seeds.
    on the table as given, every training stopped at its first step at 100% train accuracy (d* asks only whether
    the facts fit);
 2. trains the curve d*, 2 d*, 4 d*, ... up to ``d_model`` / 1.5, and ``d_model`` itself (the pretrained model's
-   width) with ``n_seeds`` seeds, to the convergence rule: ``past_fit`` steps past the first step at 100% (at
-   most to ``max_steps``). A wide control fits after a few dozen steps with its embeddings barely off their random
-   init, so its R^2 at that step measures the stopping rule more than the model. Seed i (0, 1, ...) is the model
+   width) with ``n_seeds`` seeds, to the recipe's rule (:data:`RULES`): weight_decay its whole cosine schedule of
+   ``max_steps`` (1000), adam ``past_fit`` steps past the first step at 100% (at most to ``max_steps``). A wide
+   control fits after a few dozen steps with its embeddings barely off their random init, so its R^2 at that step
+   measures the stopping rule more than the model. Seed i (0, 1, ...) is the model
    seed ``seed + i`` and, for i > 0, the subjects in the order :func:`synthetic.tasks.reorder_subjects` draws from
    ``seed + i`` (which embedding row each subject gets). The seeds of one width train in one batched stack
    (:func:`synthetic.batched.train_batched`, softmax chunk fixed: each seed's numbers are those it gets alone);
@@ -43,15 +44,20 @@ settings (on a CUDA device, up to CUDA's non-deterministic kernels: not checked)
 
 Modes: ``trainable`` (every parameter learns) and ``frozen`` (subject embeddings frozen at random init, the
 unembedding learns). ``frozen_all`` (subject embeddings and unembedding frozen) is a sweep mode, not trained here.
-Recipes (:data:`RECIPES`): ``adam`` (lr 0.1, no weight decay: the capacity sweep's) and ``weight_decay`` (lr 0.03,
-weight decay 1e-4: ``synth analyze``'s, the paper's regime; with ``max_steps=1000, past_fit=1000`` it trains the
-whole schedule, as there).
+Recipes (:data:`RECIPES`, their rules :data:`RULES`): ``weight_decay`` (lr 0.03, weight decay 1e-4, its whole
+1000-step cosine schedule: ``synth analyze``'s, the paper's regime; the default) and ``adam`` (lr 0.1, no weight
+decay, 100 steps past the first fit: the capacity sweep's). Tables (``facts``): ``known`` (the facts the
+pretrained model knows of its superposition fit's table: what ``llmprobe run`` grades) or ``all`` (every fact of
+that table: the all-facts control, shown apart, ``all_facts``).
 
 The returned block (``report["matched"]``)::
 
     {"compared_with": "<one sentence: what is compared with what>",
-     "table": {"n_subjects", "relations", "n_facts", "bits", "bits_joint"}, "d_model": 576, "seed": 0, "seeds": [0, 1, 2],
-     "training": {TrainConfig fields that matter, "recipe", "past_fit", "budgets", "threads", ...},
+     "table": {"facts", "n_subjects", "relations", "n_facts", "bits", "bits_joint"}, "d_model": 576, "seed": 0,
+     "seeds": [0, 1, 2],
+     "training": {TrainConfig fields that matter, "recipe", "past_fit", "stopping_rule", "schedule", "budgets",
+                  "threads", ...},
+     "all_facts": {a block of the same form: the all-facts control, when asked for},
      "wall_seconds": ..., "cpu_seconds": ...,
      "modes": {"trainable": {"threshold": {"d_star", "exact", "tried": [...], "search_seconds"},
                              "points": [{"d", "d_over_dstar", "d_mlp", "train": {"accuracy", "success", "steps",
@@ -94,12 +100,28 @@ from synthetic.tasks import from_fact_table, reorder_subjects
 from synthetic.train import SNAPSHOT, TrainConfig
 
 MODES = MATCHED_MODES
-MAX_STEPS = 2000          # step cap of every control's training (the bisection's too)
-PAST_FIT = 100            # the convergence rule: steps trained past the first step at 100% train accuracy
-                          # (SmolLM2's table: R^2 within 0.01 of 300 steps past at every width, half the cost)
+MAX_STEPS = 2000          # adam's step cap of every control's training (the bisection's too)
+PAST_FIT = 100            # adam's stopping rule: steps trained past the first step at 100% train accuracy
+                          # (SmolLM2's all-facts table: R^2 within 0.01 of 300 steps past at every width)
 N_SEEDS = 3               # seeds of every curve point (model seed and subject order)
 BUDGETS = (0, 30, 100, 300, 1000)     # steps past the fit at which the R^2 is read too (those below past_fit)
 RECIPES = {"adam": {"lr": 0.1, "weight_decay": 0.0}, "weight_decay": {"lr": 0.03, "weight_decay": 1e-4}}
+# each recipe's step cap and stopping rule (``max_steps``, ``past_fit``; past_fit None: the whole schedule, i.e.
+# past_fit = max_steps): adam stops PAST_FIT steps past its first 100% step; weight_decay trains its whole cosine
+# schedule of 1000 steps, away from the random init towards the geometric solution (docs/measures.md, "Matched
+# synthetic controls": R^2 against steps)
+RULES = {"adam": {"max_steps": MAX_STEPS, "past_fit": PAST_FIT}, "weight_decay": {"max_steps": 1000, "past_fit": None}}
+
+
+def recipe_rule(recipe: str, max_steps: int | None = None, past_fit: int | None = None) -> tuple[int, int]:
+    """(max_steps, past_fit) of ``recipe`` with the caller's values where given (None: the recipe's,
+    :data:`RULES`; a rule of the whole schedule trains ``max_steps``, past_fit = max_steps)."""
+    rule = RULES[recipe]
+    max_steps = rule["max_steps"] if max_steps is None else max_steps
+    past_fit = past_fit if past_fit is not None else rule["past_fit"] if rule["past_fit"] is not None else max_steps
+    return max_steps, past_fit
+FACTS = ("known", "all")  # the tables a control trains on: the facts the model knows, or every fact of the fit's table
+ALL_FACTS = "all_facts"   # the block key (and checkpoint folder) of the all-facts control shown apart
 THREADS = 1               # torch threads of all the controls' training and measuring (reproducibility)
 N_BOOT = 500              # bootstrap resamples of the controls' R^2 intervals
 PLACE = "subject embeddings e_s (blocks.0.resid_pre at the subject token)"
@@ -383,18 +405,38 @@ def seeds_summary(rows: list[dict], budgets: tuple[int, ...]) -> dict:
             "movement": {"at_fit": mean_movement("movement_at_fit"), "final": mean_movement("movement_final")}}
 
 
-def compared_with(table_info: dict, d_model: int, modes: dict, past_fit: int, seeds: list[int]) -> str:
-    """The sentence that says exactly what the controls' numbers are compared with."""
+def stopping_rule(past_fit: int, max_steps: int) -> str:
+    """A control's stopping rule in words (the curve's; the threshold search stops at the first 100% step)."""
+    if past_fit >= max_steps:
+        return (f"its whole {max_steps}-step cosine schedule, whenever it first reaches 100% train accuracy (the "
+                f"threshold search: that first step, at most {max_steps})")
+    return (f"{past_fit} steps past the first step at 100% train accuracy, at most {max_steps} in all (the threshold "
+            f"search: that first step)")
+
+
+FACTS_WORDS = {"known": "the facts the pretrained model knows of the table of the pretrained superposition fit",
+               "all": "every fact of the table of the pretrained superposition fit"}
+
+
+def compared_with(table_info: dict, d_model: int, modes: dict, training: dict, seeds: list[int]) -> str:
+    """The sentence that says exactly what the controls' numbers are compared with: the table (``table_info``'s
+    ``facts``: known or all; absent: the table as given), the recipe and stopping rule (``training``: the block's
+    ``recipe``, ``lr``, ``weight_decay``, ``past_fit``, ``max_steps``), the seeds and widths."""
     stars = ", ".join(f"{m} d* = {v['threshold']['d_star']}" for m, v in modes.items())
-    return (f"Each control is the one-layer model trained to 100% train accuracy and then {past_fit} steps further "
-            f"(or to its {MAX_STEPS}-step cap) on the same fact table as the pretrained superposition fit "
+    past_fit, max_steps = training["past_fit"], training["max_steps"]
+    trained = (f"for its whole {max_steps}-step schedule" if past_fit >= max_steps else
+               f"to 100% train accuracy and then {past_fit} steps further (or to its {max_steps}-step cap)")
+    table = FACTS_WORDS.get(table_info.get("facts"), "the same fact table as the pretrained superposition fit")
+    return (f"Each control is the one-layer model trained with the {training['recipe']} recipe (Adam, lr "
+            f"{training['lr']:g}, weight decay {training['weight_decay']:g}, cosine schedule) {trained} on {table} "
             f"({table_info['n_subjects']} subjects x {len(table_info['relations'])} relations, "
-            f"{table_info['n_facts']} facts, the same attribute sets), with {len(seeds)} seeds (initialisation and "
-            f"subject order), at widths d*, 2 d*, 4 d*, ... and the pretrained d_model = {d_model} ({stars}); its "
-            f"subject embeddings e_s are measured with the same cross-fitted superposition fit (held-out R^2) and "
-            f"per-relation linear readouts as the pretrained model's relation-free subject states, with the same "
-            f"shuffled-table and random-init controls. Widths, training and subjects differ from the pretrained "
-            f"model; the table, the measure and the controls do not.")
+            f"{table_info['n_facts']} facts, the same attribute sets), with {len(seeds)} seed"
+            f"{'s' if len(seeds) != 1 else ''} (initialisation and subject order), at widths d*, 2 d*, 4 d*, ... and "
+            f"the pretrained d_model = {d_model} ({stars}); its subject embeddings e_s are measured with the same "
+            f"cross-fitted superposition fit (held-out R^2) and per-relation linear readouts as the pretrained "
+            f"model's relation-free subject states, with the same shuffled-table and random-init controls. Widths, "
+            f"training and subjects differ from the pretrained model; the table, the measure and the controls do "
+            f"not.")
 
 
 class TimeLeft:
@@ -426,16 +468,24 @@ class TimeLeft:
 
 
 def train_matched(table: FactTable, d_model: int, seed: int = 0, at_model_width: bool = True,
-                   max_steps: int = MAX_STEPS, d_max: int | None = None, n_boot: int = N_BOOT,
+                   max_steps: int | None = None, d_max: int | None = None, n_boot: int = N_BOOT,
                    modes: tuple[str, ...] = MODES, progress=print, device: str = "cpu", n_seeds: int = N_SEEDS,
-                   past_fit: int = PAST_FIT, recipe: str = "adam", planned: dict | None = None,
-                   checkpoints: str | Path | None = None, resume: bool = False) -> dict:
+                   past_fit: int | None = None, recipe: str = "weight_decay", planned: dict | None = None,
+                   checkpoints: str | Path | None = None, resume: bool = False, facts: str | None = None,
+                   all_facts: dict | None = None) -> dict:
     """Train and measure the matched controls on ``table`` (pass the very table of the pretrained superposition
     fit); returns the controls block of the module docstring, on :data:`THREADS` torch threads whatever the
     caller's. ``device``: where the controls train (a CUDA device pays at the pretrained model's width: d = 4096
     with an MLP of 8d is ~2 TFLOP per full-batch step on a 1158-fact table); they are measured on the CPU.
-    ``n_seeds`` seeds per point, ``past_fit`` steps trained past the first 100% step, ``recipe`` a key of
-    :data:`RECIPES`.
+    ``n_seeds`` seeds per point; ``recipe`` a key of :data:`RECIPES` (its optimiser settings); ``max_steps`` the step
+    cap and ``past_fit`` the steps trained past the first 100% step (None: the recipe's, :data:`RULES`;
+    ``past_fit >= max_steps`` trains the whole cosine schedule). ``facts``: which table ``table`` is ("known": the
+    facts the pretrained model knows, "all": every fact of its superposition fit's table; None: not said),
+    recorded in the block's ``table.facts`` and its ``compared_with``.
+
+    ``all_facts``: the all-facts control shown apart, trained after this one in the same call: keywords of this
+    function ({"table": FactTable, "recipe", "n_seeds", ...}; the others as this call's, ``facts`` "all", its
+    units under ``checkpoints/all_facts``); its block is this block's ``all_facts``. None (default): none.
 
     ``planned``: the plan's seconds of each mode (``llmprobe.jobs.plan.matched_planned``), mode -> {"search":
     seconds of the threshold search, "curve": seconds of the curve as planned (before d* is known), "width": the
@@ -448,6 +498,9 @@ def train_matched(table: FactTable, d_model: int, seed: int = 0, at_model_width:
     None (default): nothing written or read."""
     if recipe not in RECIPES:
         raise ValueError(f"unknown controls recipe {recipe!r}; choose from {', '.join(RECIPES)}")
+    if facts is not None and facts not in FACTS:
+        raise ValueError(f"unknown controls table {facts!r}; choose from {', '.join(FACTS)}")
+    max_steps, past_fit = recipe_rule(recipe, max_steps, past_fit)
     if n_seeds < 1 or past_fit < 0:
         raise ValueError(f"need n_seeds >= 1 and past_fit >= 0, got {n_seeds} and {past_fit}")
     with fixed_threads():
@@ -462,8 +515,9 @@ def train_matched(table: FactTable, d_model: int, seed: int = 0, at_model_width:
         units = Units(checkpoints, {"table": table_digest(table), "d_model": d_model, "seed": seed,
                                     "max_steps": max_steps, "d_max": cfg.d_max, "n_boot": n_boot, "n_seeds": n_seeds,
                                     "past_fit": past_fit, "recipe": recipe, "device": str(device),
-                                    "threads": THREADS}, resume, progress)
-        info = {"n_subjects": len(table.subjects), "relations": list(table.relations),
+                                    "threads": THREADS, **({"facts": facts} if facts else {})}, resume, progress)
+        info = {**({"facts": facts} if facts else {}), "n_subjects": len(table.subjects),
+                "relations": list(table.relations),
                 "n_facts": int((task.table >= 0).sum()), "bits": round(task.bits(), 1),
                 "bits_joint": round(task.bits_joint(), 1)}
         block_modes = {}
@@ -540,42 +594,56 @@ def train_matched(table: FactTable, d_model: int, seed: int = 0, at_model_width:
                     progress(f"{label}: 100% train accuracy at step " + ", ".join(
                         "never" if r["fit_step"] is None else str(r["fit_step"]) for r in rows)
                         + f" ({len(rows)} seed{plural}); superposition R^2 {p['r2_at_fit']['value']:.3f} at that "
-                        f"step, {p['r2_final']['value']:.3f} after {past_fit} more" + left)
+                        f"step, {p['r2_final']['value']:.3f} at the end ({stopping_rule(past_fit, max_steps).split(',')[0]})"
+                        + left)
             block_modes[mode] = {"threshold": threshold, "points": points}
         seeds = [seed + i for i in range(n_seeds)]
-        return {"compared_with": compared_with(info, d_model, block_modes, past_fit, seeds), "place": PLACE,
-                "table": info, "d_model": d_model, "seed": seed, "seeds": seeds,
-                "training": {"max_steps": max_steps, "lr": search.lr, "weight_decay": search.weight_decay,
-                             "recipe": recipe, "past_fit": past_fit, "budgets": list(budgets),
-                             "stopping_rule": f"{past_fit} steps past the first step at 100% train accuracy, at "
-                                              f"most {max_steps} in all (the threshold search: that first step)",
-                             "mlp_ratio": cfg.mlp_ratio, "attention": cfg.attention,
-                             "target_acc": search.target_acc, "device": device, "threads": THREADS,
-                             "flush_denormals": search.flush_denormals,
-                             "chunk": search.chunk, "batched": "the seeds of one width in one stack"},
-                "modes": block_modes, "wall_seconds": round(time.perf_counter() - t0, 1),
-                "cpu_seconds": round(time.process_time() - cpu0, 1)}
+        training = {"max_steps": max_steps, "lr": search.lr, "weight_decay": search.weight_decay,
+                    "recipe": recipe, "past_fit": past_fit, "budgets": list(budgets),
+                    "stopping_rule": stopping_rule(past_fit, max_steps), "schedule": search.schedule,
+                    "mlp_ratio": cfg.mlp_ratio, "attention": cfg.attention,
+                    "target_acc": search.target_acc, "device": device, "threads": THREADS,
+                    "flush_denormals": search.flush_denormals,
+                    "chunk": search.chunk, "batched": "the seeds of one width in one stack"}
+        block = {"compared_with": compared_with(info, d_model, block_modes, training, seeds), "place": PLACE,
+                 "table": info, "d_model": d_model, "seed": seed, "seeds": seeds, "training": training,
+                 "modes": block_modes, "wall_seconds": round(time.perf_counter() - t0, 1),
+                 "cpu_seconds": round(time.process_time() - cpu0, 1)}
+    if all_facts is not None:
+        own = {"seed": seed, "at_model_width": at_model_width, "d_max": d_max, "n_boot": n_boot, "modes": modes,
+               "progress": progress, "device": device, "planned": None, "resume": resume, "facts": "all",
+               "checkpoints": None if checkpoints is None else Path(checkpoints) / ALL_FACTS, **all_facts}
+        progress(f"the all-facts control (shown apart, not graded): {own['table']!r}")
+        block[ALL_FACTS] = train_matched(d_model=d_model, **own)
+        block["wall_seconds"] = round(time.perf_counter() - t0, 1)
+        block["cpu_seconds"] = round(time.process_time() - cpu0, 1)
+    return block
 
 
 def merge_matched(blocks: list[dict]) -> dict:
     """One controls block from blocks of :func:`train_matched` that each trained other modes of the same table
     and settings (one worker process per mode): their modes in :data:`MODES` order, ``compared_with`` for them
-    all, ``wall_seconds`` the longest block's (they trained at the same time), ``cpu_seconds`` the sum. Each
-    mode's numbers are those ``train_matched`` gives it alone: nothing is shared between modes but the table."""
+    all, ``wall_seconds`` the longest block's (they trained at the same time), ``cpu_seconds`` the sum; their
+    all-facts controls (``all_facts``) merged the same way. Each mode's numbers are those ``train_matched`` gives
+    it alone: nothing is shared between modes but the table."""
     if not blocks:
         raise ValueError("no controls block to merge")
     first = blocks[0]
     keys = ("table", "d_model", "seed", "seeds", "training")
     for block in blocks[1:]:
-        differ = [k for k in keys if block.get(k) != first.get(k)]
+        differ = [k for k in keys if block.get(k) != first.get(k)] + (
+            [ALL_FACTS] if (ALL_FACTS in block) != (ALL_FACTS in first) else [])
         if differ:
             raise ValueError(f"controls blocks of different runs cannot be merged (they differ in {differ})")
     modes = {mode: block["modes"][mode] for mode in MODES for block in blocks if mode in block["modes"]}
-    return {**first, "compared_with": compared_with(first["table"], first["d_model"], modes,
-                                                   first["training"]["past_fit"], first["seeds"]),
-            "modes": modes, "wall_seconds": max(b["wall_seconds"] for b in blocks),
-            "cpu_seconds": round(sum(b["cpu_seconds"] for b in blocks), 1)}
+    merged = {**first, "compared_with": compared_with(first["table"], first["d_model"], modes, first["training"],
+                                                      first["seeds"]),
+              "modes": modes, "wall_seconds": max(b["wall_seconds"] for b in blocks),
+              "cpu_seconds": round(sum(b["cpu_seconds"] for b in blocks), 1)}
+    if ALL_FACTS in first:
+        merged[ALL_FACTS] = merge_matched([b[ALL_FACTS] for b in blocks])
+    return merged
 
 
-__all__ = ["MODES", "RECIPES", "Units", "table_digest", "known_table", "train_at", "control_threshold", "curve_widths", "measure_control",
+__all__ = ["MODES", "RECIPES", "RULES", "recipe_rule", "FACTS", "ALL_FACTS", "stopping_rule", "Units", "table_digest", "known_table", "train_at", "control_threshold", "curve_widths", "measure_control",
            "train_matched", "merge_matched", "compared_with", "fixed_threads", "over_seeds", "r2_value", "seed_values", "movement"]

@@ -169,7 +169,7 @@ def test_flags_override_set_which_overrides_the_file(tmp_path):
                                          "n_icl": 6}
     assert values.matched_arguments() == {"seed": 1, "at_model_width": False, "max_steps": 7, "d_max": None,
                                           "n_boot": 500, "modes": ("trainable", "frozen"), "n_seeds": 3,
-                                          "past_fit": 100, "recipe": "adam"}
+                                          "past_fit": None, "recipe": "weight_decay"}
     assert settings_of(["probe"]).analyses("probe") == ("lre", "ridge", "superposition")
     assert settings_of(["run"]).analyses("run") == ANALYSES and settings_of(["probe", "--analyses", ""]).analyses("probe") == ()
     assert settings_of(["run", "--analyses", ""]).analyses("run") == ()
@@ -259,7 +259,8 @@ def _record_controls(monkeypatch) -> dict:
         def get(self):
             seen["threads"].append(torch.get_num_threads())
             table = {"n_subjects": 0, "relations": [], "n_facts": 0, "bits": 0.0}
-            return {"modes": {}, "table": table, "d_model": 8, "seed": 0, "seeds": [0], "training": {"past_fit": 1},
+            training = {"past_fit": 1, "max_steps": 1, "recipe": "adam", "lr": 0.1, "weight_decay": 0.0}
+            return {"modes": {}, "table": table, "d_model": 8, "seed": 0, "seeds": [0], "training": training,
                     "wall_seconds": 0.0, "cpu_seconds": 0.0}, 0.0
 
         def ready(self):
@@ -286,7 +287,8 @@ def test_control_settings_reach_the_controls_worker(tiny, tmp_path, all_known, m
     recorded = json.loads((out / "report.json").read_text())["settings"]
     assert recorded["command"] == "run" and recorded["matched"] == {
         "enabled": True, "at_model_width": False, "max_steps": 7, "d_max": 9, "n_boot": 11, "modes": ["frozen"],
-        "n_seeds": 3, "past_fit": 100, "recipe": "adam"}
+        "n_seeds": 3, "past_fit": None, "recipe": "weight_decay", "facts": "known", "all_facts": False,
+        "all_facts_recipe": "adam", "all_facts_n_seeds": 1}
     # rerun repeats run (not probe) with the same control settings
     seen.clear()
     assert main(["rerun", str(out), "--out", str(tmp_path / "again")]) == 0

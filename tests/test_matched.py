@@ -38,7 +38,7 @@ def table():
 
 @pytest.fixture(scope="module")
 def block(table):
-    return train_matched(table, d_model=24, max_steps=600, progress=lambda *_: None, n_boot=200)
+    return train_matched(table, d_model=24, max_steps=600, recipe="adam", progress=lambda *_: None, n_boot=200)
 
 
 def test_controls_train_past_their_first_fit_by_the_stated_rule(block):
@@ -133,7 +133,7 @@ def test_controls_numbers_do_not_depend_on_the_thread_count(table):
     runs = []
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        runs.append(train_matched(table, d_model=128, max_steps=600, modes=("trainable",), n_boot=20,
+        runs.append(train_matched(table, d_model=128, max_steps=600, recipe="adam", modes=("trainable",), n_boot=20,
                                    progress=lambda *_: None))
         assert torch.get_num_threads() == threads
     assert [p["d"] for p in runs[0]["modes"]["trainable"]["points"]][-1] == 128
@@ -171,7 +171,7 @@ def test_controls_train_on_the_device_they_are_given(monkeypatch, table):
         return real(task, model_config=model_config, config=config)
 
     monkeypatch.setattr(module, "train", spy)
-    out = train_matched(table, d_model=4, max_steps=50, modes=("trainable",), at_model_width=False, n_boot=20,
+    out = train_matched(table, d_model=4, max_steps=50, recipe="adam", modes=("trainable",), at_model_width=False, n_boot=20,
                          progress=lambda *_: None, device="cpu:0")
     assert seen and set(seen) == {"cpu:0"} and out["training"]["device"] == "cpu:0"
     assert block_is_measured(out)
@@ -247,7 +247,7 @@ def test_the_workers_progress_lines_reach_the_parent_and_its_result_comes_back(t
     killed mid-way is a RuntimeError naming its death, not a hang."""
     from llmprobe.jobs.matched import MatchedWorker
 
-    kwargs = dict(d_model=4, max_steps=50, modes=("trainable",), at_model_width=False, n_boot=20)
+    kwargs = dict(d_model=4, max_steps=50, recipe="adam", modes=("trainable",), at_model_width=False, n_boot=20)
     lines: list[str] = []
     worker = MatchedWorker((table,), kwargs, on_progress=lines.append)
     controls, seconds = worker.get()
@@ -267,7 +267,7 @@ def test_each_mode_trained_apart_and_merged_is_the_block_of_both_trained_togethe
     """run trains each mode in its own worker: the merged block has every number of the block trained in one
     call (nothing passes from one mode to the other), compared_with names both modes, and blocks of different
     settings refuse to merge."""
-    kwargs = dict(d_model=24, max_steps=600, progress=lambda *_: None, n_boot=200)
+    kwargs = dict(d_model=24, max_steps=600, recipe="adam", progress=lambda *_: None, n_boot=200)
     apart = [train_matched(table, modes=(mode,), **kwargs) for mode in ("frozen", "trainable")]
     merged = merge_matched(apart)
     assert list(merged["modes"]) == ["trainable", "frozen"]
@@ -321,11 +321,14 @@ def test_run_gives_each_modes_worker_the_plan_of_its_table(table, monkeypatch, c
     from llmprobe.jobs.plan import REFERENCE_RATE, matched_planned
 
     monkeypatch.setattr(job, "measured_rate", lambda: REFERENCE_RATE / 2)
-    arguments = {"device": "cpu", "at_model_width": True, "n_seeds": 3, "max_steps": 600}
+    arguments = {"device": "cpu", "at_model_width": True, "n_seeds": 3, "max_steps": 600, "recipe": "adam",
+                 "facts": "all", "all_facts": {"table": table, "recipe": "adam", "n_seeds": 1}}
     plans = pickle.loads(pickle.dumps(job.planned_matched(table, 24, ("trainable", "frozen"), arguments)))
     n_facts = int((table.table >= 0).sum())
     for mode in ("trainable", "frozen"):
-        expected = matched_planned(mode, 24, n_facts, len(table.subjects), True, 3, "cpu", 2.0, 600)
+        expected = matched_planned(mode, 24, n_facts, len(table.subjects), True, 3, "cpu", 2.0, 600, 100, "all")
+        apart = matched_planned(mode, 24, n_facts, len(table.subjects), True, 1, "cpu", 2.0, 2000, 100, "all")
+        assert plans[mode]["apart"] == apart["search"] + apart["curve"] > 0      # the all-facts control after it
         assert plans[mode]["search"] == expected["search"] and plans[mode]["curve"] == expected["curve"]
         assert plans[mode]["width"](7) == expected["width"](7) > 0
     assert job.planned_matched(table, 24, ("trainable",), {"device": "cpu"}) == {}

@@ -125,14 +125,16 @@ def test_presets_work_offline_and_memory_grows_with_the_parameters(monkeypatch):
 
 def test_the_shipped_fits_reproduce_the_benchmark_and_its_documented_table():
     """The plan of the default run is the benchmark's prediction with the shipped fits (this CPU at the fit
-    machine's rate), and those fits give docs/scaling.md's predicted walls (SmolLM2 15.5 min here; 8B on one H200
-    29.5 min)."""
+    machine's rate) with the default run's controls (the known-facts control, weight_decay), and those fits give
+    the predicted walls (SmolLM2 16.6 min here: docs/scaling.md's 15.5 min with the all-facts adam controls of
+    before 2026-12-06; 8B on one H200 29.5 min)."""
     shape = TARGETS[0]
     work = run_workload(smollm2_tokenizer(), shape.layers, SMOLLM2_KNOWN)
+    work["controls"] = plan_module.settings_workload(from_options("run", None, {}), shape.layers)[0]["controls"]
     expected = predict_on(shape, work, CPU_FITS, "cpu", auto_rank(shape, work["lre_layers"]))
     got = plan(shape, rate=REFERENCE_RATE)
     assert {s: got["stages"][s]["seconds"] for s in stages()} == pytest.approx({s: expected[s] for s in stages()})
-    assert got["total"]["seconds"] == pytest.approx(15.5 * 60, rel=0.05)
+    assert got["total"]["seconds"] == pytest.approx(16.6 * 60, rel=0.05)
     assert plan(TARGETS[3], device="h200")["total"]["seconds"] == pytest.approx(29.5 * 60, rel=0.05)
 
 
@@ -258,8 +260,11 @@ def test_every_constant_of_the_cost_model_has_its_provenance_and_is_the_one_plan
     assert any(e["machine"] == "assumed" for e in data["H200"].values())
     assert set(data) == {"FITTED", "H200", "MATCHED_PARAMS", "REFERENCE_RATE", "PROCESS_BYTES", "SMOLLM2_KNOWN",
                          "SMOLLM2_KNOWN_FRACTION", "MATCHED_D_STAR", "CONTROL_STEPS", "CONTROL_POINT_STEPS",
-                         "MATCHED_SEARCH_S", "THREADS_PARALLEL_FRACTION"}
+                         "MATCHED_SEARCH_S", "THREADS_PARALLEL_FRACTION", "MATCHED_KNOWN_D_STAR",
+                         "MATCHED_KNOWN_SEARCH_S"}
     assert plan_module.THREADS_PARALLEL_FRACTION == data["THREADS_PARALLEL_FRACTION"]["value"]
+    for name in ("MATCHED_KNOWN_D_STAR", "MATCHED_KNOWN_SEARCH_S"):
+        assert getattr(plan_module, name) == data[name]["value"], name
     fitted = plan_module.FITTED
     assert fitted == {stage: tuple(e["value"]) for stage, e in data["FITTED"].items()}
     assert all(type(fit) is tuple and len(fit) == 2 for fit in fitted.values())
@@ -306,3 +311,29 @@ def test_the_controls_are_priced_at_the_training_rule_set():
     seconds = {past: plan(TARGETS[0], from_options("run", None, {"matched_options": {"past_fit": past}}),
                           rate=REFERENCE_RATE)["total"]["matched_seconds"] for past in (100, 1000)}
     assert seconds[1000] > 2 * seconds[100]
+
+
+def test_the_plan_prices_the_graded_known_facts_control_and_the_all_facts_one_when_asked():
+    """The default run trains one control per mode: the known-facts table (its facts among the plan's known ones)
+    with the weight_decay recipe, every seed its whole 1000-step schedule, at the known table's measured d*;
+    matched.all_facts adds the all-facts control (adam's rule, its seeds, every fact) after it, in the same
+    worker, and its seconds."""
+    settings = from_options("run", None, {})
+    work, _, _ = plan_module.settings_workload(settings, 30)
+    graded, = work["controls"]
+    assert (graded["facts"], graded["recipe"], graded["n_seeds"], graded["max_steps"]) == ("known", "weight_decay",
+                                                                                         3, 1000)
+    assert 0 < graded["n_facts"] < work["n_facts_table"] and 0 < graded["n_subjects"] <= work["n_subjects"]
+    curve = plan_module.matched_curve("frozen", 576, True, 3, graded["past_fit"], 1000, "known")
+    assert curve[0][0] == plan_module.MATCHED_KNOWN_D_STAR["frozen"] == 7 and all(s == 3000 for _, s in curve)
+    asked = from_options("run", None, {"matched_options": {"all_facts": True, "all_facts_n_seeds": 2}})
+    work_asked, _, _ = plan_module.settings_workload(asked, 30)
+    assert work_asked["controls"][0] == graded and work_asked["controls"][1] == {
+        "facts": "all", "recipe": "adam", "n_seeds": 2, "past_fit": 100, "max_steps": 2000,
+        "n_facts": work["n_facts_table"], "n_subjects": work["n_subjects"]}
+    alone = plan("HuggingFaceTB/SmolLM2-135M", settings, rate=REFERENCE_RATE)["total"]["matched_seconds"]
+    both = plan("HuggingFaceTB/SmolLM2-135M", asked, rate=REFERENCE_RATE)["total"]["matched_seconds"]
+    shape = plan_module.model_shape("HuggingFaceTB/SmolLM2-135M", False)[0]
+    apart = plan_module.predict_on(shape, {**work_asked, "controls": work_asked["controls"][1:]}, CPU_FITS, "cpu",
+                                   None)["matched_total"]
+    assert both == pytest.approx(alone + apart) and apart > 0

@@ -566,6 +566,7 @@ class FactTable(Result):
     n_facts: int | None = None
     bits: float | None = None
     bits_joint: float | None = None               # counted jointly (synthetic.tasks.FactTask.bits_joint); older: absent
+    facts: str | None = None                      # "known" (the facts the model knows) or "all"; older: absent (all)
 
 
 @dataclass(kw_only=True)
@@ -605,12 +606,14 @@ class MatchedTraining(Result):
     past_fit: int | None = None
     lr: float | None = None
     weight_decay: float | None = None
+    stopping_rule: str | None = None
 
 
 @dataclass(kw_only=True)
 class MatchedBlock(Result):
     """report.json's ``matched`` block (``run``): what the controls are compared with, where they are read, their
-    fact table and training; ``modes`` (each mode's threshold and curve points) as read."""
+    fact table and training; ``modes`` (each mode's threshold and curve points) as read; ``all_facts`` the
+    all-facts control shown apart (a block of the same form; None where not trained, and in older reports)."""
 
     NESTED: ClassVar = {"table": _One(FactTable), "training": _One(MatchedTraining)}
     compared_with: str | None = None
@@ -621,8 +624,17 @@ class MatchedBlock(Result):
     seeds: list | None = None
     training: MatchedTraining = field(default_factory=MatchedTraining)
     modes: dict | None = None
+    all_facts: dict | None = None
     wall_seconds: float | None = None
     cpu_seconds: float | None = None
+
+    def described(self) -> str:
+        """The control in a few words: its table and recipe ("known facts, weight_decay recipe"; a report without
+        the table's ``facts`` trained on every fact of the superposition table: "all facts")."""
+        facts = self.table.facts or "all"
+        recipe = f", {self.training.recipe} recipe" if self.training.recipe else ""
+        seeds = f", {len(self.seeds)} seed{'s' if len(self.seeds) != 1 else ''}" if self.seeds else ""
+        return f"{facts} facts{recipe}{seeds}"
 
 
 @dataclass(kw_only=True)

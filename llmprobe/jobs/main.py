@@ -2,10 +2,11 @@
 superposition fit measures, measure both with the same readout code, and write one report (JSON, HTML, Markdown,
 CSV).
 
-Matched controls (``synthetic.matched``, imported here): the superposition fit's fact table (same subjects,
-relations and attribute sets, all facts; the known-fact table when the superposition analysis is not run;
-general maps, not only bijections) trains the paper's one-layer model with trainable
-and with frozen subject embeddings, as a curve over width: d* (the capacity sweep's bisection), 2 d*, 4 d*, ...
+Matched controls (``synthetic.matched``, imported here): the superposition fit's fact table restricted to the facts
+the model knows (same subjects, relations and attribute sets; ``matched.facts``; the known-fact table when the
+superposition analysis is not run; general maps, not only bijections) trains the paper's one-layer model with the
+``matched.recipe`` (weight_decay: its whole 1000-step schedule) with trainable and with frozen subject embeddings
+(and, with ``matched.all_facts``, the same on every fact of that table, shown apart), as a curve over width: d* (the capacity sweep's bisection), 2 d*, 4 d*, ...
 and the model's own d_model (only d* without ``at_model_width``). Each point is measured by
 ``llmprobe.geometry.superposition_readout`` on its subject embeddings, with the shuffled-table and random-init
 controls, as the pretrained model's subject states are; ``report["matched"]`` is that block.
@@ -37,8 +38,8 @@ from llmprobe.jobs.stages import checkpoint, earlier_stage, mark_interrupted, st
 from llmprobe.names import EXPORTS, REPORT_FILES
 from llmprobe.report.claims import claims_block
 from llmprobe.report.render import with_matched, write_all
-from llmprobe.settings import TRAINING, Settings
-from synthetic.matched import known_table, merge_matched
+from llmprobe.settings import TABLES, TRAINING, Settings
+from synthetic.matched import known_table, merge_matched, recipe_rule
 
 CHECKPOINTS = "matched"     # in a run's folder: the matched controls' finished units (synthetic.matched.Units)
 
@@ -56,8 +57,9 @@ def run(model=None, *, settings: Settings | None = None, out: str | Path = "runs
     settings of the controls: ``max_steps``, ``d_max``, ``n_boot``, ``modes``), over ``settings``.
 
     Like for like: the matched controls train on the fact table the pretrained superposition fit measures (the
-    shared-subject relations, all their facts, the subjects locatable in the neutral templates:
-    ``llmprobe.analyses.superposition_table``); without the superposition analysis, on the known-fact table.
+    shared-subject relations, the subjects locatable in the neutral templates:
+    ``llmprobe.analyses.superposition_table``), on the facts of it the model knows (``matched.facts``; every fact
+    for the all-facts control, ``matched.all_facts``); without the superposition analysis, on the known-fact table.
 
     The matched controls need only the known facts, so they train beside the analyses: one worker process per
     control mode (trainable, frozen), each on one CPU thread, so the critical path is the longer mode, not both
@@ -176,14 +178,15 @@ class MatchedStage:
         self.started = True
         settings = self.settings
         like_for_like = "superposition" in settings.analyses("run")
-        training = {k: v for k, v in settings.changed("matched").items() if k in TRAINING}
-        key = json_digest(report["stages"]["known_facts"]["key"], "controls 2", settings.matched.at_model_width,
+        training = {k: v for k, v in settings.changed("matched").items() if k in TRAINING + TABLES}
+        key = json_digest(report["stages"]["known_facts"]["key"], "controls 3", settings.matched.at_model_width,
                         settings.run.seed, like_for_like, sorted(settings.changed("analysis").items()),
                         *([sorted(training.items())] if training else []))
         stage = start_stage(report, "matched", key)
         try:
             table, dropped = matched_table(lm, relations, known, report, like_for_like,
-                                           settings.changed("analysis"))
+                                           settings.changed("analysis"), settings.matched.facts)
+            apart = all_facts_control(lm, relations, known, report, like_for_like, settings)
         except ValueError as error:
             report["errors"].append(f"matched controls: {error}")
             stage["done"] = True          # nothing to train
@@ -199,9 +202,14 @@ class MatchedStage:
             return
         self.folder = None if out is None else out / CHECKPOINTS
         arguments = {**settings.matched_arguments(), "device": str(lm.device) if lm.device.type == "cuda" else "cpu",
-                     "checkpoints": self.folder, "resume": resume}
+                     "checkpoints": self.folder, "resume": resume, "facts": table_facts(settings, like_for_like),
+                     "all_facts": apart}
         modes = tuple(arguments.pop("modes"))
-        say(f"matched controls: {len(table.subjects)} subjects x {len(table.relations)} relations, trained in "
+        say(f"matched controls: {len(table.subjects)} subjects x {len(table.relations)} relations, "
+            f"{int((table.table >= 0).sum())} facts ({arguments['facts'] or 'known'} facts, recipe "
+            f"{arguments['recipe']})" + (f", and the all-facts control shown apart ({len(apart['table'].subjects)} "
+                                          f"subjects, recipe {apart['recipe']}, {apart['n_seeds']} seed"
+                                          f"{'s' if apart['n_seeds'] != 1 else ''})" if apart else "") + ", trained in "
             f"{len(modes)} worker process{'es' if len(modes) > 1 else ''} ({', '.join(modes)}) beside "
             f"the analyses ([matched] lines)")
         planned = planned_matched(table, report["model"]["d_model"], modes, arguments)
@@ -325,13 +333,36 @@ class MatchedStage:
             self.threads_before = None
 
 
-def matched_table(lm, relations: list, known: dict, report: dict, like_for_like: bool, analysis_options: dict):
-    """(FactTable, relations left out) the matched controls train on: the superposition fit's table when
-    ``like_for_like`` (nothing left out), else the known-fact table."""
+def matched_table(lm, relations: list, known: dict, report: dict, like_for_like: bool, analysis_options: dict,
+                  facts: str = "known"):
+    """(FactTable, relations left out) the graded matched control trains on. With ``like_for_like`` the
+    superposition fit's table (its subjects, relations and attribute sets): ``facts`` "all" every fact of it (the
+    fit's own table), "known" only the facts the model knows (a subject keeps the relations it knows; subjects
+    and relations with too few known facts are left out as the fit leaves them out: ``superposition_table`` with
+    ``superposition_facts = "known"``); nothing else left out. Without it (no superposition analysis) the
+    known-fact table of every relation, whatever ``facts``."""
     if like_for_like:
-        table = superposition_table(lm.tokenizer, relations, known, settings_from(**analysis_options))
+        options = analysis_options if facts == "all" else {**analysis_options, "superposition_facts": "known"}
+        table = superposition_table(lm.tokenizer, relations, known, settings_from(**options))
         return table.fact_table(), []
     return known_table(report["relations"], known)
+
+
+def table_facts(settings: Settings, like_for_like: bool) -> str:
+    """Which facts the graded control's table holds: ``matched.facts``, "known" without the superposition's table."""
+    return settings.matched.facts if like_for_like else "known"
+
+
+def all_facts_control(lm, relations: list, known: dict, report: dict, like_for_like: bool,
+                      settings: Settings) -> dict | None:
+    """``train_matched``'s ``all_facts``: the all-facts control shown apart ({"table": every fact of the
+    superposition fit's table, "recipe", "n_seeds"}), or None when ``matched.all_facts`` is off, the graded control
+    already trains on every fact, or there is no superposition table (its analysis not run)."""
+    matched = settings.matched
+    if not matched.all_facts or table_facts(settings, like_for_like) == "all" or not like_for_like:
+        return None
+    table, _ = matched_table(lm, relations, known, report, like_for_like, settings.changed("analysis"), "all")
+    return {"table": table, "recipe": matched.all_facts_recipe, "n_seeds": matched.all_facts_n_seeds}
 
 
 PATIENCE_S = 600.0      # how long an analysis part waits for the controls' cores when their plan is unknown
@@ -341,25 +372,34 @@ def patience_s(planned: dict) -> float:
     """How long an analysis part waits for the cores the controls' workers hold before it goes in anyway
     (``CoreGate.patience_s``): the plan's seconds of the longer mode (its threshold search and curve) x 1.25, at
     least 60 s; ``PATIENCE_S`` without a plan."""
-    modes = [plan["search"] + plan["curve"] for plan in planned.values()]
+    modes = [plan["search"] + plan["curve"] + plan.get("apart", 0.0) for plan in planned.values()]
     return max(60.0, 1.25 * max(modes)) if modes else PATIENCE_S
 
 
 def planned_matched(table, d_model: int, modes: tuple, arguments: dict) -> dict:
     """Mode -> the plan of its controls (``jobs.plan.matched_planned``: this table's facts and subjects, the
-    run's seeds, widths and step cap, this CPU's matmul rate or the H200's roofline), which its worker's progress lines
-    estimate the time left from; {} (said on stderr) when the plan cannot be made: it never stops the controls."""
+    run's seeds, widths, recipe and rule, this CPU's matmul rate or the H200's roofline), which its worker's
+    progress lines estimate the time left from, with "apart": the plan's seconds of the all-facts control the
+    worker trains after it (``arguments["all_facts"]``; 0 without); {} (said on stderr) when the plan cannot be
+    made: it never stops the controls."""
+    def plans(table, arguments: dict, facts: str) -> dict:
+        max_steps, past_fit = recipe_rule(arguments["recipe"], arguments.get("max_steps"), arguments.get("past_fit"))
+        n_facts, n_subjects = int((table.table >= 0).sum()), len(table.subjects)
+        return {mode: matched_planned(mode, d_model, n_facts, n_subjects, arguments["at_model_width"],
+                                      arguments["n_seeds"], device, scale, max_steps, past_fit, facts)
+                for mode in modes}
+
     try:
         device = "cpu" if arguments["device"] == "cpu" else "h200"
         scale = REFERENCE_RATE / measured_rate() if device == "cpu" else 1.0
-        n_facts, n_subjects = int((table.table >= 0).sum()), len(table.subjects)
-        plans = {mode: matched_planned(mode, d_model, n_facts, n_subjects, arguments["at_model_width"],
-                                       arguments["n_seeds"], device, scale, arguments.get("max_steps"))
-                 for mode in modes}
+        graded = plans(table, arguments, arguments.get("facts") or "known")
+        apart = arguments.get("all_facts")
+        beside = plans(apart["table"], {**arguments, "max_steps": None, "past_fit": None, **apart}, "all") if apart else {}
     except Exception as error:  # noqa: BLE001 - the time left is an estimate; the controls go on without it
         say(f"no plan of the matched controls' time ({type(error).__name__}: {(str(error).splitlines() or [''])[0]})")
         return {}
-    return {mode: plan for mode, plan in plans.items() if plan is not None}
+    return {mode: {**plan, "apart": (beside.get(mode) or {}).get("search", 0.0) + (beside.get(mode) or {}).get("curve", 0.0)}
+            for mode, plan in graded.items() if plan is not None}
 
 
 def _matched_progress(message: str) -> None:

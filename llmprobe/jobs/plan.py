@@ -14,6 +14,7 @@ This is the cost model of ``benchmarks/scaling.py`` (docs/scaling.md); the bench
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -24,8 +25,10 @@ from dataclasses import asdict
 import torch
 
 from llmprobe.analyses.decoders import jacobian_rank_for, lre_jacobian_rank
+from llmprobe.analyses.passes import assumed_known
 from llmprobe.analyses.registry import REGISTRY
-from llmprobe.analyses.settings import AnalysisSettings, settings_from
+from llmprobe.analyses.settings import AnalysisError, AnalysisSettings, settings_from
+from llmprobe.analyses.superposition import superposition_table
 from llmprobe.checks import UsageError
 from llmprobe.datasets import load_relations
 from llmprobe.jobs.cost_model import constant, group
@@ -56,7 +59,7 @@ from llmprobe.model.loading import (
 )
 from llmprobe.names import ANALYSES
 from llmprobe.settings import Settings
-from synthetic.matched import MAX_STEPS, PAST_FIT, curve_widths
+from synthetic.matched import MAX_STEPS, PAST_FIT, curve_widths, recipe_rule
 
 # ------------------------------------------------------------------------------------------------ predict
 # The fitted, measured and assumed numbers below come from cost_model.toml, each with its machine (or "assumed"),
@@ -75,6 +78,9 @@ CPU_FITS["matched_params"] = constant("MATCHED_PARAMS")
 REFERENCE_RATE = constant("REFERENCE_RATE")
 PROCESS_BYTES = constant("PROCESS_BYTES")   # Python, torch and the tokenizer: a process's RSS less its model
 THREADS_PARALLEL_FRACTION = constant("THREADS_PARALLEL_FRACTION")   # Amdahl's p of an analysis process
+# the known-facts control's d* and search seconds per mode (MATCHED_D_STAR, MATCHED_SEARCH_S: the all-facts one's)
+MATCHED_KNOWN_D_STAR = constant("MATCHED_KNOWN_D_STAR")
+MATCHED_KNOWN_SEARCH_S = constant("MATCHED_KNOWN_SEARCH_S")
 
 
 def thread_speedup(threads: int) -> float:
@@ -129,16 +135,55 @@ def matched_step_flops(d: int, n_facts: int, width_fits: dict = CPU_FITS) -> flo
 
 
 def matched_curve(mode: str, d_model: int, at_model_width: bool = True, n_seeds: int = 3, past_fit: int = PAST_FIT,
-                  max_steps: int = MAX_STEPS) -> list[tuple[int, float]]:
+                  max_steps: int = MAX_STEPS, facts: str = "all") -> list[tuple[int, float]]:
     """(width, training steps of all its seeds) of every point of ``mode``'s curve as planned: the widths of
-    ``synthetic.matched.curve_widths`` from the measured d*, each seed's steps as measured on the default table
-    (``CONTROL_POINT_STEPS``, else ``CONTROL_STEPS``: ``PAST_FIT`` steps past its first 100% step), moved to
-    ``past_fit`` steps past that step and capped at ``max_steps`` (a point that reached the cap stays at the cap).
-    The first 100% step is the measured one: another recipe fits at another step, which the plan cannot know."""
+    ``synthetic.matched.curve_widths`` from the measured d* of the table (``facts``: "all", the default table's,
+    ``MATCHED_D_STAR``; "known", SmolLM2's known-facts table's, ``MATCHED_KNOWN_D_STAR``). A rule that trains the
+    whole schedule (``past_fit >= max_steps``) trains ``max_steps`` a seed, whenever it fits; else each seed's steps
+    as measured on the default table (``CONTROL_POINT_STEPS``, else ``CONTROL_STEPS``: ``PAST_FIT`` steps past its
+    first 100% step), moved to ``past_fit`` steps past that step and capped at ``max_steps`` (a point that reached
+    the cap stays at the cap). The first 100% step is the measured one: another recipe fits at another step, which
+    the plan cannot know."""
     def steps(d: int) -> int:
+        if past_fit >= max_steps:
+            return max_steps
         measured = CONTROL_POINT_STEPS[mode].get(d, CONTROL_STEPS)
         return max_steps if measured >= MAX_STEPS else min(max_steps, measured - PAST_FIT + past_fit)
-    return [(d, steps(d) * n_seeds) for d in curve_widths(MATCHED_D_STAR[mode], d_model, at_model_width)]
+    d_star = (MATCHED_KNOWN_D_STAR if facts == "known" else MATCHED_D_STAR)[mode]
+    return [(d, steps(d) * n_seeds) for d in curve_widths(d_star, d_model, at_model_width)]
+
+
+def search_seconds(mode: str, facts: str = "all") -> float:
+    """The measured CPU seconds of ``mode``'s d* search on the table of ``facts`` at REFERENCE_RATE (known:
+    SmolLM2's known-facts table, weight_decay recipe; all: the default table, adam)."""
+    return (MATCHED_KNOWN_SEARCH_S if facts == "known" else MATCHED_SEARCH_S)[mode]
+
+
+def run_controls(settings: Settings, n_facts: dict, n_subjects: dict) -> list[dict]:
+    """The controls ``llmprobe run`` trains with ``settings``, in the order each worker trains them: the graded one
+    (``matched.facts``, ``recipe``, ``n_seeds``, its rule) and the all-facts one shown apart when
+    ``matched.all_facts`` (and the graded one is not on all facts already): {"facts", "recipe", "n_seeds",
+    "past_fit", "max_steps", "n_facts", "n_subjects"} each, the tables' sizes from ``n_facts`` / ``n_subjects``
+    (facts -> count)."""
+    m = settings.matched
+
+    def control(facts: str, recipe: str, n_seeds: int, past_fit: int | None, max_steps: int | None) -> dict:
+        max_steps, past_fit = recipe_rule(recipe, max_steps, past_fit)
+        return {"facts": facts, "recipe": recipe, "n_seeds": n_seeds, "past_fit": past_fit, "max_steps": max_steps,
+                "n_facts": n_facts[facts], "n_subjects": n_subjects[facts]}
+
+    out = [control(m.facts, m.recipe, m.n_seeds, m.past_fit, m.max_steps)]
+    if m.all_facts and m.facts != "all":
+        out.append(control("all", m.all_facts_recipe, m.all_facts_n_seeds, None, None))
+    return out
+
+
+def default_control(work: dict) -> dict:
+    """The one control of a workload without ``controls`` (``run_workload``'s): the default table, adam's rule
+    unless the workload names its own."""
+    return {"facts": "all", "recipe": "adam", "n_seeds": work.get("n_seeds", 3),
+            "past_fit": work.get("past_fit", PAST_FIT), "max_steps": work.get("max_steps", MAX_STEPS),
+            "n_facts": work["n_facts_table"], "n_subjects": work["n_subjects"]}
 
 
 def analyses_budget(threads: int, workers: int) -> tuple[int, int]:
@@ -150,13 +195,14 @@ def analyses_budget(threads: int, workers: int) -> tuple[int, int]:
 
 
 def predict(shape: Shape, work: dict, model_cost, width_fits: dict, load_s: float, init_s: float,
-            rank: int | None, matched_step=None, search_s: float = sum(MATCHED_SEARCH_S.values()),
+            rank: int | None, matched_step=None, search_scale: float = 1.0,
             cores: int | None = None, helpers_fit: bool = True) -> dict:
     """Seconds per stage of ``llmprobe run`` for ``shape``: model work through ``model_cost(stage, Work, shape)``,
     the width-only CPU work (decoder fits, readouts, controls) from ``width_fits`` (it runs on the host CPU on any
     device), ``load_s`` and ``init_s`` (the random-init control's construction) given; the matched controls'
-    training steps by ``matched_step(FLOPs)`` (default: the CPU fit), their threshold searches ``search_s`` (both
-    modes) and measurements at the CPU fit's speed, ``n_seeds`` trainings per point, one worker per mode.
+    training steps by ``matched_step(FLOPs)`` (default: the CPU fit), their threshold searches (``search_seconds``
+    times ``search_scale``) and measurements at the CPU fit's speed, each control of ``work["controls"]`` (else
+    :func:`default_control`) with its seeds, rule and table, one after the other in one worker per mode.
     wall = load + known facts over the analyses' processes + max(analyses over their processes, the longer mode's
     controls, all of that work over ``cores``) (the known facts' and analyses' seconds are one thread's; a process
     of several threads runs them ``thread_speedup`` faster; their processes ``analyses_processes``: cores // the threads the workers
@@ -185,13 +231,15 @@ def predict(shape: Shape, work: dict, model_cost, width_fits: dict, load_s: floa
                             + width_cost("readout", float(work["readout_subjects"]) ** 2 * shape.d, work["readouts"]))
     per_mode = {}
     for mode in (m for m in work.get("matched_modes", MATCHED_D_STAR) if m in MATCHED_D_STAR):
-        seconds = search_s * MATCHED_SEARCH_S[mode] / sum(MATCHED_SEARCH_S.values())
-        for width, steps in matched_curve(mode, shape.d, work.get("at_model_width", True), work.get("n_seeds", 3),
-                                          work.get("past_fit", PAST_FIT), work.get("max_steps", MAX_STEPS)):
-            flops = matched_step_flops(width, work["n_facts_table"], width_fits)
-            seconds += (width_cost("matched_step", flops, steps) if matched_step is None else
-                        steps * matched_step(flops))
-            seconds += width_cost("matched_measure", float(work["n_subjects"]) ** 2 * width, 1)
+        seconds = 0.0
+        for control in work.get("controls") or [default_control(work)]:
+            seconds += search_scale * search_seconds(mode, control["facts"])
+            for width, steps in matched_curve(mode, shape.d, work.get("at_model_width", True), control["n_seeds"],
+                                              control["past_fit"], control["max_steps"], control["facts"]):
+                flops = matched_step_flops(width, control["n_facts"], width_fits)
+                seconds += (width_cost("matched_step", flops, steps) if matched_step is None else
+                            steps * matched_step(flops))
+                seconds += width_cost("matched_measure", float(control["n_subjects"]) ** 2 * width, 1)
         per_mode[mode] = seconds
     out["matched"] = max(per_mode.values(), default=0.0)          # one worker per mode, side by side
     out["matched_total"] = sum(per_mode.values())
@@ -229,7 +277,7 @@ def predict_on(shape: Shape, work: dict, fits: dict, device: str, rank: int | No
         here = scaled_fits(fits, cpu_scale)
         load = here["load"]["a"] * shape.params * 4 + here["load"]["b"]
         return predict(shape, work, cpu_model_cost(here), here, load, init * cpu_scale, rank,
-                       search_s=sum(MATCHED_SEARCH_S.values()) * cpu_scale, cores=len(os.sched_getaffinity(0)),
+                       search_scale=cpu_scale, cores=len(os.sched_getaffinity(0)),
                        helpers_fit=helpers_fit)
     load = shape.params * H200["bytes_per_param"] / H200["disk_bytes_per_s"]
     return predict(shape, work, h200_model_cost, fits, load, init, rank, h200_matched_step)
@@ -303,8 +351,7 @@ def settings_workload(settings: Settings, n_layers: int) -> tuple[dict, Analysis
     analyses = settings.analyses("run")
     modes = tuple(settings.matched.modes) if settings.matched.enabled else ()
     key = json.dumps([run.relations, run.hf_kwargs, run.max_facts, run.layers, n_layers, asdict(cfg), analyses, modes,
-                      settings.matched.at_model_width, settings.matched.n_seeds, settings.matched.past_fit,
-                      settings.matched.max_steps], default=str)
+                      sorted(settings.section("matched").items())], default=str)
     if key not in _WORKLOADS:
         # read as the run reads them: only up to max_facts (a long .jsonl or .csv file is not read whole)
         relations = load_relations(None if run.relations is None else list(run.relations), hf_kwargs=run.hf_kwargs,
@@ -312,13 +359,27 @@ def settings_workload(settings: Settings, n_layers: int) -> tuple[dict, Analysis
         known = {rel.name: round(known_share(rel.name) * len(rel.facts)) for rel in relations}
         work = run_workload(smollm2_tokenizer(), n_layers, known, cfg, relations, run.layers, analyses, modes,
                             settings.matched.at_model_width)
-        work["n_seeds"] = settings.matched.n_seeds
-        work["past_fit"], work["max_steps"] = settings.matched.past_fit, settings.matched.max_steps
+        if work["matched_modes"]:
+            work["controls"] = run_controls(settings, *control_tables(smollm2_tokenizer(), relations, known, cfg,
+                                                                      work))
         assumed = {"relations": len(relations), "facts": sum(len(r.facts) for r in relations),
                    "known": sum(known.values()), "layers": work["layers"], "lre_layers": work["lre_layers"],
                    "analyses": analyses, "matched_modes": work["matched_modes"]}
         _WORKLOADS[key] = (work, cfg, assumed)
     return _WORKLOADS[key]
+
+
+def control_tables(tok, relations: list, known: dict, cfg: AnalysisSettings, work: dict) -> tuple[dict, dict]:
+    """({facts: facts}, {facts: subjects}) of the controls' tables, "all" (the superposition fit's, as
+    ``run_workload`` counted it) and "known" (its facts among the first ``known[name]`` of each relation's,
+    as ``llmprobe run``'s ``matched_table`` builds it; none when too few are known)."""
+    try:
+        table = superposition_table(tok, relations, assumed_known(relations, known),
+                                    dataclasses.replace(cfg, superposition_facts="known"))
+        facts, subjects = int((table.A >= 0).sum()), len(table.subjects)
+    except AnalysisError:
+        facts, subjects = 0, 0
+    return ({"all": work["n_facts_table"], "known": facts}, {"all": work["n_subjects"], "known": subjects})
 
 
 @functools.lru_cache(maxsize=None)
@@ -461,11 +522,13 @@ def part_seconds(lm, relations: list, known: dict, layers: list[int], cfg: Analy
     return out
 
 
-def matched_width_steps(mode: str, d: int, d_model: int, n_seeds: int = 3) -> float:
-    """The plan's training steps (all seeds) of width ``d`` of ``mode``'s curve: :func:`matched_curve`'s at one
-    of its widths (the curve up to max(d_model, d) from the measured d*), else interpolated linearly in log d
-    between the two planned widths around it (beyond them: the nearest one's)."""
-    curve = matched_curve(mode, max(d_model, d), True, n_seeds)
+def matched_width_steps(mode: str, d: int, d_model: int, n_seeds: int = 3, past_fit: int = PAST_FIT,
+                        max_steps: int = MAX_STEPS, facts: str = "all") -> float:
+    """The plan's training steps (all seeds) of width ``d`` of ``mode``'s curve under the rule (``past_fit``,
+    ``max_steps``): :func:`matched_curve`'s at one of its widths (the curve up to max(d_model, d) from the
+    measured d* of ``facts``' table), else interpolated linearly in log d between the two planned widths around it
+    (beyond them: the nearest one's)."""
+    curve = matched_curve(mode, max(d_model, d), True, n_seeds, past_fit, max_steps, facts)
     if d <= curve[0][0]:
         return float(curve[0][1])
     for (d0, s0), (d1, s1) in zip(curve, curve[1:]):
@@ -475,16 +538,17 @@ def matched_width_steps(mode: str, d: int, d_model: int, n_seeds: int = 3) -> fl
 
 
 def matched_width_seconds(d: int, *, mode: str, d_model: int, n_facts: int, n_subjects: int, n_seeds: int = 3,
-                          device: str = "cpu", cpu_scale: float = 1.0, max_steps: int | None = None) -> float:
+                          device: str = "cpu", cpu_scale: float = 1.0, max_steps: int | None = None,
+                          past_fit: int | None = None, facts: str = "all") -> float:
     """The plan's seconds of one point of ``mode``'s curve at width ``d`` on a table of ``n_facts`` facts over
-    ``n_subjects`` subjects: :func:`matched_width_steps` steps (at most ``max_steps`` per seed, the run's step
-    cap, when given) at :func:`matched_step_flops` each (this CPU:
+    ``n_subjects`` subjects (``facts``: which table, for its d*): :func:`matched_width_steps` steps under the rule
+    (``past_fit``, ``max_steps``; None: adam's) at :func:`matched_step_flops` each (this CPU:
     the matched_step fit times ``cpu_scale``; "h200": :func:`h200_matched_step`), and its measurement (the
     matched_measure fit), as :func:`predict` prices each point. Module-level, so a ``functools.partial`` of it
     reaches the controls' spawned worker."""
     fits = scaled_fits(CPU_FITS, cpu_scale) if device == "cpu" else CPU_FITS
-    steps = matched_width_steps(mode, d, d_model, n_seeds)
-    steps = steps if max_steps is None else min(steps, max_steps * n_seeds)
+    steps = matched_width_steps(mode, d, d_model, n_seeds, PAST_FIT if past_fit is None else past_fit,
+                                MAX_STEPS if max_steps is None else max_steps, facts)
     flops = matched_step_flops(d, n_facts, fits)
     step = fits["matched_step"]["a"] * flops + fits["matched_step"]["b"] if device == "cpu" else h200_matched_step(flops)
     return steps * step + fits["matched_measure"]["a"] * float(n_subjects) ** 2 * d + fits["matched_measure"]["b"]
@@ -492,21 +556,24 @@ def matched_width_seconds(d: int, *, mode: str, d_model: int, n_facts: int, n_su
 
 def matched_planned(mode: str, d_model: int, n_facts: int, n_subjects: int, at_model_width: bool = True,
                     n_seeds: int = 3, device: str = "cpu", cpu_scale: float = 1.0,
-                    max_steps: int | None = None) -> dict | None:
+                    max_steps: int | None = None, past_fit: int | None = None, facts: str = "all") -> dict | None:
     """The plan of one mode's matched controls, as ``synthetic.matched.train_matched(planned={mode: ...})``
     takes it for its progress lines' time left: {"search": the threshold search's seconds, "curve": the seconds
     of the curve's widths as planned (from the measured d*), "width": :func:`matched_width_seconds` of this
     table and device as a function of d (the actual widths are known only after the search)}. None for a mode
     the plan has no measurements of. ``device``: "cpu" (fits times ``cpu_scale``: REFERENCE_RATE /
     :func:`measured_rate`) or "h200" (one H200, its host work at the fits' speed), as :func:`predict_on`;
-    ``max_steps``: the run's step cap per training (None: the plan's steps as they are)."""
+    ``max_steps``, ``past_fit``: the run's rule (None: adam's); ``facts``: which table ("all", "known": its d* and
+    search)."""
     if mode not in MATCHED_D_STAR:
         return None
+    max_steps, past_fit = MAX_STEPS if max_steps is None else max_steps, PAST_FIT if past_fit is None else past_fit
     width = functools.partial(matched_width_seconds, mode=mode, d_model=d_model, n_facts=n_facts,
                               n_subjects=n_subjects, n_seeds=n_seeds, device=device, cpu_scale=cpu_scale,
-                              max_steps=max_steps)
-    return {"search": MATCHED_SEARCH_S[mode] * (cpu_scale if device == "cpu" else 1.0),
-            "curve": sum(width(d) for d, _ in matched_curve(mode, d_model, at_model_width, n_seeds)),
+                              max_steps=max_steps, past_fit=past_fit, facts=facts)
+    return {"search": search_seconds(mode, facts) * (cpu_scale if device == "cpu" else 1.0),
+            "curve": sum(width(d) for d, _ in matched_curve(mode, d_model, at_model_width, n_seeds, past_fit,
+                                                            max_steps, facts)),
             "width": width}
 
 

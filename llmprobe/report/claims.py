@@ -13,7 +13,7 @@ from statistics import NormalDist
 
 from llmprobe.analyses.results import MatchedBlock, MatchedSource, SuperpositionLayer, metric_nulls
 from llmprobe.metric import LEVEL, Metric, t_over_seeds, wilson
-from llmprobe.report.schema import analyses_of, matched_sources_of, model_of, source_name
+from llmprobe.report.schema import analyses_of, matched_sources, matched_sources_of, model_of, source_name
 
 CLAIMS = ("attributes linearly decodable", "LRE edits causal", "subject states a superposition of attribute vectors",
           "one subject state serves every relation", "MLP a relation-conditioned selector",
@@ -120,7 +120,9 @@ VERDICT_RULE = (
     "the selector chose on validation facts. A line shows the median relation: its verdict is the "
     "grade that at least half the relations reach. The matched control is a comparison (more than / as much as / less than), "
     "not a null; its word (more than / as much as / less than) comes from the paired difference where the report "
-    "has one. The matched control's number is its value over its seeds (Student-t interval; older reports: seed "
+    "has one. The matched control is the one trained on the facts the model knows with the weight-decay recipe "
+    "(older reports: every fact, adam), named in each comparison; an all-facts control, where trained, is shown "
+    "beside it and graded nothing. The matched control's number is its value over its seeds (Student-t interval; older reports: seed "
     "0's readouts and keep rates); where the word recomputed with each seed's value differs between seeds, the line "
     "says it depends on the control's seed, with the seeds' values, and keeps the word over seeds. Capacity (its own rule, from the capacity sweep's cells, not from one table, which cannot test a "
     "scaling law): over the sweep's exact (cell, seed) thresholds, d* = a + b x is fitted for x = R log2 N, N, N R, "
@@ -283,6 +285,37 @@ def _same_width_control(report: dict) -> MatchedSource | None:
     return next((s for s in _trainable_controls(report) if s.model.d_model == d_model), None)
 
 
+def _control_words(report: dict) -> str:
+    """The graded matched control in a few words: its table, recipe and seeds (``MatchedBlock.described``)."""
+    return MatchedBlock.from_dict(report.get("matched")).described()
+
+
+def _all_facts_control(report: dict) -> tuple[MatchedSource, str] | None:
+    """(the trainable all-facts control at the pretrained model's width, its words), shown beside the graded
+    control's comparison and graded nothing; None where the report has none (older reports, the default run)."""
+    block = (report.get("matched") or {}).get("all_facts") if isinstance(report.get("matched"), dict) else None
+    if not isinstance(block, dict):
+        return None
+    d_model = model_of(report).d_model
+    source = next((MatchedSource.from_dict(s) for s in matched_sources(block, report.get("schema_version"))
+                   if not s["model"]["frozen_subjects"] and s["model"]["d_model"] == d_model), None)
+    return None if source is None else (source, MatchedBlock.from_dict(block).described())
+
+
+def _beside_all_facts(test: dict | None, metric: dict | None, words: str) -> None:
+    """Add the all-facts control's number (``metric``, ``words``: which control) to ``test``'s comparison note,
+    shown beside and graded nothing."""
+    m = _compact(metric)
+    comparison = (test or {}).get("comparison")
+    if comparison is None or m is None:
+        return
+    ci = m.get("ci") or [None, None]
+    interval = f" [{ci[0]:.3f}, {ci[1]:.3f}]" if None not in ci[:2] else ""
+    comparison["all_facts"] = {"name": f"the all-facts control ({words}), not graded", "metric": m}
+    comparison["note"] = "; ".join(filter(None, [comparison.get("note"), f"beside, the all-facts control ({words}, "
+                                                 f"not graded): {m['value']:.3f}{interval}"]))
+
+
 def _trainable_controls(report: dict) -> list[MatchedSource]:
     """The report's trainable matched controls, one synthetic source per curve point, in the block's order."""
     return [s for s in matched_sources_of(report) if not s.model.frozen_subjects]
@@ -350,7 +383,10 @@ def _superposition_tests(report: dict) -> tuple[list[dict], list[dict], str]:
     source = _same_width_control(report) or MatchedSource()
     control = source.analyses.superposition.layers.get("0") or SuperpositionLayer()
     over = source.over_seeds           # the control's values over its seeds, where the report has them
-    name = f"the paper's model (matched control, trainable) at this width (d={report.get('model', {}).get('d_model')})"
+    name = (f"the paper's model (matched control, trainable; {_control_words(report)}) at this width "
+            f"(d={report.get('model', {}).get('d_model')})")
+    apart = _all_facts_control(report)         # the all-facts control, shown beside
+    apart_layer = (apart[0].analyses.superposition.layers.get("0") or SuperpositionLayer()) if apart else None
     readouts, r2s = [], []
     for layer, entry in sorted(layers.items(), key=lambda kv: int(kv[0])):
         for relation, metric in entry.readout.items():
@@ -359,9 +395,14 @@ def _superposition_tests(report: dict) -> tuple[list[dict], list[dict], str]:
                 readouts.append(claim_test(DECODABLE, relation, int(layer), metric, margins=_margins(metric),
                                       comparison=(name, control_readout)))
                 seed_words(readouts[-1], seed_values(control_readout))
+                if apart:
+                    _beside_all_facts(readouts[-1], apart[0].over_seeds.readout.get(relation)
+                                      or apart_layer.readout.get(relation), apart[1])
         if common is None or common == int(layer):
             r2s.append(_r2_test(report, int(layer), entry, (name, control.r2)))
             seed_words(r2s[-1], seed_values(control.r2))
+            if apart:
+                _beside_all_facts(r2s[-1], apart_layer.r2, apart[1])
     where = (f"at the layer its LRE decoder chose on validation (else layer {common}, the one most relations' "
              "decoders chose)" if common is not None else "at every measured layer (no decoder chose one), all in "
              "the Holm family")
@@ -561,17 +602,22 @@ def _selector_tests(report: dict) -> tuple[list[dict], str]:
         same, other = kept_over["same_relation"], kept_over["same_subject"]
         kept = same if calibrated else other
         seeds = [v if calibrated else 1.0 - v for v in seed_values(kept)]
-        comparison = (f"the matched control ({source_name(source.to_dict())}, over {same['n']} seeds; same-relation "
+        comparison = (f"the matched control ({source_name(source.to_dict())}, {_control_words(report)}, over "
+                      f"{same['n']} seeds; same-relation "
                       f"gate keeps {same['value']:.2f}, other-relation gate {other['value']:.2f})",
                       kept if calibrated else _broken(kept))
     elif control.same_subject is not None and isinstance(control.same_relation, (int, float)) and n_facts:
         value = control.same_relation if calibrated else control.same_subject
         kept = Metric(value, wilson(value, n_facts), n_facts, "wilson").to_dict()
-        comparison = (f"the matched control ({source_name(source.to_dict())}; same-relation gate keeps "
+        comparison = (f"the matched control ({source_name(source.to_dict())}, {_control_words(report)}; "
+                      f"same-relation gate keeps "
                       f"{control.same_relation:.2f}, other-relation gate {control.same_subject:.2f})",
                       kept if calibrated else _broken(kept))
     test = selector_test(as_json, comparison)
     seed_words(test, seeds)
+    apart = _all_facts_control(report) if calibrated else None      # the all-facts control, shown beside
+    if apart:
+        _beside_all_facts(test, apart[0].over_seeds.gate_transplant.get("same_relation"), apart[1])
     block = transplant.block
     shown = _compact(transplant.other_relation if calibrated else transplant.same_relation)
     where = (f"at layers {block[0]}-{block[-1]} (the block chosen on validation facts)" if block else "") + (

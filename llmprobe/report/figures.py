@@ -267,8 +267,16 @@ def _bar(axis, y: float, m: dict | None, height: float, color: str) -> None:
 
 # ---------------------------------------------------------------------------------- capacity curve
 def _blocks(reports: list[dict]) -> list[tuple[dict, dict]]:
-    """(pretrained report, its matched block) of every report with one (``matched.modes``)."""
-    return [(r, r["matched"]) for r in reports if isinstance(r.get("matched"), dict) and r["matched"].get("modes")]
+    """(pretrained report, a matched block) of every report with one (``matched.modes``): the graded control, then
+    the all-facts control shown apart where the report has one (``matched.all_facts``)."""
+    out = []
+    for r in reports:
+        block = r.get("matched")
+        if isinstance(block, dict) and block.get("modes"):
+            out.append((r, block))
+            if isinstance(block.get("all_facts"), dict) and block["all_facts"].get("modes"):
+                out.append((r, block["all_facts"]))
+    return out
 
 
 def controls_caption(reports: list[dict]) -> str:
@@ -334,7 +342,9 @@ def capacity_plot(reports: list[dict]):
             axis.set_xlabel("width d (log scale)", fontsize=8)
             axis.set_ylabel(label, fontsize=8)
             axis.grid(alpha=0.3)
-            axis.set_title(f"{source_name(report)}" + (f" (layer {ref[0]})" if ref else ""), fontsize=9)
+            axis.set_title(f"{source_name(report)}" + (f" (layer {ref[0]})" if ref else "")
+                           + f"; controls: {MatchedBlock.from_dict(block).described()}"
+                           + ("" if block is report["matched"] else " (shown apart, not graded)"), fontsize=9)
         row_axes[1].set_ylim(0, 1.05)
     _legend(figure, list(handles.values()))
     figure.suptitle("Matched controls on the pretrained fit's fact table, against width", fontsize=10)

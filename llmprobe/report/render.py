@@ -528,11 +528,16 @@ def _matched_text(report: dict) -> str:
         return "none"
     if not isinstance(block, dict):
         return f"{len(block)} controls (an older report)"
-    table = MatchedBlock.from_dict(block).table
-    modes = "; ".join(f"{mode} d = {', '.join(str(p['d']) for p in entry.get('points') or [])}"
-                      for mode, entry in (block.get("modes") or {}).items())
-    return (f"{modes} on {table.n_subjects} subjects x {len(table.relations or [])} relations "
-            f"({table.n_facts} facts)")
+    def text(block: dict) -> str:
+        typed = MatchedBlock.from_dict(block)
+        table = typed.table
+        modes = "; ".join(f"{mode} d = {', '.join(str(p['d']) for p in entry.get('points') or [])}"
+                          for mode, entry in (block.get("modes") or {}).items())
+        described = f"; {typed.described()}" if table.facts else ""     # older reports: as they were written
+        return (f"{modes} on {table.n_subjects} subjects x {len(table.relations or [])} relations "
+                f"({table.n_facts} facts{described})")
+    apart = block.get("all_facts")
+    return text(block) + (f"; shown apart, not graded: {text(apart)}" if isinstance(apart, dict) else "")
 
 
 def side_by_side_rows(reports: list[dict]) -> tuple[list[str], list[list]]:
@@ -725,11 +730,20 @@ def _check_no_other_run(out: Path, reports: list[dict], overwrite: bool = False)
     return False
 
 
+def all_facts_block(report: dict) -> dict | None:
+    """The report's all-facts control shown apart (``matched.all_facts``), or None."""
+    block = report.get("matched")
+    apart = block.get("all_facts") if isinstance(block, dict) else None
+    return apart if isinstance(apart, dict) else None
+
+
 def with_matched(reports: list[dict]) -> list[dict]:
     """The reports followed by the matched synthetic controls inside them (each trained point a source of its own,
-    see :func:`matched_sources`; ``_owner``: the report it belongs to)."""
+    see :func:`matched_sources`; ``_owner``: the report it belongs to): the graded control's, then the all-facts
+    control's shown apart (labelled "synthetic all-facts ...")."""
     return list(reports) + [dict(c, _path=r.get("_path"), _owner=r) for r in reports
-                            for c in matched_sources(r.get("matched"), r["schema_version"])]
+                            for c in matched_sources(r.get("matched"), r["schema_version"])
+                            + matched_sources(all_facts_block(r), r["schema_version"], "synthetic all-facts")]
 
 
 def label_apart(reports: list[dict]) -> list[dict]:

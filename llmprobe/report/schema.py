@@ -234,10 +234,11 @@ def source_seeds(point: dict) -> dict:
     return ({"over_seeds": over} if over else {}) | ({"seeds": point["seeds"]} if point.get("seeds") else {})
 
 
-def matched_sources(block: dict | list | None, schema_version: int | None = None) -> list[dict]:
+def matched_sources(block: dict | list | None, schema_version: int | None = None, name: str = "synthetic") -> list[dict]:
     """One synthetic source per trained point of a report's matched block, in the per-source layout the
     tables and figures read (``analyses.superposition.layers["0"]``, ``analyses.selector``, ``train``,
-    ``threshold``). A list (reports written before the block existed) is passed through."""
+    ``threshold``), labelled ``name`` MODE d=D. A list (reports written before the block existed) is passed
+    through."""
     if not block:
         return []
     if isinstance(block, list):
@@ -247,7 +248,7 @@ def matched_sources(block: dict | list | None, schema_version: int | None = None
         threshold = entry.get("threshold") or {}
         for point in entry.get("points") or []:
             d = point["d"]
-            label = f"synthetic {mode} d={d}" + (" (d*)" if d == threshold.get("d_star") else "")
+            label = f"{name} {mode} d={d}" + (" (d*)" if d == threshold.get("d_star") else "")
             out.append({
                 "schema_version": schema_version, "kind": "synthetic", "label": label,
                 "model": {"name": label, "architecture": "FactRecallModel (one layer)", "n_layers": 1,
