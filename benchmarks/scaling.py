@@ -64,10 +64,10 @@ from llmprobe.jobs.plan import (  # noqa: E402
     gib,
     memory,
     predict_on,
+    settings_workload,
 )
 from llmprobe.jobs.workload import (  # noqa: E402
     PREDICT_RANK,
-    SMOLLM2_KNOWN,
     TARGETS,
     Shape,
     Work,
@@ -75,8 +75,8 @@ from llmprobe.jobs.workload import (  # noqa: E402
     jacobian_work,
     known_batches,
     known_work,
-    run_workload,
 )
+from llmprobe.settings import Settings  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------ benchmark shapes
@@ -418,7 +418,7 @@ def fit_and_predict(measured: list[dict], measured_widths: list[dict], args, t0:
     tok = AutoTokenizer.from_pretrained(tokenizer_folder())
     predictions = {}
     for shape in TARGETS:
-        work = run_workload(tok, shape.layers, SMOLLM2_KNOWN)
+        work = settings_workload(Settings(), shape.layers)[0]      # the default run's, its controls included
         entry = {"params": shape.params, "lre_layers": work["lre_layers"]}
         entry["auto_rank"] = auto_rank(shape, work["lre_layers"])
         for rank, label in ((None, "full"), (entry["auto_rank"], "auto")):

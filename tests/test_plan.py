@@ -29,10 +29,9 @@ from llmprobe.jobs.plan import (
     part_seconds,
     plan,
     predict_on,
-    smollm2_tokenizer,
     stages,
 )
-from llmprobe.jobs.workload import SMOLLM2_KNOWN, TARGETS, run_workload, shape_from_config
+from llmprobe.jobs.workload import SMOLLM2_KNOWN, TARGETS, shape_from_config
 from llmprobe.model.loading import load_model
 from llmprobe.names import ANALYSES
 from llmprobe.settings import from_options
@@ -129,8 +128,7 @@ def test_the_shipped_fits_reproduce_the_benchmark_and_its_documented_table():
     the predicted walls (SmolLM2 16.6 min here: docs/scaling.md's 15.5 min with the all-facts adam controls of
     before 2026-12-06; 8B on one H200 29.5 min)."""
     shape = TARGETS[0]
-    work = run_workload(smollm2_tokenizer(), shape.layers, SMOLLM2_KNOWN)
-    work["controls"] = plan_module.settings_workload(from_options("run", None, {}), shape.layers)[0]["controls"]
+    work = plan_module.settings_workload(from_options("run", None, {}), shape.layers)[0]
     expected = predict_on(shape, work, CPU_FITS, "cpu", auto_rank(shape, work["lre_layers"]))
     got = plan(shape, rate=REFERENCE_RATE)
     assert {s: got["stages"][s]["seconds"] for s in stages()} == pytest.approx({s: expected[s] for s in stages()})

@@ -178,14 +178,6 @@ def run_controls(settings: Settings, n_facts: dict, n_subjects: dict) -> list[di
     return out
 
 
-def default_control(work: dict) -> dict:
-    """The one control of a workload without ``controls`` (``run_workload``'s): the default table, adam's rule
-    unless the workload names its own."""
-    return {"facts": "all", "recipe": "adam", "n_seeds": work.get("n_seeds", 3),
-            "past_fit": work.get("past_fit", PAST_FIT), "max_steps": work.get("max_steps", MAX_STEPS),
-            "n_facts": work["n_facts_table"], "n_subjects": work["n_subjects"]}
-
-
 def analyses_budget(threads: int, workers: int) -> tuple[int, int]:
     """(torch threads of each analysis process, analysis processes) of ``llmprobe run`` on ``threads`` threads
     beside ``workers`` one-thread controls workers: the threads the workers leave, max(1, threads - workers), in as
@@ -201,8 +193,8 @@ def predict(shape: Shape, work: dict, model_cost, width_fits: dict, load_s: floa
     the width-only CPU work (decoder fits, readouts, controls) from ``width_fits`` (it runs on the host CPU on any
     device), ``load_s`` and ``init_s`` (the random-init control's construction) given; the matched controls'
     training steps by ``matched_step(FLOPs)`` (default: the CPU fit), their threshold searches (``search_seconds``
-    times ``search_scale``) and measurements at the CPU fit's speed, each control of ``work["controls"]`` (else
-    :func:`default_control`) with its seeds, rule and table, one after the other in one worker per mode.
+    times ``search_scale``) and measurements at the CPU fit's speed, each control of ``work["controls"]`` (a workload with
+    matched modes has them: :func:`settings_workload`) with its seeds, rule and table, one after the other in one worker per mode.
     wall = load + known facts over the analyses' processes + max(analyses over their processes, the longer mode's
     controls, all of that work over ``cores``) (the known facts' and analyses' seconds are one thread's; a process
     of several threads runs them ``thread_speedup`` faster; their processes ``analyses_processes``: cores // the threads the workers
@@ -232,7 +224,7 @@ def predict(shape: Shape, work: dict, model_cost, width_fits: dict, load_s: floa
     per_mode = {}
     for mode in (m for m in work.get("matched_modes", MATCHED_D_STAR) if m in MATCHED_D_STAR):
         seconds = 0.0
-        for control in work.get("controls") or [default_control(work)]:
+        for control in work["controls"]:
             seconds += search_scale * search_seconds(mode, control["facts"])
             for width, steps in matched_curve(mode, shape.d, work.get("at_model_width", True), control["n_seeds"],
                                               control["past_fit"], control["max_steps"], control["facts"]):
