@@ -14,6 +14,7 @@ from llmprobe.report.render import render_markdown, with_matched
 from llmprobe.report.schema import matched_sources
 from synthetic.matched import (
     KEEP_RATES,
+    MAX_STEPS,
     PAST_FIT,
     curve_widths,
     measure_control,
@@ -291,7 +292,9 @@ def test_the_plan_prices_each_width_as_the_run_plan_does():
     shape = PRESETS["smollm2-135m"]
     work = {"forward": [], "edits": [], "jacobian": [], "lre_layers": [], "head_rows": 0, "states": [], "known": [],
             "lre_fits": 0, "ridge_fits": 0, "readouts": 0, "readout_subjects": 0, "n_subjects": 193, "n_facts_table": 1158,
-            "at_model_width": True, "n_seeds": 3}
+            "at_model_width": True, "n_seeds": 3,
+            "controls": [{"facts": "all", "recipe": "adam", "n_seeds": 3, "past_fit": PAST_FIT, "max_steps": MAX_STEPS,
+                          "n_facts": 1158, "n_subjects": 193}]}        # the control matched_planned prices by default
     for mode in ("trainable", "frozen"):
         one, scale = {**work, "matched_modes": (mode,)}, 1.7
         for device in ("cpu", "h200"):

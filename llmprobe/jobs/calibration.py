@@ -206,6 +206,14 @@ def graded_fractions(grades: dict[str, list[str]], replicates: int) -> dict[str,
         out[f"{key}_low_power"] = sum(g == "inconclusive (low power)" for g in graded) / replicates
     return out
 
+def world_row(world, sizes: dict, replicates: int, family: int, means: dict[str, float],
+              grades: dict[str, list[str]]) -> dict:
+    """One row of a calibration table: the world's name and whether the claim holds in it, its sample ``sizes``,
+    the replicates and the Holm family graded in, each measure's mean over the replicates (``means``, rounded to
+    4 places) and :func:`graded_fractions` of ``grades``."""
+    return {"world": world.name, "claim_holds": world.holds, **sizes, "replicates": replicates, "family": family,
+            **{k: round(v, 4) for k, v in means.items()}, **graded_fractions(grades, replicates)}
+
 
 def format_rows(rows: list[dict]) -> str:
     """The calibration table as text: power where the claim holds, false-positive rate where it fails."""
@@ -331,9 +339,7 @@ def calibrate_selector(worlds: list[SelectorWorld], n_items: int, replicates: in
                 sums[key] = sums.get(key, 0.0) + value / replicates
             for key in grades:
                 grades[key].append(grade_test(got[f"{key}_test"], family))
-        row = {"world": world.name, "claim_holds": world.holds, "n": min(n_seen), "replicates": replicates,
-               "family": family, **{k: round(v, 4) for k, v in sums.items()}}
-        row.update(graded_fractions(grades, replicates))
+        row = world_row(world, {"n": min(n_seen)}, replicates, family, sums, grades)
         rows.append(row)
         if on_row is not None:
             on_row(row)
@@ -967,10 +973,8 @@ def calibrate_causal(worlds: list[CausalWorld], n_facts: list[int], d: int, repl
                     sums[key] = sums.get(key, 0.0) + value / replicates
                 for key, test in causal_tests(metric).items():
                     grades[key].append(grade_with_power(test, family))
-            row = {"world": world.name, "claim_holds": world.holds, "n_facts": n, "n": min(pairs),
-                   "n_max": max(pairs), "replicates": replicates, "family": family,
-                   **{k: round(v, 4) for k, v in sums.items()}}
-            row.update(graded_fractions(grades, replicates))
+            row = world_row(world, {"n_facts": n, "n": min(pairs), "n_max": max(pairs)}, replicates, family, sums,
+                            grades)
             rows.append(row)
             if on_row is not None:
                 on_row(row)
@@ -1320,9 +1324,7 @@ def calibrate_crosspatch(worlds: list[PatchWorld], A: torch.Tensor, d: int, repl
             for key, test in got["tests"].items():
                 grades[key].append(median_grade(test, family + len(test) - 1) if key == "median" else
                                    grade_with_power(test, family))
-        row = {"world": world.name, "claim_holds": world.holds, "n": min(n_items), "pairs": min(pairs),
-               "replicates": replicates, "family": family, **{k: round(v, 4) for k, v in sums.items()}}
-        row.update(graded_fractions(grades, replicates))
+        row = world_row(world, {"n": min(n_items), "pairs": min(pairs)}, replicates, family, sums, grades)
         rows.append(row)
         if on_row is not None:
             on_row(row)
@@ -1666,9 +1668,7 @@ def calibrate_cot(worlds: list[CotWorld], replicates: int, family: int = COT_FAM
                 sums[key] = sums.get(key, 0.0) + value / replicates
             for key, test in cot_tests(block).items():
                 grades[key].append(grade_with_power(test, family))
-        row = {"world": world.name, "claim_holds": world.holds, "n": min(n_seen), "replicates": replicates,
-               "family": family, **{k: round(v, 4) for k, v in sums.items()}}
-        row.update(graded_fractions(grades, replicates))
+        row = world_row(world, {"n": min(n_seen)}, replicates, family, sums, grades)
         rows.append(row)
         if on_row is not None:
             on_row(row)
