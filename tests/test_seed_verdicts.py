@@ -116,3 +116,24 @@ def test_seeds_that_all_give_one_value_claim_no_interval():
     for values in ([1.0, 1.0, 1.0], [0.5, 0.5]):
         m = t_over_seeds(values, (0, 1))
         assert m.value == values[0] and m.ci == (None, None) and m.n == len(values) and m.spread["sd"] == 0
+
+
+def _curve_line(narrow: list[float], wide: list[float]) -> dict:
+    """The superposition line beside a control whose curve has a narrow point (d = 4, its seeds' R^2 ``narrow``)
+    and the point at the model's width (d = 8, ``wide``)."""
+    controls = _control(r2=wide)
+    narrow_point = {**controls["modes"]["trainable"]["points"][0], "d": 4, "r2_final": _over(narrow)}
+    controls["modes"]["trainable"]["points"].insert(0, narrow_point)
+    report = _claims_report(superposition={"1": {"r2": _r2(0.170, 0.132, 0.208, R2_NULLS)}}, controls=controls)
+    return _line(report, SUPERPOSITION)
+
+
+def test_a_control_short_of_its_own_curve_at_the_models_width_says_so():
+    """SmolLM2's known-facts control: R^2 0.41 at d = 576 where its narrower widths reach 0.85; the comparison at
+    the model's width says it reads a control short of the paper's model; a control whose interval reaches its
+    curve's best says nothing."""
+    short = _curve_line([0.84, 0.85, 0.86], [0.40, 0.42, 0.41])
+    assert "the control at d=8 reads superposition R^2 0.410" in short["note"]
+    assert "its own curve reaches 0.850 at d=4" in short["note"] and "short of the paper's model" in short["note"]
+    level = _curve_line([0.84, 0.85, 0.86], [0.80, 0.85, 0.90])
+    assert "short of the paper's model" not in (level.get("note") or "")

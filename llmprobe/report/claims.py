@@ -316,6 +316,36 @@ def _beside_all_facts(test: dict | None, metric: dict | None, words: str) -> Non
                                                  f"not graded): {m['value']:.3f}{interval}"]))
 
 
+def short_of_curve(report: dict) -> str | None:
+    """Where the trainable matched control at the model's width reads a superposition R^2 whose interval lies
+    below the value of its own curve's best width: its training stops short of the superposition its narrower
+    widths reach, so a comparison with it reads a control short of the paper's model; a sentence saying so, else
+    None (no control at the model's width, or its interval reaches the curve's best)."""
+    here_source = _same_width_control(report)
+    if here_source is None:
+        return None
+
+    def r2(source: MatchedSource) -> dict | None:
+        return _compact((source.analyses.superposition.layers.get("0") or SuperpositionLayer()).r2)
+
+    here = r2(here_source)
+    best = max(((r2(s), s) for s in _trainable_controls(report) if r2(s)), key=lambda x: x[0]["value"], default=None)
+    if here is None or best is None or not here.get("ci") or here["ci"][1] is None or here["ci"][1] >= best[0]["value"]:
+        return None
+    return (f"the control at d={here_source.model.d_model} reads superposition R^2 {here['value']:.3f} "
+            f"[{here['ci'][0]:.3f}, {here['ci'][1]:.3f}] where its own curve reaches {best[0]['value']:.3f} at "
+            f"d={best[1].model.d_model}: at this width its training ({_control_words(report)}) stops short of the "
+            f"superposition its own narrower widths reach, so this comparison reads a control short of the paper's "
+            f"model")
+
+
+def _note_short_of_curve(test: dict | None, note: str | None) -> None:
+    """Add ``note`` (:func:`short_of_curve`) to ``test``'s comparison note."""
+    comparison = (test or {}).get("comparison")
+    if comparison is not None and note:
+        comparison["note"] = "; ".join(filter(None, [comparison.get("note"), note]))
+
+
 def _trainable_controls(report: dict) -> list[MatchedSource]:
     """The report's trainable matched controls, one synthetic source per curve point, in the block's order."""
     return [s for s in matched_sources_of(report) if not s.model.frozen_subjects]
@@ -401,6 +431,7 @@ def _superposition_tests(report: dict) -> tuple[list[dict], list[dict], str]:
         if common is None or common == int(layer):
             r2s.append(_r2_test(report, int(layer), entry, (name, control.r2)))
             seed_words(r2s[-1], seed_values(control.r2))
+            _note_short_of_curve(r2s[-1], short_of_curve(report))
             if apart:
                 _beside_all_facts(r2s[-1], apart_layer.r2, apart[1])
     where = (f"at the layer its LRE decoder chose on validation (else layer {common}, the one most relations' "
@@ -615,6 +646,8 @@ def _selector_tests(report: dict) -> tuple[list[dict], str]:
                       kept if calibrated else _broken(kept))
     test = selector_test(as_json, comparison)
     seed_words(test, seeds)
+    if source.model.d_model == model_of(report).d_model:         # the control at the model's width
+        _note_short_of_curve(test, short_of_curve(report))
     apart = _all_facts_control(report) if calibrated else None      # the all-facts control, shown beside
     if apart:
         _beside_all_facts(test, apart[0].over_seeds.gate_transplant.get("same_relation"), apart[1])
