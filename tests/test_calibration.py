@@ -32,6 +32,7 @@ import torch
 from test_report import R2_NULLS, _claims_report, _r2
 
 import llmprobe.jobs.calibration as calibration
+import llmprobe.jobs.calibration.decodable as calibration_decodable
 from llmprobe.analyses.decoders import causality_metric
 from llmprobe.analyses.selector import matched_switch_off
 from llmprobe.analyses.superposition import LEXICAL_EXCESS, LEXICAL_SHARE, relation_overlap
@@ -66,6 +67,7 @@ from llmprobe.report.claims import (
     DECODABLE,
     GRADES,
     MIN_EFFECT,
+    MULTIHOP,
     MULTIHOP_DSTAR,
     MULTIHOP_WIDTH,
     NOT_TESTABLE,
@@ -75,6 +77,7 @@ from llmprobe.report.claims import (
     SWAP_RESULT,
     _crosspatch_tests,
     claims_block,
+    composition_majority,
     hop_growth,
     summary_claims,
     swap_line,
@@ -346,7 +349,8 @@ def test_the_decodable_line_passes_a_planted_code_and_fails_shuffled_and_lexical
 def test_lre_faithfulness_with_a_broken_operator_reads_nothing(decodable_shapes, monkeypatch):
     """Mutation of the estimator: the LRE's operator replaced by a random map of the same shape. The planted
     code is then no longer decoded, and no relation's LRE test is supported."""
-    monkeypatch.setattr(calibration, "lre_faithfulness", _random_operator(calibration.lre_faithfulness))
+    monkeypatch.setattr(calibration_decodable, "lre_faithfulness",
+                        _random_operator(calibration_decodable.lre_faithfulness))
     got = _decodable_draw(decodable_worlds(4.0)[0], decodable_shapes)
     assert all(r["lre_grade"] == "not shown" and r["lre"] < 0.25 for r in got["relations"].values())
 
@@ -486,7 +490,7 @@ def test_the_chain_of_thought_line_separates_its_planted_worlds():
         **calibration.wrong_bridge_hits(partners, common, ~common)}))
     assert block["pooled"]["k=2"]["n_without_wrong_bridge"] == 11 and block["pooled"]["k=2"]["wrong_bridge"]["n"] == 64
     assert calibration.chain_sizes({"analyses": {"multihop": block}}) == calibration.SMOLLM2_CHAINS
-    prior = calibration.composition_majority({"analyses": {"multihop": block}}, "k=2")
+    prior = composition_majority({"analyses": {"multihop": block}}, "k=2")
     assert prior["value"] == pytest.approx(39 / 75) and prior["n"] == 75       # SmolLM2's 0.52
     assert block["pooled"]["k=2"]["cot"]["nulls"]["majority"]["value"] == pytest.approx(21 / 75)   # "Europe"
     worlds = {w.name: w for w in calibration.cot_rate_worlds()}
@@ -504,10 +508,10 @@ def test_the_chain_of_thought_line_separates_its_planted_worlds():
     assert nested_ignores["wrong_bridge"] == pytest.approx(nested_ignores["cot"], abs=0.05)
     older = claims_block({"analyses": {"multihop": calibration.without_wrong_bridge(
         calibration.cot_block(_nested_world(47, 68, ignores_bridge=True).draw(0)))}})
-    line = next(x for x in older["lines"] if x["claim"] == calibration.MULTIHOP)
+    line = next(x for x in older["lines"] if x["claim"] == MULTIHOP)
     assert line["verdict"] == "supported" and "wrong_bridge not in this report" in line["note"]
     now = claims_block({"analyses": {"multihop": calibration.cot_block(_nested_world(47, 68).draw(0))}})
-    line = next(x for x in now["lines"] if x["claim"] == calibration.MULTIHOP)
+    line = next(x for x in now["lines"] if x["claim"] == MULTIHOP)
     assert line["verdict"] == "supported" and "its own answer 0.000, the bridge's answer 0.891 (64 chains; 11 " \
         "without" in line["note"]
 
