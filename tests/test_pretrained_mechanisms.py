@@ -402,9 +402,9 @@ def test_the_wrong_bridge_prompt_carries_another_chains_bridge_scored_on_both_an
     name, one = max(pairs, key=pairs.count)                  # a composition left with chains of one answer only
     rows = [r for r in rows if r[0].name != name or r[1].answer == one]
     assert sum(r[0].name == name for r in rows) >= 2
-    first = first_token_targets(tok, [multihop_module.ceiling_prompt(*r) for r in rows],
-                                                [c.answer for _, c, _ in rows]).tolist()
-    partners, prompts = multihop_module.wrong_bridge_prompts(tok, rows, cfg)
+    ceiling = [multihop_module.ceiling_prompt(*r) for r in rows]
+    first = first_token_targets(tok, ceiling, [c.answer for _, c, _ in rows]).tolist()
+    partners, prompts = multihop_module.wrong_bridge_prompts(tok, rows, ceiling, cfg)
     for i, ((comp, chain, p), j) in enumerate(zip(rows, partners)):
         others = [k for k, r in enumerate(rows) if r[0].name == comp.name and first[k] != first[i]]
         if j is None:

@@ -168,11 +168,12 @@ def ceiling_prompt(comp: Composition, chain: Chain, prompt: dict[str, str], brid
     return prompt["cot"] + " " + said.rsplit(" " + answer + ".", 1)[0]
 
 
-def wrong_bridge_prompts(tok, rows, cfg: AnalysisSettings) -> tuple[list[int | None], list[str | None]]:
-    """(partner per item, its wrong-bridge prompt) of :func:`item_rows`' rows: the ceiling's prompt with the
-    bridges of another item of the same composition whose answer's first token differs (:func:`bridge_partners`,
-    seeded by the run's seed); None where the composition has no such item."""
-    ceiling = [ceiling_prompt(comp, c, p) for comp, c, p in rows]
+def wrong_bridge_prompts(tok, rows, ceiling: list[str], cfg: AnalysisSettings
+                         ) -> tuple[list[int | None], list[str | None]]:
+    """(partner per item, its wrong-bridge prompt) of :func:`item_rows`' rows and their ceiling prompts
+    (:func:`ceiling_prompt`): the ceiling's prompt with the bridges of another item of the same composition whose
+    answer's first token differs (:func:`bridge_partners`, seeded by the run's seed); None where the composition
+    has no such item."""
     first = first_token_targets(tok, ceiling, [c.answer for _, c, _ in rows]).tolist()
     gen = random.Random(generator(cfg, "multihop", "wrong_bridge").initial_seed())
     partners = bridge_partners([comp.name for comp, _, _ in rows], first, gen)
@@ -267,7 +268,7 @@ def _chain_of_thought(lm, rows, cfg: AnalysisSettings) -> dict[str, torch.Tensor
             texts[i] += f" {bridge}. " + statement(rows[i][0].hops[step + 1], bridge)
     answers = [c.answer for _, c, _ in rows]
     ceiling = [ceiling_prompt(comp, c, p) for comp, c, p in rows]
-    partners, wrong = wrong_bridge_prompts(tok, rows, cfg)
+    partners, wrong = wrong_bridge_prompts(tok, rows, ceiling, cfg)
     paired = [i for i, j in enumerate(partners) if j is not None]
     wrong_texts = [wrong[i] for i in paired]
     unique = list(dict.fromkeys(texts + ceiling + wrong_texts))  # a chain of true bridges is its own ceiling
@@ -393,7 +394,7 @@ def multihop_workload(tok, relations: list, known: dict, layers: list[int], n_la
         for i, bridge in zip(todo, bridges):
             texts[i] += f" {bridge}. " + statement(rows[i][0].hops[step + 1], bridge)
     ceiling = [ceiling_prompt(comp, c, p) for comp, c, p in rows]
-    wrong = [t for t in wrong_bridge_prompts(tok, rows, cfg)[1] if t is not None]
+    wrong = [t for t in wrong_bridge_prompts(tok, rows, ceiling, cfg)[1] if t is not None]
     work["forward"].append((padded_batches(tok, texts + ceiling + wrong, batch), n_layers, True))
     if cfg.random_control and bridges_readable(rows):
         work["forward"].append((padded_batches(tok, direct, batch), n_layers, True))

@@ -312,8 +312,7 @@ def _beside_all_facts(test: dict | None, metric: dict | None, words: str) -> Non
     ci = m.get("ci") or [None, None]
     interval = f" [{ci[0]:.3f}, {ci[1]:.3f}]" if None not in ci[:2] else ""
     comparison["all_facts"] = {"name": f"the all-facts control ({words}), not graded", "metric": m}
-    comparison["note"] = "; ".join(filter(None, [comparison.get("note"), f"beside, the all-facts control ({words}, "
-                                                 f"not graded): {m['value']:.3f}{interval}"]))
+    _add_comparison_note(test, f"beside, the all-facts control ({words}, not graded): {m['value']:.3f}{interval}")
 
 
 def short_of_curve(report: dict) -> str | None:
@@ -339,8 +338,9 @@ def short_of_curve(report: dict) -> str | None:
             f"model")
 
 
-def _note_short_of_curve(test: dict | None, note: str | None) -> None:
-    """Add ``note`` (:func:`short_of_curve`) to ``test``'s comparison note."""
+def _add_comparison_note(test: dict | None, note: str | None) -> None:
+    """Add ``note`` (the all-facts control's number, :func:`short_of_curve`'s sentence) to ``test``'s comparison
+    note, after what it already says."""
     comparison = (test or {}).get("comparison")
     if comparison is not None and note:
         comparison["note"] = "; ".join(filter(None, [comparison.get("note"), note]))
@@ -415,6 +415,7 @@ def _superposition_tests(report: dict) -> tuple[list[dict], list[dict], str]:
     over = source.over_seeds           # the control's values over its seeds, where the report has them
     name = (f"the paper's model (matched control, trainable; {_control_words(report)}) at this width "
             f"(d={report.get('model', {}).get('d_model')})")
+    short = short_of_curve(report)             # the control at this width short of its own curve, if it is
     apart = _all_facts_control(report)         # the all-facts control, shown beside
     apart_layer = (apart[0].analyses.superposition.layers.get("0") or SuperpositionLayer()) if apart else None
     readouts, r2s = [], []
@@ -431,7 +432,7 @@ def _superposition_tests(report: dict) -> tuple[list[dict], list[dict], str]:
         if common is None or common == int(layer):
             r2s.append(_r2_test(report, int(layer), entry, (name, control.r2)))
             seed_words(r2s[-1], seed_values(control.r2))
-            _note_short_of_curve(r2s[-1], short_of_curve(report))
+            _add_comparison_note(r2s[-1], short)
             if apart:
                 _beside_all_facts(r2s[-1], apart_layer.r2, apart[1])
     where = (f"at the layer its LRE decoder chose on validation (else layer {common}, the one most relations' "
@@ -647,7 +648,7 @@ def _selector_tests(report: dict) -> tuple[list[dict], str]:
     test = selector_test(as_json, comparison)
     seed_words(test, seeds)
     if source.model.d_model == model_of(report).d_model:         # the control at the model's width
-        _note_short_of_curve(test, short_of_curve(report))
+        _add_comparison_note(test, short_of_curve(report))
     apart = _all_facts_control(report) if calibrated else None      # the all-facts control, shown beside
     if apart:
         _beside_all_facts(test, apart[0].over_seeds.gate_transplant.get("same_relation"), apart[1])
