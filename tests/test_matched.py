@@ -14,7 +14,6 @@ from llmprobe.report.render import render_markdown, with_matched
 from llmprobe.report.schema import matched_sources
 from synthetic.matched import (
     KEEP_RATES,
-    MAX_STEPS,
     PAST_FIT,
     curve_widths,
     measure_control,
@@ -293,7 +292,7 @@ def test_the_plan_prices_each_width_as_the_run_plan_does():
     work = {"forward": [], "edits": [], "jacobian": [], "lre_layers": [], "head_rows": 0, "states": [], "known": [],
             "lre_fits": 0, "ridge_fits": 0, "readouts": 0, "readout_subjects": 0, "n_subjects": 193, "n_facts_table": 1158,
             "at_model_width": True, "n_seeds": 3,
-            "controls": [{"facts": "all", "recipe": "adam", "n_seeds": 3, "past_fit": PAST_FIT, "max_steps": MAX_STEPS,
+            "controls": [{"facts": "all", "recipe": "weight_decay", "n_seeds": 3, "past_fit": 1000, "max_steps": 1000,
                           "n_facts": 1158, "n_subjects": 193}]}        # the control matched_planned prices by default
     for mode in ("trainable", "frozen"):
         one, scale = {**work, "matched_modes": (mode,)}, 1.7
@@ -306,11 +305,15 @@ def test_the_plan_prices_each_width_as_the_run_plan_does():
     curve = dict(matched_curve("trainable", 576))                     # {3: 6000, 6: 786, 12: 570, ...}
     assert matched_width_steps("trainable", 6, 576) == curve[6] and matched_width_steps("trainable", 2, 576) == curve[3]
     assert curve[6] > matched_width_steps("trainable", 8, 576) > curve[12]
-    capped = matched_planned("trainable", 576, 1158, 193, max_steps=600)["width"]   # a seed trains 600 steps at most
     measure = CPU_FITS["matched_measure"]["a"] * 193 ** 2 * 3 + CPU_FITS["matched_measure"]["b"]   # not capped
-    full = matched_planned("trainable", 576, 1158, 193)["width"]
+    whole = matched_planned("trainable", 576, 1158, 193)["width"]          # the weight-decay recipe: 1000 steps
+    shorter = matched_planned("trainable", 576, 1158, 193, max_steps=600)["width"]    # its schedule cut to 600
+    measure_48 = CPU_FITS["matched_measure"]["a"] * 193 ** 2 * 48 + CPU_FITS["matched_measure"]["b"]
+    assert shorter(48) - measure_48 == pytest.approx((whole(48) - measure_48) * 0.6, rel=1e-9)
+    capped = matched_planned("trainable", 576, 1158, 193, max_steps=600, recipe="adam")["width"]   # 600 at most
+    full = matched_planned("trainable", 576, 1158, 193, recipe="adam")["width"]
     assert capped(3) - measure == pytest.approx((full(3) - measure) * 0.3, rel=1e-9)
-    assert capped(48) == matched_planned("trainable", 576, 1158, 193)["width"](48)
+    assert capped(48) == full(48)                                      # adam stops at d = 48 before 600 steps
     assert matched_planned("frozen_all", 576, 1158, 193) is None
 
 

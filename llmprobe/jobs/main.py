@@ -39,7 +39,7 @@ from llmprobe.names import EXPORTS, REPORT_FILES
 from llmprobe.report.claims import claims_block
 from llmprobe.report.render import with_matched, write_all
 from llmprobe.settings import TABLES, TRAINING, Settings
-from synthetic.matched import known_table, merge_matched, recipe_rule
+from synthetic.matched import known_table, merge_matched
 
 CHECKPOINTS = "matched"     # in a run's folder: the matched controls' finished units (synthetic.matched.Units)
 
@@ -383,10 +383,10 @@ def planned_matched(table, d_model: int, modes: tuple, arguments: dict) -> dict:
     worker trains after it (``arguments["all_facts"]``; 0 without); {} (said on stderr) when the plan cannot be
     made: it never stops the controls."""
     def plans(table, arguments: dict, facts: str) -> dict:
-        max_steps, past_fit = recipe_rule(arguments["recipe"], arguments.get("max_steps"), arguments.get("past_fit"))
         n_facts, n_subjects = int((table.table >= 0).sum()), len(table.subjects)
         return {mode: matched_planned(mode, d_model, n_facts, n_subjects, arguments["at_model_width"],
-                                      arguments["n_seeds"], device, scale, max_steps, past_fit, facts)
+                                      arguments["n_seeds"], device, scale, arguments.get("max_steps"),
+                                      arguments.get("past_fit"), facts, arguments["recipe"])
                 for mode in modes}
 
     try:

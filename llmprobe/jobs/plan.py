@@ -548,18 +548,19 @@ def matched_width_seconds(d: int, *, mode: str, d_model: int, n_facts: int, n_su
 
 def matched_planned(mode: str, d_model: int, n_facts: int, n_subjects: int, at_model_width: bool = True,
                     n_seeds: int = 3, device: str = "cpu", cpu_scale: float = 1.0,
-                    max_steps: int | None = None, past_fit: int | None = None, facts: str = "all") -> dict | None:
+                    max_steps: int | None = None, past_fit: int | None = None, facts: str = "all",
+                    recipe: str = "weight_decay") -> dict | None:
     """The plan of one mode's matched controls, as ``synthetic.matched.train_matched(planned={mode: ...})``
     takes it for its progress lines' time left: {"search": the threshold search's seconds, "curve": the seconds
     of the curve's widths as planned (from the measured d*), "width": :func:`matched_width_seconds` of this
     table and device as a function of d (the actual widths are known only after the search)}. None for a mode
     the plan has no measurements of. ``device``: "cpu" (fits times ``cpu_scale``: REFERENCE_RATE /
     :func:`measured_rate`) or "h200" (one H200, its host work at the fits' speed), as :func:`predict_on`;
-    ``max_steps``, ``past_fit``: the run's rule (None: adam's); ``facts``: which table ("all", "known": its d* and
-    search)."""
+    ``max_steps``, ``past_fit``: the run's rule (None: ``recipe``'s, ``synthetic.matched.recipe_rule``; the
+    default recipe is the run's); ``facts``: which table ("all", "known": its d* and search)."""
     if mode not in MATCHED_D_STAR:
         return None
-    max_steps, past_fit = MAX_STEPS if max_steps is None else max_steps, PAST_FIT if past_fit is None else past_fit
+    max_steps, past_fit = recipe_rule(recipe, max_steps, past_fit)
     width = functools.partial(matched_width_seconds, mode=mode, d_model=d_model, n_facts=n_facts,
                               n_subjects=n_subjects, n_seeds=n_seeds, device=device, cpu_scale=cpu_scale,
                               max_steps=max_steps, past_fit=past_fit, facts=facts)

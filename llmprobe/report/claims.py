@@ -339,8 +339,8 @@ def short_of_curve(report: dict) -> str | None:
 
 
 def _add_comparison_note(test: dict | None, note: str | None) -> None:
-    """Add ``note`` (the all-facts control's number, :func:`short_of_curve`'s sentence) to ``test``'s comparison
-    note, after what it already says."""
+    """Add ``note`` (the seeds' words, the all-facts control's number, :func:`short_of_curve`'s sentence) to
+    ``test``'s comparison note, after what it already says."""
     comparison = (test or {}).get("comparison")
     if comparison is not None and note:
         comparison["note"] = "; ".join(filter(None, [comparison.get("note"), note]))
@@ -368,7 +368,7 @@ def seed_words(test: dict | None, values: list[float]) -> None:
     """Say in ``test``'s comparison (built from a metric over the control's seeds) whether its word would flip
     between seeds: the word recomputed with each seed's value in place of the control's (the seed's value as
     exact, the pretrained interval as measured) goes to ``comparison["seed_words"]``; when they disagree,
-    ``comparison["note"]`` says "depends on the control's seed: seed values ..." and the word stays the one from
+    ``comparison["note"]`` adds "depends on the control's seed: seed values ..." and the word stays the one from
     the interval over seeds. Nothing with fewer than two seeds."""
     comparison = (test or {}).get("comparison")
     if not comparison or len(values) < 2:
@@ -376,7 +376,7 @@ def seed_words(test: dict | None, values: list[float]) -> None:
     words = [_word(difference(test["metric"], {"value": v, "ci": [v, v]})) for v in values]
     comparison["seed_words"] = words
     if len(set(words)) > 1:
-        comparison["note"] = ("depends on the control's seed: seed values " + ", ".join(
+        _add_comparison_note(test, "depends on the control's seed: seed values " + ", ".join(
             f"{v:.3f} ({w})" for v, w in zip(values, words)) + f"; the word is the one over seeds "
             f"({comparison['word']}, the {len(values)} seeds' Student-t interval)")
 
