@@ -179,7 +179,7 @@ class MatchedStage:
         settings = self.settings
         like_for_like = "superposition" in settings.analyses("run")
         training = {k: v for k, v in settings.changed("matched").items() if k in TRAINING + TABLES}
-        key = json_digest(report["stages"]["known_facts"]["key"], "controls 3", settings.matched.at_model_width,
+        key = json_digest(report["stages"]["known_facts"]["key"], "controls 4", settings.matched.at_model_width,
                         settings.run.seed, like_for_like, sorted(settings.changed("analysis").items()),
                         *([sorted(training.items())] if training else []))
         stage = start_stage(report, "matched", key)
