@@ -316,10 +316,12 @@ def _beside_all_facts(test: dict | None, metric: dict | None, words: str) -> Non
 
 
 def short_of_curve(report: dict) -> str | None:
-    """Where the trainable matched control at the model's width reads a superposition R^2 whose interval lies
-    below the value of its own curve's best width: its training stops short of the superposition its narrower
-    widths reach, so a comparison with it reads a control short of the paper's model; a sentence saying so, else
-    None (no control at the model's width, or its interval reaches the curve's best)."""
+    """Where the trainable matched control at the model's width reads a superposition R^2 short of its own
+    curve's best width by more than the superposition line's minimal effect (the difference's interval, MOVER
+    over the two intervals, wholly below -MIN_EFFECT[SUPERPOSITION]): its training stops short of the
+    superposition its narrower widths reach, so a comparison with it reads a control short of the paper's model;
+    a sentence saying so, else None (no control at the model's width, or not short by that much: a flat curve's
+    seed noise is not a shortfall)."""
     here_source = _same_width_control(report)
     if here_source is None:
         return None
@@ -329,7 +331,8 @@ def short_of_curve(report: dict) -> str | None:
 
     here = r2(here_source)
     best = max(((r2(s), s) for s in _trainable_controls(report) if r2(s)), key=lambda x: x[0]["value"], default=None)
-    if here is None or best is None or not here.get("ci") or here["ci"][1] is None or here["ci"][1] >= best[0]["value"]:
+    if here is None or best is None or not here.get("ci") or here["ci"][1] is None or \
+            difference(here, best[0])["ci"][1] >= -MIN_EFFECT[SUPERPOSITION]:
         return None
     return (f"the control at d={here_source.model.d_model} reads superposition R^2 {here['value']:.3f} "
             f"[{here['ci'][0]:.3f}, {here['ci'][1]:.3f}] where its own curve reaches {best[0]['value']:.3f} at "
