@@ -82,20 +82,31 @@ def test_readouts_are_compared_with_the_control_over_its_seeds():
     assert line["comparison"]["metric"]["value"] == 0.9 and "seed_words" not in line["comparison"]
 
 
-@pytest.mark.parametrize("same, flips", [([0.955, 0.925, 0.80], True), ([0.955, 0.925, 0.94], False)])
-def test_the_selectors_matched_keep_rate_is_read_over_seeds(same, flips):
-    """The pretrained same-relation keep 63/64 beside the control's keep over seeds (not seed 0's 0.99, Wilson on
-    the table's facts); a seed keeping 0.80 reads "more than" where the others read "as much as"."""
-    report = _calibrated_selector_report(63, 18, 20, controls=_control(keep=(same, [0.5, 0.6, 0.7])))
+@pytest.mark.parametrize("other, word, words", [
+    ([0.5, 0.6, 0.25], "as much as", ["more than", "more than", "as much as"]),
+    ([0.5, 0.6, 0.7], "more than", ["more than"] * 3)])
+def test_the_selectors_matched_selection_effect_is_read_over_seeds(other, word, words):
+    """The pretrained selection effect (same-relation keep 63/64 - other-relation keep 18/64, paired: 0.703)
+    beside the control's effect over seeds (each seed's same-relation keep 0.955, 0.925, 0.94 minus its
+    other-relation keep; not seed 0's keep rate, Wilson on the table's facts): seeds' effects 0.455, 0.325, 0.69
+    read "more than" twice and "as much as" once, which the note says, the word the one over seeds; 0.455, 0.325,
+    0.24 read "more than" every one. An older control (seed 0 only) is compared on the same-relation keep rate,
+    Wilson."""
+    same = [0.955, 0.925, 0.94]
+    report = _calibrated_selector_report(63, 18, 20, controls=_control(keep=(same, other)))
     line = _line(report, SELECTOR)
     comparison = line["comparison"]
-    assert comparison["metric"]["value"] == pytest.approx(sum(same) / 3)
+    effects = [a - b for a, b in zip(same, other)]
+    assert comparison["metric"]["value"] == pytest.approx(sum(effects) / 3)
     assert comparison["metric"]["interval"] == "t over seeds" and "over 3 seeds" in comparison["name"]
-    assert comparison["word"] == "as much as"
-    assert comparison["seed_words"] == ["as much as", "as much as", "more than" if flips else "as much as"]
-    assert (FLIP in line["note"]) == flips
+    assert "selection effect" in comparison["name"]
+    assert comparison["measured"]["value"] == pytest.approx(line["difference"]["value"]) == pytest.approx(45 / 64)
+    assert comparison["difference"]["value"] == pytest.approx(45 / 64 - sum(effects) / 3)
+    assert comparison["word"] == word and comparison["seed_words"] == words
+    assert (FLIP in (line["note"] or "")) == (len(set(words)) > 1)
     old = _line(_calibrated_selector_report(63, 18, 20, controls=MATCHED_SELECTOR), SELECTOR)["comparison"]
     assert old["metric"]["interval"] == "wilson" and old["metric"]["n"] == 80 and "seed_words" not in old
+    assert "selection effect" not in old["name"]
 
 
 @pytest.mark.parametrize("values", [[0.240, 0.265, 0.201], [0.1, 0.9], [0.5, 0.5, 0.51], [1.0, 0.2, 0.3, 0.95]])

@@ -367,16 +367,17 @@ def seed_values(m: dict | None) -> list[float]:
     return [float(v) for v in (m.get("spread") or {}).get("values") or []]
 
 
-def seed_words(test: dict | None, values: list[float]) -> None:
+def seed_words(test: dict | None, values: list[float], measured: dict | None = None) -> None:
     """Say in ``test``'s comparison (built from a metric over the control's seeds) whether its word would flip
     between seeds: the word recomputed with each seed's value in place of the control's (the seed's value as
-    exact, the pretrained interval as measured) goes to ``comparison["seed_words"]``; when they disagree,
+    exact, the pretrained interval as measured: ``measured``, default the test's metric) goes to
+    ``comparison["seed_words"]``; when they disagree,
     ``comparison["note"]`` adds "depends on the control's seed: seed values ..." and the word stays the one from
     the interval over seeds. Nothing with fewer than two seeds."""
     comparison = (test or {}).get("comparison")
     if not comparison or len(values) < 2:
         return
-    words = [_word(difference(test["metric"], {"value": v, "ci": [v, v]})) for v in values]
+    words = [_word(difference(measured or test["metric"], {"value": v, "ci": [v, v]})) for v in values]
     comparison["seed_words"] = words
     if len(set(words)) > 1:
         _add_comparison_note(test, "depends on the control's seed: seed values " + ", ".join(
@@ -619,8 +620,11 @@ def selector_test(transplant: dict, comparison: tuple | None = None) -> dict | N
 def _selector_tests(report: dict) -> tuple[list[dict], str]:
     """(tests, where) of the selector on the pretrained model's gate transplant (at the block chosen on validation
     facts, :func:`selector_test`): the calibrated keep test where the report has it, beside the trainable matched
-    control's same-relation keep rate at the model's width (else at d*; over its seeds, Student-t, with a note where
-    the word flips between seeds; reports without per-seed keep rates: seed 0's, Wilson, n = the table's facts);
+    control at the model's width (else at d*): its selection effect (same-relation keep - other-relation keep, per
+    seed, Student-t over seeds) against the model's (the test's paired same_minus_other, ``comparison.measured``),
+    with a note where the word flips between seeds; reports without a usable paired effect: the control's
+    same-relation keep rate over seeds against the model's; without per-seed keep rates: seed 0's, Wilson, n = the
+    table's facts;
     older reports: the share another relation's gates break against a count-matched random switch-off, beside the
     control's other-relation break at d* (1 - its same_subject keep rate)."""
     transplant = analyses_of(report).selector.gate_transplant
@@ -633,14 +637,20 @@ def _selector_tests(report: dict) -> tuple[list[dict], str]:
     control, n_facts = source.analyses.selector.gate_transplant, source.matched_to.n_facts
     comparison, seeds = None, []
     kept_over = source.over_seeds.gate_transplant      # the keep rates over the control's seeds, where stored
+    effect = _informative(as_json.get("same_minus_other")) if calibrated else None
     if _compact(kept_over.get("same_relation")) and _compact(kept_over.get("same_subject")):
         same, other = kept_over["same_relation"], kept_over["same_subject"]
-        kept = same if calibrated else other
-        seeds = [v if calibrated else 1.0 - v for v in seed_values(kept)]
-        comparison = (f"the matched control ({source_name(source.to_dict())}, {_control_words(report)}, over "
-                      f"{same['n']} seeds; same-relation "
-                      f"gate keeps {same['value']:.2f}, other-relation gate {other['value']:.2f})",
-                      kept if calibrated else _broken(kept))
+        words = (f"{source_name(source.to_dict())}, {_control_words(report)}, over {same['n']} seeds; same-relation "
+                 f"gate keeps {same['value']:.2f}, other-relation gate {other['value']:.2f}")
+        if effect:                  # the selection effect, same - other, the model's against the control's
+            seeds = [a - b for a, b in zip(seed_values(same), seed_values(other))]
+            comparison = (f"the matched control's selection effect (its same-relation keep - other-relation keep, "
+                          f"against the difference above; {words})",
+                          t_over_seeds(seeds, (-1.0, 1.0)).to_dict())
+        else:
+            kept = same if calibrated else other
+            seeds = [v if calibrated else 1.0 - v for v in seed_values(kept)]
+            comparison = (f"the matched control ({words})", kept if calibrated else _broken(kept))
     elif control.same_subject is not None and isinstance(control.same_relation, (int, float)) and n_facts:
         value = control.same_relation if calibrated else control.same_subject
         kept = Metric(value, wilson(value, n_facts), n_facts, "wilson").to_dict()
@@ -648,13 +658,22 @@ def _selector_tests(report: dict) -> tuple[list[dict], str]:
                       f"same-relation gate keeps "
                       f"{control.same_relation:.2f}, other-relation gate {control.same_subject:.2f})",
                       kept if calibrated else _broken(kept))
-    test = selector_test(as_json, comparison)
-    seed_words(test, seeds)
+    test = selector_test(as_json, None if effect and seeds else comparison)
+    if test and effect and seeds and _compact(comparison[1]):     # the effect's comparison: its difference
+        diff = difference(effect, comparison[1])
+        test["comparison"] = {"name": comparison[0], "metric": _compact(comparison[1]), "measured": _compact(effect),
+                              "difference": diff, "word": _word(diff)}
+    seed_words(test, seeds, effect if effect and seeds else None)
     if source.model.d_model == model_of(report).d_model:         # the control at the model's width
         _add_comparison_note(test, short_of_curve(report))
     apart = _all_facts_control(report) if calibrated else None      # the all-facts control, shown beside
     if apart:
-        _beside_all_facts(test, apart[0].over_seeds.gate_transplant.get("same_relation"), apart[1])
+        kept_apart = apart[0].over_seeds.gate_transplant
+        if effect and seeds and _compact(kept_apart.get("same_subject")):
+            _beside_all_facts(test, t_over_seeds([a - b for a, b in zip(seed_values(kept_apart.get(
+                "same_relation")), seed_values(kept_apart["same_subject"]))], (-1.0, 1.0)).to_dict(), apart[1])
+        else:
+            _beside_all_facts(test, kept_apart.get("same_relation"), apart[1])
     block = transplant.block
     shown = _compact(transplant.other_relation if calibrated else transplant.same_relation)
     where = (f"at layers {block[0]}-{block[-1]} (the block chosen on validation facts)" if block else "") + (
