@@ -32,15 +32,11 @@ MIN_EFFECT = {DECODABLE: 0.10, CAUSAL: 0.10, SUPERPOSITION: 0.018, SERVES: 0.10,
 # (benchmarks/calibration.py --minimal-effect; docs/measures.md, Calibration); it was 0.05 before, set by hand
 # the selector line of reports without the calibrated test (no ``gate_transplant.selector_keep``): the share of
 # answers another relation's gates break against a count-matched random switch-off (docs/measures.md, Calibration)
-SELECTOR_BREAK = "MLP a relation-conditioned selector (gate-transplant break)"
-NULLS[SELECTOR_BREAK] = ("random_units",)
-MIN_EFFECT[SELECTOR_BREAK] = MIN_EFFECT[SELECTOR]
+SELECTOR_BREAK_NULLS = ("random_units",)
 # the decodable line's second test: LRE faithfulness (Hernandez et al.) at the relation's LRE layer against the
 # training majority answer and the same operator on the subject's state after block 0 (lexical); graded as the
 # decodable claim (docs/measures.md, Calibration)
-DECODABLE_LRE = "attributes linearly decodable (LRE faithfulness)"
-NULLS[DECODABLE_LRE] = ("majority", "lexical")
-MIN_EFFECT[DECODABLE_LRE] = MIN_EFFECT[DECODABLE]
+DECODABLE_LRE_NULLS = ("majority", "lexical")
 # the cross-fitted readout reads only answers its training folds saw: above this many distinct answers per subject
 # (after merging equal attribute vectors) a planted superposition at snr 1 of SmolLM2's table (n = 193, d = 576)
 # is graded supported in fewer than 80% of draws (1.0 at 0.33, 0.5 at 0.50, 0 from 0.58: docs/measures.md,
@@ -201,17 +197,21 @@ def _word(diff: dict) -> str:
 
 
 def claim_test(claim: str, relation: str, layer: int | None, metric: dict | None, nulls: dict | None = None,
-          margins: dict | None = None, comparison: tuple | None = None) -> dict | None:
+               margins: dict | None = None, comparison: tuple | None = None,
+               required: tuple[str, ...] | None = None) -> dict | None:
     """One test of ``claim`` on ``relation`` at ``layer``: the measure (typed metric, JSON form) against each null
-    of the claim (``nulls``: {name: metric}, default the metric's controls; ``margins``: paired differences by
-    null name). The null shown is the hardest one (largest p); ``comparison`` = (name, metric) or (name, metric,
-    the paired difference metric - it) set beside it, its word from the paired difference when given."""
+    the test must beat (``required``, default the claim's: ``NULLS[claim]``; a test of another measure of the
+    claim names its own, e.g. :data:`DECODABLE_LRE_NULLS`) from ``nulls`` ({name: metric}, default the metric's
+    controls; ``margins``: paired differences by null name). The null shown is the hardest one (largest p);
+    ``comparison`` = (name, metric) or (name, metric, the paired difference metric - it) set beside it, its word
+    from the paired difference when given."""
     if _compact(metric) is None:
         return None
     nulls = metric_nulls(metric) if nulls is None else nulls
-    present = {name: nulls[name] for name in NULLS[claim] if _compact(nulls.get(name))}
+    required = NULLS[claim] if required is None else required
+    present = {name: nulls[name] for name in required if _compact(nulls.get(name))}
     test = {"claim": claim, "relation": relation, "layer": layer, "metric": _compact(metric),
-            "missing_nulls": [n for n in NULLS[claim] if n not in present], "null_name": None, "null": None,
+            "missing_nulls": [n for n in required if n not in present], "null_name": None, "null": None,
             "difference": None, "min_effect": MIN_EFFECT[claim], "p": None, "p_zero": None, "p_holm": None,
             "p_zero_holm": None, "power": None, "comparison": None}
     against = {name: difference(metric, null, margins.get(name) if margins else None)
@@ -609,11 +609,11 @@ def selector_test(transplant: dict, comparison: tuple | None = None) -> dict | N
         return test
     if _compact(transplant.get("other_relation")) is None:
         return None
-    test = claim_test(SELECTOR_BREAK, "all relations", None, _broken(transplant.get("other_relation")),
-                 {"random_units": _broken(transplant.get("random_units"))},
-                 {"random_units": transplant.get("random_minus_other")}, comparison)
+    test = claim_test(SELECTOR, "all relations", None, _broken(transplant.get("other_relation")),
+                      {"random_units": _broken(transplant.get("random_units"))},
+                      {"random_units": transplant.get("random_minus_other")}, comparison, SELECTOR_BREAK_NULLS)
     if test:
-        test.update(claim=SELECTOR, measure="break")
+        test["measure"] = "break"
     return test
 
 
@@ -701,9 +701,7 @@ def composition_majority(report: dict, key: str) -> dict | None:
 
 # the chain-of-thought line of reports written before the wrong-bridge control (no ``wrong_bridge`` in the pooled
 # entry): graded against the direct answer and composition_majority alone, as then, with a note
-MULTIHOP_BEFORE = "chain-of-thought breaks the multi-hop bottleneck (before the wrong-bridge control)"
-NULLS[MULTIHOP_BEFORE] = ("direct", "composition_majority")
-MIN_EFFECT[MULTIHOP_BEFORE] = MIN_EFFECT[MULTIHOP]
+MULTIHOP_BEFORE_NULLS = ("direct", "composition_majority")
 BEFORE_WRONG_BRIDGE = ("wrong_bridge not in this report (written before the wrong-bridge control): graded against "
                        "direct and composition_majority alone, which a model that composes in the longer prompt "
                        "and ignores its bridge also passes")
@@ -729,7 +727,7 @@ def _multihop_tests(report: dict) -> list[dict]:
     the same chains' chain-of-thought prompt with another chain's bridge, scored on their own answer (paired over
     the chains that have one: cot_minus_wrong_bridge), beside the ceiling (the chain-of-thought prompt with the
     true bridges). A paired margin widened to [-1, 1] (every chain the same difference) gives way to MOVER
-    (:func:`_informative`). Reports without ``wrong_bridge`` are graded against the first two (``MULTIHOP_BEFORE``)
+    (:func:`_informative`). Reports without ``wrong_bridge`` are graded against the first two (``MULTIHOP_BEFORE_NULLS``)
     with a note (``BEFORE_WRONG_BRIDGE``, in the comparison's note, which the line shows). Calibrated on planted
     worlds (docs/measures.md, Calibration, "The chain-of-thought line"): against the direct answer alone, a prompt
     that only names the answer's type is graded supported; against the first two, a model that composes in the
@@ -742,10 +740,10 @@ def _multihop_tests(report: dict) -> list[dict]:
         if not before:
             nulls["wrong_bridge"] = entry.wrong_bridge
             margins["wrong_bridge"] = _informative(entry.cot_minus_wrong_bridge)
-        test = claim_test(MULTIHOP_BEFORE if before else MULTIHOP, key, None, entry.cot, nulls, margins,
-                          ("the ceiling (the true bridges given)", entry.ceiling))
+        test = claim_test(MULTIHOP, key, None, entry.cot, nulls, margins,
+                          ("the ceiling (the true bridges given)", entry.ceiling), MULTIHOP_BEFORE_NULLS if before else None)
         if test and before:
-            test.update(claim=MULTIHOP, measure="before the wrong-bridge control", note=BEFORE_WRONG_BRIDGE)
+            test.update(measure="before the wrong-bridge control", note=BEFORE_WRONG_BRIDGE)
         elif test:
             test["note"] = _wrong_bridge_note(entry)
         if test and test["comparison"]:                        # the line shows the comparison's note
@@ -986,9 +984,10 @@ def decodable_lre_tests(report: dict) -> list[dict]:
         layer = entry.selection("lre").layer
         if layer is None:
             continue
-        test = claim_test(DECODABLE_LRE, relation, int(layer), entry.at(layer).lre.faithfulness)
+        test = claim_test(DECODABLE, relation, int(layer), entry.at(layer).lre.faithfulness,
+                          required=DECODABLE_LRE_NULLS)
         if test:
-            test.update(claim=DECODABLE, measure="lre")
+            test["measure"] = "lre"
             tests.append(test)
     return tests
 

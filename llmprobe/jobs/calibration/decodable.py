@@ -14,6 +14,7 @@ from llmprobe.metric import proportion
 from llmprobe.report.claims import (
     ALPHA,
     DECODABLE,
+    DECODABLE_LRE_NULLS,
     GRADES,
     MIN_EFFECT,
     NOT_TESTABLE,
@@ -28,7 +29,7 @@ from llmprobe.report.claims import (
 LRE_SIZES = {"country_capital": (49, 16), "country_continent": (90, 30), "country_currency": (25, 8),
              "country_demonym": (19, 6), "country_language": (79, 26), "country_subregion": (16, 5)}
 READOUT_NULLS = ("shuffled", "lexical")   # the readout's nulls a planted world has (no model: no random_init)
-LRE_NULLS = ("majority", "lexical")       # claims.NULLS[DECODABLE_LRE]
+LRE_NULLS = DECODABLE_LRE_NULLS          # the report's LRE faithfulness test's nulls
 DECODABLE_FAMILY = 28     # the SmolLM2 report's Holm family with the LRE tests (10) and 4 testable readouts
 
 

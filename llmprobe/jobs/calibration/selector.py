@@ -17,7 +17,7 @@ import torch
 from llmprobe.analyses.selector import PromptSet, redirect_metrics, redirect_transplant, transplant_metrics
 from llmprobe.analyses.selector import gate_transplant as run_transplant
 from llmprobe.jobs.calibration.common import world_row
-from llmprobe.report.claims import ALPHA, SELECTOR_BREAK, _informative, claim_test, selector_test
+from llmprobe.report.claims import ALPHA, SELECTOR, SELECTOR_BREAK_NULLS, _informative, claim_test, selector_test
 from synthetic.construction import build_construction, build_subject_memory, construction_accuracy
 from synthetic.mechanisms import redirection_items, transplant_items
 from synthetic.model import FactRecallModel
@@ -106,9 +106,10 @@ def measure_selector_world(world: SelectorWorld, seed: int, n_items: int, n_boot
     old = {k: v for k, v in metrics.items() if k != "selector_keep"}
     redirect_test = None
     if redirect.get("redirect"):
-        redirect_test = claim_test(SELECTOR_BREAK, "all relations", None, redirect["redirect"],
-                              {"random_units": redirect["redirect"]["nulls"]["random_units"]},
-                              {"random_units": _informative(redirect["redirect_minus_random"])})
+        redirect_test = claim_test(SELECTOR, "all relations", None, redirect["redirect"],
+                                   {"random_units": redirect["redirect"]["nulls"]["random_units"]},
+                                   {"random_units": _informative(redirect["redirect_minus_random"])},
+                                   required=SELECTOR_BREAK_NULLS)
     return {"transplant": metrics, "redirection": redirect, "keep_test": selector_test(metrics),
             "break_test": selector_test(old), "redirect_test": redirect_test}
 
