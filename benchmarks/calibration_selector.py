@@ -40,13 +40,19 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=1000, help="training steps of the trained worlds")
     parser.add_argument("--n-boot", type=int, default=1000)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--worlds", default=None,
+                        help="only the worlds whose name contains one of these comma-separated words (default: all)")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     t = time.perf_counter()
     print(f"{args.N} subjects x {args.R} relations, {args.items} test facts, {args.replicates} replicates per world, "
           f"Bonferroni over {args.family} tests", flush=True)
-    rows = calibrate_selector(selector_worlds(args.N, args.R, args.d, args.steps), args.items, args.replicates,
+    worlds = [w for w in selector_worlds(args.N, args.R, args.d, args.steps)
+              if args.worlds is None or any(word in w.name for word in args.worlds.split(","))]
+    if not worlds:
+        parser.error(f"no world's name contains any of {args.worlds!r}")
+    rows = calibrate_selector(worlds, args.items, args.replicates,
                               args.family, args.n_boot,
                               on_row=progress(t))
     return finish(rows, format_selector_rows(rows), t, args.out)

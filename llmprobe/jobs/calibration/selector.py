@@ -50,8 +50,11 @@ def selector_worlds(n_subjects: int = 64, n_relations: int = 4, d_model: int = 1
       (``build_subject_memory``: no gate depends on the relation);
     * ``frozen`` (subject embeddings frozen, unembedding learned) as a row of its own: neither by construction
       (the unembedding aligns with the random embeddings, docs/mechanisms.md);
-    * last, the key-value memory at twice the width: room enough that its gates turn relation-driven (the keep
-      test's known false positive, docs/measures.md, "The selector line")."""
+    * the key-value memory at twice the width: room enough that its gates turn relation-driven (the keep test's
+      known false positive, docs/measures.md, "The selector line");
+    * last, the trained geometric model at four times the width, converged (weight decay 1e-3, the matched
+      controls' recipe): the paper's model with width to spare, whose gates need not select (its relation
+      embedding reaches the unembedding beside the MLP)."""
     N, R = n_subjects, n_relations
 
     def construction(seed):
@@ -62,11 +65,11 @@ def selector_worlds(n_subjects: int = 64, n_relations: int = 4, d_model: int = 1
                 return model, task
         raise RuntimeError("no construction answers every fact")
 
-    def trained(kw: dict, at_fit: bool = False, width: int = d_model):
+    def trained(kw: dict, at_fit: bool = False, width: int = d_model, weight_decay: float = 1e-4):
         def build(seed):
             task = random_bijections(N, R, seed)
             cfg = (TrainConfig(progress=False) if at_fit else
-                   TrainConfig(lr=0.03, max_steps=steps, weight_decay=1e-4, past_fit=10 ** 9, progress=False))
+                   TrainConfig(lr=0.03, max_steps=steps, weight_decay=weight_decay, past_fit=10 ** 9, progress=False))
             return train(task, width, config=cfg, seed=seed, **kw).model, task
         return build
 
@@ -81,7 +84,9 @@ def selector_worlds(n_subjects: int = 64, n_relations: int = 4, d_model: int = 1
             SelectorWorld(f"key-value: frozen_all, d={d_model}, wd", trained(frozen_all), False),
             SelectorWorld("key-value: MLP reads the subject only", memory, False),
             SelectorWorld(f"frozen subjects, d={d_model}, wd", trained({"frozen_subjects": True}), None),
-            SelectorWorld(f"key-value: frozen_all, d={2 * d_model}, wd", trained(frozen_all, width=2 * d_model), False)]
+            SelectorWorld(f"key-value: frozen_all, d={2 * d_model}, wd", trained(frozen_all, width=2 * d_model), False),
+            SelectorWorld(f"trainable, d={4 * d_model}, wd 1e-3, {steps} steps", trained({}, width=4 * d_model,
+                                                                                        weight_decay=1e-3), True)]
 
 
 def grade_test(test: dict | None, family: int) -> str:
