@@ -97,8 +97,9 @@ class MatchedSettings:
     n_seeds: int = 3                        # seeds (model init and subject order) of every point of the curve
     past_fit: int | None = None             # stopping rule: steps trained past the first 100% train accuracy; none =
                                             # the recipe's (adam 100; weight_decay: its whole schedule)
-    recipe: str = "weight_decay"            # the graded control's: weight_decay (lr 0.03, wd 1e-4, its whole 1000-step
-                                            # schedule: converges to the geometric solution) or adam (lr 0.1)
+    recipe: str = "weight_decay"            # the graded control's: weight_decay (lr 0.03, wd 1e-3, its whole 1000-step
+                                            # schedule: converges to the geometric solution at every width) or adam
+                                            # (lr 0.1)
     facts: str = "known"                    # the graded control's table: known (the facts the model knows of the
                                             # superposition fit's table) or all (every fact of that table)
     all_facts: bool = False                 # also train the all-facts control, shown apart (not graded; +3 min)
