@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_analyses import FAST
 from test_lre import LinearToy, word_tokenizer
-from tiny_models import save_tiny
+from tiny_models import FAMILIES, SUBJECTS10, save_tiny
 
 import llmprobe.analyses.decoders as decoders_module
 import llmprobe.model.engine as engine
@@ -530,3 +530,29 @@ def test_benchmark_modes_share_their_jacobians_and_numbers(planted, monkeypatch,
     alone = bench.measure(lm, [relation], [0, 1], options=FAST, log=lambda message: None)
     assert n_shared > 0 and len(calls) == 2 * n_shared
     assert strip(shared) == strip(alone) and len(shared["relations"]["toy"]["modes"]) == 2
+
+
+# ------------------------------------------------------------ the known-fact check: shared in-context prefix
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_shared_prefix_gives_the_full_passes_next_tokens(tmp_path, family, monkeypatch):
+    """The lre known-fact check's fast path (``engine.shared_prefix_logits``: the in-context examples every prompt
+    starts with run once, each micro-batch of 4 only its own tokens after them, right-padded) gives the full
+    pass's logits (float32: to 1e-4; float64 gemma2 turns a left-padded batch into NaN, the full pass included)
+    for prompts whose subjects have 1 to 3 tokens, in every family; its ids
+    (``next_token_ids``) are the full pass's, and so are ``known_facts``' results. Prompts sharing fewer tokens
+    than ``SHARED_PREFIX_MIN`` run whole. (Positions that restart at 0 after the cache, a cache shared by the
+    micro-batches instead of copied, or the wrong token read fail this.)"""
+    lm = load_model(str(save_tiny(family, tmp_path)), device="cpu", dtype=torch.float32)
+    train = [Fact("France", "Paris"), Fact("Japan", "Tokyo"), Fact("Italy", "Rome"), Fact("Spain", "Madrid")]
+    template = icl_template(TEMPLATE, train)
+    subjects = ["Germany", "United Kingdom", "Egypt", "the Czech Republic", *SUBJECTS10[:6]]
+    full = next_token_predictions(lm, template, subjects, return_logits=True, batch_size=4)
+    fast = engine.shared_prefix_logits(lm, template, subjects, batch_size=4)
+    assert fast is not None
+    torch.testing.assert_close(fast, full, rtol=0, atol=1e-4)
+    assert torch.equal(engine.next_token_ids(lm, template, subjects, batch_size=4), full.argmax(-1))
+    assert engine.shared_prefix_logits(lm, TEMPLATE, subjects) is None          # "The capital of": too short
+    relation = Relation("capital", [TEMPLATE], ["{}"], [Fact(s, "Paris") for s in subjects + [f.subject for f in train]])
+    checked = known_facts(lm, relation, protocol="lre", n_icl=4, n_draws=2, seed=1)
+    monkeypatch.setattr(engine, "SHARED_PREFIX_MIN", 10 ** 6)                   # every prompt run whole
+    assert known_facts(lm, relation, protocol="lre", n_icl=4, n_draws=2, seed=1) == checked

@@ -31,7 +31,8 @@ from llmprobe.model.capture import adapter_for, capture, hooks, module_device, p
 from llmprobe.model.subjects import EncodedPrompts, encode
 
 __all__ = ["RelationStates", "output_name", "state_name", "relation_states", "subject_states", "logits_fn",
-           "line_argmax", "next_token_predictions", "layer_sequences", "prefix_cached_predictions",
+           "line_argmax", "next_token_predictions", "shared_prefix_logits", "next_token_ids", "layer_sequences",
+           "prefix_cached_predictions",
            "edited_predictions", "detached_cpu", "filled_prompts", "StopForward", "output_hooks", "cache_kwarg"]
 
 
@@ -237,6 +238,66 @@ def next_token_predictions(lm, template: str | Sequence[str], subjects: Sequence
 
     return torch.cat(run_batched(predict, len(subjects), batch_size, stage="next-token predictions", lm=lm,
                                  prompts=prompts))
+
+
+SHARED_PREFIX_MIN = 16     # tokens: below this common prefix the prompts run whole (nothing worth caching)
+
+
+def shared_prefix_logits(lm, template: str | Sequence[str], subjects: Sequence[str],
+                         batch_size: int = 64) -> torch.Tensor | None:
+    """Next-token logits [n, vocab] after each filled prompt, as :func:`next_token_predictions` computes them
+    (``return_logits``, no edit) up to the order of float sums, with the tokens every prompt starts with (e.g. the
+    in-context examples before the subject) run once: their KV cache is copied into each micro-batch of
+    ``batch_size`` prompts, which runs only its own tokens after them (right-padded, positions continuing the
+    prefix's). None where the prompts share fewer than :data:`SHARED_PREFIX_MIN` tokens (each keeps at least one
+    of its own) or the model is driven through hook points without a KV cache API. :func:`next_token_ids` turns
+    the logits into the full passes' ids bit for bit."""
+    model, tok = lm.model, lm.tokenizer
+    adapter = adapter_for(model)
+    if adapter._points is not None or adapter.blocks is None or not len(subjects):
+        return None
+    templates, _ = filled_prompts(template, list(subjects))
+    enc = encode(tok, templates, list(subjects), padding_side="right")
+    ids, mask = enc.input_ids, enc.attention_mask
+    lengths = mask.sum(1)
+    same = (ids == ids[:1]).cumprod(1).sum(1)                 # each row's run of tokens equal to row 0's
+    shared = int(min(int(same.min()), int(lengths.min()) - 1))
+    if shared < SHARED_PREFIX_MIN:
+        return None
+    device = module_device(adapter.embed if adapter.embed is not None else model)
+    out, to_logits, kwarg = output_name(model), logits_fn(lm), cache_kwarg(model)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids[:1, :shared].to(device), attention_mask=mask[:1, :shared].to(device), use_cache=True,
+              **{kwarg: cache})
+    results = []
+    for start in range(0, len(ids), batch_size):
+        rows = torch.arange(start, min(start + batch_size, len(ids)))
+        width = int(lengths[rows].max()) - shared
+        mine = copy.copy(cache)
+        mine.layers = [copy.copy(layer) for layer in cache.layers]
+        mine.batch_repeat_interleave(len(rows))
+        last = (lengths[rows] - 1 - shared)[:, None]
+        positions = torch.arange(shared, shared + width).expand(len(rows), -1)
+        o = capture(model, [out], ids[rows, shared:shared + width].to(device),
+                    mask[rows, :shared + width].to(device), positions=last.to(device),
+                    position_ids=positions.to(device), use_cache=True, **{kwarg: mine})[out][:, 0]
+        results.append(to_logits(o))
+    return torch.cat(results)
+
+
+def next_token_ids(lm, template: str | Sequence[str], subjects: Sequence[str], batch_size: int = 64) -> torch.Tensor:
+    """The ids of ``next_token_predictions(lm, template, subjects, batch_size=batch_size)``, bit for bit, mostly
+    from :func:`shared_prefix_logits` (the prompts' common tokens run once): a row whose top-1 logit leads its
+    runner-up there by less than ``_MARGIN`` has its micro-batch of the full pass run (as
+    :func:`edited_predictions`). LongTensor [n]; prompts without a common prefix worth caching: the full pass."""
+    logits = shared_prefix_logits(lm, template, subjects, batch_size)
+    if logits is None:
+        return next_token_predictions(lm, template, subjects, batch_size=batch_size)
+    top = logits.float().topk(2, dim=-1)
+    settled = (top.values[:, 0] - top.values[:, 1]) >= _MARGIN
+    return next_token_predictions(lm, template, subjects, batch_size=batch_size,
+                                  known=(top.indices[:, 0].cpu(), settled.cpu()))
 
 
 def layer_sequences(lm, template: str | Sequence[str], subjects: Sequence[str], layer: int,

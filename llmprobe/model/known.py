@@ -30,7 +30,7 @@ import torch
 from llmprobe.model.batching import run_batched
 from llmprobe.model.capture import NonFiniteStatesError, capture
 from llmprobe.model.chat import chat_split
-from llmprobe.model.engine import next_token_predictions
+from llmprobe.model.engine import next_token_ids
 from llmprobe.model.subjects import fill
 
 KNOWN_RULES = {     # report.json "scoring": the known-fact rule of each protocol, which its scoring also uses
@@ -230,7 +230,7 @@ def _check(lm, protocol: str, templates: list[str], facts, batch_size: int,
     if not prompts:
         return []
     if protocol == "lre":
-        top = next_token_predictions(lm, templates, [f.subject for f in facts], batch_size=batch_size).tolist()
+        top = next_token_ids(lm, templates, [f.subject for f in facts], batch_size=batch_size).tolist()
         texts = [lm.tokenizer.decode([t]) for t in top]
         return [(p, t, prefix_hit(t, f.object)) for p, t, f in zip(prompts, texts, facts)]
     sequences = object_token_sequences(lm.tokenizer, prompts, [f.object for f in facts])
