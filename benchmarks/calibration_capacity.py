@@ -5,7 +5,7 @@ to N (a vector per subject) or to N R (a vector per fact: a key-value memory), e
 trainable d*; frozen d* proportional to R sqrt N at 2.5 times it (the frozen half holds) or the trainable law at
 1.2 times it (it fails). Each replicate draws the sweep's own cells and seeds (``CAPACITY_SWEEP``: 14 trainable
 and 13 frozen (N, R) cells, 28 and 25 thresholds), adds Gaussian noise and rounds to whole widths, and grades the
-sweep with ``llmprobe.report.claims.capacity_scaling`` (the report's rule). Noise levels: the sweep's residual
+sweep with ``llmprobe.report.sweeps.capacity_scaling`` (the report's rule). Noise levels: the sweep's residual
 about its R log2 N fit (``sweep_noise``, the law's misfit included: conservative) and its seeds' spread
 (``seed_noise``). Printed per world and noise: the fraction of replicates whose trainable and frozen halves are
 graded supported and not shown (power where a half holds, false-positive rate where it fails).

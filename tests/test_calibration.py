@@ -68,23 +68,21 @@ from llmprobe.report.claims import (
     GRADES,
     MIN_EFFECT,
     MULTIHOP,
-    MULTIHOP_DSTAR,
     MULTIHOP_WIDTH,
     NOT_TESTABLE,
     SERVES,
     SUPERPOSITION,
     SWAP,
-    SWAP_RESULT,
     _crosspatch_tests,
     claims_block,
     composition_majority,
-    hop_growth,
     summary_claims,
     swap_line,
     swap_test,
     width_line,
     width_test,
 )
+from llmprobe.report.sweeps import MULTIHOP_DSTAR, SWAP_RESULT, hop_growth
 
 N, D, SIZES = 120, 48, (120, 60, 8)
 

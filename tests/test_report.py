@@ -5,7 +5,7 @@ import json
 import pytest
 
 from llmprobe.metric import Metric, paired_difference, proportion
-from llmprobe.report.claims import CAPACITY_SWEEP, CLAIMS, capacity_scaling, claims_block, claims_text, summary_claims
+from llmprobe.report.claims import CLAIMS, claims_block, claims_text, summary_claims
 from llmprobe.report.render import (
     LONG_TABLE,
     compare,
@@ -17,6 +17,7 @@ from llmprobe.report.render import (
     render_markdown,
 )
 from llmprobe.report.schema import REPORT_SCHEMA_VERSION, matched_sources, missing_stages, read_report
+from llmprobe.report.sweeps import CAPACITY_SWEEP, capacity_scaling
 
 
 def _typed(value, controls=None, half=0.05):

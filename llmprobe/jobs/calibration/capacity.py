@@ -8,7 +8,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from llmprobe.report.claims import CAPACITY_SWEEP, SCALING_FEATURES, capacity_scaling, line_fit
+from llmprobe.report.sweeps import CAPACITY_SWEEP, SCALING_FEATURES, capacity_scaling, line_fit
 
 
 # ------------------------------------------------------------------------------------------------ capacity
@@ -77,7 +77,7 @@ def planted_sweep(world: CapacityWorld, noise: float, seed: int, sweep: dict = C
 def calibrate_capacity(worlds: list[CapacityWorld], replicates: int, noise: float, n_boot: int,
                        sweep: dict = CAPACITY_SWEEP) -> list[dict]:
     """Per world: the fraction of ``replicates`` planted sweeps (the real sweep's cells and seeds, ``noise``)
-    whose trainable and frozen halves :func:`llmprobe.report.claims.capacity_scaling` grades supported, and not
+    whose trainable and frozen halves :func:`llmprobe.report.sweeps.capacity_scaling` grades supported, and not
     shown (power where a half holds, false-positive rate where it fails)."""
     rows = []
     for k, world in enumerate(worlds):
