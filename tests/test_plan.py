@@ -142,9 +142,13 @@ def test_the_cli_prints_the_table_for_a_model_folder(tiny, capsys):
     assert f"plan of llmprobe run: {tiny}" in out and "this CPU" in out and "one H200" in out
     for label in (*stages().values(), "run (wall)"):
         assert re.search(rf"^{re.escape(label)} +\d", out, re.M), label
+    assert "protocol lre" not in out
     assert main(["plan", "meta-llama/Meta-Llama-3-8B", "--device", "h200", "--out", "never-made"]) == 0
     out = capsys.readouterr().out
     assert "one H200" in out and "this CPU" not in out and "d_model 4096" in out
+    assert main(["plan", str(tiny), "--relations", "country_capital", "--layers", "every:1", "--protocol", "lre"]) == 0
+    out = capsys.readouterr().out      # what the plan does not price is said
+    assert "protocol lre is priced as the default protocol: its 3 in-context known-fact trials" in out
 
 
 def test_the_analyses_bar_plans_every_part_on_the_facts_the_model_knows(tiny):

@@ -356,7 +356,8 @@ def settings_workload(settings: Settings, n_layers: int) -> tuple[dict, Analysis
                                                                       work))
         assumed = {"relations": len(relations), "facts": sum(len(r.facts) for r in relations),
                    "known": sum(known.values()), "layers": work["layers"], "lre_layers": work["lre_layers"],
-                   "analyses": analyses, "matched_modes": work["matched_modes"]}
+                   "analyses": analyses, "matched_modes": work["matched_modes"], "protocol": cfg.protocol,
+                   "n_splits": cfg.n_splits}
         _WORKLOADS[key] = (work, cfg, assumed)
     return _WORKLOADS[key]
 
@@ -596,6 +597,9 @@ def format_plan(plans: dict | list[dict]) -> str:
              f"Jacobians {rank}",
              f"  {a['relations']} relations, {a['facts']} facts, {a['known']} known (SmolLM2-135M's measured counts: "
              f"a larger model knows more, costing more)",
+             *([f"  protocol lre is priced as the default protocol: its {a['n_splits']} in-context known-fact trials "
+                f"(each a pass over every fact, the examples run once), its longer prompts and its beta and edit-rank "
+                f"sweeps are not, so expect more"] if a.get("protocol") == "lre" else []),
              f"{'stage':<18}" + "".join(f"{head[p['device']]:>22}" for p in plans)]
     rows = [(label, [p["stages"][stage] for p in plans]) for stage, label in stages().items()]
     rows.append(("run (wall)", [p["total"] for p in plans]))
