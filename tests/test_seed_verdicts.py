@@ -107,6 +107,11 @@ def test_the_selectors_matched_selection_effect_is_read_over_seeds(other, word, 
     old = _line(_calibrated_selector_report(63, 18, 20, controls=MATCHED_SELECTOR), SELECTOR)["comparison"]
     assert old["metric"]["interval"] == "wilson" and old["metric"]["n"] == 80 and "seed_words" not in old
     assert "selection effect" not in old["name"]
+    bare = _control(keep=(same, other))                 # keep rates over seeds without each seed's value
+    for m in bare["modes"]["trainable"]["points"][0]["over_seeds"]["gate_transplant"].values():
+        m.pop("spread")
+    kept = _line(_calibrated_selector_report(63, 18, 20, controls=bare), SELECTOR)["comparison"]
+    assert "selection effect" not in kept["name"] and kept["metric"]["value"] == pytest.approx(sum(same) / 3)
 
 
 @pytest.mark.parametrize("values", [[0.240, 0.265, 0.201], [0.1, 0.9], [0.5, 0.5, 0.51], [1.0, 0.2, 0.3, 0.95]])

@@ -621,8 +621,9 @@ def _selector_tests(report: dict) -> tuple[list[dict], str]:
         same, other = kept_over["same_relation"], kept_over["same_subject"]
         words = (f"{source_name(source.to_dict())}, {_control_words(report)}, over {same['n']} seeds; same-relation "
                  f"gate keeps {same['value']:.2f}, other-relation gate {other['value']:.2f}")
-        if effect:                  # the selection effect, same - other, the model's against the control's
-            seeds = [a - b for a, b in zip(seed_values(same), seed_values(other))]
+        effects = [a - b for a, b in zip(seed_values(same), seed_values(other))] if effect else []
+        if effects:                 # the selection effect, same - other, the model's against the control's
+            seeds = effects
             comparison = (f"the matched control's selection effect (its same-relation keep - other-relation keep, "
                           f"against the difference above; {words})",
                           t_over_seeds(seeds, (-1.0, 1.0)).to_dict())
