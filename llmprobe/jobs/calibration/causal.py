@@ -167,19 +167,16 @@ def calibrate_causal(worlds: list[CausalWorld], n_facts: list[int], d: int, repl
     for world in worlds:
         for n in n_facts:
             grades: dict[str, list[str]] = {"paired": [], "mover": [], "before": []}
-            sums: dict[str, float] = {}
-            pairs = []
+            measured, pairs = [], []
             for seed in range(replicates):
                 metric = world.measure(n, d, seed)
                 pairs.append(metric["n"])
-                values = {"edit": metric["value"], **{name: m["value"] for name, m in metric["nulls"].items()},
-                          "edit_minus_scaled_patch": metric["margins"]["scaled_patch"]["value"]}
-                for key, value in values.items():
-                    sums[key] = sums.get(key, 0.0) + value / replicates
+                measured.append({"edit": metric["value"], **{name: m["value"] for name, m in metric["nulls"].items()},
+                                 "edit_minus_scaled_patch": metric["margins"]["scaled_patch"]["value"]})
                 for key, test in causal_tests(metric).items():
                     grades[key].append(grade_with_power(test, family))
-            row = world_row(world, {"n_facts": n, "n": min(pairs), "n_max": max(pairs)}, replicates, family, sums,
-                            grades)
+            row = world_row(world, {"n_facts": n, "n": min(pairs), "n_max": max(pairs)}, replicates, family,
+                            measured, grades)
             rows.append(row)
             if on_row is not None:
                 on_row(row)

@@ -26,11 +26,16 @@ def graded_fractions(grades: dict[str, list[str]], replicates: int) -> dict[str,
         out[f"{key}_low_power"] = sum(g == "inconclusive (low power)" for g in graded) / replicates
     return out
 
-def world_row(world, sizes: dict, replicates: int, family: int, means: dict[str, float],
+def world_row(world, sizes: dict, replicates: int, family: int, measured: list[dict[str, float]],
               grades: dict[str, list[str]]) -> dict:
     """One row of a calibration table: the world's name and whether the claim holds in it, its sample ``sizes``,
-    the replicates and the Holm family graded in, each measure's mean over the replicates (``means``, rounded to
-    4 places) and :func:`graded_fractions` of ``grades``."""
+    the replicates and the Holm family graded in, each measure's mean over the replicates (``measured``: each
+    replicate's {measure: value}; a measure a replicate lacks counts 0 there; rounded to 4 places) and
+    :func:`graded_fractions` of ``grades``."""
+    means: dict[str, float] = {}
+    for values in measured:
+        for key, value in values.items():
+            means[key] = means.get(key, 0.0) + value / replicates
     return {"world": world.name, "claim_holds": world.holds, **sizes, "replicates": replicates, "family": family,
             **{k: round(v, 4) for k, v in means.items()}, **graded_fractions(grades, replicates)}
 

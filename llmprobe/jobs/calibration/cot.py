@@ -320,21 +320,18 @@ def calibrate_cot(worlds: list[CotWorld], replicates: int, family: int = COT_FAM
     rows = []
     for world in worlds:
         grades: dict[str, list[str]] = {key: [] for key in COT_TESTS}
-        sums: dict[str, float] = {}
-        n_seen = []
+        measured, n_seen = [], []
         for seed in range(replicates):
             block = cot_block(world.draw(seed), n_boot, seed)
             pooled = block["pooled"]["k=2"]
             n_seen.append(pooled["n_items"])
             prior = composition_majority({"analyses": {"multihop": block}}, "k=2")
-            values = {**{key: pooled[key]["value"] for key in ("direct", "cot", "ceiling", "cot_bridges",
-                                                               "wrong_bridge", "wrong_bridge_follows")},
-                      "composition_majority": prior["value"]}
-            for key, value in values.items():
-                sums[key] = sums.get(key, 0.0) + value / replicates
+            measured.append({**{key: pooled[key]["value"] for key in ("direct", "cot", "ceiling", "cot_bridges",
+                                                                      "wrong_bridge", "wrong_bridge_follows")},
+                             "composition_majority": prior["value"]})
             for key, test in cot_tests(block).items():
                 grades[key].append(grade_with_power(test, family))
-        row = world_row(world, {"n": min(n_seen)}, replicates, family, sums, grades)
+        row = world_row(world, {"n": min(n_seen)}, replicates, family, measured, grades)
         rows.append(row)
         if on_row is not None:
             on_row(row)

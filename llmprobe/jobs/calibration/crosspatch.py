@@ -242,18 +242,16 @@ def calibrate_crosspatch(worlds: list[PatchWorld], A: torch.Tensor, d: int, repl
     rows = []
     for world in worlds:
         grades: dict[str, list[str]] = {key: [] for key in CROSSPATCH_TESTS}
-        sums: dict[str, float] = {}
-        n_items, pairs = [], []
+        measured, n_items, pairs = [], [], []
         for seed in range(replicates):
             got = measure_patch_world(world, A, d, seed, n_boot, per_pair)
             n_items.append(got["entry"]["neutral"]["n"])
             pairs.append(len({item[:2] for item in got["items"]}))
-            for key, value in got["hits"].items():
-                sums[key] = sums.get(key, 0.0) + float(value.mean()) / replicates
+            measured.append({key: float(value.mean()) for key, value in got["hits"].items()})
             for key, test in got["tests"].items():
                 grades[key].append(median_grade(test, family + len(test) - 1) if key == "median" else
                                    grade_with_power(test, family))
-        row = world_row(world, {"n": min(n_items), "pairs": min(pairs)}, replicates, family, sums, grades)
+        row = world_row(world, {"n": min(n_items), "pairs": min(pairs)}, replicates, family, measured, grades)
         rows.append(row)
         if on_row is not None:
             on_row(row)

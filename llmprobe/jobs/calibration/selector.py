@@ -128,8 +128,7 @@ def calibrate_selector(worlds: list[SelectorWorld], n_items: int, replicates: in
     rows = []
     for world in worlds:
         grades = {"keep": [], "break": [], "redirect": []}
-        sums: dict[str, float] = {}
-        n_seen = []
+        measured, n_seen = [], []
         for seed in range(replicates):
             got = measure_selector_world(world, seed, n_items, n_boot)
             m, rd = got["transplant"], got["redirection"]
@@ -139,11 +138,10 @@ def calibrate_selector(worlds: list[SelectorWorld], n_items: int, replicates: in
             if rd.get("redirect"):
                 values.update(redirect=rd["redirect"]["value"],
                               redirect_random=rd["redirect"]["nulls"]["random_units"]["value"])
-            for key, value in values.items():
-                sums[key] = sums.get(key, 0.0) + value / replicates
+            measured.append(values)
             for key in grades:
                 grades[key].append(grade_test(got[f"{key}_test"], family))
-        row = world_row(world, {"n": min(n_seen)}, replicates, family, sums, grades)
+        row = world_row(world, {"n": min(n_seen)}, replicates, family, measured, grades)
         rows.append(row)
         if on_row is not None:
             on_row(row)
