@@ -540,6 +540,33 @@ def graded_layers_of(layers: list[int], n_layers: int, cfg: AnalysisSettings) ->
     return [l for l in patch_layers_of(layers, n_layers) if l in lre]
 
 
+def pair_items(n_relations: int, facts: dict[int, list[int]], usable: Callable[[int, int], bool],
+               answer: Callable[[int, int], object], per_pair: int, gen: random.Random
+               ) -> list[tuple[int, int, int, int, int]]:
+    """Crosspatch's item rule: for each ordered relation pair (A, B), A != B, the subjects s of ``facts[B]`` with
+    ``usable(A, s)`` in ``gen``'s shuffled order, each with a recipient s' of ``facts[B]`` whose answer
+    ``answer(B, s')`` differs from s's and a random s'' whose answer differs from both (both drawn by ``gen``):
+    up to ``per_pair`` items (A, B, s, s', s'') per pair, pair by pair."""
+    items = []
+    for a in range(n_relations):
+        for b in range(n_relations):
+            if a == b:
+                continue
+            sources = [i for i in facts[b] if usable(a, i)]
+            gen.shuffle(sources)
+            taken = 0
+            for i in sources:
+                recipients = [j for j in facts[b] if answer(b, j) != answer(b, i)]
+                j = gen.choice(recipients) if recipients else None
+                randoms = [k for k in facts[b] if j is not None and answer(b, k) not in (answer(b, i), answer(b, j))]
+                if randoms:
+                    items.append((a, b, i, j, gen.choice(randoms)))
+                    taken += 1
+                if taken == per_pair:
+                    break
+    return items
+
+
 def crosspatch_items(tok, grid: FactGrid, cfg: AnalysisSettings, per_pair: int = LRE_PAIR_ITEMS
                      ) -> tuple[str, list[tuple[int, int, int, int, int]]]:
     """The neutral template and crosspatch's items (A, B, s, s', s''): relation indices A != B and subject
@@ -551,19 +578,7 @@ def crosspatch_items(tok, grid: FactGrid, cfg: AnalysisSettings, per_pair: int =
     R, first = len(grid.relations), grid.firsts
     facts = {r: [i for i in grid.known(r) if in_neutral[i]] for r in range(R)}
     gen = random.Random(generator(cfg, "crosspatch", "items").initial_seed())
-    items = []                                   # (A, B, s, s', s''): subject indices
-    for a in range(R):
-        for b in range(R):
-            sources = [i for i in facts[b] if a != b and grid.located[a][i]]
-            gen.shuffle(sources)
-            for i in sources:
-                recipients = [j for j in facts[b] if first[b][j] != first[b][i]]
-                j = gen.choice(recipients) if recipients else None
-                randoms = [k for k in facts[b] if j is not None and first[b][k] not in (first[b][i], first[b][j])]
-                if randoms:
-                    items.append((a, b, i, j, gen.choice(randoms)))
-                if sum(x[:2] == (a, b) for x in items) == per_pair:
-                    break
+    items = pair_items(R, facts, lambda a, i: grid.located[a][i], lambda b, i: first[b][i], per_pair, gen)
     if not items:
         raise AnalysisError(f"no item with a recipient and a random subject of other answers in {grid.names}")
     return neutral, items

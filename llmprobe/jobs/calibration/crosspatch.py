@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from llmprobe.analyses.results import CrosspatchLayer, metric_nulls
-from llmprobe.analyses.selector import LRE_PAIR_ITEMS, PATCHES, _patch_metrics
+from llmprobe.analyses.selector import LRE_PAIR_ITEMS, PATCHES, _patch_metrics, pair_items
 from llmprobe.analyses.settings import settings_from
 from llmprobe.analyses.superposition import superposition_table
 from llmprobe.datasets import load_relations
@@ -51,29 +51,13 @@ class PatchWorld:
 def planted_patch_items(A: torch.Tensor, seed: int, per_pair: int = LRE_PAIR_ITEMS
                         ) -> list[tuple[int, int, int, int, int]]:
     """The crosspatch's items (A, B, s, s', s'') drawn from a fact table ``A`` [n, R] (attribute indices, -1 = no
-    fact) by the run's rule (``llmprobe.analyses.selector.crosspatch_items``, every fact known and located): up to
+    fact) by the run's rule (``llmprobe.analyses.selector.pair_items``, as ``crosspatch_items`` draws them; every fact known and located): up to
     ``per_pair`` per ordered relation pair, s with a fact of B, a recipient s' and a random subject s'' of B with
     other answers than s's and each other's."""
     gen = random.Random(seed)
     R, A = A.shape[1], A.tolist()
     facts = {r: [i for i in range(len(A)) if A[i][r] >= 0] for r in range(R)}
-    items = []
-    for a in range(R):
-        for b in range(R):
-            if a == b:
-                continue
-            sources = [i for i in facts[b] if A[i][a] >= 0]
-            gen.shuffle(sources)
-            taken = 0
-            for i in sources:
-                recipients = [j for j in facts[b] if A[j][b] != A[i][b]]
-                j = gen.choice(recipients) if recipients else None
-                randoms = [k for k in facts[b] if j is not None and A[k][b] not in (A[i][b], A[j][b])]
-                if randoms:
-                    items.append((a, b, i, j, gen.choice(randoms)))
-                    taken += 1
-                if taken == per_pair:
-                    break
+    items = pair_items(R, facts, lambda a, i: A[i][a] >= 0, lambda b, i: A[i][b], per_pair, gen)
     if not items:
         raise ValueError("no crosspatch item: every relation needs three subjects of different answers")
     return items
