@@ -274,9 +274,7 @@ def shared_prefix_logits(lm, template: str | Sequence[str], subjects: Sequence[s
     for start in range(0, len(ids), batch_size):
         rows = torch.arange(start, min(start + batch_size, len(ids)))
         width = int(lengths[rows].max()) - shared
-        mine = copy.copy(cache)
-        mine.layers = [copy.copy(layer) for layer in cache.layers]
-        mine.batch_repeat_interleave(len(rows))
+        mine = _cache_rows(cache, torch.zeros(len(rows), dtype=torch.long, device=device))   # the prefix's row, repeated
         last = (lengths[rows] - 1 - shared)[:, None]
         positions = torch.arange(shared, shared + width).expand(len(rows), -1)
         o = capture(model, [out], ids[rows, shared:shared + width].to(device),
