@@ -201,10 +201,16 @@ def claim_test(claim: str, relation: str, layer: int | None, metric: dict | None
                     p=max(p_above(d, MIN_EFFECT[claim]) for d in against.values()),       # every null beaten
                     p_zero=max(p_above(d, 0.0) for d in against.values()))
     if comparison and _compact(comparison[1]):
-        diff = difference(metric, comparison[1], comparison[2] if len(comparison) > 2 else None)
-        test["comparison"] = {"name": comparison[0], "metric": _compact(comparison[1]), "difference": diff,
-                              "word": _word(diff)}
+        test["comparison"] = compared(comparison[0], comparison[1], metric,
+                                      comparison[2] if len(comparison) > 2 else None)
     return test
+
+
+def compared(name: str, other: dict, measured: dict, paired: dict | None = None) -> dict:
+    """A comparison set beside a test: ``other`` (named ``name``) against the ``measured`` metric, the difference
+    measured - other (``paired`` where the report has it, else MOVER: :func:`difference`) and its word."""
+    diff = difference(measured, other, paired)
+    return {"name": name, "metric": _compact(other), "difference": diff, "word": _word(diff)}
 
 
 def _grade(test: dict) -> str:
@@ -640,9 +646,7 @@ def _selector_tests(report: dict) -> tuple[list[dict], str]:
                       kept if calibrated else _broken(kept))
     test = selector_test(as_json, None if effect and seeds else comparison)
     if test and effect and seeds and _compact(comparison[1]):     # the effect's comparison: its difference
-        diff = difference(effect, comparison[1])
-        test["comparison"] = {"name": comparison[0], "metric": _compact(comparison[1]), "measured": _compact(effect),
-                              "difference": diff, "word": _word(diff)}
+        test["comparison"] = {**compared(*comparison, effect), "measured": _compact(effect)}
     seed_words(test, seeds, effect if effect and seeds else None)
     if source.model.d_model == model_of(report).d_model:         # the control at the model's width
         _add_comparison_note(test, short_of_curve(report))
