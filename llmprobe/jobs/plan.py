@@ -530,18 +530,17 @@ def matched_width_steps(mode: str, d: int, d_model: int, n_seeds: int = 3, past_
     return float(curve[-1][1])
 
 
-def matched_width_seconds(d: int, *, mode: str, d_model: int, n_facts: int, n_subjects: int, n_seeds: int = 3,
-                          device: str = "cpu", cpu_scale: float = 1.0, max_steps: int | None = None,
-                          past_fit: int | None = None, facts: str = "all") -> float:
+def matched_width_seconds(d: int, *, mode: str, d_model: int, n_facts: int, n_subjects: int, max_steps: int,
+                          past_fit: int, n_seeds: int = 3, device: str = "cpu", cpu_scale: float = 1.0,
+                          facts: str = "all") -> float:
     """The plan's seconds of one point of ``mode``'s curve at width ``d`` on a table of ``n_facts`` facts over
     ``n_subjects`` subjects (``facts``: which table, for its d*): :func:`matched_width_steps` steps under the rule
-    (``past_fit``, ``max_steps``; None: adam's) at :func:`matched_step_flops` each (this CPU:
-    the matched_step fit times ``cpu_scale``; "h200": :func:`h200_matched_step`), and its measurement (the
+    (``past_fit``, ``max_steps``: :func:`matched_planned` resolves the recipe's) at :func:`matched_step_flops` each
+    (this CPU: the matched_step fit times ``cpu_scale``; "h200": :func:`h200_matched_step`), and its measurement (the
     matched_measure fit), as :func:`predict` prices each point. Module-level, so a ``functools.partial`` of it
     reaches the controls' spawned worker."""
     fits = scaled_fits(CPU_FITS, cpu_scale) if device == "cpu" else CPU_FITS
-    steps = matched_width_steps(mode, d, d_model, n_seeds, PAST_FIT if past_fit is None else past_fit,
-                                MAX_STEPS if max_steps is None else max_steps, facts)
+    steps = matched_width_steps(mode, d, d_model, n_seeds, past_fit, max_steps, facts)
     flops = matched_step_flops(d, n_facts, fits)
     step = fits["matched_step"]["a"] * flops + fits["matched_step"]["b"] if device == "cpu" else h200_matched_step(flops)
     return steps * step + fits["matched_measure"]["a"] * float(n_subjects) ** 2 * d + fits["matched_measure"]["b"]
